@@ -1,0 +1,325 @@
+"""Typed configuration: every option, its default and its rule live here (SPEC §8).
+
+``CorrectionConfig`` says how the rollout–training mismatch is measured and corrected;
+``LossConfig`` says which policy loss consumes it. Both load from a dict, a YAML file or a
+preset name, reject unknown keys (with a "did you mean" hint) and reject invalid combinations
+with one message that names the field, the value and the fix.
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Annotated, Any, Literal, Union
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """An invalid configuration; the message names the path, the value and the fix."""
+
+
+def _format_validation_error(model: str, err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        path = ".".join(str(p) for p in (model, *e["loc"]))
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden":
+            msg = f"unknown key {e['loc'][-1]!r}"
+        elif e["type"] in ("literal_error", "union_tag_invalid"):
+            msg = f"{msg} (got {e.get('input')!r})"
+        lines.append(f"{path}: {msg}")
+    return "\n".join(lines)
+
+
+class _Strict(BaseModel):
+    """Base: frozen, unknown keys rejected with the allowed keys and a close match."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _reject_unknown_keys(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            allowed = list(cls.model_fields)
+            unknown = [k for k in data if k not in allowed]
+            if unknown:
+                hints = []
+                for key in unknown:
+                    close = difflib.get_close_matches(str(key), allowed, n=1)
+                    hints.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+                raise ValueError(f"unknown key {', '.join(hints)}; allowed keys: {', '.join(allowed)}")
+        return data
+
+    def __init__(self, **data: Any) -> None:
+        try:
+            super().__init__(**data)
+        except ValidationError as err:
+            raise ConfigError(_format_validation_error(type(self).__name__, err)) from None
+
+
+def _check_band(low: float | None, high: float | None, what: str) -> None:
+    if low is not None and high is not None and low > high:
+        raise ValueError(f"{what}: low={low} is above high={high}; swap them")
+
+
+# --------------------------------------------------------------------------- weighting (§3)
+class WeightConfig(_Strict):
+    """Soft correction w multiplying the per-token loss (SPEC §3).
+
+    token:     w_t = f(ρ_t)
+    sequence:  w   = f(Π_t ρ_t)               (broadcast to the row)
+    geometric: w   = f(exp(mean_t log ρ_t))   (broadcast to the row)
+    truncate:  f(ρ) = clamp(ρ, low, high)     (TIS; a None bound is open)
+    mask:      f(ρ) = ρ · 1[low ≤ ρ ≤ high]   (IcePop; the value is kept inside the band)
+    """
+
+    level: Literal["token", "sequence", "geometric"] = Field(description="granularity of the ratio")
+    mode: Literal["truncate", "mask"] = Field(description="truncate (TIS) or mask (IcePop)")
+    low: float | None = Field(None, ge=0, description="lower bound on the ratio; None = open")
+    high: float | None = Field(None, gt=0, description="upper bound on the ratio; None = open")
+    normalize: bool = Field(False, description="divide by the batch mean weight (across DP ranks)")
+
+    @model_validator(mode="after")
+    def _band_is_ordered(self) -> WeightConfig:
+        _check_band(self.low, self.high, "weight")
+        if self.mode == "mask" and self.low is None and self.high is None:
+            raise ValueError(
+                "weight: mode 'mask' needs a band (low and/or high); for the raw ratio use "
+                "mode 'truncate' with no bounds"
+            )
+        return self
+
+
+# --------------------------------------------------------------------------- rejection (§4)
+class RatioRule(_Strict):
+    """Drop tokens/rows whose ratio leaves [low, high] (IcePop-as-mask, Seq-MIS, Geo-RS, veto)."""
+
+    stat: Literal["ratio"]
+    level: Literal["token", "sequence", "geometric", "any_token"]
+    low: float | None = Field(None, ge=0)
+    high: float | None = Field(None, gt=0)
+
+    @model_validator(mode="after")
+    def _has_a_band(self) -> RatioRule:
+        if self.low is None and self.high is None:
+            raise ValueError("reject rule 'ratio' needs low and/or high")
+        _check_band(self.low, self.high, "reject rule 'ratio'")
+        return self
+
+
+class DivergenceRule(_Strict):
+    """Bound a KL-estimator statistic (verl ``rollout_rs``): k1 = −log ρ, k2 = ½(log ρ)², k3 = ρ−1−log ρ.
+
+    A row-level statistic is the sum / mean / max of the per-token values over valid tokens.
+    k1 takes a band; k2 and k3 are ≥ 0 and take only an upper bound; seq_max is undefined for k1.
+    """
+
+    stat: Literal["k1", "k2", "k3"]
+    level: Literal["token", "seq_sum", "seq_mean", "seq_max"]
+    low: float | None = None
+    high: float | None = None
+
+    @model_validator(mode="after")
+    def _bounds_fit_the_statistic(self) -> DivergenceRule:
+        if self.stat == "k1":
+            if self.level == "seq_max":
+                raise ValueError("reject rule 'k1': level 'seq_max' is not defined for k1 (it is signed); use seq_sum or seq_mean")
+            if self.low is None and self.high is None:
+                raise ValueError("reject rule 'k1' needs low and/or high")
+            _check_band(self.low, self.high, "reject rule 'k1'")
+        else:
+            if self.low is not None:
+                raise ValueError(
+                    f"reject rule '{self.stat}' takes only an upper bound ({self.stat} ≥ 0); got low={self.low}. Remove low"
+                )
+            if self.high is None or self.high < 0:
+                raise ValueError(f"reject rule '{self.stat}' needs high ≥ 0; got high={self.high}")
+        return self
+
+
+class OPSMRule(_Strict):
+    """DeepSeek-V3.2 off-policy sequence mask: drop a row if mean_t A < 0 and
+    mean_t(log μ − sg(log π_θ)) > delta."""
+
+    stat: Literal["opsm"]
+    level: Literal["sequence"] = "sequence"
+    delta: float = Field(description="threshold on the row's mean log μ − log π_θ")
+
+
+class BinaryKLRule(_Strict):
+    """OpenRLHF 0.11 gating: with p = clamp(e^{log μ}, 1e-6, 1−1e-6), q likewise from π_old,
+    bkl_t = p log(p/q) + (1−p) log((1−p)/(1−q)); drop a row unless mean_t bkl ≤ high."""
+
+    stat: Literal["binary_kl"]
+    level: Literal["seq_mean"] = "seq_mean"
+    high: float = Field(ge=0)
+
+
+RejectRule = Annotated[Union[RatioRule, DivergenceRule, OPSMRule, BinaryKLRule], Field(discriminator="stat")]
+
+
+def rule_name(index: int, rule: RatioRule | DivergenceRule | OPSMRule | BinaryKLRule) -> str:
+    """Stable metric namespace of a rule, e.g. ``0_ratio_token``."""
+    return f"{index}_{rule.stat}_{rule.level}"
+
+
+# --------------------------------------------------------------------------- correction
+class CorrectionConfig(_Strict):
+    """How the mismatch between the sampler μ and the trainer is corrected (SPEC §2–§6).
+
+    Order of application (fixed): sanitize → rejection rules in listed order → weights on the
+    surviving mask → normalize.
+    """
+
+    anchor: Literal["old", "rollout", "current"] = Field(
+        "old",
+        description="old: log ρ = log π_old − log μ (decoupled); rollout: bypass, PPO's ratio is π_θ/μ; "
+        "current: log ρ = sg(log π_θ) − log μ",
+    )
+    weight: WeightConfig | None = Field(None, description="soft correction; None = no weighting")
+    reject: list[RejectRule] = Field(default_factory=list, description="hard rules, all must pass")
+    reject_mode: Literal["independent", "sequential"] = Field(
+        "independent", description="independent: each rule sees the incoming mask (verl); sequential: the mask left by earlier rules (SkyRL)"
+    )
+    denominator: Literal["fixed", "renormalize"] = Field(
+        "renormalize", description="fixed: original valid-token count; renormalize: surviving count"
+    )
+    log_clamp: float | None = Field(20.0, gt=0, description="clamp log ρ to [−L, L] before exp; None = fp32 range only")
+    nonfinite: Literal["error", "mask_token", "mask_sequence", "neutral"] = Field(
+        "error", description="what to do with NaN/inf log-probs on valid tokens"
+    )
+    kl_is_weight: bool = Field(False, description="multiply the KL term by the same detached weights")
+
+    @model_validator(mode="after")
+    def _bypass_has_no_weight(self) -> CorrectionConfig:
+        if self.anchor == "rollout" and self.weight is not None:
+            raise ValueError(
+                "anchor 'rollout' (bypass) makes PPO's own ratio π_θ/μ, so a separate IS weight would "
+                "count the mismatch twice. Remove `weight`, or use anchor 'current' with kind reinforce/cispo"
+            )
+        if self.kl_is_weight and self.weight is None:
+            raise ValueError("kl_is_weight: true needs a `weight` to apply to the KL term")
+        return self
+
+    # ---- loading
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> CorrectionConfig:
+        if not isinstance(data, dict):
+            raise ConfigError(f"CorrectionConfig: expected a mapping, got {type(data).__name__}")
+        return cls(**data)
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> CorrectionConfig:
+        """Load from a YAML file holding the fields (or a ``correction:`` section)."""
+        data = _read_yaml(path)
+        return cls.from_dict(data.get("correction", data))
+
+    @classmethod
+    def from_preset(cls, name: str) -> CorrectionConfig:
+        """The correction of a preset, e.g. ``verl:decoupled_token_is`` (see ``offpolicy.presets``)."""
+        from offpolicy import presets
+
+        return presets.get(name).correction_config()
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(exclude_defaults=True)
+
+
+# --------------------------------------------------------------------------- loss
+_CLIP_DEFAULTS: dict[str, tuple[float | None, float | None]] = {
+    "ppo": (0.2, 0.2),
+    "gspo": (3e-4, 4e-4),
+    "cispo": (None, 0.2),  # ε_low off: MiniMax-M1 bounds the IS weight only from above
+    "sapo": (None, None),
+    "reinforce": (None, None),
+}
+
+
+class LossConfig(_Strict):
+    """The policy loss and its aggregation (SPEC §5). Clip defaults depend on ``kind``:
+    ppo 0.2/0.2, gspo 3e-4/4e-4, cispo none/0.2; sapo and reinforce take no clip."""
+
+    kind: Literal["ppo", "gspo", "cispo", "sapo", "reinforce"] = "ppo"
+    clip_low: float | None = Field(None, ge=0, description="ε_low: lower clip 1 − ε_low; None = open")
+    clip_high: float | None = Field(None, ge=0, description="ε_high: upper clip 1 + ε_high; None = open")
+    dual_clip: float | None = Field(None, gt=1, description="PPO dual clip c > 1 for A < 0")
+    agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = "token-mean"
+    max_len: int | None = Field(None, gt=0, description="seq-mean-token-sum-norm divisor; None = T")
+    global_tokens: float | None = Field(None, gt=0, description="token count over all micro-batches and ranks")
+    global_seqs: float | None = Field(None, gt=0, description="sequence count over all micro-batches and ranks")
+    correction: CorrectionConfig | None = None
+    sapo_tau_pos: float = Field(1.0, gt=0)
+    sapo_tau_neg: float = Field(1.05, gt=0)
+    kl_coef: float = Field(0.0, ge=0, description="β of the KL-to-reference term; 0 = off")
+    kl_kind: Literal["k1", "k2", "k3", "k1+", "k2+", "k3+"] = Field("k3+", description="KL estimator (SPEC §5)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _clip_defaults_follow_kind(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            kind = data.get("kind", "ppo")
+            if kind in _CLIP_DEFAULTS:
+                low, high = _CLIP_DEFAULTS[kind]
+                if kind in ("sapo", "reinforce"):
+                    for key in ("clip_low", "clip_high"):
+                        if data.get(key) is not None:
+                            raise ValueError(f"kind '{kind}' has no clip; remove {key}")
+                data = {"clip_low": low, "clip_high": high, **data}
+        return data
+
+    @model_validator(mode="after")
+    def _options_fit_kind(self) -> LossConfig:
+        if self.dual_clip is not None and self.kind != "ppo":
+            raise ValueError(f"dual_clip applies to kind 'ppo' only; got kind '{self.kind}'")
+        if self.max_len is not None and self.agg != "seq-mean-token-sum-norm":
+            raise ValueError(f"max_len is used only by agg 'seq-mean-token-sum-norm'; got agg '{self.agg}'")
+        if self.global_seqs is not None and self.agg == "token-mean":
+            raise ValueError("global_seqs normalises sequence aggregations; with agg 'token-mean' use global_tokens")
+        if self.global_tokens is not None and self.agg != "token-mean":
+            raise ValueError(f"global_tokens normalises agg 'token-mean'; with agg '{self.agg}' use global_seqs")
+        corr = self.correction
+        if corr is not None and corr.anchor == "current" and self.kind not in ("reinforce", "cispo"):
+            raise ValueError(
+                f"anchor 'current' weights by sg(π_θ)/μ, which already corrects staleness; with kind "
+                f"'{self.kind}' the π_θ/π_old ratio would correct it twice. Use kind reinforce or cispo"
+            )
+        if corr is not None and corr.kl_is_weight and self.kl_coef == 0:
+            raise ValueError("correction.kl_is_weight is set but kl_coef is 0: there is no KL term to weight")
+        return self
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> LossConfig:
+        if not isinstance(data, dict):
+            raise ConfigError(f"LossConfig: expected a mapping, got {type(data).__name__}")
+        return cls(**data)
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> LossConfig:
+        """Load from a YAML file holding the fields (or a ``loss:`` section)."""
+        data = _read_yaml(path)
+        return cls.from_dict(data.get("loss", data))
+
+    @classmethod
+    def from_preset(cls, name: str, **overrides: Any) -> LossConfig:
+        """The loss settings documented with a preset, its correction included."""
+        from offpolicy import presets
+
+        return presets.get(name).loss_config(**overrides)
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(exclude_defaults=True)
+
+
+def _read_yaml(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: not valid YAML: {err}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping at the top level, got {type(data).__name__}")
+    return data

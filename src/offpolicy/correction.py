@@ -1,0 +1,460 @@
+"""Measure and correct the rollout–training mismatch (SPEC §2–§4, §6, §7).
+
+``correct`` runs four stages in a fixed order, each a small function below:
+
+1. ``sanitize``  — validate inputs; non-finite values on valid tokens follow ``nonfinite``.
+2. ``reject_*``  — hard rules remove tokens or rows from the loss mask (``reject_mode``).
+3. ``weights``   — soft IS weights on the surviving mask (``weight``).
+4. ``normalize`` — optional division by the batch mean weight (across DP ranks).
+
+The log-ratio compares the trainer with the sampler μ; ``anchor`` picks the trainer side:
+    old:     log ρ_t = log π_old(y_t) − log μ(y_t)
+    rollout: log ρ_t = sg(log π_θ(y_t)) − log μ(y_t)   (bypass: only rejection uses it)
+    current: log ρ_t = sg(log π_θ(y_t)) − log μ(y_t)   (one weight for mismatch + staleness)
+and is clamped to [−L, L] (``log_clamp``) before any ``exp``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from offpolicy import ops
+from offpolicy.config import (
+    BinaryKLRule,
+    CorrectionConfig,
+    DivergenceRule,
+    OPSMRule,
+    RatioRule,
+    WeightConfig,
+    rule_name,
+)
+from offpolicy.metrics import Metrics
+
+_MAX_LOGPROB = 1e-6
+
+
+@dataclass(frozen=True)
+class Correction:
+    """Result of ``correct``.
+
+    Attributes:
+        weights:    [B, T] fp32, detached; 0 wherever ``mask`` is 0.
+        mask:       [B, T] fp32 0/1 loss mask after sanitising and rejection.
+        metrics:    mismatch, weight and rejection metrics (SPEC §7).
+        log_ratio:  [B, T] fp32 clamped log ρ_t; 0 on invalid tokens.
+        valid_mask: [B, T] fp32 0/1 mask after sanitising, before rejection
+                    (the denominator of ``denominator: fixed``).
+    """
+
+    weights: torch.Tensor
+    mask: torch.Tensor
+    metrics: Metrics
+    log_ratio: torch.Tensor
+    valid_mask: torch.Tensor
+
+
+# =========================================================================== 1. sanitize
+def _as_bool_mask(mask: torch.Tensor) -> torch.Tensor:
+    if mask.dtype == torch.bool:
+        return mask
+    if not mask.is_complex():
+        bad = (mask != 0) & (mask != 1)
+        if bool(bad.any()):
+            raise ValueError(
+                f"mask must be 0/1 (1 = token counts); found {int(bad.sum())} other value(s), "
+                f"e.g. {mask[bad][0].item()!r}"
+            )
+        return mask != 0
+    raise ValueError(f"mask must be bool or 0/1 numbers, got dtype {mask.dtype}")
+
+
+def _first_positions(bad: torch.Tensor, k: int = 3) -> str:
+    return ", ".join(str(tuple(p)) for p in bad.nonzero()[:k].tolist())
+
+
+def validate_inputs(mask: torch.Tensor, **tensors: torch.Tensor | None) -> torch.Tensor:
+    """Check shapes, dtypes and the mask; return the mask as bool ``[B, T]``.
+
+    Raises:
+        ValueError: naming the tensor, its shape and the count of offending entries —
+            shapes differ from the mask's, a non-float tensor, a non-0/1 mask, no valid
+            token, or a finite log-prob > 1e-6 on a valid token (a bug upstream).
+    """
+    if mask.dim() != 2:
+        raise ValueError(f"mask must be [B, T]; got shape {tuple(mask.shape)}")
+    valid = _as_bool_mask(mask)
+    for name, tensor in tensors.items():
+        if tensor is None:
+            continue
+        if tensor.shape != mask.shape:
+            raise ValueError(f"{name} has shape {tuple(tensor.shape)} but mask has {tuple(mask.shape)}; they must match")
+        if not tensor.is_floating_point():
+            raise ValueError(f"{name} must be a float tensor; got dtype {tensor.dtype}")
+        if name.endswith("logprobs"):
+            positive = valid & torch.isfinite(tensor) & (tensor > _MAX_LOGPROB)
+            if bool(positive.any()):
+                raise ValueError(
+                    f"{name} has {int(positive.sum())} positive log-prob(s) on valid tokens (max "
+                    f"{tensor[positive].max().item():.4g}, first at {_first_positions(positive)}): a log-prob "
+                    "is ≤ 0, so the upstream gather or sign is wrong"
+                )
+    if not bool(valid.any()):
+        raise ValueError(f"mask {tuple(mask.shape)} has no valid token: nothing to train on")
+    return valid
+
+
+@dataclass(frozen=True)
+class Sanitized:
+    valid: torch.Tensor  # [B, T] bool, tokens that count after the nonfinite policy
+    neutral: torch.Tensor  # [B, T] bool, tokens kept with ρ := 1 (nonfinite: neutral)
+    count: torch.Tensor  # number of valid tokens that held a non-finite value
+
+
+def sanitize(
+    valid: torch.Tensor,
+    policy: str,
+    ratio_inputs: dict[str, torch.Tensor | None],
+    loss_inputs: dict[str, torch.Tensor | None],
+) -> Sanitized:
+    """Apply the ``nonfinite`` policy (SPEC §6) to the valid tokens.
+
+    ``ratio_inputs`` feed log ρ only; under ``neutral`` their bad tokens get ρ = 1 and stay.
+    ``loss_inputs`` (π_θ, advantages) have no neutral value, so under ``neutral`` their bad
+    tokens are masked like ``mask_token``.
+
+    Raises:
+        ValueError: under ``error``, naming the tensor, the count and the first positions.
+    """
+    bad = {"ratio": torch.zeros_like(valid), "loss": torch.zeros_like(valid)}
+    for group, tensors in (("ratio", ratio_inputs), ("loss", loss_inputs)):
+        for name, tensor in tensors.items():
+            if tensor is None:
+                continue
+            bad_here = valid & ~torch.isfinite(tensor)
+            if policy == "error" and bool(bad_here.any()):
+                raise ValueError(
+                    f"{name} has {int(bad_here.sum())} non-finite value(s) on valid tokens, first at "
+                    f"{_first_positions(bad_here)}; fix the source or set correction.nonfinite to "
+                    "mask_token, mask_sequence or neutral"
+                )
+            bad[group] |= bad_here
+    bad_any = bad["ratio"] | bad["loss"]
+    neutral = torch.zeros_like(valid)
+    if policy == "mask_sequence":
+        valid = valid & ~bad_any.any(dim=-1, keepdim=True)
+    elif policy == "neutral":
+        valid = valid & ~bad["loss"]
+        neutral = bad["ratio"] & valid
+    else:  # mask_token (or error, with nothing bad)
+        valid = valid & ~bad_any
+    count = bad_any.sum()
+    return Sanitized(valid=valid, neutral=neutral, count=count)
+
+
+# =========================================================================== log-ratio
+def trainer_side(
+    anchor: str, old_logprobs: torch.Tensor | None, logprobs: torch.Tensor | None
+) -> tuple[str, torch.Tensor]:
+    """(name, tensor) of the trainer log-probs compared with μ under ``anchor``."""
+    if anchor == "old":
+        if old_logprobs is None:
+            raise ValueError("anchor 'old' needs old_logprobs (the trainer's recompute with the sampling weights)")
+        return "old_logprobs", old_logprobs
+    if logprobs is not None:
+        return "logprobs", logprobs.detach()
+    if anchor == "rollout" and old_logprobs is not None:
+        return "old_logprobs", old_logprobs
+    raise ValueError(f"anchor '{anchor}' compares sg(log π_θ) with μ: pass logprobs=")
+
+
+# =========================================================================== 2. rejection
+@dataclass(frozen=True)
+class _Batch:
+    """What a rejection rule may read, fp32 ``[B, T]`` with 0 on invalid tokens."""
+
+    log_ratio: torch.Tensor  # clamped log ρ_t
+    trainer: torch.Tensor  # log π_train (anchor's side)
+    rollout: torch.Tensor  # log μ
+    current: torch.Tensor | None  # sg(log π_θ)
+    advantages: torch.Tensor | None
+    clamp: float
+
+
+def _row_stat(per_token: torch.Tensor, mask: torch.Tensor, how: str) -> torch.Tensor:
+    if how == "seq_sum":
+        return ops.masked_sum(per_token, mask, dim=-1)
+    if how == "seq_mean":
+        return ops.masked_mean(per_token, mask, dim=-1)
+    return ops.masked_max(per_token, mask, dim=-1)  # seq_max
+
+
+def reject_ratio(rule: RatioRule, b: _Batch, mask: torch.Tensor) -> torch.Tensor:
+    """Keep-mask of a ratio rule: token keeps low ≤ ρ_t ≤ high; sequence keeps low ≤ Π ρ_t ≤ high;
+    geometric keeps low ≤ exp(mean log ρ_t) ≤ high; any_token drops a row if any ρ_t leaves the band."""
+    if rule.level == "token":
+        return ops.in_band(ops.safe_exp(b.log_ratio, b.clamp), rule.low, rule.high)
+    if rule.level == "any_token":
+        outside = mask & ~ops.in_band(ops.safe_exp(b.log_ratio, b.clamp), rule.low, rule.high)
+        return ops.broadcast_rows(~outside.any(dim=-1), mask)
+    row = ops.row_log_ratio(b.log_ratio, mask, geometric=rule.level == "geometric")  # [B]
+    return ops.broadcast_rows(ops.in_band(ops.safe_exp(row, b.clamp), rule.low, rule.high), mask)
+
+
+def reject_divergence(rule: DivergenceRule, b: _Batch, mask: torch.Tensor) -> torch.Tensor:
+    """Keep-mask of a k1/k2/k3 rule: k1 = −log ρ, k2 = ½(log ρ)², k3 = ρ − 1 − log ρ, per token or
+    summed / averaged / maxed over the row's valid tokens, kept inside [low, high]."""
+    x = b.log_ratio
+    if rule.stat == "k1":
+        per_token = -x
+    elif rule.stat == "k2":
+        per_token = 0.5 * x * x
+    else:
+        per_token = ops.safe_exp(x, b.clamp) - 1.0 - x
+    if rule.level == "token":
+        return ops.in_band(per_token, rule.low, rule.high)
+    return ops.broadcast_rows(ops.in_band(_row_stat(per_token, mask, rule.level), rule.low, rule.high), mask)
+
+
+def reject_opsm(rule: OPSMRule, b: _Batch, mask: torch.Tensor) -> torch.Tensor:
+    """DeepSeek-V3.2 OPSM: drop a row if mean_t A < 0 and mean_t(log μ − sg(log π_θ)) > δ."""
+    if b.current is None or b.advantages is None:
+        raise ValueError("reject rule 'opsm' needs logprobs= (π_θ) and advantages= passed to correct()")
+    negative = ops.masked_mean(b.advantages, mask, dim=-1) < 0
+    drifted = ops.masked_mean(b.rollout - b.current, mask, dim=-1) > rule.delta
+    return ops.broadcast_rows(~(negative & drifted), mask)
+
+
+def reject_binary_kl(rule: BinaryKLRule, b: _Batch, mask: torch.Tensor) -> torch.Tensor:
+    """OpenRLHF 0.11: keep a row if mean_t [p log(p/q) + (1−p) log((1−p)/(1−q))] ≤ high,
+    p = clamp(μ(y_t), 1e-6, 1−1e-6), q = clamp(π_old(y_t), 1e-6, 1−1e-6)."""
+    eps = 1e-6
+    p = torch.exp(b.rollout).clamp(eps, 1 - eps)
+    q = torch.exp(b.trainer).clamp(eps, 1 - eps)
+    bkl = p * torch.log(p / q) + (1 - p) * torch.log((1 - p) / (1 - q))
+    return ops.broadcast_rows(ops.masked_mean(bkl, mask, dim=-1) <= rule.high, mask)
+
+
+_RULES = {
+    RatioRule: reject_ratio,
+    DivergenceRule: reject_divergence,
+    OPSMRule: reject_opsm,
+    BinaryKLRule: reject_binary_kl,
+}
+
+
+def apply_rejection(cfg: CorrectionConfig, b: _Batch, valid: torch.Tensor, input_mask: torch.Tensor, metrics: Metrics) -> torch.Tensor:
+    """Apply ``cfg.reject`` in order; return the surviving mask.
+
+    independent: every rule is evaluated on ``valid``; results are ANDed (verl).
+    sequential:  each rule sees the mask left by the rules before it (SkyRL).
+    Per rule, ``reject/<i>_<stat>_<level>/masked_fraction`` is the fraction of input tokens it
+    removed and ``.../masked_fraction_seq`` the fraction of non-empty input rows it touched.
+    """
+    n_tokens = input_mask.sum()
+    n_rows = input_mask.any(dim=-1).sum()
+    current = valid
+    for i, rule in enumerate(cfg.reject):
+        seen = current if cfg.reject_mode == "sequential" else valid
+        keep = _RULES[type(rule)](rule, b, seen) & seen
+        removed = seen & ~keep
+        name = f"reject/{rule_name(i, rule)}"
+        metrics.ratio(f"{name}/masked_fraction", removed.sum(), n_tokens)
+        metrics.ratio(f"{name}/masked_fraction_seq", removed.any(dim=-1).sum(), n_rows)
+        current = current & keep
+    return current
+
+
+# =========================================================================== 3–4. weights
+def _weight_fn(w: WeightConfig, ratio: torch.Tensor) -> torch.Tensor:
+    """truncate: clamp(ρ, low, high); mask: ρ · 1[low ≤ ρ ≤ high]."""
+    if w.mode == "truncate":
+        if w.low is None and w.high is None:
+            return ratio  # the raw ratio (openrlhf:seq-mask-tis)
+        return ratio.clamp(min=w.low, max=w.high)
+    return ratio * ops.in_band(ratio, w.low, w.high)
+
+
+def compute_weights(
+    w: WeightConfig, log_ratio: torch.Tensor, mask: torch.Tensor, clamp: float, metrics: Metrics
+) -> torch.Tensor:
+    """IS weights ``[B, T]`` on ``mask`` (SPEC §3), detached, 0 off the mask.
+
+    token: w_t = f(ρ_t); sequence: f(exp(clamp(Σ_t log ρ_t))); geometric: f(exp(clamp(mean_t log ρ_t))).
+    Records the raw ratio's ``fraction_above_high`` / ``fraction_below_low`` over tokens (token
+    level) or non-empty rows (sequence levels).
+    """
+    if w.level == "token":
+        ratio = ops.safe_exp(log_ratio, clamp)  # [B, T]
+        unit_mask = mask
+        weights = _weight_fn(w, ratio)
+    else:
+        row = ops.row_log_ratio(log_ratio, mask, geometric=w.level == "geometric")  # [B]
+        ratio = ops.safe_exp(row, clamp)  # [B]
+        unit_mask = mask.any(dim=-1)
+        weights = ops.broadcast_rows(_weight_fn(w, ratio), mask)
+    metrics.mean("fraction_above_high", ratio > w.high if w.high is not None else torch.zeros_like(unit_mask), unit_mask)
+    metrics.mean("fraction_below_low", ratio < w.low if w.low is not None else torch.zeros_like(unit_mask), unit_mask)
+    return torch.where(mask, weights, torch.zeros((), device=weights.device)).detach()
+
+
+def normalize_weights(weights: torch.Tensor, mask: torch.Tensor, level: str) -> torch.Tensor:
+    """Divide by the batch mean weight, over all data-parallel ranks when torch.distributed is up.
+
+    token level: mean over valid tokens; sequence levels: mean over non-empty rows of each row's
+    weight. Skipped when that mean is ≤ 1e-8 (all weights ~0: dividing would explode).
+    """
+    if level == "token":
+        stats = torch.stack([ops.masked_sum(weights, mask), mask.sum().to(weights.dtype)])
+    else:
+        rows = mask.any(dim=-1)
+        row_weight = ops.masked_mean(weights, mask, dim=-1)
+        stats = torch.stack([ops.masked_sum(row_weight, rows), rows.sum().to(weights.dtype)])
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        # every rank must divide by the same mean, or DP gradients would be scaled per rank
+        dist.all_reduce(stats, op=dist.ReduceOp.SUM)
+    mean = stats[0] / stats[1].clamp(min=1)
+    if float(mean) <= 1e-8:
+        return weights
+    return weights / mean
+
+
+# =========================================================================== metrics (§7)
+def mismatch_metrics(
+    metrics: Metrics, trainer: torch.Tensor, rollout: torch.Tensor, log_ratio: torch.Tensor, valid: torch.Tensor, clamp: float
+) -> None:
+    """Mismatch between π_train and μ on the valid tokens, before rejection.
+
+    kl_k1 = mean(log μ − log π_train); kl_k3 = mean(ρ − 1 − log ρ); chi2_token = mean(ρ²) − 1;
+    chi2_seq = mean_rows(Π ρ_t²) − 1; ppl_* = mean_rows exp(−mean_t log p); log_ppl_diff =
+    mean_rows(mean_t log μ − mean_t log π_train); ppl_ratio = mean_rows(ppl_train / ppl_rollout);
+    abs_logp_diff = |log ρ|; prob_diff = |π_train − μ|; ess = (mean ρ)² / mean(ρ²).
+    """
+    ratio = ops.safe_exp(log_ratio, clamp)
+    rows = valid.any(dim=-1)
+    metrics.mean("kl_k1", -log_ratio, valid)
+    metrics.mean("kl_k3", ratio - 1.0 - log_ratio, valid)
+    metrics.mean("chi2_token", ratio.double() ** 2 - 1.0, valid)
+    seq_log = ops.row_log_ratio(log_ratio, valid, geometric=False).double().clamp(-clamp, clamp)
+    metrics.mean("chi2_seq", torch.exp(2.0 * seq_log) - 1.0, rows)
+    mean_train = ops.masked_mean(trainer, valid, dim=-1)  # [B]
+    mean_rollout = ops.masked_mean(rollout, valid, dim=-1)
+    metrics.mean("ppl_train", ops.safe_exp(-mean_train, None), rows)
+    metrics.mean("ppl_rollout", ops.safe_exp(-mean_rollout, None), rows)
+    metrics.mean("log_ppl_diff", mean_rollout - mean_train, rows)
+    metrics.mean("ppl_ratio", ops.safe_exp(mean_rollout - mean_train, None), rows)
+    abs_diff = log_ratio.abs()
+    metrics.mean("abs_logp_diff_mean", abs_diff, valid)
+    metrics.max("abs_logp_diff_max", abs_diff, valid)
+    prob_diff = (torch.exp(trainer) - torch.exp(rollout)).abs()
+    metrics.mean("prob_diff_mean", prob_diff, valid)
+    metrics.max("prob_diff_max", prob_diff, valid)
+    metrics.ess("ess", ratio, valid)
+
+
+def weight_metrics(metrics: Metrics, weights: torch.Tensor, mask: torch.Tensor) -> None:
+    """is_mean/std/min/max and is_ess of the applied weights over the loss mask (never padding)."""
+    metrics.mean("is_mean", weights, mask)
+    metrics.std("is_std", weights, mask)
+    metrics.min("is_min", weights, mask)
+    metrics.max("is_max", weights, mask)
+    metrics.ess("is_ess", weights, mask)
+
+
+# =========================================================================== correct
+def as_correction_config(config: CorrectionConfig | dict[str, Any] | str | None) -> CorrectionConfig:
+    """Accept a config, a dict of its fields, a preset name, or None (measure only)."""
+    if config is None:
+        return CorrectionConfig()
+    if isinstance(config, CorrectionConfig):
+        return config
+    if isinstance(config, str):
+        return CorrectionConfig.from_preset(config)
+    return CorrectionConfig.from_dict(config)
+
+
+def correct(
+    old_logprobs: torch.Tensor | None,
+    rollout_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    config: CorrectionConfig | dict[str, Any] | str | None = None,
+    logprobs: torch.Tensor | None = None,
+    advantages: torch.Tensor | None = None,
+) -> Correction:
+    """Measure the mismatch and compute IS weights and the loss mask (SPEC §2–§4, §6–§7).
+
+    Args:
+        old_logprobs:     [B, T] log π_old(y_t), no grad (may be None for anchors rollout/current).
+        rollout_logprobs: [B, T] log μ(y_t) reported by the inference engine.
+        mask:             [B, T] 1 for tokens that count (bool or 0/1).
+        config:           CorrectionConfig, its dict, a preset name, or None (measure only).
+        logprobs:         [B, T] log π_θ(y_t) of this forward (detached here); needed by
+                          anchors rollout/current and by the opsm rule.
+        advantages:       [B, T] A_t; needed by the opsm rule.
+
+    Returns:
+        Correction(weights, mask, metrics, log_ratio, valid_mask). Under anchor 'rollout' the
+        weights are the mask (PPO's ratio carries the correction).
+
+    Raises:
+        ValueError: invalid inputs (shape, dtype, mask, positive log-probs, no valid token),
+            non-finite values under ``nonfinite: error``, or a missing tensor a rule needs.
+    """
+    cfg = as_correction_config(config)
+    input_mask = validate_inputs(
+        mask, old_logprobs=old_logprobs, rollout_logprobs=rollout_logprobs, logprobs=logprobs, advantages=advantages
+    )
+    trainer_name, trainer = trainer_side(cfg.anchor, old_logprobs, logprobs)
+    current = None if logprobs is None else logprobs.detach()
+    clean = sanitize(
+        input_mask,
+        cfg.nonfinite,
+        ratio_inputs={trainer_name: trainer, "rollout_logprobs": rollout_logprobs},
+        # π_θ, π_old (where it is not the ratio's side) and A feed the loss, which has no neutral value
+        loss_inputs={
+            "logprobs": current,
+            "old_logprobs": old_logprobs if cfg.anchor == "current" else None,
+            "advantages": advantages,
+        },
+    )
+    valid = clean.valid
+    zero = torch.zeros((), dtype=torch.float32, device=mask.device)
+    trainer = torch.where(valid & ~clean.neutral, trainer.float(), zero)
+    rollout = torch.where(valid & ~clean.neutral, rollout_logprobs.float(), zero)
+    clamp = ops.effective_log_clamp(cfg.log_clamp)
+    log_ratio = (trainer - rollout).clamp(-clamp, clamp)  # [B, T], 0 off valid and on neutral tokens
+
+    metrics = Metrics()
+    metrics.sum("nonfinite_tokens", clean.count)
+    metrics.sum("valid_tokens", valid.sum())
+    mismatch_metrics(metrics, trainer, rollout, log_ratio, valid, clamp)
+
+    batch = _Batch(
+        log_ratio=log_ratio,
+        trainer=trainer,
+        rollout=rollout,
+        current=None if current is None else torch.where(valid, current.float(), zero),
+        advantages=None if advantages is None else torch.where(valid, advantages.float(), zero),
+        clamp=clamp,
+    )
+    surviving = apply_rejection(cfg, batch, valid, input_mask, metrics)
+    metrics.ratio("masked_fraction", (input_mask & ~surviving).sum(), input_mask.sum())
+    metrics.ratio("masked_fraction_seq", (input_mask & ~surviving).any(dim=-1).sum(), input_mask.any(dim=-1).sum())
+
+    if cfg.weight is None or cfg.anchor == "rollout":
+        weights = surviving.float()
+    else:
+        weights = compute_weights(cfg.weight, log_ratio, surviving, clamp, metrics)
+        if cfg.weight.normalize:
+            weights = normalize_weights(weights, surviving, cfg.weight.level)
+    weight_metrics(metrics, weights, surviving)
+    return Correction(
+        weights=weights.detach(),
+        mask=surviving.float(),
+        metrics=metrics,
+        log_ratio=log_ratio,
+        valid_mask=valid.float(),
+    )

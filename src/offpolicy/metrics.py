@@ -1,0 +1,267 @@
+"""Metrics that know how they reduce.
+
+A metric is stored as *partial sums*, never as a finished float, so that combining
+micro-batches (``merge``) or data-parallel ranks (``all_reduce``) gives exactly the value of
+one big batch — including true minima and maxima. The finished value is computed only in
+``to_dict``. Each key has one reducer:
+
+=========  ===============================  =========================================
+reducer    stored                           value
+=========  ===============================  =========================================
+``mean``   [Σ x·m, Σ m]                     Σ x·m / Σ m   (token- or sequence-weighted)
+``sum``    [Σ x, n_contributions]           Σ x
+``min``    [min x, n]                       min x
+``max``    [max x, n]                       max x
+``std``    [Σ x, Σ x², n]                   sqrt(Σx²/n − (Σx/n)²)
+``ess``    [Σ w, Σ w², n]                   (Σw)² / (n · Σw²) = (mean w)² / mean(w²)
+=========  ===============================  =========================================
+
+A key with no contribution anywhere (n = 0 on every rank) reports NaN, never a silent 0.
+Partial sums are float64 tensors on the data's device; ``to_dict`` synchronises once.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import Literal
+
+import torch
+
+Reducer = Literal["mean", "sum", "min", "max", "std", "ess"]
+_WIDTH: dict[str, int] = {"mean": 2, "sum": 2, "min": 2, "max": 2, "std": 3, "ess": 3}
+_EMPTY_EXTREME: dict[str, float] = {"min": math.inf, "max": -math.inf}
+PREFIX = "offpolicy/"
+
+
+def _f64(x: torch.Tensor | float, device: torch.device | None = None) -> torch.Tensor:
+    if isinstance(x, torch.Tensor):
+        return x.detach().to(torch.float64).reshape(())
+    return torch.tensor(float(x), dtype=torch.float64, device=device)
+
+
+class Metrics:
+    """A dict-like bag of reducible metrics (SPEC §7). Keys are stored without the prefix."""
+
+    def __init__(self) -> None:
+        self._reducer: dict[str, str] = {}
+        self._parts: dict[str, torch.Tensor] = {}
+
+    # ------------------------------------------------------------------ recording
+    def _put(self, key: str, reducer: str, parts: torch.Tensor) -> None:
+        if key in self._reducer:
+            if self._reducer[key] != reducer:
+                raise ValueError(
+                    f"metric {key!r} was recorded with reducer {self._reducer[key]!r} and now "
+                    f"{reducer!r}; one key has one reducer"
+                )
+            self._parts[key] = _combine(reducer, self._parts[key], parts)
+        else:
+            self._reducer[key] = reducer
+            self._parts[key] = parts
+
+    def mean(self, key: str, values: torch.Tensor, mask: torch.Tensor | None = None) -> None:
+        """Record the mean of ``values`` over ``mask`` (all elements if ``mask`` is None)."""
+        values = values.detach().to(torch.float64)
+        if mask is None:
+            mask = torch.ones_like(values, dtype=torch.bool)
+        total = torch.where(mask, values, torch.zeros((), dtype=values.dtype, device=values.device)).sum()
+        self._put(key, "mean", torch.stack([total, mask.sum().to(torch.float64)]))
+
+    def ratio(self, key: str, numerator: torch.Tensor | float, denominator: torch.Tensor | float) -> None:
+        """Record a mean given as already-summed numerator and denominator."""
+        device = numerator.device if isinstance(numerator, torch.Tensor) else None
+        self._put(key, "mean", torch.stack([_f64(numerator, device), _f64(denominator, device)]))
+
+    def sum(self, key: str, value: torch.Tensor | float) -> None:
+        """Record a quantity whose batch value is the sum of its parts (counts, global-normalised losses)."""
+        v = _f64(value)
+        self._put(key, "sum", torch.stack([v, torch.ones_like(v)]))
+
+    def min(self, key: str, values: torch.Tensor, mask: torch.Tensor | None = None) -> None:
+        self._extreme(key, "min", values, mask)
+
+    def max(self, key: str, values: torch.Tensor, mask: torch.Tensor | None = None) -> None:
+        self._extreme(key, "max", values, mask)
+
+    def _extreme(self, key: str, reducer: str, values: torch.Tensor, mask: torch.Tensor | None) -> None:
+        values = values.detach().to(torch.float64)
+        if mask is None:
+            mask = torch.ones_like(values, dtype=torch.bool)
+        fill = torch.full((), _EMPTY_EXTREME[reducer], dtype=torch.float64, device=values.device)
+        selected = torch.where(mask, values, fill)
+        value = selected.amin() if reducer == "min" else selected.amax()
+        self._put(key, reducer, torch.stack([value, mask.sum().to(torch.float64)]))
+
+    def std(self, key: str, values: torch.Tensor, mask: torch.Tensor | None = None) -> None:
+        self._moments(key, "std", values, mask)
+
+    def ess(self, key: str, weights: torch.Tensor, mask: torch.Tensor | None = None) -> None:
+        """Effective sample size fraction (mean w)² / mean(w²) ∈ (0, 1] of ``weights`` over ``mask``."""
+        self._moments(key, "ess", weights, mask)
+
+    def _moments(self, key: str, reducer: str, values: torch.Tensor, mask: torch.Tensor | None) -> None:
+        values = values.detach().to(torch.float64)
+        if mask is None:
+            mask = torch.ones_like(values, dtype=torch.bool)
+        zero = torch.zeros((), dtype=torch.float64, device=values.device)
+        selected = torch.where(mask, values, zero)
+        parts = torch.stack([selected.sum(), (selected * selected).sum(), mask.sum().to(torch.float64)])
+        self._put(key, reducer, parts)
+
+    # ------------------------------------------------------------------ combining
+    def update(self, other: Metrics) -> Metrics:
+        """Merge ``other`` into ``self`` in place (see ``merge``); returns ``self``."""
+        for key, reducer in other._reducer.items():
+            self._put(key, reducer, other._parts[key])
+        return self
+
+    def merge(self, other: Metrics) -> Metrics:
+        """A new Metrics equal to one computed on the union of both batches."""
+        out = Metrics()
+        out.update(self)
+        out.update(other)
+        return out
+
+    def with_prefix(self, prefix: str) -> Metrics:
+        """A copy whose keys are ``prefix + key`` (for per-rule or per-setting namespaces)."""
+        out = Metrics()
+        for key, reducer in self._reducer.items():
+            out._put(prefix + key, reducer, self._parts[key])
+        return out
+
+    def all_reduce(self, group: torch.distributed.ProcessGroup | None = None) -> Metrics:
+        """Reduce across the ranks of ``group`` in place; a no-op unless torch.distributed is initialised.
+
+        The key set is agreed first (union over ranks, reducers must match); a rank without a key
+        contributes an empty entry. Three collectives follow: SUM, MIN and MAX.
+
+        Raises:
+            ValueError: if two ranks recorded one key with different reducers.
+        """
+        dist = torch.distributed
+        if not (dist.is_available() and dist.is_initialized()):
+            return self
+        world = dist.get_world_size(group)
+        gathered: list[dict[str, str] | None] = [None] * world
+        dist.all_gather_object(gathered, dict(self._reducer), group=group)
+        agreed: dict[str, str] = {}
+        for rank_keys in gathered:
+            for key, reducer in (rank_keys or {}).items():
+                if agreed.setdefault(key, reducer) != reducer:
+                    raise ValueError(f"metric {key!r} has reducer {agreed[key]!r} on one rank and {reducer!r} on another")
+        device = _device_for_collectives(group, self._parts)
+        keys = sorted(agreed)
+        for key in keys:
+            if key not in self._parts:
+                self._parts[key] = _empty(agreed[key], device)
+                self._reducer[key] = agreed[key]
+            self._parts[key] = self._parts[key].to(device)
+
+        sum_slices, min_keys, max_keys = [], [], []
+        for key in keys:
+            reducer = self._reducer[key]
+            if reducer in ("min", "max"):
+                sum_slices.append(self._parts[key][1:])
+                (min_keys if reducer == "min" else max_keys).append(key)
+            else:
+                sum_slices.append(self._parts[key])
+        if sum_slices:
+            flat = torch.cat(sum_slices)
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+            offset = 0
+            for key in keys:
+                reducer = self._reducer[key]
+                if reducer in ("min", "max"):
+                    self._parts[key] = torch.stack([self._parts[key][0], flat[offset]])
+                    offset += 1
+                else:
+                    width = _WIDTH[reducer]
+                    self._parts[key] = flat[offset : offset + width].clone()
+                    offset += width
+        for op, op_keys in ((dist.ReduceOp.MIN, min_keys), (dist.ReduceOp.MAX, max_keys)):
+            if op_keys:
+                extremes = torch.stack([self._parts[k][0] for k in op_keys])
+                dist.all_reduce(extremes, op=op, group=group)
+                for i, key in enumerate(op_keys):
+                    self._parts[key] = torch.stack([extremes[i], self._parts[key][1]])
+        return self
+
+    # ------------------------------------------------------------------ reading
+    def to_dict(self, prefix: str = PREFIX) -> dict[str, float]:
+        """Finished values as Python floats under ``prefix`` (one device sync for all keys)."""
+        if not self._parts:
+            return {}
+        keys = sorted(self._parts)
+        flat = torch.cat([self._parts[k].reshape(-1).cpu() for k in keys]).tolist()
+        out: dict[str, float] = {}
+        offset = 0
+        for key in keys:
+            reducer = self._reducer[key]
+            width = _WIDTH[reducer]
+            out[prefix + key] = _finish(reducer, flat[offset : offset + width])
+            offset += width
+        return out
+
+    def __getitem__(self, key: str) -> float:
+        key = key.removeprefix(PREFIX)
+        if key not in self._parts:
+            raise KeyError(f"no metric {key!r}; recorded: {sorted(self._parts)}")
+        return _finish(self._reducer[key], self._parts[key].cpu().tolist())
+
+    def reducer(self, key: str) -> str:
+        return self._reducer[key.removeprefix(PREFIX)]
+
+    def __contains__(self, key: object) -> bool:
+        return isinstance(key, str) and key.removeprefix(PREFIX) in self._parts
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(sorted(self._parts))
+
+    def __len__(self) -> int:
+        return len(self._parts)
+
+    def keys(self) -> list[str]:
+        return sorted(self._parts)
+
+    def __repr__(self) -> str:
+        body = ", ".join(f"{k}={v:.6g}" for k, v in self.to_dict(prefix="").items())
+        return f"Metrics({body})"
+
+
+def _combine(reducer: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    b = b.to(a.device)
+    if reducer == "min":
+        return torch.stack([torch.minimum(a[0], b[0]), a[1] + b[1]])
+    if reducer == "max":
+        return torch.stack([torch.maximum(a[0], b[0]), a[1] + b[1]])
+    return a + b
+
+
+def _empty(reducer: str, device: torch.device) -> torch.Tensor:
+    parts = torch.zeros(_WIDTH[reducer], dtype=torch.float64, device=device)
+    if reducer in _EMPTY_EXTREME:
+        parts[0] = _EMPTY_EXTREME[reducer]
+    return parts
+
+
+def _finish(reducer: str, p: list[float]) -> float:
+    if reducer == "mean":
+        return p[0] / p[1] if p[1] > 0 else math.nan
+    if reducer == "sum":
+        return p[0] if p[1] > 0 else math.nan
+    if reducer in ("min", "max"):
+        return p[0] if p[1] > 0 else math.nan
+    total, total_sq, n = p
+    if n <= 0:
+        return math.nan
+    if reducer == "std":
+        return math.sqrt(max(total_sq / n - (total / n) ** 2, 0.0))
+    return total * total / (n * total_sq) if total_sq > 0 else math.nan  # ess
+
+
+def _device_for_collectives(group, parts: dict[str, torch.Tensor]) -> torch.device:
+    """NCCL reduces CUDA tensors; every other backend here (gloo) reduces CPU tensors."""
+    if torch.distributed.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

@@ -1,0 +1,79 @@
+"""Numerics shared by the correction, the losses and the metrics — and nothing else.
+
+Every helper here is NaN-safe with respect to the mask: values at masked-out positions are
+*selected away* with ``torch.where`` rather than multiplied by zero, because ``nan * 0 = nan``.
+All arithmetic is fp32 (the callers cast on entry).
+"""
+
+from __future__ import annotations
+
+import torch
+
+# exp(88.72) overflows fp32. Frameworks that do not clamp their log-ratios (TRL, OpenRLHF) get
+# this bound instead of none: it changes no value they could have produced as a finite number,
+# and keeps ``inf`` out of the loss (see ``effective_log_clamp``).
+FP32_EXP_LIMIT = 87.0
+
+
+def effective_log_clamp(log_clamp: float | None) -> float:
+    """The bound actually applied before ``exp``: ``log_clamp`` or, for ``None``, fp32's range."""
+    return FP32_EXP_LIMIT if log_clamp is None else min(float(log_clamp), FP32_EXP_LIMIT)
+
+
+def safe_exp(log_x: torch.Tensor, log_clamp: float | None) -> torch.Tensor:
+    """exp(clamp(log_x, −L, L)) — the only way this package exponentiates a log-ratio."""
+    bound = effective_log_clamp(log_clamp)
+    return torch.exp(log_x.clamp(-bound, bound))
+
+
+def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Σ x over positions where ``mask`` is true; NaN/inf at masked-out positions are ignored."""
+    selected = torch.where(mask, x, torch.zeros((), dtype=x.dtype, device=x.device))
+    return selected.sum() if dim is None else selected.sum(dim=dim)
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Σ x·m / max(Σ m, 1): 0 (not NaN) for an empty selection — callers report emptiness."""
+    count = mask.sum() if dim is None else mask.sum(dim=dim)
+    return masked_sum(x, mask, dim) / count.clamp(min=1).to(x.dtype)
+
+
+def masked_max(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """max of x over the mask; −inf where the selection is empty."""
+    neg_inf = torch.full((), float("-inf"), dtype=x.dtype, device=x.device)
+    selected = torch.where(mask, x, neg_inf)
+    return selected.amax() if dim is None else selected.amax(dim=dim)
+
+
+def masked_min(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """min of x over the mask; +inf where the selection is empty."""
+    pos_inf = torch.full((), float("inf"), dtype=x.dtype, device=x.device)
+    selected = torch.where(mask, x, pos_inf)
+    return selected.amin() if dim is None else selected.amin(dim=dim)
+
+
+def row_log_ratio(log_ratio: torch.Tensor, mask: torch.Tensor, geometric: bool) -> torch.Tensor:
+    """Sequence log-ratio per row, ``[B, T] → [B]``, *unclamped*.
+
+    product:   Σ_t m_t · log ρ_t
+    geometric: (Σ_t m_t · log ρ_t) / max(n_valid, 1)
+    """
+    total = masked_sum(log_ratio, mask, dim=-1)  # [B]
+    if not geometric:
+        return total
+    return total / mask.sum(dim=-1).clamp(min=1).to(total.dtype)
+
+
+def in_band(x: torch.Tensor, low: float | None, high: float | None) -> torch.Tensor:
+    """Boolean ``low ≤ x ≤ high`` (inclusive; a ``None`` bound is open)."""
+    keep = torch.ones_like(x, dtype=torch.bool)
+    if low is not None:
+        keep &= x >= low
+    if high is not None:
+        keep &= x <= high
+    return keep
+
+
+def broadcast_rows(row_values: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``[B] → [B, T]`` view matching ``like``."""
+    return row_values.unsqueeze(-1).expand_as(like)

@@ -1,0 +1,69 @@
+"""Trainer-side log-probs on the sampler's truncated support (SPEC §6).
+
+An engine that samples with temperature τ, top-k and top-p reports *processed* log-probs:
+the log-softmax of logits/τ renormalised over the kept tokens (vLLM ``processed_logprobs``).
+For the ratio π/μ to compare like with like, the trainer must compute π the same way:
+
+    z = logits / τ
+    top-k:  keep tokens with z ≥ the k-th largest z (ties kept)
+    top-p:  sort the top-k-renormalised probabilities descending; keep the smallest prefix
+            whose mass reaches p (the token that crosses p is kept; at least one token)
+    log π̃(v) = z_v − logsumexp_{kept} z   on kept tokens, −inf elsewhere
+
+``outside_mass`` = 1 − Σ_{kept} softmax(z): how much of the untruncated distribution the
+sampler could never produce — large values mean the ratio is being taken on a small support.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def renormalize_logprobs(
+    logits: torch.Tensor,
+    top_p: float = 1.0,
+    top_k: int = -1,
+    temperature: float = 1.0,
+    *,
+    return_outside_mass: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs ``[..., V]`` (fp32) over the top-k/top-p support of ``logits / temperature``.
+
+    Args:
+        logits: ``[..., V]`` raw logits (any float dtype).
+        top_p: nucleus mass in (0, 1]; 1 keeps everything.
+        top_k: number of tokens to keep; -1 (or ≥ V) keeps everything.
+        temperature: > 0.
+        return_outside_mass: also return ``[...]`` mass of the untruncated distribution that
+            lies outside the kept support.
+
+    Raises:
+        ValueError: temperature ≤ 0, top_p outside (0, 1], or top_k = 0 / below -1.
+    """
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0 (greedy decoding has no log-probs to correct); got {temperature}")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1]; got {top_p}")
+    if top_k == 0 or top_k < -1:
+        raise ValueError(f"top_k must be -1 (off) or ≥ 1; got {top_k}")
+    z = logits.float() / temperature  # [..., V]
+    vocab = z.shape[-1]
+    keep = torch.ones_like(z, dtype=torch.bool)
+    if 0 < top_k < vocab:
+        kth = torch.topk(z, top_k, dim=-1).values[..., -1:]  # [..., 1]
+        keep &= z >= kth
+    if top_p < 1.0:
+        masked = z.masked_fill(~keep, float("-inf"))
+        probs = torch.softmax(masked, dim=-1)
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass strictly above each token
+        keep_sorted = mass_before < top_p
+        keep_sorted[..., 0] = True
+        keep &= torch.zeros_like(keep).scatter(-1, order, keep_sorted)
+    kept_logits = z.masked_fill(~keep, float("-inf"))
+    logprobs = kept_logits - torch.logsumexp(kept_logits, dim=-1, keepdim=True)
+    if not return_outside_mass:
+        return logprobs
+    full = torch.log_softmax(z, dim=-1)
+    inside = torch.logsumexp(full.masked_fill(~keep, float("-inf")), dim=-1).exp()
+    return logprobs, (1.0 - inside).clamp(min=0.0)
