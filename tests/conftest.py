@@ -1,0 +1,56 @@
+"""Shared fixtures and builders. Hypothesis runs a fixed, CI-sized number of examples."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+
+settings.register_profile(
+    "ci", max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow]
+)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+torch.set_num_threads(min(2, torch.get_num_threads()))
+
+LN2 = math.log(2.0)
+BASE = -3.0  # log μ of every golden token: low enough that log μ + log ρ stays ≤ 0 for ρ ≤ 8
+
+
+def golden_batch() -> dict[str, torch.Tensor]:
+    """Four rows, T = 3, with ratios ρ = π_old/μ chosen to be easy on paper:
+
+        row 0: ρ = [0.5, 1, 4]      product 2, geometric 2^(1/3) = 1.259921
+        row 1: ρ = [2, 1, ·]        product 2, geometric √2 = 1.414214   (last token padding)
+        row 2: ρ = [1, 1, 1]        product 1
+        row 3: all padding           (a fully padded row)
+
+    log μ = −3 everywhere; padding positions hold NaN to prove they are never read.
+    """
+    ratios = torch.tensor([[0.5, 1.0, 4.0], [2.0, 1.0, 1.0], [1.0, 1.0, 1.0], [1.0, 1.0, 1.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0], [1, 1, 1], [0, 0, 0]], dtype=torch.float32)
+    rollout = torch.full((4, 3), BASE)
+    old = rollout + ratios.log()
+    nan = torch.tensor(float("nan"))
+    rollout = torch.where(mask.bool(), rollout, nan)
+    old = torch.where(mask.bool(), old, nan)
+    return {"old": old, "rollout": rollout, "mask": mask, "ratios": ratios}
+
+
+@pytest.fixture
+def gb() -> dict[str, torch.Tensor]:
+    return golden_batch()
+
+
+def random_batch(seed: int, b: int = 6, t: int = 9, noise: float = 0.3) -> dict[str, torch.Tensor]:
+    """A realistic batch: right-padded rows of random length, one per-row advantage."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, t + 1, (b,), generator=g)
+    mask = (torch.arange(t)[None, :] < lengths[:, None]).float()
+    old = -torch.rand(b, t, generator=g) * 3 - 0.05
+    rollout = (old + noise * torch.randn(b, t, generator=g)).clamp(max=0.0)
+    logprobs = (old + 0.1 * torch.randn(b, t, generator=g)).clamp(max=0.0)
+    adv = torch.randn(b, 1, generator=g).expand(b, t).contiguous()
+    return {"old": old, "rollout": rollout, "logprobs": logprobs, "adv": adv, "mask": mask}
