@@ -207,6 +207,7 @@ def test_all_rejected_gives_zero_loss_and_zero_grad():
     assert loss.item() == 0.0
     assert grad.abs().max() == 0.0
     assert m["masked_fraction"] == 1.0
+    assert math.isnan(m["loss"])  # no token contributed: the metric says so instead of a silent 0
 
 
 def test_missing_inputs_are_named():

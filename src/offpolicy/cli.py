@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import yaml
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from offpolicy import presets
 from offpolicy.config import ConfigError
@@ -24,7 +25,7 @@ def _cmd_presets(args: argparse.Namespace, console: Console) -> int:
         table.add_column("preset", style="bold")
         table.add_column("what it does")
         for name in presets.names():
-            table.add_row(name, presets.get(name).summary)
+            table.add_row(name, Text(presets.get(name).summary))  # Text: no rich markup in "[a, b]"
         console.print(table)
         console.print("Details: offpolicy presets NAME")
         return 0
@@ -32,10 +33,10 @@ def _cmd_presets(args: argparse.Namespace, console: Console) -> int:
     loss = preset.loss_config()
     body = {
         "correction": preset.correction_config().to_dict(),
-        "loss": {k: v for k, v in loss.to_dict().items() if k != "correction"},
+        "loss": {"kind": loss.kind, **{k: v for k, v in loss.to_dict().items() if k not in ("kind", "correction")}},
     }
-    console.print(f"[bold]{preset.name}[/bold] — {preset.summary}")
-    console.print(preset.note, soft_wrap=False)
+    console.print(Text(f"{preset.name} — {preset.summary}", style="bold"))
+    console.print(Text(preset.note))
     console.print()
     print(yaml.safe_dump(body, sort_keys=False).rstrip())
     return 0

@@ -8,12 +8,16 @@ with one message that names the field, the value and the fix.
 
 from __future__ import annotations
 
+import contextvars
 import difflib
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+_NESTING: contextvars.ContextVar[int] = contextvars.ContextVar("offpolicy_config_nesting", default=0)
 
 
 class ConfigError(ValueError):
@@ -53,10 +57,17 @@ class _Strict(BaseModel):
         return data
 
     def __init__(self, **data: Any) -> None:
+        # Only the outermost model turns pydantic's errors into one ConfigError; nested models
+        # (validated through this same __init__) let them through so every path stays precise.
+        token = _NESTING.set(_NESTING.get() + 1)
         try:
             super().__init__(**data)
         except ValidationError as err:
+            if _NESTING.get() > 1:
+                raise
             raise ConfigError(_format_validation_error(type(self).__name__, err)) from None
+        finally:
+            _NESTING.reset(token)
 
 
 def _check_band(low: float | None, high: float | None, what: str) -> None:

@@ -105,14 +105,16 @@ TOKEN_LOSSES = {
 
 
 def aggregate(per_token: torch.Tensor, mask: torch.Tensor, cfg: LossConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """(numerator, denominator) of the aggregated loss; the loss is numerator / denominator.
+    """(numerator, count) of the aggregated loss: Σ of token or row contributions, and the
+    number of tokens or non-empty rows they are averaged over (or the global count).
 
-    ``per_token`` is already 0 off the loss mask; ``mask`` is the denominator mask. An empty
-    batch gives 0 / 1: a zero loss with a zero gradient, never NaN.
+    ``per_token`` is already 0 off the loss mask; ``mask`` is the denominator mask. The count
+    may be 0 (everything rejected); the caller divides by max(count, 1), giving a zero loss
+    with a zero gradient, never NaN.
     """
     if cfg.agg == "token-mean":
-        denominator = cfg.global_tokens if cfg.global_tokens is not None else mask.sum().clamp(min=1)
-        return per_token.sum(), torch.as_tensor(denominator, dtype=per_token.dtype, device=per_token.device)
+        count = cfg.global_tokens if cfg.global_tokens is not None else mask.sum()
+        return per_token.sum(), torch.as_tensor(count, dtype=per_token.dtype, device=per_token.device)
     row_sum = per_token.sum(dim=-1)  # [B]
     row_count = mask.sum(dim=-1)  # [B]
     if cfg.agg == "seq-mean-token-mean":
@@ -121,8 +123,8 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, cfg: LossConfig) -> t
         row_loss = row_sum
     else:  # seq-mean-token-sum-norm
         row_loss = row_sum / float(cfg.max_len if cfg.max_len is not None else per_token.shape[-1])
-    denominator = cfg.global_seqs if cfg.global_seqs is not None else (row_count > 0).sum().clamp(min=1)
-    return row_loss.sum(), torch.as_tensor(denominator, dtype=per_token.dtype, device=per_token.device)
+    count = cfg.global_seqs if cfg.global_seqs is not None else (row_count > 0).sum()
+    return row_loss.sum(), torch.as_tensor(count, dtype=per_token.dtype, device=per_token.device)
 
 
 def policy_loss(
@@ -215,12 +217,14 @@ def policy_loss(
         metrics.mean("approx_kl", torch.exp(log_r) - 1.0 - log_r, loss_mask)  # k3 of π_θ vs π_old
 
     agg_mask = valid if fixed_denominator else loss_mask
-    numerator, denominator = aggregate(per_token, agg_mask, cfg)
-    loss = numerator / denominator
+    numerator, count = aggregate(per_token, agg_mask, cfg)
+    loss = numerator / count.clamp(min=1)
     if cfg.global_tokens is not None or cfg.global_seqs is not None:
         metrics.sum("loss", loss)  # already divided by the global count: parts add up
     else:
-        metrics.ratio("loss", numerator, denominator)
+        # the true count, so that merging micro-batches weighs each by its tokens (or rows);
+        # a batch with nothing left reports NaN here while returning a zero loss
+        metrics.ratio("loss", numerator, count)
     if not reduce:
         return per_token, agg_mask.float(), metrics
     return loss, metrics

@@ -1,0 +1,53 @@
+"""The CLI as a user types it: `offpolicy presets`, `offpolicy presets NAME`, and its errors."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+import offpolicy as op
+
+
+def offpolicy(*args: str) -> subprocess.CompletedProcess:
+    exe = shutil.which("offpolicy")
+    cmd = [exe, *args] if exe else [sys.executable, "-m", "offpolicy.cli", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+
+
+def test_console_script_is_installed():
+    assert shutil.which("offpolicy"), "pip install -e . must install the `offpolicy` command"
+
+
+def test_presets_lists_every_preset():
+    result = offpolicy("presets")
+    assert result.returncode == 0, result.stderr
+    for name in op.presets.names():
+        assert name in result.stdout
+
+
+def test_presets_name_shows_the_config_as_yaml():
+    result = offpolicy("presets", "openrlhf:seq-mask-tis")
+    assert result.returncode == 0, result.stderr
+    assert "unclamped" in result.stdout
+    body = yaml.safe_load(result.stdout[result.stdout.index("correction:"):])
+    assert op.CorrectionConfig.from_dict(body["correction"]) == op.CorrectionConfig.from_preset("openrlhf:seq-mask-tis")
+    assert body["loss"]["kind"] == "ppo"
+
+
+def test_unknown_preset_is_one_clear_line():
+    result = offpolicy("presets", "verl:nope")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "offpolicy presets: error: unknown preset 'verl:nope'. List them with `offpolicy presets`."
+    ]
+
+
+@pytest.mark.parametrize("args", [[], ["frobnicate"]])
+def test_usage_errors(args):
+    result = offpolicy(*args)
+    assert result.returncode == 2
+    assert "usage: offpolicy" in result.stderr

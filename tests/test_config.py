@@ -1,0 +1,121 @@
+"""Configuration: loading from dict/YAML/preset, and errors that read well (SPEC §8)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import offpolicy as op
+from offpolicy.config import ConfigError
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+def error_of(cls, **data) -> str:
+    with pytest.raises(ConfigError) as info:
+        cls(**data)
+    return str(info.value)
+
+
+def test_defaults_match_the_spec():
+    c = op.CorrectionConfig()
+    assert (c.anchor, c.weight, c.reject, c.reject_mode, c.denominator, c.log_clamp, c.nonfinite, c.kl_is_weight) == (
+        "old", None, [], "independent", "renormalize", 20.0, "error", False)
+    loss = op.LossConfig()
+    assert (loss.kind, loss.clip_low, loss.clip_high, loss.dual_clip, loss.agg) == ("ppo", 0.2, 0.2, None, "token-mean")
+    assert (loss.sapo_tau_pos, loss.sapo_tau_neg) == (1.0, 1.05)
+
+
+def test_clip_defaults_follow_the_kind():
+    assert (op.LossConfig(kind="gspo").clip_low, op.LossConfig(kind="gspo").clip_high) == (3e-4, 4e-4)
+    assert op.LossConfig(kind="cispo").clip_low is None
+    assert op.LossConfig(kind="ppo", clip_high=0.28).clip_high == 0.28
+
+
+def test_unknown_key_suggests_the_right_one():
+    msg = error_of(op.CorrectionConfig, weight={"level": "token", "mode": "truncate", "hihg": 2.0})
+    assert "unknown key 'hihg' (did you mean 'high'?)" in msg
+    assert "allowed keys: level, mode, low, high, normalize" in msg
+    assert "unknown key 'anchr' (did you mean 'anchor'?)" in error_of(op.CorrectionConfig, anchr="old")
+
+
+def test_low_above_high():
+    msg = error_of(op.CorrectionConfig, weight={"level": "token", "mode": "truncate", "low": 3.0, "high": 2.0})
+    assert msg == "CorrectionConfig.weight: weight: low=3.0 is above high=2.0; swap them"
+
+
+def test_k2_with_a_band():
+    msg = error_of(op.CorrectionConfig, reject=[{"stat": "k2", "level": "token", "low": 0.1, "high": 0.5}])
+    assert "reject.0.k2" in msg
+    assert "reject rule 'k2' takes only an upper bound (k2 ≥ 0); got low=0.1. Remove low" in msg
+
+
+def test_k1_seq_max_is_undefined():
+    msg = error_of(op.CorrectionConfig, reject=[{"stat": "k1", "level": "seq_max", "high": 0.5}])
+    assert "level 'seq_max' is not defined for k1" in msg
+
+
+def test_bypass_with_a_weight():
+    msg = error_of(op.CorrectionConfig, anchor="rollout", weight={"level": "token", "mode": "truncate", "high": 2})
+    assert "anchor 'rollout' (bypass)" in msg and "count the mismatch twice" in msg and "Remove `weight`" in msg
+
+
+def test_unknown_stat_and_bad_literal():
+    msg = error_of(op.CorrectionConfig, reject=[{"stat": "k4", "level": "token", "high": 1.0}])
+    assert "reject.0" in msg and "k4" in msg
+    msg = error_of(op.CorrectionConfig, weight={"level": "token", "mode": "clip", "high": 2.0})
+    assert "CorrectionConfig.weight.mode" in msg and "'truncate' or 'mask'" in msg and "(got 'clip')" in msg
+
+
+def test_ratio_rule_needs_a_bound_and_mask_needs_a_band():
+    assert "needs low and/or high" in error_of(op.CorrectionConfig, reject=[{"stat": "ratio", "level": "token"}])
+    assert "mode 'mask' needs a band" in error_of(op.CorrectionConfig, weight={"level": "token", "mode": "mask"})
+
+
+def test_loss_combinations():
+    assert "dual_clip applies to kind 'ppo' only" in error_of(op.LossConfig, kind="cispo", dual_clip=3.0)
+    assert "kind 'reinforce' has no clip; remove clip_low" in error_of(op.LossConfig, kind="reinforce", clip_low=0.2)
+    assert "max_len is used only by agg 'seq-mean-token-sum-norm'" in error_of(op.LossConfig, max_len=10)
+    msg = error_of(op.LossConfig, kind="ppo", correction={"anchor": "current",
+                                                          "weight": {"level": "token", "mode": "truncate", "high": 2}})
+    assert "anchor 'current'" in msg and "Use kind reinforce or cispo" in msg
+    assert "no KL term to weight" in error_of(
+        op.LossConfig, correction={"weight": {"level": "token", "mode": "truncate", "high": 2}, "kl_is_weight": True})
+    assert "greater than 1" in error_of(op.LossConfig, dual_clip=0.5)
+
+
+def test_configs_are_pydantic_and_valueerrors():
+    assert issubclass(ConfigError, ValueError)
+    with pytest.raises(ValueError):
+        op.CorrectionConfig(log_clamp=-1)
+
+
+def test_yaml_round_trip(tmp_path):
+    cfg = op.LossConfig.from_preset("verl:decoupled_seq_is_rs")
+    path = tmp_path / "run.yaml"
+    import yaml
+
+    path.write_text(yaml.safe_dump({"loss": cfg.model_dump(mode="json")}))
+    assert op.LossConfig.from_yaml(path) == cfg
+    path.write_text(yaml.safe_dump({"correction": cfg.correction.model_dump(mode="json")}))
+    assert op.CorrectionConfig.from_yaml(path) == cfg.correction
+
+
+def test_yaml_errors(tmp_path):
+    with pytest.raises(ConfigError, match="config file not found"):
+        op.CorrectionConfig.from_yaml(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("weight: [unclosed")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        op.CorrectionConfig.from_yaml(bad)
+    bad.write_text("- a list")
+    with pytest.raises(ConfigError, match="expected a mapping"):
+        op.CorrectionConfig.from_yaml(bad)
+
+
+def test_every_example_config_loads():
+    files = sorted(EXAMPLES.glob("*.yaml"))
+    assert files, "examples/ must hold configs a user can copy"
+    for path in files:
+        op.LossConfig.from_yaml(path)

@@ -1,0 +1,76 @@
+"""renormalize_logprobs against a brute-force reference written from SPEC §6's definition."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import offpolicy as op
+
+
+def brute_force(logits: list[float], top_p: float, top_k: int, temperature: float) -> tuple[list[float], float]:
+    """One row, plain Python: temperature, then top-k (ties kept), then top-p (crossing token kept)."""
+    z = (torch.tensor(logits).float() / temperature).double().tolist()  # the same fp32 rounding
+    kept = set(range(len(z)))
+    if 0 < top_k < len(z):
+        kth = sorted(z, reverse=True)[top_k - 1]
+        kept = {i for i in kept if z[i] >= kth}
+    if top_p < 1.0:
+        norm = sum(math.exp(z[i]) for i in kept)
+        mass = 0.0
+        nucleus = set()
+        for i in sorted(kept, key=lambda i: -z[i]):
+            if mass >= top_p and nucleus:
+                break
+            nucleus.add(i)
+            mass += math.exp(z[i]) / norm
+        kept = nucleus
+    log_norm = math.log(sum(math.exp(z[i]) for i in kept))
+    full_norm = sum(math.exp(v) for v in z)
+    out = [z[i] - log_norm if i in kept else -math.inf for i in range(len(z))]
+    outside = 1.0 - sum(math.exp(z[i]) for i in kept) / full_norm
+    return out, outside
+
+
+@given(st.lists(st.integers(-600, 600).map(lambda i: i / 100), min_size=2, max_size=12, unique=True),
+       st.sampled_from([1.0, 0.95, 0.7, 0.3, 0.05]), st.sampled_from([-1, 1, 2, 5, 50]), st.sampled_from([0.5, 1.0, 1.7]))
+def test_matches_brute_force(logits, top_p, top_k, temperature):
+    expected, outside = brute_force(logits, top_p, top_k, temperature)
+    got, got_outside = op.renormalize_logprobs(torch.tensor([logits]), top_p=top_p, top_k=top_k,
+                                               temperature=temperature, return_outside_mass=True)
+    got = got[0].tolist()
+    for g, e in zip(got, expected):
+        if e == -math.inf:
+            assert g == -math.inf
+        else:
+            assert g == pytest.approx(e, abs=1e-5)
+    assert got_outside.item() == pytest.approx(outside, abs=1e-5)
+
+
+def test_hand_case():
+    # probs ∝ [4, 3, 2, 1] (logits = log of them): top_p 0.6 keeps 4 and 3 (0.4 < 0.6, then 0.7 ≥ 0.6)
+    logits = torch.tensor([[4.0, 3.0, 2.0, 1.0]]).log()
+    lp, outside = op.renormalize_logprobs(logits, top_p=0.6, return_outside_mass=True)
+    torch.testing.assert_close(lp[0, :2].exp(), torch.tensor([4 / 7, 3 / 7]))
+    assert torch.isinf(lp[0, 2:]).all()
+    assert outside.item() == pytest.approx(0.3)
+    # top_k 3 keeps 4, 3, 2 → renormalised by 9
+    torch.testing.assert_close(op.renormalize_logprobs(logits, top_k=3)[0, :3].exp(), torch.tensor([4 / 9, 3 / 9, 2 / 9]))
+
+
+def test_no_truncation_is_log_softmax_and_batched_shapes_work():
+    logits = torch.randn(2, 3, 11)
+    torch.testing.assert_close(op.renormalize_logprobs(logits, temperature=0.8), torch.log_softmax(logits / 0.8, -1))
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="temperature must be > 0"):
+        op.renormalize_logprobs(torch.zeros(1, 3), temperature=0.0)
+    with pytest.raises(ValueError, match="top_p must be in"):
+        op.renormalize_logprobs(torch.zeros(1, 3), top_p=0.0)
+    with pytest.raises(ValueError, match="top_k must be -1"):
+        op.renormalize_logprobs(torch.zeros(1, 3), top_k=0)
