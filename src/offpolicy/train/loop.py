@@ -1,0 +1,202 @@
+"""The GRPO/PPO loop, top to bottom: sample → score → advantages → forward → correct + loss →
+step → sync → log. Helpers live in batch.py, pipeline.py, checkpoint.py and logger.py.
+
+π_old is the *proximal* policy: the trainer's own weights at the start of the step,
+recomputed on the batch. With synchronous sampling it differs from the engine's μ only by the
+engine's numerics (dtype, noise); with ``max_staleness`` > 0 it is also newer than the weights
+that sampled the batch — real staleness for the correction (anchor old / rollout / current) to fix.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import time
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+
+import torch
+import yaml
+from rich.console import Console
+from transformers import AutoModelForCausalLM
+
+import offpolicy as op
+from offpolicy.config import ConfigError
+from offpolicy.engines import SamplingConfig, make_engine, perturb
+from offpolicy.metrics import Metrics
+from offpolicy.tasks import make_task, problems
+from offpolicy.tasks.tokenizer import load_tokenizer
+from offpolicy.train.batch import grpo_advantages, to_batch, trainer_logprobs
+from offpolicy.train.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint
+from offpolicy.train.config import TrainConfig
+from offpolicy.train.logger import RunLogger
+from offpolicy.train.pipeline import RolloutPipeline
+from offpolicy.train.warmstart import default_model, prompt_ids, sampled_accuracy
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RunResult:
+    run_dir: Path
+    summary: dict[str, float]
+    interrupted: bool = False
+
+
+def resolve_model(cfg: TrainConfig, console: Console) -> Path:
+    """The model to start from: the warm-started default, or a local HF model directory."""
+    if cfg.model == "default":
+        def progress(step, total, loss, accuracy):
+            console.print(f"  warm start: step {step}/{total}  loss {loss:.3f}  sampled accuracy {accuracy:.0%}")
+        return default_model(cfg, progress)
+    path = Path(cfg.model).expanduser()
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"model: {cfg.model!r} is not a local Hugging Face model directory (no config.json); "
+                          "use model=default for the embedded tiny model")
+    if not any((path / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "vocab.json")):
+        raise ConfigError(f"model: {cfg.model!r} has no tokenizer files; save the tokenizer next to the model")
+    return path
+
+
+def new_run_dir(cfg: TrainConfig) -> Path:
+    run_dir = Path(cfg.out_dir or f"runs/{cfg.task}-{datetime.now():%Y%m%d-%H%M%S}")
+    if (run_dir / "checkpoints").exists():
+        raise ConfigError(f"run directory {run_dir} already holds a run; use --resume {run_dir} or another out_dir")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+    return run_dir
+
+
+def sync_engine(engine, policy, cfg: TrainConfig, version: int) -> None:
+    weights = ((name, t.detach()) for name, t in policy.state_dict().items())
+    engine.sync_weights(perturb(weights, cfg.engine_weight_noise, seed=cfg.seed * 104_729 + version))
+
+
+@torch.no_grad()
+def greedy_accuracy(policy, tokenizer, task, eval_set, max_new_tokens: int) -> float:
+    policy.eval()
+    prompts = [prompt_ids(tokenizer, p) for p in eval_set]
+    width = max(map(len, prompts))
+    pad = tokenizer.pad_token_id
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    out = policy.generate(input_ids=ids, attention_mask=(ids != pad).long(), do_sample=False,
+                          max_new_tokens=max_new_tokens, pad_token_id=pad, eos_token_id=tokenizer.eos_token_id)
+    texts = tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
+    policy.train()
+    return sum(task.reward(p, t) for p, t in zip(eval_set, texts)) / len(eval_set)
+
+
+def train(cfg: TrainConfig, resume: Path | None = None, console: Console | None = None,
+          progress: bool = True) -> RunResult:
+    """Run (or resume) ``cfg``; returns the run directory and the summary numbers.
+
+    Raises:
+        ConfigError: bad model path or run directory; RuntimeError: engine contract broken.
+    """
+    console = console or Console()
+    torch.manual_seed(cfg.seed)
+    task = make_task(cfg.task, **cfg.task_params)
+    loss_cfg = cfg.loss_config()
+    sampling = SamplingConfig(max_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
+                              top_k=cfg.top_k)
+    created = resume is None
+    run_dir = resume if resume is not None else new_run_dir(cfg)
+    try:
+        # ---------------------------------------------------------------- setup
+        checkpoint = latest_checkpoint(run_dir) if resume is not None else None
+        model_path = resolve_model(cfg, console)
+        load_from = checkpoint or model_path
+        tokenizer = load_tokenizer(load_from)
+        policy = AutoModelForCausalLM.from_pretrained(load_from, dtype=torch.float32).train()
+        optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=0.0)
+        state = load_trainer_state(checkpoint) if checkpoint else {"step": 0, "version": 0, "pending": []}
+        if checkpoint:
+            optimizer.load_state_dict(state["optimizer"])
+        start_step, version = state["step"], state["version"]
+        console.print(f"offpolicy train: {cfg.task} · engine {cfg.engine} ({cfg.engine_dtype}) · "
+                      f"preset {cfg.preset if cfg.loss.correction is None else 'custom'} · staleness ≤ "
+                      f"{cfg.max_staleness} · run {run_dir}")
+        engine = make_engine(cfg.engine, str(load_from), tokenizer, cfg.engine_dtype, seed=cfg.seed,
+                             logit_noise=cfg.engine_logit_noise)
+        sync_engine(engine, policy, cfg, version)
+        pipeline = RolloutPipeline(engine, task, tokenizer, sampling, cfg.prompts_per_step, cfg.group_size,
+                                   cfg.max_staleness, cfg.seed, pending=state["pending"])
+        eval_set = problems(task, cfg.eval_problems, seed=cfg.seed + 20_000)
+        logger = RunLogger(run_dir, cfg.steps, start_step, console, progress=progress)
+    except BaseException:
+        if created:
+            shutil.rmtree(run_dir, ignore_errors=True)  # nothing half-written
+        raise
+
+    completed, updating, interrupted = start_step, False, False
+    try:
+        for step in range(start_step, cfg.steps):
+            t0 = time.perf_counter()
+            # ------------------------------------------------ sample (bounded staleness) and score
+            item = pipeline.next(step, version)
+            texts = tokenizer.batch_decode(item.rollouts.response_ids, skip_special_tokens=True)
+            rewards = torch.tensor([task.reward(p, t) for p, t in zip(item.problems, texts)])
+            advantages = grpo_advantages(rewards, cfg.group_size)
+            batch = to_batch(item.rollouts, tokenizer.pad_token_id)
+            adv_tokens = advantages.unsqueeze(-1).expand_as(batch.mask).contiguous()
+            # ------------------------------------------------ π_old: the trainer before this step
+            with torch.no_grad():
+                old = trainer_logprobs(policy, batch, sampling)
+            # ------------------------------------------------ corrected loss, PPO mini-batches
+            metrics = Metrics()
+            order = torch.Generator().manual_seed(cfg.seed * 31 + step)
+            updating = True  # from here until the step is logged, the weights are mid-update
+            for _ in range(cfg.ppo_epochs):
+                for rows in torch.randperm(len(rewards), generator=order).chunk(cfg.minibatches):
+                    mb = batch.select(rows)
+                    if mb.mask.sum() == 0:
+                        continue
+                    logprobs = trainer_logprobs(policy, mb, sampling)
+                    loss, m = op.policy_loss(logprobs, old[rows], adv_tokens[rows], mb.mask,
+                                             rollout_logprobs=mb.rollout_logprobs, config=loss_cfg)
+                    optimizer.zero_grad(set_to_none=True)
+                    loss.backward()
+                    grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.max_grad_norm)
+                    optimizer.step()
+                    metrics.update(m)
+                    metrics.mean("grad_norm", grad_norm.reshape(1))
+            # ------------------------------------------------ new weights to the engine
+            version += 1
+            sync_engine(engine, policy, cfg, version)
+            # ------------------------------------------------ log
+            n_tokens = float(batch.mask.sum())
+            values = {
+                **metrics.to_dict(),
+                "reward": rewards.mean().item(),
+                "response_length": n_tokens / len(rewards),
+                "finished_fraction": sum(item.rollouts.finished) / len(rewards),
+                "staleness": float(step - item.rollouts.version),
+                "tokens_per_s": n_tokens / max(item.seconds, 1e-9),
+                "step_seconds": time.perf_counter() - t0,
+                "policy_version": float(version),
+            }
+            if step % cfg.eval_every == 0 or step == cfg.steps - 1:
+                values["eval/accuracy"] = greedy_accuracy(policy, tokenizer, task, eval_set, cfg.max_new_tokens)
+            logger.log(step, values)
+            pipeline.commit(step)
+            completed, updating = step + 1, False
+            if completed % cfg.checkpoint_every == 0 or completed == cfg.steps:
+                save_checkpoint(run_dir, completed, policy, tokenizer, optimizer,
+                                {"step": completed, "version": version, "pending": pipeline.state()})
+    except KeyboardInterrupt:
+        interrupted = True
+        if not updating and completed > start_step:
+            # between updates the weights, optimizer and queued rollouts are consistent: save them
+            save_checkpoint(run_dir, completed, policy, tokenizer, optimizer,
+                            {"step": completed, "version": version, "pending": pipeline.state()})
+        where = latest_checkpoint(run_dir).name if (run_dir / "checkpoints" / "latest").exists() else "none yet"
+        console.print(f"[yellow]interrupted after {completed} steps; checkpoint: {where}. Continue with "
+                      f"offpolicy train --resume {run_dir}[/yellow]")
+    finally:
+        logger.close()
+        engine.close()
+    plot = logger.plot()
+    summary = logger.summary()
+    console.print(f"metrics: {logger.path}  plots: {plot}  tensorboard: {run_dir / 'tensorboard'}")
+    return RunResult(run_dir, summary, interrupted)

@@ -1,0 +1,122 @@
+"""The embedded default policy: a tiny Qwen2 warm-started by supervised learning on the task.
+
+RL from a random policy on these tasks never sees a reward, and a converged SFT model leaves
+nothing to learn; so SFT stops as soon as the *sampled* accuracy (temperature 1, as RL samples)
+reaches ``target_accuracy`` (default 20 %). The result is cached on disk, keyed by everything
+that determines it, and reused by later runs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import random
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from offpolicy.tasks import Problem, Task, make_task, problems
+from offpolicy.tasks.model import build_tiny_qwen2
+from offpolicy.tasks.tokenizer import build_char_tokenizer
+from offpolicy.train.config import TrainConfig
+
+log = logging.getLogger(__name__)
+WARMSTART_VERSION = 1  # bump when the procedure changes: old cache entries are then ignored
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("OFFPOLICY_CACHE", Path.home() / ".cache" / "offpolicy"))
+
+
+def prompt_ids(tokenizer: PreTrainedTokenizerBase, problem: Problem) -> list[int]:
+    bos = [] if tokenizer.bos_token_id is None else [tokenizer.bos_token_id]
+    return [*bos, *tokenizer(problem.prompt, add_special_tokens=False).input_ids]
+
+
+def answer_ids(tokenizer: PreTrainedTokenizerBase, problem: Problem) -> list[int]:
+    return [*tokenizer(problem.answer, add_special_tokens=False).input_ids, tokenizer.eos_token_id]
+
+
+def sft_batch(tokenizer, batch: list[Problem]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded (input_ids, attention_mask, labels); labels only on the answer and EOS."""
+    rows = [(prompt_ids(tokenizer, p), answer_ids(tokenizer, p)) for p in batch]
+    width = max(len(a) + len(b) for a, b in rows)
+    ids = torch.full((len(rows), width), tokenizer.pad_token_id)
+    labels = torch.full((len(rows), width), -100)
+    attention = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, (prompt, answer) in enumerate(rows):
+        seq = prompt + answer
+        ids[i, : len(seq)] = torch.tensor(seq)
+        labels[i, len(prompt) : len(seq)] = torch.tensor(answer)
+        attention[i, : len(seq)] = 1
+    return ids, attention, labels
+
+
+@torch.no_grad()
+def sampled_accuracy(model, tokenizer, task: Task, batch: list[Problem], max_new_tokens: int, seed: int) -> float:
+    """Exact-match accuracy of temperature-1 samples (one per problem)."""
+    prompts = [prompt_ids(tokenizer, p) for p in batch]
+    width = max(map(len, prompts))
+    pad = tokenizer.pad_token_id
+    input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    attention = (input_ids != pad).long()
+    torch.manual_seed(seed)
+    out = model.generate(input_ids=input_ids, attention_mask=attention, do_sample=True, temperature=1.0, top_k=0,
+                         top_p=1.0, max_new_tokens=max_new_tokens, pad_token_id=pad, eos_token_id=tokenizer.eos_token_id)
+    texts = tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
+    return sum(task.reward(p, t) for p, t in zip(batch, texts)) / len(batch)
+
+
+def warm_start_key(cfg: TrainConfig) -> str:
+    spec = {"v": WARMSTART_VERSION, "task": cfg.task, "task_params": cfg.task_params, "seed": cfg.seed,
+            "max_new_tokens": cfg.max_new_tokens, "warm_start": cfg.warm_start.model_dump()}
+    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def default_model(cfg: TrainConfig, progress=None) -> Path:
+    """Path of the warm-started default model for ``cfg`` (trained now if not cached)."""
+    target = cache_root() / "warmstart" / f"{cfg.task}-{warm_start_key(cfg)}"
+    if (target / "warmstart.json").exists():
+        log.info("warm start: reusing %s", target)
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    ws = cfg.warm_start
+    task = make_task(cfg.task, **cfg.task_params)
+    tokenizer = build_char_tokenizer()
+    model = build_tiny_qwen2(tokenizer, seed=cfg.seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=ws.lr, weight_decay=0.0)
+    rng = random.Random(cfg.seed)
+    eval_set = problems(task, ws.eval_problems, seed=cfg.seed + 10_000)
+    start, accuracy, step = time.time(), 0.0, 0
+    for step in range(1, ws.max_steps + 1):
+        ids, attention, labels = sft_batch(tokenizer, [task.sample(rng) for _ in range(ws.batch_size)])
+        loss = model(input_ids=ids, attention_mask=attention, labels=labels).loss
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        if step % ws.eval_every == 0:
+            model.eval()
+            accuracy = sampled_accuracy(model, tokenizer, task, eval_set, cfg.max_new_tokens, seed=cfg.seed + step)
+            model.train()
+            if progress is not None:
+                progress(step, ws.max_steps, loss.item(), accuracy)
+            if accuracy >= ws.target_accuracy:
+                break
+    if accuracy < ws.target_accuracy:
+        log.warning("warm start reached only %.0f%% sampled accuracy in %d steps", 100 * accuracy, step)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    (tmp / "warmstart.json").write_text(json.dumps(
+        {"steps": step, "sampled_accuracy": accuracy, "seconds": round(time.time() - start, 1), "task": cfg.task}))
+    try:
+        tmp.rename(target)  # atomic: a half-written cache entry is never visible
+    except OSError:  # another process finished first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
