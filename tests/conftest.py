@@ -54,3 +54,21 @@ def random_batch(seed: int, b: int = 6, t: int = 9, noise: float = 0.3) -> dict[
     logprobs = (old + 0.1 * torch.randn(b, t, generator=g)).clamp(max=0.0)
     adv = torch.randn(b, 1, generator=g).expand(b, t).contiguous()
     return {"old": old, "rollout": rollout, "logprobs": logprobs, "adv": adv, "mask": mask}
+
+
+@pytest.fixture(scope="session")
+def offpolicy_cache(tmp_path_factory):
+    """One warm-start cache for the whole session (the warm start runs once, ~15 s)."""
+    path = tmp_path_factory.mktemp("offpolicy-cache")
+    old = os.environ.get("OFFPOLICY_CACHE")
+    os.environ["OFFPOLICY_CACHE"] = str(path)
+    yield path
+    if old is None:
+        os.environ.pop("OFFPOLICY_CACHE", None)
+    else:
+        os.environ["OFFPOLICY_CACHE"] = old
+
+
+# a small, fast training config shared by the end-to-end tests (same warm start for all)
+FAST = ["engine=hf", "engine_dtype=fp32", "prompts_per_step=4", "group_size=4", "minibatches=2", "eval_every=2",
+        "eval_problems=16", "checkpoint_every=2"]

@@ -52,6 +52,8 @@ def _cmd_train(args: argparse.Namespace, console: Console) -> int:
     config_path = None
     if items and "=" not in items[0]:
         config_path = items.pop(0)
+        if not Path(config_path).is_file() and not config_path.endswith((".yaml", ".yml")):
+            raise ConfigError(f"{config_path!r} is neither a config file nor a key=value override (e.g. steps=100)")
     resume = None
     if args.resume is not None:
         resume = Path(args.resume)

@@ -129,7 +129,7 @@ def train(cfg: TrainConfig, resume: Path | None = None, console: Console | None 
             shutil.rmtree(run_dir, ignore_errors=True)  # nothing half-written
         raise
 
-    completed, updating, interrupted = start_step, False, False
+    completed, updating, interrupted, failed = start_step, False, False, False
     try:
         for step in range(start_step, cfg.steps):
             t0 = time.perf_counter()
@@ -193,9 +193,14 @@ def train(cfg: TrainConfig, resume: Path | None = None, console: Console | None 
         where = latest_checkpoint(run_dir).name if (run_dir / "checkpoints" / "latest").exists() else "none yet"
         console.print(f"[yellow]interrupted after {completed} steps; checkpoint: {where}. Continue with "
                       f"offpolicy train --resume {run_dir}[/yellow]")
+    except BaseException:
+        failed = True
+        raise
     finally:
         logger.close()
         engine.close()
+        if failed and created and not (run_dir / "checkpoints").exists():
+            shutil.rmtree(run_dir, ignore_errors=True)  # a run that never checkpointed leaves nothing
     plot = logger.plot()
     summary = logger.summary()
     console.print(f"metrics: {logger.path}  plots: {plot}  tensorboard: {run_dir / 'tensorboard'}")

@@ -1,0 +1,51 @@
+"""Run by tests/test_vllm.py in its own process (vLLM changes process-wide thread and seed
+state): checks that weight sync is real. Prints one JSON object."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import time
+
+if __name__ == "__main__":
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    import torch
+
+    from offpolicy.engines import SamplingConfig
+    from offpolicy.engines.vllm import VLLMEngine
+    from offpolicy.tasks.model import build_tiny_qwen2
+    from offpolicy.tasks.tokenizer import build_char_tokenizer
+    from offpolicy.train.batch import to_batch, trainer_logprobs
+
+    dtype = sys.argv[1] if len(sys.argv) > 1 else "fp32"
+    tok = build_char_tokenizer()
+    trainer = build_tiny_qwen2(tok, seed=5)
+    path = tempfile.mkdtemp()
+    trainer.save_pretrained(path)
+    tok.save_pretrained(path)
+    engine = VLLMEngine(path, dtype=dtype, seed=0)
+    prompts = [[1, 5, 6, 7, 17], [1, 43, 30, 47, 25, 8, 9, 17]] * 8
+
+    def gap(sampling: SamplingConfig, seed: int) -> dict[str, float]:
+        rollouts = engine.generate(prompts, sampling, seed=seed, version=0)
+        batch = to_batch(rollouts, tok.pad_token_id)
+        with torch.no_grad():
+            ours = trainer_logprobs(trainer, batch, sampling)
+        diff = (ours - batch.rollout_logprobs).abs() * batch.mask
+        return {"max": diff.max().item(), "mean": (diff.sum() / batch.mask.sum()).item(), "tokens": batch.mask.sum().item()}
+
+    plain = SamplingConfig(max_tokens=8)
+    truncated = SamplingConfig(max_tokens=8, temperature=0.7, top_p=0.8, top_k=5)
+    out = {"dtype": dtype, "at_start": gap(plain, 0)}
+    with torch.no_grad():
+        for p in trainer.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    out["without_sync"] = gap(plain, 1)
+    start = time.perf_counter()
+    engine.sync_weights(trainer.state_dict().items())
+    out["sync_ms"] = (time.perf_counter() - start) * 1e3
+    out["after_sync"] = gap(plain, 2)
+    out["after_sync_top_p_top_k_temperature"] = gap(truncated, 3)
+    print("RESULT " + json.dumps(out))
