@@ -67,6 +67,101 @@ def _cmd_train(args: argparse.Namespace, console: Console) -> int:
     return 130 if result.interrupted else 0
 
 
+DIAGNOSE_HEADLINE = ["kl_k1", "kl_k3", "ppl_ratio", "chi2_token", "chi2_seq", "abs_logp_diff_mean",
+                     "abs_logp_diff_max", "prob_diff_max", "ess"]
+
+
+def _diagnose_settings(args: argparse.Namespace) -> list[dict]:
+    base = {"engine": args.engine, "engine_dtype": args.engine_dtype, "trainer_dtype": args.trainer_dtype,
+            "logit_noise": args.logit_noise}
+    if not args.compare:
+        return [base]
+    key, _, values = args.compare.partition("=")
+    key = key.strip().replace("-", "_")
+    if key not in base or not values:
+        raise ConfigError(f"--compare {args.compare!r}: expected KEY=V1,V2,... with KEY one of {', '.join(base)}")
+    settings = []
+    for raw in values.split(","):
+        value = float(raw) if key == "logit_noise" else raw.strip()
+        settings.append({**base, key: value})
+    return settings
+
+
+def _cmd_diagnose(args: argparse.Namespace, console: Console) -> int:
+    import json
+    from pathlib import Path
+
+    from offpolicy import diagnose
+    from offpolicy.engines import SamplingConfig
+    from offpolicy.tasks import make_task, problems
+    from offpolicy.tasks.tokenizer import load_tokenizer
+    from offpolicy.train.config import TrainConfig
+    from offpolicy.train.loop import resolve_model
+    from offpolicy.train.warmstart import prompt_ids
+
+    if args.n <= 0 or args.max_tokens <= 0:
+        raise ConfigError("--n and --max-tokens must be positive")
+    settings = _diagnose_settings(args)
+    sampling = SamplingConfig(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                              top_k=args.top_k)
+    model_path = resolve_model(TrainConfig(model=args.model, task=args.task, engine="hf"), console)
+    tokenizer = load_tokenizer(model_path)
+    if args.prompts:
+        prompts = diagnose.read_prompts(Path(args.prompts), tokenizer)
+    else:
+        prompts = [prompt_ids(tokenizer, p) for p in problems(make_task(args.task), args.n, seed=args.seed)]
+    prompts = [prompts[i % len(prompts)] for i in range(args.n)]
+    out = Path(args.out)
+    reports = []
+    for setting in settings:
+        name = f"{setting['engine']}-{setting['engine_dtype']}-vs-{setting['trainer_dtype']}"
+        if setting["logit_noise"]:
+            name += f"-noise{setting['logit_noise']}"
+        console.print(f"diagnose: {name} on {len(prompts)} samples ...")
+        s = diagnose.sample(model_path, tokenizer, prompts, setting["engine"], setting["engine_dtype"],
+                            setting["trainer_dtype"], sampling, seed=args.seed, logit_noise=setting["logit_noise"])
+        reports.append(diagnose.report(s, {**setting, "name": name, "model": str(model_path),
+                                           "sampling": sampling.__dict__}, out / name if len(settings) > 1 else out))
+    out.mkdir(parents=True, exist_ok=True)
+    body = reports[0] if len(reports) == 1 else {"runs": reports}
+    (out / "report.json").write_text(json.dumps(body, indent=1))
+    _print_diagnosis(console, reports)
+    console.print(f"report: {out / 'report.json'}  plots: {', '.join(p for r in reports for p in r.get('plots', []))}")
+    return 0
+
+
+def _print_diagnosis(console: Console, reports: list[dict]) -> None:
+    table = Table(title="mismatch: trainer π vs engine μ on the engine's samples")
+    table.add_column("metric")
+    for r in reports:
+        table.add_column(r["setting"]["name"], justify="right")
+    for key in DIAGNOSE_HEADLINE:
+        table.add_row(key, *(f"{r['mismatch'][key]:.4g}" for r in reports))
+    for key in ("log1.1", "log2"):
+        table.add_row(f"|log ρ| > {key}", *(f"{r['breakdowns']['fraction_abs_log_ratio_above'][key]:.4f}"
+                                             for r in reports))
+    table.add_row("tokens", *(f"{r['tokens']:.0f}" for r in reports))
+    table.add_row("engine tokens/s", *(f"{r['engine_tokens_per_s']:.0f}" for r in reports))
+    console.print(table)
+    for r in reports:
+        by_prob = Table(title=f"{r['setting']['name']}: where the mismatch lives (token probability under π)")
+        for col in ("π(y_t)", "tokens", "share", "mean |log ρ|", "k3", "share of Σ|log ρ|"):
+            by_prob.add_column(col, justify="right")
+        for row in r["breakdowns"]["by_probability"]:
+            by_prob.add_row(row["bucket"], str(row["tokens"]), f"{row['token_share']:.3f}",
+                            f"{row['abs_log_ratio_mean']:.4f}", f"{row['kl_k3']:.2e}", f"{row['abs_log_ratio_share']:.3f}")
+        console.print(by_prob)
+    what_if = Table(title="what-if: each preset on this batch (first setting: " + reports[0]["setting"]["name"] + ")")
+    what_if.add_column("preset", no_wrap=True)
+    for col in ("tokens rejected", "seqs rejected", "w mean", "w min", "w max", "ESS"):
+        what_if.add_column(col, justify="right")
+    for row in reports[0]["what_if"]:
+        what_if.add_row(row["preset"], f"{row['token_rejected']:.4f}", f"{row['seq_rejected']:.4f}",
+                        f"{row['weight_mean']:.4f}", f"{row['weight_min']:.4f}", f"{row['weight_max']:.4f}",
+                        f"{row['ess']:.4f}")
+    console.print(what_if)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="offpolicy",
@@ -81,6 +176,26 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its latest checkpoint")
     t.add_argument("--no-progress", action="store_true", help="no progress bar (logs and summary only)")
     t.set_defaults(func=_cmd_train)
+    d = sub.add_parser("diagnose", help="measure an engine's mismatch against the trainer, with a what-if table",
+                       description="Sample with an engine, recompute the same tokens with the trainer, and report "
+                       "the mismatch, where it lives, and what every preset would do to this batch.")
+    d.add_argument("--model", default="default", help="local HF model path, or 'default' (embedded tiny model)")
+    d.add_argument("--engine", choices=["vllm", "hf"], default="vllm")
+    d.add_argument("--engine-dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
+    d.add_argument("--trainer-dtype", choices=["fp32", "bf16"], default="fp32")
+    src = d.add_mutually_exclusive_group()
+    src.add_argument("--prompts", metavar="FILE.jsonl", help="one JSON object per line with a 'prompt' field")
+    src.add_argument("--task", choices=["reverse", "addition"], default="reverse", help="synthetic prompts")
+    d.add_argument("--n", type=int, default=512, help="number of samples")
+    d.add_argument("--max-tokens", type=int, default=64)
+    d.add_argument("--temperature", type=float, default=1.0)
+    d.add_argument("--top-p", type=float, default=1.0)
+    d.add_argument("--top-k", type=int, default=-1)
+    d.add_argument("--logit-noise", type=float, default=0.0, help="additive engine logit noise σ (hf engine)")
+    d.add_argument("--compare", metavar="KEY=V1,V2", help="several settings side by side, e.g. engine_dtype=bf16,fp16,fp32")
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--out", default="diagnose", help="output directory (report.json, PNG plots)")
+    d.set_defaults(func=_cmd_diagnose)
     p = sub.add_parser("presets", help="list the correction presets, or show one")
     p.add_argument("name", nargs="?", help="a preset name, e.g. verl:decoupled_token_is")
     p.set_defaults(func=_cmd_presets)

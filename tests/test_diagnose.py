@@ -1,0 +1,120 @@
+"""`offpolicy diagnose` on the HF engine (bf16 engine vs fp32 trainer as the mismatch source):
+report schema, what-if numbers equal to `correct` on the same tensors, breakdowns, CLI errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+import offpolicy as op
+from offpolicy import diagnose
+from offpolicy.engines import SamplingConfig
+from offpolicy.tasks import make_task, problems
+from offpolicy.tasks.model import build_tiny_qwen2
+from offpolicy.tasks.tokenizer import build_char_tokenizer
+from offpolicy.train.warmstart import prompt_ids
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("tiny")
+    tok = build_char_tokenizer()
+    build_tiny_qwen2(tok, hidden_size=64, num_layers=2, seed=2).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def diag(*args: str, cache: Path | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, **({"OFFPOLICY_CACHE": str(cache)} if cache else {})}
+    return subprocess.run([shutil.which("offpolicy"), "diagnose", *args], capture_output=True, text=True,
+                          timeout=600, env=env)
+
+
+@pytest.fixture(scope="module")
+def bf16_sample(tiny_model):
+    tok = build_char_tokenizer()
+    prompts = [prompt_ids(tok, p) for p in problems(make_task("reverse"), 48, seed=1)]
+    return diagnose.sample(tiny_model, tok, prompts, "hf", "bf16", "fp32", SamplingConfig(max_tokens=12))
+
+
+def test_what_if_equals_correct_on_the_same_tensors(bf16_sample):
+    s = bf16_sample
+    rows = {r["preset"]: r for r in diagnose.what_if(s)}
+    assert set(rows) == set(op.presets.names())
+    for name in ("recommended", "verl:decoupled_geo_rs", "trl:sequence_mask", "skyrl:token_mask"):
+        out = op.correct(s.trainer, s.batch.rollout_logprobs, s.batch.mask, name, logprobs=s.trainer,
+                         advantages=torch.zeros_like(s.batch.mask))
+        assert rows[name]["token_rejected"] == out.metrics["masked_fraction"]
+        assert rows[name]["weight_mean"] == out.metrics["is_mean"]
+        assert rows[name]["ess"] == out.metrics["is_ess"]
+        non_empty = s.batch.mask.any(-1)
+        expected_seq = float((non_empty & ~out.mask.bool().any(-1)).sum() / non_empty.sum())
+        assert rows[name]["seq_rejected"] == pytest.approx(expected_seq)
+
+
+def test_bf16_engine_has_small_nonzero_mismatch(bf16_sample):
+    m = diagnose.mismatch(bf16_sample)
+    assert 0 < m["abs_logp_diff_mean"] < 0.05
+    b = diagnose.breakdowns(bf16_sample)
+    assert sum(r["tokens"] for r in b["by_probability"]) == m["valid_tokens"]
+    assert sum(r["tokens"] for r in b["by_position"]) == m["valid_tokens"]
+    assert sum(r["abs_log_ratio_share"] for r in b["by_probability"]) == pytest.approx(1.0)
+    assert 0 <= b["fraction_abs_log_ratio_above"]["log2"] <= b["fraction_abs_log_ratio_above"]["log1.1"] <= 1
+
+
+@pytest.mark.slow
+def test_cli_report_and_plots(tiny_model, tmp_path):
+    out = tmp_path / "d"
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": f"rev {n}="}) for n in (123, 4567, 89)) + "\n")
+    result = diag("--model", str(tiny_model), "--engine", "hf", "--prompts", str(prompts), "--n", "24",
+                  "--max-tokens", "8", "--out", str(out))
+    assert result.returncode == 0, result.stderr[-2000:]
+    report = json.loads((out / "report.json").read_text())
+    assert {"setting", "samples", "tokens", "mismatch", "breakdowns", "what_if", "plots"} <= report.keys()
+    assert report["samples"] == 24
+    for key in ("kl_k1", "kl_k3", "ppl_ratio", "chi2_token", "chi2_seq", "ess", "abs_logp_diff_max"):
+        assert key in report["mismatch"]
+    for plot in report["plots"]:
+        assert Path(plot).stat().st_size > 5_000
+    assert "what-if" in result.stdout and "recommended" in result.stdout
+
+
+@pytest.mark.slow
+def test_cli_compare_fp32_has_no_mismatch(tiny_model, tmp_path):
+    result = diag("--model", str(tiny_model), "--engine", "hf", "--n", "16", "--max-tokens", "6",
+                  "--compare", "engine_dtype=bf16,fp32", "--out", str(tmp_path / "c"))
+    assert result.returncode == 0, result.stderr[-2000:]
+    runs = json.loads((tmp_path / "c" / "report.json").read_text())["runs"]
+    by = {r["setting"]["engine_dtype"]: r["mismatch"] for r in runs}
+    assert by["fp32"]["abs_logp_diff_max"] < 1e-4 < by["bf16"]["abs_logp_diff_max"]
+
+
+@pytest.mark.parametrize("content, message", [
+    ("", "holds no prompt"),
+    ('{"text": "a"}\n', "p.jsonl:1: each line needs a string field \\\"prompt\\\""),
+    ("not json\n", "p.jsonl:1: not valid JSON"),
+])
+def test_cli_prompt_file_errors(tiny_model, tmp_path, content, message):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(content)
+    result = diag("--model", str(tiny_model), "--engine", "hf", "--prompts", str(prompts))
+    assert result.returncode == 2
+    assert message.replace("\\", "") in result.stderr
+
+
+def test_cli_model_without_tokenizer(tmp_path):
+    build_tiny_qwen2(build_char_tokenizer(), hidden_size=64, num_layers=1).save_pretrained(tmp_path)
+    result = diag("--model", str(tmp_path), "--engine", "hf")
+    assert result.returncode == 2 and "has no tokenizer files" in result.stderr
+
+
+def test_cli_bad_compare(tiny_model):
+    result = diag("--model", str(tiny_model), "--engine", "hf", "--compare", "colour=red")
+    assert result.returncode == 2 and "expected KEY=V1,V2,..." in result.stderr
