@@ -137,6 +137,7 @@ def policy_loss(
     *,
     ref_logprobs: torch.Tensor | None = None,
     reduce: bool = True,
+    implementation: str = "auto",
 ) -> tuple[torch.Tensor, Metrics] | tuple[torch.Tensor, torch.Tensor, Metrics]:
     """The corrected policy loss (SPEC §5) — formulas in the module docstring.
 
@@ -151,6 +152,9 @@ def policy_loss(
         ref_logprobs:     [B, T] reference log-probs for the KL term (needed if kl_coef > 0;
                           when given, ``kl_ref`` is reported either way).
         reduce:           False returns the unreduced ``[B, T]`` loss for host frameworks.
+        implementation:   "auto" (the fused fast path of ``offpolicy.fused`` where it applies, else
+                          this readable one), "reference" (always this one, the oracle) or
+                          "fused" (raise if the fast path does not apply).
 
     Returns:
         reduce=True:  (loss scalar, metrics).
@@ -171,6 +175,20 @@ def policy_loss(
         old_logprobs = rollout_logprobs  # bypass: PPO's ratio becomes π_θ/μ
     if old_logprobs is None and cfg.kind != "reinforce":
         raise ValueError(f"kind '{cfg.kind}' needs old_logprobs (or correction.anchor 'rollout' to use μ as π_old)")
+    if implementation not in ("auto", "reference", "fused"):
+        raise ValueError(f"implementation must be 'auto', 'reference' or 'fused'; got {implementation!r}")
+    if implementation != "reference":
+        from offpolicy import fused
+
+        if fused.supports(cfg, ref_logprobs):
+            out = fused.fused_policy_loss(logprobs, old_logprobs, advantages, mask, rollout_logprobs, cfg, reduce)
+            if out is not None:
+                return out
+            if implementation == "fused":
+                raise ValueError("the fused path does not take non-finite inputs; use implementation='auto'")
+        elif implementation == "fused":
+            raise ValueError(f"the fused path supports kinds {fused.FUSED_KINDS} without a KL term; got kind "
+                             f"'{cfg.kind}'{' with ref_logprobs' if ref_logprobs is not None else ''}")
 
     if corr_cfg is not None:
         corr = correct(
