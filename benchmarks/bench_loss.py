@@ -1,17 +1,22 @@
-"""Time correct + policy_loss, forward + backward, against a straightforward reference.
+"""Time correct + policy_loss, forward + backward: fused fast path vs the readable oracle.
 
 Configuration: token TIS (w = min(ρ, 2)) + PPO clip (ε = 0.2), token-mean, fp32, right-padded
-rows of random length. The *reference* is written the way framework code usually is — one
-masked mean per metric, each pulled to a Python float — and computes the same loss and a
-comparable metric set (mismatch KL, PPL, χ², IS stats, clip fraction); it lives in this file so
-the two are timed in the same process on the same inputs.
+rows of random length, full offpolicy metric set. Implementations, timed in the same process on
+the same inputs:
 
-Reported per size and implementation: median wall time of ≥ 5 runs (after a warm-up), and peak
-extra resident memory during one forward + backward (Linux VmHWM, reset before each run), in
-MB and in units of B·T fp32 (4 bytes per token). Ratios are against the reference.
+* ``offpolicy readable`` — ``policy_loss(..., implementation="reference")``, the oracle;
+* ``offpolicy fused``    — the default fast path (``offpolicy.fused``);
+* ``framework-style``    — written in this file the way framework code usually is: autograd
+  through every op, one masked mean per metric, each pulled to a Python float (fewer metrics);
+* ``OpenRLHF PolicyLoss`` — optional, when ``openrlhf`` is importable (``pip install openrlhf
+  --no-deps``; its loss module imports once ``deepspeed`` is stubbed); it computes no IS metrics.
 
-    python benchmarks/bench_loss.py                # 64×1024 and 256×4096
-    python benchmarks/bench_loss.py --sizes 64x1024 --repeats 3
+Reported: median wall time of ≥ 5 runs after a warm-up, and peak extra resident memory of one
+forward + backward, measured in a fresh process (Linux VmHWM), in MB and in units of B·T fp32.
+Ratios are against ``offpolicy readable`` measured in the same run.
+
+    python benchmarks/bench_loss.py                # 64×1024, 256×4096, 1024×8192
+    python benchmarks/bench_loss.py --sizes 256x4096 --repeats 5
 """
 
 from __future__ import annotations
@@ -72,12 +77,50 @@ def reference(logprobs, old, rollout, adv, mask) -> tuple[torch.Tensor, dict[str
     return loss, metrics
 
 
-def offpolicy_impl(logprobs, old, rollout, adv, mask) -> tuple[torch.Tensor, dict[str, float]]:
-    loss, metrics = op.policy_loss(logprobs, old, adv, mask, rollout_logprobs=rollout, config=CFG)
+def readable_impl(logprobs, old, rollout, adv, mask) -> tuple[torch.Tensor, dict[str, float]]:
+    loss, metrics = op.policy_loss(logprobs, old, adv, mask, rollout_logprobs=rollout, config=CFG,
+                                   implementation="reference")
     return loss, metrics.to_dict()
 
 
-IMPLEMENTATIONS: dict[str, Callable] = {"reference (unfused)": reference, "offpolicy": offpolicy_impl}
+def fused_impl(logprobs, old, rollout, adv, mask) -> tuple[torch.Tensor, dict[str, float]]:
+    loss, metrics = op.policy_loss(logprobs, old, adv, mask, rollout_logprobs=rollout, config=CFG,
+                                   implementation="fused")
+    return loss, metrics.to_dict()
+
+
+def openrlhf_impl():
+    """OpenRLHF's PolicyLoss with its vLLM TIS correction, or None when it is not importable."""
+    import sys
+    import types
+
+    try:
+        if "deepspeed" not in sys.modules:
+            sys.modules["deepspeed"] = types.ModuleType("deepspeed")  # its loss module only imports the name
+        from openrlhf.models.loss import PolicyLoss
+    except Exception:  # noqa: BLE001 — optional baseline
+        return None
+    try:
+        loss_fn = PolicyLoss(clip_eps_low=0.2, clip_eps_high=0.2, enable_vllm_is_correction=True,
+                             vllm_is_truncated_threshold=[0.5, 2.0], vllm_is_correction_type="tis")
+    except TypeError:
+        return None
+
+    def run(logprobs, old, rollout, adv, mask):
+        out = loss_fn(logprobs, old, adv, action_mask=mask, rollout_log_probs=rollout)
+        return (out[0] if isinstance(out, tuple) else out), {}
+
+    return run
+
+
+IMPLEMENTATIONS: dict[str, Callable] = {
+    "offpolicy readable": readable_impl,
+    "offpolicy fused": fused_impl,
+    "framework-style": reference,
+}
+_openrlhf = openrlhf_impl()
+if _openrlhf is not None:
+    IMPLEMENTATIONS["OpenRLHF PolicyLoss (optional)"] = _openrlhf
 
 
 # ------------------------------------------------------------------------- measuring
@@ -137,12 +180,17 @@ def median_ms(fn: Callable, inputs: dict[str, torch.Tensor], repeats: int) -> fl
 
 
 def check_agreement(inputs: dict[str, torch.Tensor]) -> None:
-    """The two implementations must compute the same loss, or the timing means nothing."""
-    ref_loss, ref_m = reference(**{k: inputs[k] for k in ("logprobs", "old", "rollout", "adv", "mask")})
-    our_loss, our_m = offpolicy_impl(**{k: inputs[k] for k in ("logprobs", "old", "rollout", "adv", "mask")})
-    assert math.isclose(ref_loss.item(), our_loss.item(), rel_tol=1e-4, abs_tol=1e-6), (ref_loss, our_loss)
+    """The implementations must compute the same loss, or the timing means nothing."""
+    args = {k: inputs[k] for k in ("logprobs", "old", "rollout", "adv", "mask")}
+    ref_loss, ref_m = readable_impl(**args)
+    fused_loss, fused_m = fused_impl(**args)
+    style_loss, style_m = reference(**args)
+    for loss in (fused_loss, style_loss):
+        assert math.isclose(ref_loss.item(), loss.item(), rel_tol=1e-4, abs_tol=1e-6), (ref_loss, loss)
+    for key, value in ref_m.items():
+        assert math.isclose(value, fused_m[key], rel_tol=1e-5, abs_tol=1e-7) or math.isnan(value), key
     for key in ("kl_k1", "is_mean", "clip_fraction", "ess"):
-        assert math.isclose(ref_m[key], our_m[f"offpolicy/{key}"], rel_tol=1e-3, abs_tol=1e-6), key
+        assert math.isclose(style_m[key], ref_m[f"offpolicy/{key}"], rel_tol=1e-3, abs_tol=1e-6), key
 
 
 def peak_extra_mb_in_subprocess(name: str, b: int, t: int) -> float:
@@ -158,7 +206,7 @@ def peak_extra_mb_in_subprocess(name: str, b: int, t: int) -> float:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", default="64x1024,256x4096", help="comma-separated BxT")
+    parser.add_argument("--sizes", default="64x1024,256x4096,1024x8192", help="comma-separated BxT")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--memory-of", default=None, help=argparse.SUPPRESS)  # internal: one memory probe
@@ -173,7 +221,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     console = Console()
     table = Table(title=f"correct + policy_loss, fwd+bwd, fp32, {torch.get_num_threads()} threads, median of {args.repeats}")
-    for col in ("B×T", "implementation", "median ms", "× reference", "peak extra MB", "peak / (B·T fp32)"):
+    for col in ("B×T", "implementation", "median ms", "× readable", "peak extra MB", "peak / (B·T fp32)"):
         table.add_column(col, justify="right" if col != "implementation" else "left")
     for size in args.sizes.split(","):
         b, t = (int(x) for x in size.lower().split("x"))

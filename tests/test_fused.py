@@ -157,3 +157,19 @@ def test_bf16_inputs_give_bf16_grads():
     loss, _ = op.policy_loss(lp, batch["old"].bfloat16(), batch["adv"], batch["mask"])
     loss.backward()
     assert loss.dtype == torch.float32 and lp.grad.dtype == torch.bfloat16
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["ppo", "cispo", "reinforce"])
+def test_compiled_core_equals_reference(monkeypatch, kind):
+    """The torch.compile'd core (the default for batches ≥ 65,536 tokens) against the oracle."""
+    monkeypatch.setenv("OFFPOLICY_COMPILE", "1")
+    before = fused._compiled.cache_info().misses
+    for seed in (1, 2):
+        batch = next_batch(seed)
+        for i, correction in enumerate(CORRECTIONS):
+            extra = {"dual_clip": 3.0} if kind == "ppo" and i % 2 else {}
+            agg = AGGS[i % len(AGGS)]
+            assert_equivalent(batch, op.LossConfig(kind=kind, agg=agg, correction=correction, **extra))
+            assert_equivalent(batch, op.LossConfig(kind=kind, correction=correction, **extra), reduce=False)
+    assert fused._compiled.cache_info().misses > before, "the compiled core was never used"

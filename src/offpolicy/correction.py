@@ -344,8 +344,11 @@ def mismatch_metrics(
     mean_rollout = ops.masked_mean(rollout, valid, dim=-1)
     metrics.mean("ppl_train", ops.safe_exp(-mean_train, None), rows)
     metrics.mean("ppl_rollout", ops.safe_exp(-mean_rollout, None), rows)
-    metrics.mean("log_ppl_diff", mean_rollout - mean_train, rows)
-    metrics.mean("ppl_ratio", ops.safe_exp(mean_rollout - mean_train, None), rows)
+    # mean_t(log μ − log π) per row, not mean_t log μ − mean_t log π: the same number without
+    # the cancellation of two large fp32 means
+    log_ppl_diff = ops.masked_mean(rollout - trainer, valid, dim=-1)
+    metrics.mean("log_ppl_diff", log_ppl_diff, rows)
+    metrics.mean("ppl_ratio", ops.safe_exp(log_ppl_diff, None), rows)
     abs_diff = log_ratio.abs()
     metrics.mean("abs_logp_diff_mean", abs_diff, valid)
     metrics.max("abs_logp_diff_max", abs_diff, valid)

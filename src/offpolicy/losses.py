@@ -181,7 +181,11 @@ def policy_loss(
         from offpolicy import fused
 
         if fused.supports(cfg, ref_logprobs):
-            out = fused.fused_policy_loss(logprobs, old_logprobs, advantages, mask, rollout_logprobs, cfg, reduce)
+            out = None
+            if fused._use_compiled(mask.numel()):
+                out = fused.compiled_policy_loss(logprobs, old_logprobs, advantages, mask, rollout_logprobs, cfg, reduce)
+            if out is None:
+                out = fused.fused_policy_loss(logprobs, old_logprobs, advantages, mask, rollout_logprobs, cfg, reduce)
             if out is not None:
                 return out
             if implementation == "fused":
