@@ -220,20 +220,26 @@ def fused_policy_loss(logprobs, old_logprobs, advantages, mask, rollout_logprobs
 
 def _aggregate(per_token, mask, cfg: LossConfig):
     """(∂L/∂ℓ_t as a broadcastable tensor, Σ contributions, count) for each aggregation."""
+    numerator, count, row_scale = row_aggregation(per_token.sum(-1), mask.sum(-1), cfg, per_token.shape[-1])
+    return (row_scale / count.clamp(min=1)).unsqueeze(-1), numerator, count
+
+
+def row_aggregation(row_sum, row_count, cfg: LossConfig, width: int):
+    """From per-row loss sums and denominator counts ``[B]``: (numerator, count, row_scale) with
+    loss = numerator / max(count, 1) and ∂loss/∂ℓ_bt = row_scale_b / max(count, 1)."""
     if cfg.agg == "token-mean":
-        count = torch.as_tensor(cfg.global_tokens if cfg.global_tokens is not None else mask.sum(), dtype=torch.float32)
-        return 1.0 / count.clamp(min=1), per_token.sum(), count
-    row_count = mask.sum(-1)  # [B]
-    count = torch.as_tensor(cfg.global_seqs if cfg.global_seqs is not None else (row_count > 0).sum(),
-                            dtype=torch.float32)
-    if cfg.agg == "seq-mean-token-mean":
-        row_scale = 1.0 / row_count.clamp(min=1)
-    elif cfg.agg == "seq-mean-token-sum":
+        count = cfg.global_tokens if cfg.global_tokens is not None else row_count.sum()
         row_scale = torch.ones_like(row_count)
     else:
-        row_scale = torch.full_like(row_count, 1.0 / float(cfg.max_len or per_token.shape[-1]))
-    numerator = (per_token.sum(-1) * row_scale).sum()
-    return (row_scale / count.clamp(min=1)).unsqueeze(-1), numerator, count
+        count = cfg.global_seqs if cfg.global_seqs is not None else (row_count > 0).sum()
+        if cfg.agg == "seq-mean-token-mean":
+            row_scale = 1.0 / row_count.clamp(min=1)
+        elif cfg.agg == "seq-mean-token-sum":
+            row_scale = torch.ones_like(row_count)
+        else:
+            row_scale = torch.full_like(row_count, 1.0 / float(cfg.max_len or width))
+    count = torch.as_tensor(count, dtype=row_sum.dtype, device=row_sum.device)
+    return (row_sum * row_scale).sum(), count, row_scale
 
 
 def _mismatch_metrics(metrics, trainer_m, rollout_m, log_ratio, ratio, em1, m, valid, n, clamp):
@@ -522,20 +528,7 @@ def compiled_policy_loss(logprobs, old_logprobs, advantages, mask, rollout_logpr
         metrics.ratio("dual_clip_fraction", S["dual"], n_keep)
     if "approx_kl" in S:
         metrics.ratio("approx_kl", S["approx_kl"], n_keep)
-    row_sum, den_rows = loss_rows[0], loss_rows[1]
-    if config.agg == "token-mean":
-        count = torch.as_tensor(config.global_tokens if config.global_tokens is not None else den_rows.sum())
-        numerator, row_scale = row_sum.sum(), torch.ones_like(den_rows)
-    else:
-        count = torch.as_tensor(config.global_seqs if config.global_seqs is not None else (den_rows > 0).sum())
-        if config.agg == "seq-mean-token-mean":
-            row_scale = 1.0 / den_rows.clamp(min=1)
-        elif config.agg == "seq-mean-token-sum":
-            row_scale = torch.ones_like(den_rows)
-        else:
-            row_scale = torch.full_like(den_rows, 1.0 / float(config.max_len or mask.shape[-1]))
-        numerator = (row_sum * row_scale).sum()
-    count = count.to(torch.float64)
+    numerator, count, row_scale = row_aggregation(loss_rows[0], loss_rows[1], config, mask.shape[-1])
     if config.global_tokens is not None or config.global_seqs is not None:
         metrics.sum("loss", numerator / count.clamp(min=1))
     else:

@@ -32,7 +32,7 @@ from offpolicy.train.checkpoint import latest_checkpoint, load_trainer_state, sa
 from offpolicy.train.config import TrainConfig
 from offpolicy.train.logger import RunLogger
 from offpolicy.train.pipeline import RolloutPipeline
-from offpolicy.train.warmstart import default_model, prompt_ids, sampled_accuracy
+from offpolicy.train.warmstart import default_model, prompt_ids
 
 log = logging.getLogger(__name__)
 
