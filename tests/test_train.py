@@ -177,3 +177,30 @@ def test_existing_run_dir_is_not_overwritten(offpolicy_cache, tmp_path):
     (tmp_path / "taken" / "checkpoints").mkdir(parents=True)
     with pytest.raises(op.ConfigError, match="already holds a run; use --resume"):
         run(tmp_path, "taken", "steps=1")
+
+
+@pytest.mark.slow
+def test_ctrl_c_saves_a_checkpoint_and_resume_continues(offpolicy_cache, tmp_path):
+    import os
+    import signal
+    import time
+
+    out = tmp_path / "interrupted"
+    env = {**os.environ, "OFFPOLICY_CACHE": str(offpolicy_cache)}
+    proc = subprocess.Popen([shutil.which("offpolicy"), "train", *FAST, "steps=400", f"out_dir={out}", "--no-progress"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    deadline = time.time() + 240
+    while time.time() < deadline and proc.poll() is None:
+        if (out / "metrics.jsonl").exists() and len((out / "metrics.jsonl").read_text().splitlines()) >= 3:
+            break
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130, stderr[-2000:]
+    assert "interrupted after" in stdout and "--resume" in stdout
+    done = int((out / "checkpoints" / "latest").read_text().split("-")[1])
+    assert done >= 2
+    result = subprocess.run([shutil.which("offpolicy"), "train", "--resume", str(out), f"steps={done + 2}",
+                             "--no-progress"], capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert [r["step"] for r in records(out)] == list(range(done + 2))
