@@ -153,18 +153,21 @@ def _reset_peak_rss() -> bool:
         return False
 
 
-def run_once(fn: Callable, inputs: dict[str, torch.Tensor]) -> None:
-    lp = inputs["logprobs"].clone().requires_grad_(True)
+def run_once(fn: Callable, inputs: dict[str, torch.Tensor], lp: torch.Tensor | None = None) -> None:
+    lp = inputs["logprobs"].clone().requires_grad_(True) if lp is None else lp
     loss, _ = fn(lp, inputs["old"], inputs["rollout"], inputs["adv"], inputs["mask"])
     loss.backward()
 
 
 def peak_extra_mb(fn: Callable, inputs: dict[str, torch.Tensor]) -> float:
+    """Peak resident memory above the inputs (the π_θ leaf included) during forward + backward;
+    the gradient of π_θ, which every implementation must produce, is part of it."""
+    lp = inputs["logprobs"].clone().requires_grad_(True)
     gc.collect()
     if not _reset_peak_rss():
         return math.nan
     before = _status_kb("VmRSS")
-    run_once(fn, inputs)
+    run_once(fn, inputs, lp)
     peak = _status_kb("VmHWM")
     return math.nan if before is None or peak is None else (peak - before) / 1024
 

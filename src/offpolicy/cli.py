@@ -42,6 +42,14 @@ def _cmd_presets(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def _quiet_libraries() -> None:
+    """transformers draws a progress bar for every checkpoint write and weight load: ours is enough."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+
+
 def _cmd_train(args: argparse.Namespace, console: Console) -> int:
     from pathlib import Path
 
@@ -63,6 +71,7 @@ def _cmd_train(args: argparse.Namespace, console: Console) -> int:
             raise ConfigError(f"--resume {resume}: no config.yaml there; is it an offpolicy run directory?")
         config_path = resume / "config.yaml"
     cfg = load_train_config(config_path, items)
+    _quiet_libraries()
     result = train(cfg, resume=resume, console=console, progress=not args.no_progress)
     return 130 if result.interrupted else 0
 
@@ -102,6 +111,7 @@ def _cmd_diagnose(args: argparse.Namespace, console: Console) -> int:
     if args.n <= 0 or args.max_tokens <= 0:
         raise ConfigError("--n and --max-tokens must be positive")
     settings = _diagnose_settings(args)
+    _quiet_libraries()
     sampling = SamplingConfig(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                               top_k=args.top_k)
     model_path = resolve_model(TrainConfig(model=args.model, task=args.task, engine="hf"), console)
@@ -153,11 +163,11 @@ def _print_diagnosis(console: Console, reports: list[dict]) -> None:
         console.print(by_prob)
     what_if = Table(title="what-if: each preset on this batch (first setting: " + reports[0]["setting"]["name"] + ")")
     what_if.add_column("preset", no_wrap=True)
-    for col in ("tokens rejected", "seqs rejected", "w mean", "w min", "w max", "ESS"):
-        what_if.add_column(col, justify="right")
+    for col in ("tok rej", "seq rej", "w mean", "w min", "w max", "ESS"):
+        what_if.add_column(col, justify="right", no_wrap=True)
     for row in reports[0]["what_if"]:
-        what_if.add_row(row["preset"], f"{row['token_rejected']:.4f}", f"{row['seq_rejected']:.4f}",
-                        f"{row['weight_mean']:.4f}", f"{row['weight_min']:.4f}", f"{row['weight_max']:.4f}",
+        what_if.add_row(row["preset"], f"{row['token_rejected']:.1%}", f"{row['seq_rejected']:.1%}",
+                        f"{row['weight_mean']:.3f}", f"{row['weight_min']:.3f}", f"{row['weight_max']:.3f}",
                         f"{row['ess']:.4f}")
     console.print(what_if)
 
@@ -206,6 +216,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     console = Console()
+    if not console.is_terminal:  # piped or logged: rich would assume 80 columns and squeeze the tables
+        console = Console(width=120)
     try:
         return args.func(args, console)
     except (ConfigError, ValueError, FileNotFoundError) as err:

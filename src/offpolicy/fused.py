@@ -58,7 +58,8 @@ class _FusedLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         coef, scale = ctx.saved_tensors
-        return (grad * coef * scale).to(ctx.dtype), None, None, None
+        # grad·scale is [B, 1] (or a scalar): one [B, T] product, no [B, T] temporary
+        return (coef * (grad * scale)).to(ctx.dtype), None, None, None
 
 
 class _FusedTokens(torch.autograd.Function):
@@ -475,7 +476,10 @@ def _use_compiled(numel: int) -> bool:
 
 @functools.lru_cache(maxsize=64)
 def _compiled(spec: CoreSpec):
-    return torch.compile(functools.partial(_core, spec=spec), dynamic=True)
+    # dynamic shapes: one compile serves every [B, T]; dynamic_threads keeps the CPU kernel
+    # OpenMP-parallel under dynamic shapes (without it inductor emits a serial loop: 10.9 vs 6.7 ms
+    # at 256×4096 on 2 cores)
+    return torch.compile(functools.partial(_core, spec=spec), dynamic=True, options={"cpp.dynamic_threads": True})
 
 
 def compiled_policy_loss(logprobs, old_logprobs, advantages, mask, rollout_logprobs, config: LossConfig, reduce: bool):

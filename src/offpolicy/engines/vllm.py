@@ -36,7 +36,8 @@ class VLLMEngine:
         if os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] != "0":
             raise RuntimeError("the vllm engine needs VLLM_ENABLE_V1_MULTIPROCESSING=0 (in-process) to sync weights")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; our sequences are short
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        # vLLM's CPU worker warns on every thread-count call; errors still show (override freely)
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
         threads = torch.get_num_threads()
         from transformers import AutoConfig
         from vllm import LLM
