@@ -90,20 +90,33 @@ def fused_impl(logprobs, old, rollout, adv, mask) -> tuple[torch.Tensor, dict[st
 
 
 def openrlhf_impl():
-    """OpenRLHF's PolicyLoss with its vLLM TIS correction, or None when it is not importable."""
+    """OpenRLHF's PolicyLoss with token TIS (w = clamp(ρ, 0, 2)), or None when it is not importable.
+
+    Its package __init__ pulls in peft/deepspeed/flash-attn; the loss module needs none of them,
+    so the two packages are registered bare (their real directories as __path__) and only
+    ``openrlhf.models.loss`` runs.
+    """
+    import importlib.util
+    import os
     import sys
     import types
 
     try:
-        if "deepspeed" not in sys.modules:
-            sys.modules["deepspeed"] = types.ModuleType("deepspeed")  # its loss module only imports the name
+        spec = importlib.util.find_spec("openrlhf")
+        if spec is None or spec.origin is None:
+            return None
+        root = os.path.dirname(spec.origin)
+        for name, path in (("openrlhf", root), ("openrlhf.models", os.path.join(root, "models"))):
+            if name not in sys.modules:
+                module = types.ModuleType(name)
+                module.__path__ = [path]
+                sys.modules[name] = module
+        sys.modules.setdefault("deepspeed", types.ModuleType("deepspeed"))
         from openrlhf.models.loss import PolicyLoss
-    except Exception:  # noqa: BLE001 — optional baseline
-        return None
-    try:
-        loss_fn = PolicyLoss(clip_eps_low=0.2, clip_eps_high=0.2, enable_vllm_is_correction=True,
-                             vllm_is_truncated_threshold=[0.5, 2.0], vllm_is_correction_type="tis")
-    except TypeError:
+
+        loss_fn = PolicyLoss(clip_eps_low=0.2, clip_eps_high=0.2, is_correction_level="token",
+                             is_correction_mode="clip", is_correction_threshold=(0.0, 2.0))
+    except Exception:  # noqa: BLE001 — optional baseline, any version mismatch just drops the row
         return None
 
     def run(logprobs, old, rollout, adv, mask):
@@ -190,6 +203,9 @@ def check_agreement(inputs: dict[str, torch.Tensor]) -> None:
     style_loss, style_m = reference(**args)
     for loss in (fused_loss, style_loss):
         assert math.isclose(ref_loss.item(), loss.item(), rel_tol=1e-4, abs_tol=1e-6), (ref_loss, loss)
+    if _openrlhf is not None:
+        theirs, _ = _openrlhf(**args)
+        assert math.isclose(ref_loss.item(), theirs.item(), rel_tol=1e-4, abs_tol=1e-6), ("OpenRLHF", theirs)
     for key, value in ref_m.items():
         assert math.isclose(value, fused_m[key], rel_tol=1e-5, abs_tol=1e-7) or math.isnan(value), key
     for key in ("kl_k1", "is_mean", "clip_fraction", "ess"):
@@ -223,6 +239,8 @@ def main(argv: list[str] | None = None) -> None:
         print(peak_extra_mb(IMPLEMENTATIONS[args.memory_of], inputs))
         return
     console = Console()
+    if not console.is_terminal:
+        console = Console(width=120)
     table = Table(title=f"correct + policy_loss, fwd+bwd, fp32, {torch.get_num_threads()} threads, median of {args.repeats}")
     for col in ("B×T", "implementation", "median ms", "× readable", "peak extra MB", "peak / (B·T fp32)"):
         table.add_column(col, justify="right" if col != "implementation" else "left")

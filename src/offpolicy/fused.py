@@ -28,6 +28,7 @@ import torch
 
 import functools
 import logging
+import math
 import os
 from typing import NamedTuple
 
@@ -513,8 +514,7 @@ def compiled_policy_loss(logprobs, old_logprobs, advantages, mask, rollout_logpr
         return None
     S = dict(zip(names_s, out["scalars"].tolist()))
     M = dict(zip(names_m, out["maxima"].tolist()))
-    finite = all(torch.isfinite(torch.tensor(v)) for v in S.values())
-    if not finite:
+    if not all(math.isfinite(v) for v in S.values()):
         return None  # NaN/inf somewhere: the readable path applies the nonfinite policy
     n = S["n"]
     binary = mask.dtype == torch.bool or (S["m2"] == n and M["m_max"] <= 1 and M["m_min_neg"] <= 0)
