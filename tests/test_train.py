@@ -204,3 +204,23 @@ def test_ctrl_c_saves_a_checkpoint_and_resume_continues(offpolicy_cache, tmp_pat
                              "--no-progress"], capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     assert [r["step"] for r in records(out)] == list(range(done + 2))
+
+
+def test_warm_start_that_never_succeeds_is_refused(tmp_path, monkeypatch):
+    from offpolicy.train import warmstart
+
+    monkeypatch.setenv("OFFPOLICY_CACHE", str(tmp_path))
+    monkeypatch.setattr(warmstart, "sampled_accuracy", lambda *a, **k: 0.0)
+    cfg = load_train_config(None, ["engine=hf", "warm_start.max_steps=2", "warm_start.eval_every=1",
+                                   "warm_start.batch_size=4"])
+    with pytest.raises(RuntimeError, match="reached 0% sampled accuracy in 2 steps.*try another warm_start.seed"):
+        warmstart.default_model(cfg)
+    assert not list((tmp_path / "warmstart").glob("reverse-*"))  # nothing cached
+
+
+def test_rl_seeds_share_the_warm_start():
+    from offpolicy.train.warmstart import warm_start_key
+
+    base = load_train_config(None, [])
+    assert warm_start_key(base) == warm_start_key(load_train_config(None, ["seed=7"]))
+    assert warm_start_key(base) != warm_start_key(load_train_config(None, ["warm_start.seed=1"]))

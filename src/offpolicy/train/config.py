@@ -18,6 +18,8 @@ from offpolicy.config import ConfigError, LossConfig, _read_yaml, _Strict
 class WarmStartConfig(_Strict):
     """Supervised warm start of the embedded default model, cached on disk and reused."""
 
+    seed: int = Field(0, description="initialisation and data order of the warm start; every RL seed "
+                      "starts from the same warm-started policy, so seeds vary only the RL")
     target_accuracy: float = Field(0.2, gt=0, lt=1, description="stop SFT once sampled accuracy reaches this")
     max_steps: int = Field(400, gt=0)
     batch_size: int = Field(128, gt=0)

@@ -74,8 +74,10 @@ def sampled_accuracy(model, tokenizer, task: Task, batch: list[Problem], max_new
 
 
 def warm_start_key(cfg: TrainConfig) -> str:
-    spec = {"v": WARMSTART_VERSION, "task": cfg.task, "task_params": cfg.task_params, "seed": cfg.seed,
-            "max_new_tokens": cfg.max_new_tokens, "warm_start": cfg.warm_start.model_dump()}
+    ws = cfg.warm_start.model_dump()
+    seed = ws.pop("seed")
+    spec = {"v": WARMSTART_VERSION, "task": cfg.task, "task_params": cfg.task_params, "seed": seed,
+            "max_new_tokens": cfg.max_new_tokens, "warm_start": ws}
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -89,10 +91,10 @@ def default_model(cfg: TrainConfig, progress=None) -> Path:
     ws = cfg.warm_start
     task = make_task(cfg.task, **cfg.task_params)
     tokenizer = build_char_tokenizer()
-    model = build_tiny_qwen2(tokenizer, seed=cfg.seed)
+    model = build_tiny_qwen2(tokenizer, seed=ws.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=ws.lr, weight_decay=0.0)
-    rng = random.Random(cfg.seed)
-    eval_set = problems(task, ws.eval_problems, seed=cfg.seed + 10_000)
+    rng = random.Random(ws.seed)
+    eval_set = problems(task, ws.eval_problems, seed=ws.seed + 10_000)
     start, accuracy, step = time.time(), 0.0, 0
     for step in range(1, ws.max_steps + 1):
         ids, attention, labels = sft_batch(tokenizer, [task.sample(rng) for _ in range(ws.batch_size)])
@@ -102,12 +104,18 @@ def default_model(cfg: TrainConfig, progress=None) -> Path:
         optimizer.step()
         if step % ws.eval_every == 0:
             model.eval()
-            accuracy = sampled_accuracy(model, tokenizer, task, eval_set, cfg.max_new_tokens, seed=cfg.seed + step)
+            accuracy = sampled_accuracy(model, tokenizer, task, eval_set, cfg.max_new_tokens, seed=ws.seed + step)
             model.train()
             if progress is not None:
                 progress(step, ws.max_steps, loss.item(), accuracy)
             if accuracy >= ws.target_accuracy:
                 break
+    if accuracy == 0:
+        # exact-match RL from a policy that never succeeds sees no reward at all: refuse, with the fix
+        raise RuntimeError(
+            f"the warm start of task {cfg.task!r} reached 0% sampled accuracy in {step} steps (warm_start.seed="
+            f"{ws.seed}, lr={ws.lr}); RL from it would never see a reward. Raise warm_start.max_steps, lower "
+            "warm_start.lr, try another warm_start.seed or an easier task_params")
     if accuracy < ws.target_accuracy:
         log.warning("warm start reached only %.0f%% sampled accuracy in %d steps", 100 * accuracy, step)
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
