@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextvars
 import difflib
 from pathlib import Path
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, ClassVar, Literal, Union
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -177,7 +177,26 @@ def rule_name(index: int, rule: RatioRule | DivergenceRule | OPSMRule | BinaryKL
 
 
 # --------------------------------------------------------------------------- correction
-class CorrectionConfig(_Strict):
+class _Loadable(_Strict):
+    """dict / YAML loading shared by the top-level configs; ``_section`` names the YAML key."""
+
+    _section: ClassVar[str]
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]):
+        if not isinstance(data, dict):
+            raise ConfigError(f"{cls.__name__}: expected a mapping, got {type(data).__name__}")
+        return cls(**data)
+
+    @classmethod
+    def from_yaml(cls, path: str | Path):
+        """Load from a YAML file holding the fields, or holding them under the ``_section`` key
+        (``correction:`` / ``loss:``)."""
+        data = _read_yaml(path)
+        return cls.from_dict(data.get(cls._section, data))
+
+
+class CorrectionConfig(_Loadable):
     """How the mismatch between the sampler μ and the trainer is corrected (SPEC §2–§6).
 
     Order of application (fixed): sanitize → rejection rules in listed order → weights on the
@@ -202,6 +221,7 @@ class CorrectionConfig(_Strict):
         "error", description="what to do with NaN/inf log-probs on valid tokens"
     )
     kl_is_weight: bool = Field(False, description="multiply the KL term by the same detached weights")
+    _section: ClassVar[str] = "correction"
 
     @model_validator(mode="after")
     def _bypass_has_no_weight(self) -> CorrectionConfig:
@@ -213,19 +233,6 @@ class CorrectionConfig(_Strict):
         if self.kl_is_weight and self.weight is None:
             raise ValueError("kl_is_weight: true needs a `weight` to apply to the KL term")
         return self
-
-    # ---- loading
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> CorrectionConfig:
-        if not isinstance(data, dict):
-            raise ConfigError(f"CorrectionConfig: expected a mapping, got {type(data).__name__}")
-        return cls(**data)
-
-    @classmethod
-    def from_yaml(cls, path: str | Path) -> CorrectionConfig:
-        """Load from a YAML file holding the fields (or a ``correction:`` section)."""
-        data = _read_yaml(path)
-        return cls.from_dict(data.get("correction", data))
 
     @classmethod
     def from_preset(cls, name: str) -> CorrectionConfig:
@@ -248,7 +255,7 @@ _CLIP_DEFAULTS: dict[str, tuple[float | None, float | None]] = {
 }
 
 
-class LossConfig(_Strict):
+class LossConfig(_Loadable):
     """The policy loss and its aggregation (SPEC §5). Clip defaults depend on ``kind``:
     ppo 0.2/0.2, gspo 3e-4/4e-4, cispo none/0.2; sapo and reinforce take no clip."""
 
@@ -265,6 +272,7 @@ class LossConfig(_Strict):
     sapo_tau_neg: float = Field(1.05, gt=0)
     kl_coef: float = Field(0.0, ge=0, description="β of the KL-to-reference term; 0 = off")
     kl_kind: Literal["k1", "k2", "k3", "k1+", "k2+", "k3+"] = Field("k3+", description="KL estimator (SPEC §5)")
+    _section: ClassVar[str] = "loss"
 
     @model_validator(mode="before")
     @classmethod
@@ -299,18 +307,6 @@ class LossConfig(_Strict):
         if corr is not None and corr.kl_is_weight and self.kl_coef == 0:
             raise ValueError("correction.kl_is_weight is set but kl_coef is 0: there is no KL term to weight")
         return self
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> LossConfig:
-        if not isinstance(data, dict):
-            raise ConfigError(f"LossConfig: expected a mapping, got {type(data).__name__}")
-        return cls(**data)
-
-    @classmethod
-    def from_yaml(cls, path: str | Path) -> LossConfig:
-        """Load from a YAML file holding the fields (or a ``loss:`` section)."""
-        data = _read_yaml(path)
-        return cls.from_dict(data.get("loss", data))
 
     @classmethod
     def from_preset(cls, name: str, **overrides: Any) -> LossConfig:
