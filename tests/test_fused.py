@@ -173,3 +173,22 @@ def test_compiled_core_equals_reference(monkeypatch, kind):
             assert_equivalent(batch, op.LossConfig(kind=kind, agg=agg, correction=correction, **extra))
             assert_equivalent(batch, op.LossConfig(kind=kind, correction=correction, **extra), reduce=False)
     assert fused._compiled.cache_info().misses > before, "the compiled core was never used"
+
+
+@pytest.mark.parametrize("compile_setting, correction_index", [("0", 7), ("1", 2)])  # eager / compiled core
+def test_fused_and_readable_metrics_merge_like_one_batch(monkeypatch, compile_setting, correction_index):
+    """Partial sums, not just finished values, must match: a fused half merged with a readable
+    half equals the whole batch (a metric recorded twice would double its weight)."""
+    monkeypatch.setenv("OFFPOLICY_COMPILE", compile_setting)
+    batch = next_batch(9)
+    cfg = op.LossConfig(dual_clip=3.0, correction=CORRECTIONS[correction_index])
+    parts = []
+    for rows, impl in ((slice(0, 3), "fused"), (slice(3, 6), "reference")):
+        parts.append(op.policy_loss(batch["logprobs"][rows], batch["old"][rows], batch["adv"][rows],
+                                    batch["mask"][rows], rollout_logprobs=batch["rollout"][rows], config=cfg,
+                                    implementation=impl)[1])
+    whole = op.policy_loss(batch["logprobs"], batch["old"], batch["adv"], batch["mask"],
+                           rollout_logprobs=batch["rollout"], config=cfg, implementation="reference")[1].to_dict()
+    merged = parts[0].merge(parts[1]).to_dict()
+    for key, value in whole.items():
+        assert math.isclose(merged[key], value, rel_tol=1e-5, abs_tol=1e-6), (key, merged[key], value)

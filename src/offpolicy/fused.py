@@ -148,8 +148,8 @@ def fused_policy_loss(logprobs, old_logprobs, advantages, mask, rollout_logprobs
             _mismatch_metrics(metrics, trainer_m, rollout_m, log_ratio, ratio, em1, m, input_mask, n_tokens, clamp)
             if corr.reject:
                 zero = torch.zeros((), device=m.device)
-                batch = _Batch(log_ratio=torch.where(input_mask, log_ratio, zero), trainer=trainer * m,
-                               rollout=rollout * m, current=lp * m, advantages=adv * m, clamp=clamp)
+                batch = _Batch(log_ratio=torch.where(input_mask, log_ratio, zero), trainer=trainer_m,
+                               rollout=rollout_m, current=lp_m, advantages=adv * m, clamp=clamp)
                 keep = apply_rejection(corr, batch, input_mask, input_mask, metrics)
                 km = keep.float()
             else:
@@ -205,7 +205,6 @@ def fused_policy_loss(logprobs, old_logprobs, advantages, mask, rollout_logprobs
                     per_token = torch.where(dual, -adv_w * config.dual_clip, per_token)
                     active = active & ~dual
                 coef = torch.where(active, -adv_w * r, torch.zeros((), device=r.device))
-            metrics.ratio("approx_kl", ((torch.expm1(log_r) - log_r) * km).sum(), km.sum())  # k3 of π_θ vs π_old
 
         # ---------------------------------------------------------------- aggregation
         scale, numerator, count = _aggregate(per_token, denominator_mask, config)
