@@ -210,7 +210,7 @@ def test_warm_start_that_never_succeeds_is_refused(tmp_path, monkeypatch):
     from offpolicy.train import warmstart
 
     monkeypatch.setenv("OFFPOLICY_CACHE", str(tmp_path))
-    monkeypatch.setattr(warmstart, "sampled_accuracy", lambda *a, **k: 0.0)
+    monkeypatch.setattr(warmstart, "exact_match_accuracy", lambda *a, **k: 0.0)
     cfg = load_train_config(None, ["engine=hf", "warm_start.max_steps=2", "warm_start.eval_every=1",
                                    "warm_start.batch_size=4"])
     with pytest.raises(RuntimeError, match="reached 0% sampled accuracy in 2 steps.*try another warm_start.seed"):

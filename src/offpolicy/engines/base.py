@@ -68,6 +68,14 @@ class RolloutEngine(Protocol):
     def close(self) -> None: ...
 
 
+def left_pad(prompt_ids: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded ``[B, L]`` input ids and attention mask, the layout ``generate`` expects."""
+    width = max(len(p) for p in prompt_ids)
+    input_ids = torch.tensor([[pad_id] * (width - len(p)) + list(p) for p in prompt_ids])
+    attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompt_ids])
+    return input_ids, attention
+
+
 def perturb(named_tensors: Iterable[tuple[str, torch.Tensor]], relative_noise: float, seed: int):
     """Yield (name, w + σ·std(w)·ε) — a dialled-in engine/trainer mismatch (like a coarse
     quantisation of the engine's copy). σ = 0 yields the tensors unchanged."""

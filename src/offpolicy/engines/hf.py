@@ -12,7 +12,7 @@ from collections.abc import Iterable
 import torch
 from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList, PreTrainedTokenizerBase
 
-from offpolicy.engines.base import Rollouts, SamplingConfig
+from offpolicy.engines.base import Rollouts, SamplingConfig, left_pad
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -40,9 +40,8 @@ class HFEngine:
     @torch.no_grad()
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingConfig, seed: int, version: int) -> Rollouts:
         pad = self.tokenizer.pad_token_id
-        width = max(len(p) for p in prompt_ids)
-        input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompt_ids])  # left-padded
-        attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompt_ids])
+        input_ids, attention = left_pad(prompt_ids, pad)
+        width = input_ids.shape[1]
         torch.manual_seed(seed)  # generate() samples from the global generator
         processors = LogitsProcessorList()
         if self.logit_noise > 0:

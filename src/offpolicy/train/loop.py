@@ -32,7 +32,7 @@ from offpolicy.train.checkpoint import latest_checkpoint, load_trainer_state, sa
 from offpolicy.train.config import TrainConfig
 from offpolicy.train.logger import RunLogger
 from offpolicy.train.pipeline import RolloutPipeline
-from offpolicy.train.warmstart import default_model, prompt_ids
+from offpolicy.train.warmstart import default_model, exact_match_accuracy
 
 log = logging.getLogger(__name__)
 
@@ -71,20 +71,6 @@ def new_run_dir(cfg: TrainConfig) -> Path:
 def sync_engine(engine, policy, cfg: TrainConfig, version: int) -> None:
     weights = ((name, t.detach()) for name, t in policy.state_dict().items())
     engine.sync_weights(perturb(weights, cfg.engine_weight_noise, seed=cfg.seed * 104_729 + version))
-
-
-@torch.no_grad()
-def greedy_accuracy(policy, tokenizer, task, eval_set, max_new_tokens: int) -> float:
-    policy.eval()
-    prompts = [prompt_ids(tokenizer, p) for p in eval_set]
-    width = max(map(len, prompts))
-    pad = tokenizer.pad_token_id
-    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
-    out = policy.generate(input_ids=ids, attention_mask=(ids != pad).long(), do_sample=False,
-                          max_new_tokens=max_new_tokens, pad_token_id=pad, eos_token_id=tokenizer.eos_token_id)
-    texts = tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
-    policy.train()
-    return sum(task.reward(p, t) for p, t in zip(eval_set, texts)) / len(eval_set)
 
 
 def train(cfg: TrainConfig, resume: Path | None = None, console: Console | None = None,
@@ -177,7 +163,8 @@ def train(cfg: TrainConfig, resume: Path | None = None, console: Console | None 
                 "policy_version": float(version),
             }
             if step % cfg.eval_every == 0 or step == cfg.steps - 1:
-                values["eval/accuracy"] = greedy_accuracy(policy, tokenizer, task, eval_set, cfg.max_new_tokens)
+                values["eval/accuracy"] = exact_match_accuracy(policy, tokenizer, task, eval_set,
+                                                               cfg.max_new_tokens, sample_seed=None)
             logger.log(step, values)
             pipeline.commit(step)
             completed, updating = step + 1, False

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from offpolicy.engines.base import left_pad
 from offpolicy.tasks import Problem, Task, make_task, problems
 from offpolicy.tasks.model import build_tiny_qwen2
 from offpolicy.tasks.tokenizer import build_char_tokenizer
@@ -59,17 +60,22 @@ def sft_batch(tokenizer, batch: list[Problem]) -> tuple[torch.Tensor, torch.Tens
 
 
 @torch.no_grad()
-def sampled_accuracy(model, tokenizer, task: Task, batch: list[Problem], max_new_tokens: int, seed: int) -> float:
-    """Exact-match accuracy of temperature-1 samples (one per problem)."""
-    prompts = [prompt_ids(tokenizer, p) for p in batch]
-    width = max(map(len, prompts))
-    pad = tokenizer.pad_token_id
-    input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
-    attention = (input_ids != pad).long()
-    torch.manual_seed(seed)
-    out = model.generate(input_ids=input_ids, attention_mask=attention, do_sample=True, temperature=1.0, top_k=0,
-                         top_p=1.0, max_new_tokens=max_new_tokens, pad_token_id=pad, eos_token_id=tokenizer.eos_token_id)
-    texts = tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
+def exact_match_accuracy(model, tokenizer, task: Task, batch: list[Problem], max_new_tokens: int,
+                         sample_seed: int | None) -> float:
+    """Exact-match accuracy of one completion per problem: a temperature-1 sample seeded with
+    ``sample_seed`` (what RL sees), or greedy decoding when it is None (the eval metric)."""
+    input_ids, attention = left_pad([prompt_ids(tokenizer, p) for p in batch], tokenizer.pad_token_id)
+    if sample_seed is None:
+        sampling = {"do_sample": False}
+    else:
+        torch.manual_seed(sample_seed)
+        sampling = {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0}
+    was_training = model.training
+    model.eval()
+    out = model.generate(input_ids=input_ids, attention_mask=attention, max_new_tokens=max_new_tokens,
+                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, **sampling)
+    model.train(was_training)
+    texts = tokenizer.batch_decode(out[:, input_ids.shape[1]:], skip_special_tokens=True)
     return sum(task.reward(p, t) for p, t in zip(batch, texts)) / len(batch)
 
 
@@ -103,9 +109,8 @@ def default_model(cfg: TrainConfig, progress=None) -> Path:
         loss.backward()
         optimizer.step()
         if step % ws.eval_every == 0:
-            model.eval()
-            accuracy = sampled_accuracy(model, tokenizer, task, eval_set, cfg.max_new_tokens, seed=ws.seed + step)
-            model.train()
+            accuracy = exact_match_accuracy(model, tokenizer, task, eval_set, cfg.max_new_tokens,
+                                            sample_seed=ws.seed + step)
             if progress is not None:
                 progress(step, ws.max_steps, loss.item(), accuracy)
             if accuracy >= ws.target_accuracy:
