@@ -85,7 +85,7 @@ def readable_impl(logprobs, old, rollout, adv, mask) -> tuple[torch.Tensor, dict
 
 def fused_impl(logprobs, old, rollout, adv, mask) -> tuple[torch.Tensor, dict[str, float]]:
     loss, metrics = op.policy_loss(logprobs, old, adv, mask, rollout_logprobs=rollout, config=CFG,
-                                   implementation="fused")
+                                   implementation="auto")
     return loss, metrics.to_dict()
 
 

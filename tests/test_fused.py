@@ -12,7 +12,7 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 
 import offpolicy as op
-from offpolicy import fused
+from offpolicy.kernels import compiled, eager
 from test_properties import batches
 
 AGGS = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
@@ -78,7 +78,7 @@ def test_fused_equals_reference(batch, kind, agg, correction_index, dual_clip):
 @given(batches(lp_min=-200.0, max_shift=40.0), st.sampled_from(op.presets.names()))
 def test_fused_equals_reference_on_every_preset_with_extreme_ratios(batch, name):
     cfg = op.LossConfig.from_preset(name)
-    assume(fused.supports(cfg, None))  # every preset's loss kind is fused today
+    assume(eager.supports(cfg, None))  # every preset's loss kind is fused today
     assert_equivalent(batch, cfg)
 
 
@@ -141,14 +141,14 @@ def test_fused_validation_messages_match():
 
 def test_fused_is_the_default_where_supported_and_refuses_otherwise():
     batch = next_batch()
-    assert fused.supports(op.LossConfig(), None) and not fused.supports(op.LossConfig(kind="gspo"), None)
-    assert not fused.supports(op.LossConfig(kl_coef=0.1), batch["old"])
-    with pytest.raises(ValueError, match="fused path supports kinds"):
+    assert eager.supports(op.LossConfig(), None) and not eager.supports(op.LossConfig(kind="gspo"), None)
+    assert not eager.supports(op.LossConfig(kl_coef=0.1), batch["old"])
+    with pytest.raises(ValueError, match="does not cover kind"):
         op.policy_loss(batch["logprobs"], batch["old"], batch["adv"], batch["mask"], config=op.LossConfig(kind="sapo"),
                        implementation="fused")
     lp = batch["logprobs"].clone().requires_grad_(True)
     loss, _ = op.policy_loss(lp, batch["old"], batch["adv"], batch["mask"])
-    assert loss.grad_fn is not None and "Fused" in type(loss.grad_fn).__name__
+    assert loss.grad_fn is not None and "Coef" in type(loss.grad_fn).__name__
 
 
 def test_bf16_inputs_give_bf16_grads():
@@ -164,7 +164,7 @@ def test_bf16_inputs_give_bf16_grads():
 def test_compiled_core_equals_reference(monkeypatch, kind):
     """The torch.compile'd core (the default for batches ≥ 65,536 tokens) against the oracle."""
     monkeypatch.setenv("OFFPOLICY_COMPILE", "1")
-    before = fused._compiled.cache_info().misses
+    before = compiled._compiled.cache_info().misses
     for seed in (1, 2):
         batch = next_batch(seed)
         for i, correction in enumerate(CORRECTIONS):
@@ -172,7 +172,7 @@ def test_compiled_core_equals_reference(monkeypatch, kind):
             agg = AGGS[i % len(AGGS)]
             assert_equivalent(batch, op.LossConfig(kind=kind, agg=agg, correction=correction, **extra))
             assert_equivalent(batch, op.LossConfig(kind=kind, correction=correction, **extra), reduce=False)
-    assert fused._compiled.cache_info().misses > before, "the compiled core was never used"
+    assert compiled._compiled.cache_info().misses > before, "the compiled core was never used"
 
 
 @pytest.mark.parametrize("compile_setting, correction_index", [("0", 7), ("1", 2)])  # eager / compiled core
@@ -183,7 +183,8 @@ def test_fused_and_readable_metrics_merge_like_one_batch(monkeypatch, compile_se
     batch = next_batch(9)
     cfg = op.LossConfig(dual_clip=3.0, correction=CORRECTIONS[correction_index])
     parts = []
-    for rows, impl in ((slice(0, 3), "fused"), (slice(3, 6), "reference")):
+    fast = "compiled" if compile_setting == "1" else "eager"
+    for rows, impl in ((slice(0, 3), fast), (slice(3, 6), "reference")):
         parts.append(op.policy_loss(batch["logprobs"][rows], batch["old"][rows], batch["adv"][rows],
                                     batch["mask"][rows], rollout_logprobs=batch["rollout"][rows], config=cfg,
                                     implementation=impl)[1])

@@ -16,12 +16,13 @@ from typing import Annotated, Any, ClassVar, Literal, Union
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from offpolicy import preset_data
+from offpolicy.errors import ConfigError
+
 
 _NESTING: contextvars.ContextVar[int] = contextvars.ContextVar("offpolicy_config_nesting", default=0)
 
 
-class ConfigError(ValueError):
-    """An invalid configuration; the message names the path, the value and the fix."""
 
 
 def _format_validation_error(model: str, err: ValidationError) -> str:
@@ -237,9 +238,11 @@ class CorrectionConfig(_Loadable):
     @classmethod
     def from_preset(cls, name: str) -> CorrectionConfig:
         """The correction of a preset, e.g. ``verl:decoupled_token_is`` (see ``offpolicy.presets``)."""
-        from offpolicy import presets
-
-        return presets.get(name).correction_config()
+        preset = preset_data.get(name)
+        try:
+            return cls.from_dict(dict(preset.correction))
+        except ConfigError as err:
+            raise ConfigError(f"preset {name!r}: {err}") from None
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(exclude_defaults=True)
@@ -310,10 +313,13 @@ class LossConfig(_Loadable):
 
     @classmethod
     def from_preset(cls, name: str, **overrides: Any) -> LossConfig:
-        """The loss settings documented with a preset, its correction included."""
-        from offpolicy import presets
-
-        return presets.get(name).loss_config(**overrides)
+        """The loss settings documented with a preset, its correction included (``overrides`` win)."""
+        preset = preset_data.get(name)
+        data = {**preset.loss, "correction": CorrectionConfig.from_preset(name), **overrides}
+        try:
+            return cls(**data)
+        except ConfigError as err:
+            raise ConfigError(f"preset {name!r}: {err}") from None
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(exclude_defaults=True)

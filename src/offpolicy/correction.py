@@ -172,7 +172,7 @@ def trainer_side(
 
 # =========================================================================== 2. rejection
 @dataclass(frozen=True)
-class _Batch:
+class RuleInputs:
     """What a rejection rule may read, fp32 ``[B, T]`` with 0 on invalid tokens."""
 
     log_ratio: torch.Tensor  # clamped log ρ_t
@@ -191,7 +191,7 @@ def _row_stat(per_token: torch.Tensor, mask: torch.Tensor, how: str) -> torch.Te
     return ops.masked_max(per_token, mask, dim=-1)  # seq_max
 
 
-def reject_ratio(rule: RatioRule, b: _Batch, mask: torch.Tensor) -> torch.Tensor:
+def reject_ratio(rule: RatioRule, b: RuleInputs, mask: torch.Tensor) -> torch.Tensor:
     """Keep-mask of a ratio rule: token keeps low ≤ ρ_t ≤ high; sequence keeps low ≤ Π ρ_t ≤ high;
     geometric keeps low ≤ exp(mean log ρ_t) ≤ high; any_token drops a row if any ρ_t leaves the band."""
     if rule.level == "token":
@@ -203,7 +203,7 @@ def reject_ratio(rule: RatioRule, b: _Batch, mask: torch.Tensor) -> torch.Tensor
     return ops.broadcast_rows(ops.in_band(ops.safe_exp(row, b.clamp), rule.low, rule.high), mask)
 
 
-def reject_divergence(rule: DivergenceRule, b: _Batch, mask: torch.Tensor) -> torch.Tensor:
+def reject_divergence(rule: DivergenceRule, b: RuleInputs, mask: torch.Tensor) -> torch.Tensor:
     """Keep-mask of a k1/k2/k3 rule: k1 = −log ρ, k2 = ½(log ρ)², k3 = ρ − 1 − log ρ, per token or
     summed / averaged / maxed over the row's valid tokens, kept inside [low, high]."""
     x = b.log_ratio
@@ -218,7 +218,7 @@ def reject_divergence(rule: DivergenceRule, b: _Batch, mask: torch.Tensor) -> to
     return ops.broadcast_rows(ops.in_band(_row_stat(per_token, mask, rule.level), rule.low, rule.high), mask)
 
 
-def reject_opsm(rule: OPSMRule, b: _Batch, mask: torch.Tensor) -> torch.Tensor:
+def reject_opsm(rule: OPSMRule, b: RuleInputs, mask: torch.Tensor) -> torch.Tensor:
     """DeepSeek-V3.2 OPSM: drop a row if mean_t A < 0 and mean_t(log μ − sg(log π_θ)) > δ."""
     if b.current is None or b.advantages is None:
         raise ValueError("reject rule 'opsm' needs logprobs= (π_θ) and advantages= passed to correct()")
@@ -227,7 +227,7 @@ def reject_opsm(rule: OPSMRule, b: _Batch, mask: torch.Tensor) -> torch.Tensor:
     return ops.broadcast_rows(~(negative & drifted), mask)
 
 
-def reject_binary_kl(rule: BinaryKLRule, b: _Batch, mask: torch.Tensor) -> torch.Tensor:
+def reject_binary_kl(rule: BinaryKLRule, b: RuleInputs, mask: torch.Tensor) -> torch.Tensor:
     """OpenRLHF 0.11: keep a row if mean_t [p log(p/q) + (1−p) log((1−p)/(1−q))] ≤ high,
     p = clamp(μ(y_t), 1e-6, 1−1e-6), q = clamp(π_old(y_t), 1e-6, 1−1e-6)."""
     eps = 1e-6
@@ -245,7 +245,7 @@ _RULES = {
 }
 
 
-def apply_rejection(cfg: CorrectionConfig, b: _Batch, valid: torch.Tensor, input_mask: torch.Tensor, metrics: Metrics) -> torch.Tensor:
+def apply_rejection(cfg: CorrectionConfig, b: RuleInputs, valid: torch.Tensor, input_mask: torch.Tensor, metrics: Metrics) -> torch.Tensor:
     """Apply ``cfg.reject`` in order; return the surviving mask.
 
     independent: every rule is evaluated on ``valid``; results are ANDed (verl).
@@ -268,7 +268,7 @@ def apply_rejection(cfg: CorrectionConfig, b: _Batch, valid: torch.Tensor, input
 
 
 # =========================================================================== 3–4. weights
-def _weight_fn(w: WeightConfig, ratio: torch.Tensor) -> torch.Tensor:
+def weight_fn(w: WeightConfig, ratio: torch.Tensor) -> torch.Tensor:
     """truncate: clamp(ρ, low, high); mask: ρ · 1[low ≤ ρ ≤ high]."""
     if w.mode == "truncate":
         if w.low is None and w.high is None:
@@ -289,12 +289,12 @@ def compute_weights(
     if w.level == "token":
         ratio = ops.safe_exp(log_ratio, clamp)  # [B, T]
         unit_mask = mask
-        weights = _weight_fn(w, ratio)
+        weights = weight_fn(w, ratio)
     else:
         row = ops.row_log_ratio(log_ratio, mask, geometric=w.level == "geometric")  # [B]
         ratio = ops.safe_exp(row, clamp)  # [B]
         unit_mask = mask.any(dim=-1)
-        weights = ops.broadcast_rows(_weight_fn(w, ratio), mask)
+        weights = ops.broadcast_rows(weight_fn(w, ratio), mask)
     metrics.mean("fraction_above_high", ratio > w.high if w.high is not None else torch.zeros_like(unit_mask), unit_mask)
     metrics.mean("fraction_below_low", ratio < w.low if w.low is not None else torch.zeros_like(unit_mask), unit_mask)
     return torch.where(mask, weights, torch.zeros((), device=weights.device)).detach()
@@ -435,7 +435,7 @@ def correct(
     metrics.sum("valid_tokens", valid.sum())
     mismatch_metrics(metrics, trainer, rollout, log_ratio, valid, clamp)
 
-    batch = _Batch(
+    batch = RuleInputs(
         log_ratio=log_ratio,
         trainer=trainer,
         rollout=rollout,

@@ -1,4 +1,7 @@
-"""Policy losses and their aggregation (SPEC §5), with the correction applied (SPEC §3).
+"""``policy_loss``: the corrected policy loss (SPEC §5), with the correction applied (SPEC §3).
+
+This module checks the call and picks an implementation from ``offpolicy.kernels`` (the
+ladder reference → eager → compiled → triton; all compute the same numbers).
 
 Per token, with r_t = exp(clamp(log π_θ − log π_old, ±20)) and advantage A_t:
 
@@ -26,105 +29,9 @@ from __future__ import annotations
 
 import torch
 
-from offpolicy import ops
+from offpolicy import kernels
 from offpolicy.config import LossConfig
-from offpolicy.correction import correct, sanitize, validate_inputs
-from offpolicy.kl import kl_penalty
 from offpolicy.metrics import Metrics
-
-_RATIO_LOG_CLAMP = 20.0
-
-
-def _clip(x: torch.Tensor, eps_low: float | None, eps_high: float | None) -> torch.Tensor:
-    if eps_low is None and eps_high is None:
-        return x
-    return x.clamp(
-        min=None if eps_low is None else 1.0 - eps_low,
-        max=None if eps_high is None else 1.0 + eps_high,
-    )
-
-
-def _ratio(logprobs: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
-    return torch.exp((logprobs - old).clamp(-_RATIO_LOG_CLAMP, _RATIO_LOG_CLAMP))
-
-
-def ppo_token_loss(logprobs, old, adv, cfg: LossConfig, mask, metrics: Metrics) -> torch.Tensor:
-    """Clipped surrogate (+ dual clip); records clip_fraction and dual_clip_fraction."""
-    ratio = _ratio(logprobs, old)
-    unclipped = -adv * ratio
-    clipped = -adv * _clip(ratio, cfg.clip_low, cfg.clip_high)
-    loss = torch.maximum(unclipped, clipped)
-    metrics.mean("clip_fraction", clipped > unclipped, mask)
-    if cfg.dual_clip is not None:
-        floor = -adv * cfg.dual_clip
-        negative = adv < 0
-        metrics.mean("dual_clip_fraction", negative & (loss > floor), mask)
-        loss = torch.where(negative, torch.minimum(loss, floor), loss)
-    return loss
-
-
-def gspo_token_loss(logprobs, old, adv, cfg: LossConfig, mask, metrics: Metrics) -> torch.Tensor:
-    """GSPO-token: a sequence-level ratio with per-token gradients."""
-    seq_log_ratio = ops.masked_mean(logprobs - old, mask, dim=-1).detach()  # [B]
-    seq_ratio = torch.exp(seq_log_ratio.clamp(-_RATIO_LOG_CLAMP, _RATIO_LOG_CLAMP))
-    ratio = ops.broadcast_rows(seq_ratio, logprobs) * torch.exp(logprobs - logprobs.detach())  # [B, T]
-    unclipped = -adv * ratio
-    clipped = -adv * _clip(ratio, cfg.clip_low, cfg.clip_high)
-    metrics.mean("clip_fraction", clipped > unclipped, mask)
-    return torch.maximum(unclipped, clipped)
-
-
-def cispo_token_loss(logprobs, old, adv, cfg: LossConfig, mask, metrics: Metrics) -> torch.Tensor:
-    """CISPO: REINFORCE through log π_θ with a clipped, detached ratio as weight."""
-    ratio = _ratio(logprobs, old).detach()
-    kept = _clip(ratio, cfg.clip_low, cfg.clip_high)
-    metrics.mean("clip_fraction", kept != ratio, mask)
-    return -kept * adv * logprobs
-
-
-def sapo_token_loss(logprobs, old, adv, cfg: LossConfig, mask, metrics: Metrics) -> torch.Tensor:
-    """SAPO: a sigmoid gate replaces the hard clip; the gate's slope in r is 1 at r = 1."""
-    ratio = _ratio(logprobs, old)
-    tau = torch.where(adv > 0, cfg.sapo_tau_pos, cfg.sapo_tau_neg).to(ratio.dtype)
-    gate = torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)
-    return -gate * adv
-
-
-def reinforce_token_loss(logprobs, old, adv, cfg: LossConfig, mask, metrics: Metrics) -> torch.Tensor:
-    """REINFORCE: −A·log π_θ (importance weights, if any, are applied by the caller)."""
-    return -adv * logprobs
-
-
-TOKEN_LOSSES = {
-    "ppo": ppo_token_loss,
-    "gspo": gspo_token_loss,
-    "cispo": cispo_token_loss,
-    "sapo": sapo_token_loss,
-    "reinforce": reinforce_token_loss,
-}
-
-
-def aggregate(per_token: torch.Tensor, mask: torch.Tensor, cfg: LossConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """(numerator, count) of the aggregated loss: Σ of token or row contributions, and the
-    number of tokens or non-empty rows they are averaged over (or the global count).
-
-    ``per_token`` is already 0 off the loss mask; ``mask`` is the denominator mask. The count
-    may be 0 (everything rejected); the caller divides by max(count, 1), giving a zero loss
-    with a zero gradient, never NaN.
-    """
-    if cfg.agg == "token-mean":
-        count = cfg.global_tokens if cfg.global_tokens is not None else mask.sum()
-        return per_token.sum(), torch.as_tensor(count, dtype=per_token.dtype, device=per_token.device)
-    row_sum = per_token.sum(dim=-1)  # [B]
-    row_count = mask.sum(dim=-1)  # [B]
-    if cfg.agg == "seq-mean-token-mean":
-        row_loss = row_sum / row_count.clamp(min=1).to(per_token.dtype)
-    elif cfg.agg == "seq-mean-token-sum":
-        row_loss = row_sum
-    else:  # seq-mean-token-sum-norm
-        row_loss = row_sum / float(cfg.max_len if cfg.max_len is not None else per_token.shape[-1])
-    count = cfg.global_seqs if cfg.global_seqs is not None else (row_count > 0).sum()
-    return row_loss.sum(), torch.as_tensor(count, dtype=per_token.dtype, device=per_token.device)
 
 
 def policy_loss(
@@ -152,9 +59,10 @@ def policy_loss(
         ref_logprobs:     [B, T] reference log-probs for the KL term (needed if kl_coef > 0;
                           when given, ``kl_ref`` is reported either way).
         reduce:           False returns the unreduced ``[B, T]`` loss for host frameworks.
-        implementation:   "auto" (the fused fast path of ``offpolicy.fused`` where it applies, else
-                          this readable one), "reference" (always this one, the oracle) or
-                          "fused" (raise if the fast path does not apply).
+        implementation:   "auto" (the fastest rung of ``offpolicy.kernels`` that covers the
+                          configuration and suits the batch), or a rung by name: "reference"
+                          (the readable oracle), "eager", "compiled", "triton" (raise if it does
+                          not cover the configuration; non-finite inputs go to the reference).
 
     Returns:
         reduce=True:  (loss scalar, metrics).
@@ -175,78 +83,8 @@ def policy_loss(
         old_logprobs = rollout_logprobs  # bypass: PPO's ratio becomes π_θ/μ
     if old_logprobs is None and cfg.kind != "reinforce":
         raise ValueError(f"kind '{cfg.kind}' needs old_logprobs (or correction.anchor 'rollout' to use μ as π_old)")
-    if implementation not in ("auto", "reference", "fused"):
-        raise ValueError(f"implementation must be 'auto', 'reference' or 'fused'; got {implementation!r}")
-    if implementation != "reference":
-        from offpolicy import fused
-
-        if fused.supports(cfg, ref_logprobs):
-            out = None
-            if fused._use_compiled(mask.numel()):
-                out = fused.compiled_policy_loss(logprobs, old_logprobs, advantages, mask, rollout_logprobs, cfg, reduce)
-            if out is None:
-                out = fused.fused_policy_loss(logprobs, old_logprobs, advantages, mask, rollout_logprobs, cfg, reduce)
-            if out is not None:
-                return out
-            if implementation == "fused":
-                raise ValueError("the fused path does not take non-finite inputs; use implementation='auto'")
-        elif implementation == "fused":
-            raise ValueError(f"the fused path supports kinds {fused.FUSED_KINDS} without a KL term; got kind "
-                             f"'{cfg.kind}'{' with ref_logprobs' if ref_logprobs is not None else ''}")
-
-    if corr_cfg is not None:
-        corr = correct(
-            None if corr_cfg.anchor == "rollout" else old_logprobs,
-            rollout_logprobs,
-            mask,
-            corr_cfg,
-            logprobs=logprobs,
-            advantages=advantages,
-        )
-        metrics, weights = corr.metrics, corr.weights
-        loss_mask, valid = corr.mask.bool(), corr.valid_mask.bool()
-        kl_weights = weights if corr_cfg.kl_is_weight else None
-        fixed_denominator = corr_cfg.denominator == "fixed"
-    else:
-        valid = validate_inputs(mask, logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages)
-        valid = sanitize(
-            valid, "error", {}, {"logprobs": logprobs, "old_logprobs": old_logprobs, "advantages": advantages}
-        ).valid
-        loss_mask, metrics, weights, kl_weights, fixed_denominator = valid, Metrics(), None, None, False
-    if ref_logprobs is not None:
-        validate_inputs(mask, ref_logprobs=ref_logprobs)
-        sanitize(loss_mask, "error", {}, {"ref_logprobs": ref_logprobs})
-
-    # Off the loss mask inputs may be NaN/garbage: select them away *before* any arithmetic,
-    # so neither the forward nor the backward ever touches them.
-    zero = torch.zeros((), dtype=torch.float32, device=logprobs.device)
-    lp = torch.where(loss_mask, logprobs.float(), zero)
-    old = None if old_logprobs is None else torch.where(loss_mask, old_logprobs.float().detach(), zero)
-    adv = torch.where(loss_mask, advantages.float().detach(), zero)
-
-    per_token = TOKEN_LOSSES[cfg.kind](lp, old, adv, cfg, loss_mask, metrics)
-    if weights is not None:
-        per_token = per_token * weights  # after clipping and the dual clip (SPEC §3)
-    if ref_logprobs is not None:
-        ref = torch.where(loss_mask, ref_logprobs.float(), zero)
-        kl = kl_penalty(lp, ref, cfg.kl_kind)
-        metrics.mean("kl_ref", kl.detach(), loss_mask)
-        if cfg.kl_coef > 0:
-            per_token = per_token + cfg.kl_coef * (kl if kl_weights is None else kl * kl_weights)
-    per_token = torch.where(loss_mask, per_token, zero)
-    if old is not None:
-        log_r = (lp - old).detach().clamp(-_RATIO_LOG_CLAMP, _RATIO_LOG_CLAMP)
-        metrics.mean("approx_kl", torch.exp(log_r) - 1.0 - log_r, loss_mask)  # k3 of π_θ vs π_old
-
-    agg_mask = valid if fixed_denominator else loss_mask
-    numerator, count = aggregate(per_token, agg_mask, cfg)
-    loss = numerator / count.clamp(min=1)
-    if cfg.global_tokens is not None or cfg.global_seqs is not None:
-        metrics.sum("loss", loss)  # already divided by the global count: parts add up
-    else:
-        # the true count, so that merging micro-batches weighs each by its tokens (or rows);
-        # a batch with nothing left reports NaN here while returning a zero loss
-        metrics.ratio("loss", numerator, count)
-    if not reduce:
-        return per_token, agg_mask.float(), metrics
-    return loss, metrics
+    for rung in kernels.choose(cfg, ref_logprobs, mask, implementation):
+        out = rung.policy_loss(logprobs, old_logprobs, advantages, mask, rollout_logprobs, cfg, reduce, ref_logprobs)
+        if out is not None:
+            return out
+    raise AssertionError("the reference implementation always returns")  # pragma: no cover

@@ -2,7 +2,8 @@
 
 A preset is ``framework:mode`` (``recommended`` is ours and has no prefix). Each carries a
 ``CorrectionConfig``, the loss settings that go with the framework, a one-line summary and a
-note on the framework behaviour it reproduces, quirks included (SPEC §9).
+note on the framework behaviour it reproduces, quirks included (SPEC §9). The YAML is read by
+``offpolicy.preset_data``; this module adds the typed views.
 
     >>> import offpolicy as op
     >>> "verl:decoupled_token_is" in op.presets.names()
@@ -13,69 +14,26 @@ note on the framework behaviour it reproduces, quirks included (SPEC §9).
 
 from __future__ import annotations
 
-import difflib
-from dataclasses import dataclass, field
-from functools import lru_cache
-from importlib import resources
+from dataclasses import dataclass
 from typing import Any
 
-import yaml
+from offpolicy import preset_data
+from offpolicy.config import CorrectionConfig, LossConfig
+from offpolicy.preset_data import OWN_FRAMEWORK, names
 
-from offpolicy.config import ConfigError, CorrectionConfig, LossConfig
-
-OWN_FRAMEWORK = "offpolicy"
+__all__ = ["OWN_FRAMEWORK", "Preset", "correction", "get", "loss", "names"]
 
 
 @dataclass(frozen=True)
-class Preset:
-    name: str
-    framework: str
-    summary: str
-    note: str
-    correction: dict[str, Any] = field(repr=False)
-    loss: dict[str, Any] = field(repr=False)
+class Preset(preset_data.PresetData):
+    """A preset with typed views of its correction and loss settings."""
 
     def correction_config(self) -> CorrectionConfig:
-        try:
-            return CorrectionConfig.from_dict(dict(self.correction))
-        except ConfigError as err:
-            raise ConfigError(f"preset {self.name!r}: {err}") from None
+        return CorrectionConfig.from_preset(self.name)
 
     def loss_config(self, **overrides: Any) -> LossConfig:
         """The framework's loss settings with this correction (``overrides`` win)."""
-        data = {**self.loss, "correction": self.correction_config(), **overrides}
-        try:
-            return LossConfig(**data)
-        except ConfigError as err:
-            raise ConfigError(f"preset {self.name!r}: {err}") from None
-
-
-@lru_cache(maxsize=1)
-def _load_all() -> dict[str, Preset]:
-    found: dict[str, Preset] = {}
-    for entry in sorted(resources.files(__package__).iterdir(), key=lambda e: e.name):
-        if not entry.name.endswith(".yaml"):
-            continue
-        data = yaml.safe_load(entry.read_text())
-        framework = data["framework"]
-        shared_loss = data.get("loss", {})
-        for mode, body in data["presets"].items():
-            name = mode if framework == OWN_FRAMEWORK else f"{framework}:{mode}"
-            found[name] = Preset(
-                name=name,
-                framework=framework,
-                summary=body["summary"],
-                note=body["note"],
-                correction=body.get("correction", {}),
-                loss={**shared_loss, **body.get("loss", {})},
-            )
-    return found
-
-
-def names() -> list[str]:
-    """Every preset name, ``recommended`` first, then by framework."""
-    all_names = list(_load_all())
-    return sorted(all_names, key=lambda n: (":" in n, n))
+        return LossConfig.from_preset(self.name, **overrides)
 
 
 def get(name: str) -> Preset:
@@ -84,17 +42,13 @@ def get(name: str) -> Preset:
     Raises:
         ConfigError: unknown name (with the closest names and where to list them all).
     """
-    presets = _load_all()
-    if name not in presets:
-        close = difflib.get_close_matches(name, list(presets), n=3)
-        hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
-        raise ConfigError(f"unknown preset {name!r}.{hint} List them with `offpolicy presets`.")
-    return presets[name]
+    data = preset_data.get(name)
+    return Preset(**{f: getattr(data, f) for f in data.__dataclass_fields__})
 
 
 def correction(name: str) -> CorrectionConfig:
-    return get(name).correction_config()
+    return CorrectionConfig.from_preset(name)
 
 
 def loss(name: str, **overrides: Any) -> LossConfig:
-    return get(name).loss_config(**overrides)
+    return LossConfig.from_preset(name, **overrides)

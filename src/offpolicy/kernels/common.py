@@ -1,0 +1,65 @@
+"""What several implementations share: the autograd Functions of the analytic backward and
+the row aggregation with its derivative.
+
+A fast implementation computes, without an autograd graph, the per-token loss ℓ_t and its
+derivative c_t = ∂ℓ_t/∂log π_θ(y_t); ``CoefLoss``/``CoefTokens`` attach that derivative to
+π_θ so that ``backward`` is one [B, T] product: grad · c_t · ∂L/∂ℓ_t.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from offpolicy.config import LossConfig
+
+RATIO_LOG_CLAMP = 20.0  # PPO's own ratio π_θ/π_old: exp(clamp(log r, ±20)) in every implementation
+
+
+class CoefLoss(torch.autograd.Function):
+    """forward(logprobs, loss_value, coef, scale) → loss_value; backward: grad · coef · scale."""
+
+    @staticmethod
+    def forward(ctx, logprobs, loss_value, coef, scale):  # noqa: D401
+        ctx.save_for_backward(coef, scale)
+        ctx.dtype = logprobs.dtype
+        return loss_value.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        coef, scale = ctx.saved_tensors
+        # grad·scale is [B, 1] (or a scalar): one [B, T] product, no [B, T] temporary
+        return (coef * (grad * scale)).to(ctx.dtype), None, None, None
+
+
+class CoefTokens(torch.autograd.Function):
+    """forward(logprobs, per_token, coef) → per_token; backward: grad ⊙ coef (for reduce=False)."""
+
+    @staticmethod
+    def forward(ctx, logprobs, per_token, coef):
+        ctx.save_for_backward(coef)
+        ctx.dtype = logprobs.dtype
+        return per_token.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        (coef,) = ctx.saved_tensors
+        return (grad * coef).to(ctx.dtype), None, None
+
+
+def row_aggregation(row_sum, row_count, cfg: LossConfig, width: int):
+    """From per-row loss sums and denominator counts ``[B]``: (numerator, count, row_scale) with
+    loss = numerator / max(count, 1) and ∂loss/∂ℓ_bt = row_scale_b / max(count, 1)."""
+    if cfg.agg == "token-mean":
+        count = cfg.global_tokens if cfg.global_tokens is not None else row_count.sum()
+        row_scale = torch.ones_like(row_count)
+    else:
+        count = cfg.global_seqs if cfg.global_seqs is not None else (row_count > 0).sum()
+        if cfg.agg == "seq-mean-token-mean":
+            row_scale = 1.0 / row_count.clamp(min=1)
+        elif cfg.agg == "seq-mean-token-sum":
+            row_scale = torch.ones_like(row_count)
+        else:
+            row_scale = torch.full_like(row_count, 1.0 / float(cfg.max_len or width))
+    count = torch.as_tensor(count, dtype=row_sum.dtype, device=row_sum.device)
+    return (row_sum * row_scale).sum(), count, row_scale
+
