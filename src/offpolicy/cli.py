@@ -108,6 +108,8 @@ def _cmd_diagnose(args: argparse.Namespace, console: Console) -> int:
     from offpolicy.train.loop import resolve_model
     from offpolicy.train.warmstart import prompt_ids
 
+    if args.batch:
+        return _diagnose_batch(args, console)
     if args.n <= 0 or args.max_tokens <= 0:
         raise ConfigError("--n and --max-tokens must be positive")
     settings = _diagnose_settings(args)
@@ -140,6 +142,28 @@ def _cmd_diagnose(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def _diagnose_batch(args: argparse.Namespace, console: Console) -> int:
+    """``diagnose --batch FILE_OR_DIR``: the same report on tensors a host framework dumped."""
+    import json
+    from pathlib import Path
+
+    from offpolicy import diagnose
+
+    if args.compare:
+        raise ConfigError("--batch reports on the dumped tensors as they are; --compare needs an engine to sample with")
+    _quiet_libraries()
+    s, source = diagnose.from_dump(Path(args.batch))
+    name = "batch " + ", ".join(source["hosts"])
+    setting = {"name": name, "label": name, "batch": str(args.batch), **source}
+    out = Path(args.out)
+    console.print(f"diagnose: {args.batch} ({len(source['files'])} file(s), {len(s.batch.mask)} samples) ...")
+    result = diagnose.report(s, setting, out)
+    (out / "report.json").write_text(json.dumps(result, indent=1))
+    _print_diagnosis(console, [result])
+    console.print(f"report: {out / 'report.json'}  plots: {', '.join(result.get('plots', []))}")
+    return 0
+
+
 def _print_diagnosis(console: Console, reports: list[dict]) -> None:
     table = Table(title="mismatch: trainer π vs engine μ on the engine's samples")
     table.add_column("metric")
@@ -151,7 +175,8 @@ def _print_diagnosis(console: Console, reports: list[dict]) -> None:
         table.add_row(f"|log ρ| > {key}", *(f"{r['breakdowns']['fraction_abs_log_ratio_above'][key]:.4f}"
                                              for r in reports))
     table.add_row("tokens", *(f"{r['tokens']:.0f}" for r in reports))
-    table.add_row("engine tokens/s", *(f"{r['engine_tokens_per_s']:.0f}" for r in reports))
+    table.add_row("engine tokens/s", *("–" if r["engine_tokens_per_s"] is None else f"{r['engine_tokens_per_s']:.0f}"
+                                       for r in reports))
     console.print(table)
     for r in reports:
         by_prob = Table(title=f"{r['setting']['name']}: where the mismatch lives (token probability under π)")
@@ -196,6 +221,8 @@ def build_parser() -> argparse.ArgumentParser:
     src = d.add_mutually_exclusive_group()
     src.add_argument("--prompts", metavar="FILE.jsonl", help="one JSON object per line with a 'prompt' field")
     src.add_argument("--task", choices=["reverse", "addition"], default="reverse", help="synthetic prompts")
+    src.add_argument("--batch", metavar="FILE_OR_DIR",
+                     help="report on a batch dumped by a host integration (offpolicy.integrations.dump) instead of sampling")
     d.add_argument("--n", type=int, default=512, help="number of samples")
     d.add_argument("--max-tokens", type=int, default=64)
     d.add_argument("--temperature", type=float, default=1.0)

@@ -40,7 +40,7 @@ class Sample:
 
     batch: Batch
     trainer: torch.Tensor  # log π_train(y_t)
-    seconds: float
+    seconds: float | None  # engine time; None for a batch read from a dump (``--batch``)
 
 
 def read_prompts(path: Path, tokenizer) -> list[list[int]]:
@@ -92,6 +92,28 @@ def sample(model_path: Path, tokenizer, prompts: list[list[int]], engine: str, e
         lp = torch.cat([trainer_logprobs(trainer, batch.select(rows), sampling)
                         for rows in torch.arange(len(rollouts)).split(64)])
     return Sample(batch, lp.float(), seconds)
+
+
+def from_dump(path: Path) -> tuple[Sample, dict[str, Any]]:
+    """A ``Sample`` from a host framework's batch dump (``offpolicy.integrations.dump``): the trainer
+    view is the dump's ``old_logprobs`` (log π_old), the engine's its ``rollout_logprobs`` (log μ).
+    Returns the sample and a description of its source (files, hosts, steps) for the report."""
+    from offpolicy.integrations.dump import load_batch
+
+    data = load_batch(path)
+    mask = data["mask"]
+    rows, t = mask.shape
+    zeros = torch.zeros((rows, t), dtype=torch.long)
+    # Only mask and rollout_logprobs of a Batch feed the report; token ids are not dumped.
+    keep = mask.bool()  # padding may hold anything (a host's fill value); it never reaches the report
+    batch = Batch(input_ids=zeros, attention_mask=zeros, positions=zeros, response_ids=zeros, mask=mask,
+                  rollout_logprobs=torch.where(keep, data["rollout_logprobs"], 0.0),
+                  versions=torch.zeros(rows, dtype=torch.long))
+    meta = data["meta"]
+    source = {"files": data["files"], "hosts": sorted({f"{m.get('host')} {m.get('host_version')}" for m in meta}),
+              "steps": sorted({m.get("step") for m in meta if m.get("step") is not None}),
+              "anchors": sorted({str(m.get("anchor")) for m in meta})}
+    return Sample(batch, torch.where(keep, data["old_logprobs"], 0.0), None), source
 
 
 def _bucket_rows(log_ratio, mask, index, edges, labels) -> list[dict[str, float]]:
@@ -213,12 +235,12 @@ def report(s: Sample, setting: dict[str, Any], out_dir: Path, plots: bool = True
         "setting": setting,
         "samples": len(s.batch.mask),
         "tokens": tokens,
-        "engine_tokens_per_s": tokens / max(s.seconds, 1e-9),
+        "engine_tokens_per_s": None if s.seconds is None else tokens / max(s.seconds, 1e-9),
         "mismatch": mismatch(s),
         "breakdowns": breakdowns(s),
         "what_if": what_if(s),
     }
     if plots:
-        label = f"{setting['engine']} {setting['engine_dtype']} vs trainer {setting['trainer_dtype']}"
+        label = setting.get("label") or f"{setting['engine']} {setting['engine_dtype']} vs trainer {setting['trainer_dtype']}"
         result["plots"] = [str(p) for p in plot(s, out_dir, label)]
     return result

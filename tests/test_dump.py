@@ -1,0 +1,92 @@
+"""Batch dumps (offpolicy.integrations.dump) and `offpolicy diagnose --batch` as a user types it."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import offpolicy as op
+from offpolicy.integrations.dump import BatchDumper, load_batch
+
+
+def _tensors(b: int, t: int, seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    old = -torch.rand(b, t, generator=g) * 3
+    mask = torch.ones(b, t)
+    mask[0, t - 2:] = 0
+    return {"old_logprobs": old, "rollout_logprobs": old - 0.1 * torch.randn(b, t, generator=g).abs(), "mask": mask}
+
+
+def test_dump_selects_steps_writes_once_and_round_trips(tmp_path):
+    d = BatchDumper(tmp_path, steps={1}, every=3, host="test", host_version="0")
+    x = _tensors(2, 5, 0)
+    written = [s for s in range(7) if d.maybe_dump(s, **x) is not None]
+    assert written == [0, 1, 3, 6]
+    assert d.maybe_dump(1, **x) is None  # already on disk: a later micro-batch of step 1 is not written
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"step{s:06d}-rank0.pt" for s in (0, 1, 3, 6)]
+    one = load_batch(tmp_path / "step000001-rank0.pt")
+    for k in ("old_logprobs", "rollout_logprobs", "mask"):
+        assert one[k].dtype == torch.float32 and torch.equal(one[k], x[k])
+    assert one["meta"][0] == {"format": 1, "host": "test", "host_version": "0", "step": 1, "rank": 0, "anchor": "old"}
+
+
+def test_directory_concatenates_and_right_pads(tmp_path):
+    d = BatchDumper(tmp_path, every=1)
+    a, b = _tensors(2, 5, 0), _tensors(3, 7, 1)
+    d.maybe_dump(0, **a, advantages=torch.ones(2, 5))
+    d.maybe_dump(1, **b)  # no advantages: the key is dropped from the concatenation, not half-filled
+    both = load_batch(tmp_path)
+    assert both["mask"].shape == (5, 7) and "advantages" not in both
+    assert torch.equal(both["mask"][:2, 5:], torch.zeros(2, 2))  # padding is masked
+    assert torch.equal(both["old_logprobs"][2:], b["old_logprobs"])
+    assert both["mask"].sum() == a["mask"].sum() + b["mask"].sum()
+
+
+def test_bad_dumps_name_the_problem(tmp_path):
+    with pytest.raises(ValueError, match="every=0"):
+        BatchDumper(tmp_path, every=0)
+    x = _tensors(2, 5, 0)
+    with pytest.raises(ValueError, match=r"rollout_logprobs has shape \(2, 4\)"):
+        BatchDumper(tmp_path, every=1).maybe_dump(0, **{**x, "rollout_logprobs": x["rollout_logprobs"][:, :4]})
+    torch.save({"mask": x["mask"]}, tmp_path / "bad.pt")
+    with pytest.raises(ValueError, match="missing old_logprobs, rollout_logprobs"):
+        load_batch(tmp_path / "bad.pt")
+    with pytest.raises(FileNotFoundError, match="no such file"):
+        load_batch(tmp_path / "nothing")
+    assert not list(tmp_path.glob(".tmp-*"))  # a refused dump leaves no temp file
+
+
+def _diagnose(*args: str, cwd) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "offpolicy.cli", "diagnose", *args], capture_output=True, text=True,
+                          cwd=cwd, timeout=300)
+
+
+def test_diagnose_batch_cli_reports_like_the_engine_path(tmp_path):
+    x = _tensors(4, 6, 2)
+    d = BatchDumper(tmp_path / "dump", every=1, host="trl", host_version="1.16.0")
+    d.maybe_dump(0, **x)
+    d.maybe_dump(1, **_tensors(2, 3, 3))
+    out = tmp_path / "report"
+    r = _diagnose("--batch", str(tmp_path / "dump" / "step000000-rank0.pt"), "--out", str(out), cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "what-if" in r.stdout and "kl_k3" in r.stdout
+    rep = json.loads((out / "report.json").read_text())
+    # the numbers are offpolicy's own measure-only correct() on the dumped tensors
+    want = op.correct(x["old_logprobs"], x["rollout_logprobs"], x["mask"]).metrics
+    assert math.isclose(rep["mismatch"]["kl_k3"], want["kl_k3"], rel_tol=1e-6)
+    assert rep["tokens"] == float(x["mask"].sum()) and rep["engine_tokens_per_s"] is None
+    assert {row["preset"] for row in rep["what_if"]} == set(op.presets.names())
+    assert all((out / p.split("/")[-1]).is_file() for p in rep["plots"]) and len(rep["plots"]) == 3
+    assert rep["setting"]["hosts"] == ["trl 1.16.0"]
+    # a directory: both steps
+    r = _diagnose("--batch", str(tmp_path / "dump"), "--out", str(out), cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert json.loads((out / "report.json").read_text())["samples"] == 6
+    # a wrong path is one clear error, exit 2
+    r = _diagnose("--batch", str(tmp_path / "missing.pt"), cwd=tmp_path)
+    assert r.returncode == 2 and "no such file" in r.stderr
