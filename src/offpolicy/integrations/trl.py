@@ -1,0 +1,187 @@
+"""offpolicy's correction inside TRL's ``GRPOTrainer`` (tested with trl 1.16.0).
+
+    from offpolicy.integrations.trl import OffpolicyGRPOTrainer
+    trainer = OffpolicyGRPOTrainer(model=..., reward_funcs=..., args=GRPOConfig(...), train_dataset=...,
+                                   offpolicy_config="recommended")     # a preset name or an op.LossConfig
+
+What the subclass changes (read from trl 1.16.0, trl/trainer/grpo_trainer.py):
+
+* ``_compute_loss`` keeps TRL's forward (``_get_per_token_logps_and_entropies``) and replaces
+  TRL's per-token loss by ``op.policy_loss(log π_θ, log π_old, A, mask, log μ, config, reduce=False)``
+  with π_old = ``inputs["old_per_token_logps"]`` (TRL computes it when the batch may be stale or
+  vLLM's correction is on; otherwise π_old = sg(π_θ), which is then exactly π_old) and
+  μ = ``inputs["sampling_per_token_logps"]`` (vLLM's log-probs, or the ``logprobs`` a
+  ``rollout_func`` returns).
+* The loss is aggregated the way TRL aggregates for its ``loss_type`` (the normalisers of trl
+  1.16.0 ``_compute_loss``; gradient accumulation and ``num_items_in_batch`` included), over the
+  mask offpolicy returns: rejected tokens leave the loss (their ℓ is 0; under
+  ``denominator: renormalize`` they also leave the denominator). Per ``loss_type``, with ℓ the
+  offpolicy per-token loss and m its mask, G the accumulation steps:
+      grpo, sapo     mean_rows(Σ_t ℓm / max(Σ_t m, 1)) / G
+      bnpo           Σ ℓm / max(Σ m, 1) / G
+      dr_grpo        Σ ℓm / (B · max_completion_length) / G
+      dapo, cispo    Σ ℓm / (num_items_in_batch / processes · G / steps_per_generation)
+      luspo          mean_rows(Σ_t ℓm) / G
+  The *shape* of ℓ (PPO clip, CISPO, GSPO, SAPO, ...) comes from the offpolicy ``LossConfig``
+  (``kind``, ``clip_low``/``clip_high``, ``dual_clip``), not from TRL's ``epsilon``/``delta``.
+* TRL's own vLLM importance-sampling correction (``vllm_importance_sampling_correction``, on by
+  default) is switched off so nothing is corrected twice; TRL's OPSM
+  (``off_policy_mask_threshold``) and its ``vespo`` loss (which reads TRL's IS ratio) are refused
+  next to an offpolicy correction. A batch that still carries TRL's ``importance_sampling_ratio``
+  is refused at the loss.
+* ``beta > 0``: the KL term is offpolicy's (``kl_coef = beta``, ``kl_kind = "k3"``, TRL's estimator).
+* Metrics: ``Metrics.all_reduce`` across ranks, then every ``offpolicy/*`` value is appended to
+  ``self._metrics[mode]``, which TRL averages into its logs.
+* ``dump_dir`` + ``dump_steps``/``dump_every``: the tensors offpolicy saw, for
+  ``offpolicy diagnose --batch``.
+
+Would break on upgrade if TRL renames ``_compute_loss``/``_get_per_token_logps_and_entropies``, the
+``inputs`` keys above, or changes a ``loss_type`` normaliser (the adapter then aggregates as 1.16.0 did).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+import trl
+from trl import GRPOTrainer
+
+import offpolicy as op
+from offpolicy.config import ConfigError
+from offpolicy.integrations.dump import BatchDumper
+
+logger = logging.getLogger(__name__)
+
+TESTED_VERSION = "1.16.0"
+SUPPORTED_LOSS_TYPES = ("grpo", "sapo", "bnpo", "dr_grpo", "dapo", "cispo", "luspo")
+# forward kwargs TRL passes to _get_per_token_logps_and_entropies in 1.16.0 (multimodal models)
+_FORWARD_KEYS = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes",
+                 "num_tiles", "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids")
+
+
+def _loss_config(config: op.LossConfig | str | dict) -> op.LossConfig:
+    if isinstance(config, op.LossConfig):
+        return config
+    if isinstance(config, str):
+        return op.LossConfig.from_preset(config)
+    if isinstance(config, dict):
+        return op.LossConfig(**config)
+    raise ConfigError(f"offpolicy_config: expected a preset name, a dict or an op.LossConfig, got {type(config).__name__}")
+
+
+class OffpolicyGRPOTrainer(GRPOTrainer):
+    """``trl.GRPOTrainer`` whose policy loss is offpolicy's ``policy_loss`` (module docstring).
+
+    Args (beyond GRPOTrainer's):
+        offpolicy_config: a preset name (``op.LossConfig.from_preset``), a dict or an ``op.LossConfig``.
+        dump_dir, dump_steps, dump_every: write the batches of these optimizer steps (``BatchDumper``).
+
+    Raises:
+        ConfigError: a GRPOConfig option that would correct the mismatch a second time, or that the
+            adapter does not carry over (message names the option and the fix).
+    """
+
+    def __init__(self, *args: Any, offpolicy_config: op.LossConfig | str | dict = "recommended",
+                 dump_dir: str | None = None, dump_steps: set[int] | None = None, dump_every: int | None = None,
+                 **kwargs: Any) -> None:
+        config = _loss_config(offpolicy_config)
+        super().__init__(*args, **kwargs)
+        a = self.args
+        has_corr = config.correction is not None
+        if self.loss_type not in SUPPORTED_LOSS_TYPES:
+            raise ConfigError(f"GRPOConfig.loss_type={self.loss_type!r}: not supported with offpolicy (vespo reads "
+                              f"TRL's own IS ratio); use one of {', '.join(SUPPORTED_LOSS_TYPES)}")
+        if a.off_policy_mask_threshold is not None and has_corr:
+            raise ConfigError(f"GRPOConfig.off_policy_mask_threshold={a.off_policy_mask_threshold}: TRL's OPSM corrects "
+                              "the rollout mismatch as well as offpolicy's correction. Set it to None and add "
+                              "{stat: opsm, delta: ...} to the offpolicy correction's reject rules instead")
+        if self.importance_sampling_level != "token":
+            raise ConfigError(f"GRPOConfig.importance_sampling_level={self.importance_sampling_level!r}: the offpolicy "
+                              "loss sets the ratio's level; use LossConfig(kind='gspo') for sequence-level ratios")
+        if a.delta is not None:
+            raise ConfigError(f"GRPOConfig.delta={a.delta}: use the offpolicy LossConfig(dual_clip=...) instead")
+        if getattr(self, "_entropy_bonus_enabled", False):
+            raise ConfigError("GRPOConfig entropy bonus (entropy_coef / adaptive entropy): not carried over by the "
+                              "offpolicy adapter; set entropy_coef=0")
+        beta = float(self.beta)
+        if beta != 0.0 and config.kl_coef == 0.0:
+            config = config.model_copy(update={"kl_coef": beta, "kl_kind": "k3"})  # TRL's estimator and weight
+        elif config.kl_coef != beta:
+            raise ConfigError(f"offpolicy kl_coef={config.kl_coef} but GRPOConfig.beta={beta}: TRL computes the "
+                              "reference log-probs only when beta > 0; set GRPOConfig.beta to the KL coefficient")
+        if self.vllm_importance_sampling_correction:
+            if self.use_vllm:
+                logger.warning("offpolicy: GRPOConfig.vllm_importance_sampling_correction=True is switched off; "
+                               "offpolicy's correction replaces it (a second correction would count the mismatch twice)")
+            # Without vLLM the flag is inert in trl 1.16.0; switching it off keeps it so if that changes.
+            self.vllm_importance_sampling_correction = False
+            a.vllm_importance_sampling_correction = False
+        self.offpolicy_config = config
+        self.offpolicy_dumper = (BatchDumper(dump_dir, dump_steps, dump_every, host="trl", host_version=trl.__version__)
+                                 if dump_dir is not None else None)
+
+    def offpolicy_loss(self, logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
+                       mask: torch.Tensor, rollout_logprobs: torch.Tensor | None,
+                       ref_logprobs: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, op.Metrics]:
+        """``op.policy_loss(..., reduce=False)``: per-token ℓ (weights applied, rejected tokens 0) and its mask."""
+        return op.policy_loss(logprobs, old_logprobs, advantages, mask, rollout_logprobs, self.offpolicy_config,
+                              ref_logprobs=ref_logprobs, reduce=False)
+
+    def _aggregate(self, per_token: torch.Tensor, mask: torch.Tensor, inputs: dict[str, Any], mode: str) -> torch.Tensor:
+        # The normalisers of trl 1.16.0 GRPOTrainer._compute_loss, per loss_type.
+        accum = self.current_gradient_accumulation_steps if mode == "train" else 1.0
+        masked = per_token * mask
+        lt = self.loss_type
+        if lt in ("grpo", "sapo"):
+            return (masked.sum(-1) / mask.sum(-1).clamp(min=1.0)).mean() / accum
+        if lt == "bnpo":
+            return masked.sum() / mask.sum().clamp(min=1.0) / accum
+        if lt == "dr_grpo":
+            return masked.sum() / (per_token.size(0) * self.max_completion_length) / accum
+        if lt in ("dapo", "cispo"):
+            normalizer = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
+            if mode == "train":
+                normalizer = normalizer * self.current_gradient_accumulation_steps / self.args.steps_per_generation
+            return masked.sum() / normalizer
+        return masked.sum(-1).mean() / accum  # luspo
+
+    def _compute_loss(self, model, inputs):
+        completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
+        input_ids = torch.cat([inputs["prompt_ids"], completion_ids], dim=1)
+        attention_mask = torch.cat([inputs["prompt_mask"], completion_mask], dim=1)
+        mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
+        mask = mask.float()
+        logprobs, entropies, aux_loss = self._get_per_token_logps_and_entropies(
+            model, input_ids, attention_mask, completion_ids.size(1), compute_entropy=True,
+            compute_aux_loss=self.aux_loss_enabled, **{k: inputs.get(k) for k in _FORWARD_KEYS})
+        if "importance_sampling_ratio" in inputs:
+            raise RuntimeError("offpolicy: the batch carries TRL's importance_sampling_ratio, so TRL's vLLM correction "
+                               "ran; with offpolicy's it would count twice. Keep vllm_importance_sampling_correction=False")
+        advantages = inputs["advantages"]
+        if advantages.dim() == 1:
+            advantages = advantages.unsqueeze(1)
+        advantages = advantages.expand_as(logprobs).float()
+        old = inputs.get("old_per_token_logps")
+        old = logprobs.detach() if old is None else old  # TRL skips it when π_old = π_θ (trl 1.16.0 _compute_loss)
+        rollout = inputs.get("sampling_per_token_logps")
+        if self.offpolicy_config.correction is not None and rollout is None:
+            raise RuntimeError("offpolicy: the correction needs the sampling log-probs μ, and this batch has none: use "
+                               "use_vllm=True, or a rollout_func that returns per-token 'logprobs'")
+        ref = inputs.get("ref_per_token_logps") if self.offpolicy_config.kl_coef > 0 else None
+        per_token, loss_mask, metrics = self.offpolicy_loss(logprobs, old, advantages, mask, rollout, ref)
+        if self.top_entropy_quantile < 1.0:  # TRL's entropy mask multiplies the per-token loss, as in 1.16.0
+            per_token = per_token * self.get_high_entropy_mask(entropies, mask, 1 - self.top_entropy_quantile)
+        mode = "train" if self.model.training else "eval"
+        loss = self._aggregate(per_token, loss_mask, inputs, mode)
+        if self.aux_loss_enabled:
+            loss = loss + self.router_aux_loss_coef * aux_loss / (self.current_gradient_accumulation_steps
+                                                                   if mode == "train" else 1.0)
+        if self.offpolicy_dumper is not None and rollout is not None:
+            self.offpolicy_dumper.maybe_dump(self.state.global_step, old_logprobs=old, rollout_logprobs=rollout,
+                                             mask=mask, advantages=advantages, logprobs=logprobs,
+                                             meta={"loss_type": self.loss_type})
+        for key, value in metrics.all_reduce().to_dict().items():
+            self._metrics[mode][key].append(value)
+        return loss
