@@ -1,0 +1,339 @@
+"""offpolicy inside OpenRLHF 0.11.2 (Ray + DeepSpeed + vLLM).
+
+OpenRLHF's actor builds one ``PolicyLoss`` (``openrlhf/trainer/ray/ppo_actor.py``,
+``ActorPPOTrainer.__init__``, 0.11.2) and calls it once per micro-batch as
+
+    loss, clip_ratio, ppo_kl, vllm_kl, is_filter_ratio = actor_loss_fn(
+        log_probs, old_log_probs, advantages, action_mask=..., rollout_log_probs=...,
+        dp_size=..., batch_num_tokens=..., global_batch_size=...)
+
+``OffpolicyPolicyLoss`` is a ``PolicyLoss`` subclass with that constructor and that 5-tuple. Its
+forward runs offpolicy's math unreduced,
+
+    ℓ_t, m_t = op.policy_loss(log π_θ, log π_old, A, mask, log μ, cfg, reduce=False)
+
+(ℓ_t = −w_t·clip-surrogate_t, rejected/padding tokens 0; m_t the aggregation mask) and hands
+(ℓ, m) to OpenRLHF's own ``aggregate_loss`` with the host's ``dp_size`` / ``batch_num_tokens`` /
+``global_batch_size``, so the cross-rank token/sample normalisation stays OpenRLHF's.
+
+Installing it (every Ray worker, plus the driver):
+
+    import ray, runpy
+    from offpolicy.integrations import openrlhf as op_openrlhf
+    ray.init(runtime_env=op_openrlhf.runtime_env("recommended"))   # LossConfig, preset or YAML path
+    op_openrlhf.setup_worker()                                      # the driver: vLLM logprobs_mode
+    runpy.run_module("openrlhf.cli.train_ppo_ray", run_name="__main__")   # argv as usual
+
+``runtime_env`` names :func:`setup_worker` as Ray's ``worker_process_setup_hook`` and carries the
+loss config in ``OFFPOLICY_OPENRLHF_LOSS``; in each worker process :func:`setup_worker` replaces
+``PolicyLoss`` where ``ppo_actor`` imports it from (``openrlhf.models``), forces rollout
+log-probs on (``SamplingParams(logprobs=1)`` in ``samples_generator``, ``logprobs_mode=
+"processed_logprobs"`` in ``create_vllm_engines`` — OpenRLHF 0.11.2 requests both only when its
+own ``--algo.advantage.is_correction_level`` is on), and adds offpolicy's metrics to
+``training_step``'s status dict. Everything is guarded by the OpenRLHF version.
+
+Refused: OpenRLHF's own correction (``is_correction_level`` ≠ off) together with offpolicy's —
+the ratio π_old/μ would be applied twice; ``kl_coef`` > 0 (OpenRLHF adds its own KL term from
+``--algo.kl.*``; ``PolicyLoss`` never sees the reference log-probs); an ``agg`` the host's
+``--actor.loss_agg_mode`` does not perform; clip/dual-clip/loss-type arguments that disagree with
+the LossConfig (the LossConfig governs; the host's values must match so its logs do not lie).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+import os
+import sys
+from importlib import metadata
+from typing import Any, ClassVar
+
+import torch
+
+import offpolicy as op
+from offpolicy.config import ConfigError, CorrectionConfig, LossConfig
+from offpolicy.integrations.dump import BatchDumper
+
+try:
+    from openrlhf.models.loss import PolicyLoss, aggregate_loss
+except ImportError as _err:  # pragma: no cover - exercised only without OpenRLHF
+    raise ImportError(
+        f"offpolicy.integrations.openrlhf needs OpenRLHF ({_err}); install it with `pip install offpolicy[openrlhf]`"
+    ) from _err
+
+TESTED_VERSIONS = ("0.11.2",)
+ENV_LOSS = "OFFPOLICY_OPENRLHF_LOSS"
+ENV_DUMP_DIR = "OFFPOLICY_DUMP_DIR"
+ENV_DUMP_EVERY = "OFFPOLICY_DUMP_EVERY"
+METRIC_PREFIX = "offpolicy/"
+_AGG = {True: "token-mean", False: "seq-mean-token-mean"}  # PolicyLoss.token_level_loss -> LossConfig.agg
+
+
+def host_version() -> str:
+    try:
+        return metadata.version("openrlhf")
+    except metadata.PackageNotFoundError:  # pragma: no cover
+        return "unknown"
+
+
+def _check_version() -> None:
+    v = host_version()
+    if v not in TESTED_VERSIONS and os.environ.get("OFFPOLICY_OPENRLHF_ANY_VERSION") != "1":
+        raise RuntimeError(
+            f"offpolicy.integrations.openrlhf was written against OpenRLHF {', '.join(TESTED_VERSIONS)} "
+            f"(PolicyLoss's 5-tuple, ppo_actor's import of PolicyLoss, samples_generator's SamplingParams); "
+            f"found {v}. Install openrlhf=={TESTED_VERSIONS[-1]}, or set OFFPOLICY_OPENRLHF_ANY_VERSION=1 "
+            "after checking those three contracts in the new release."
+        )
+
+
+def resolve_config(spec: LossConfig | CorrectionConfig | str | None) -> LossConfig:
+    """A LossConfig from a LossConfig, a CorrectionConfig (PPO ε = 0.2 around it), a preset name
+    (``"recommended"``, ``"openrlhf:icepop"``) or a YAML path; None reads ``$OFFPOLICY_OPENRLHF_LOSS``."""
+    if spec is None:
+        spec = os.environ.get(ENV_LOSS)
+        if not spec:
+            raise ConfigError(
+                f"OffpolicyPolicyLoss: no offpolicy loss configured; call install(config) in this process or set "
+                f"{ENV_LOSS} (a preset name or a YAML path) — runtime_env(config) does both for Ray workers"
+            )
+    if isinstance(spec, LossConfig):
+        return spec
+    if isinstance(spec, CorrectionConfig):
+        return LossConfig(correction=spec)
+    if spec.lstrip().startswith("{"):  # runtime_env() passes config objects as JSON
+        return LossConfig.model_validate_json(spec)
+    if os.path.isfile(spec):
+        return LossConfig.from_yaml(spec)
+    return op.presets.loss(spec)
+
+
+class OffpolicyPolicyLoss(PolicyLoss):
+    """OpenRLHF's ``PolicyLoss`` running offpolicy's corrected loss (see the module docstring).
+
+    Same constructor as ``openrlhf.models.loss.PolicyLoss`` (0.11.2), plus keyword-only
+    ``loss_config`` / ``dumper`` (default: the class-level ones :func:`install` sets, else
+    ``$OFFPOLICY_OPENRLHF_LOSS``). ``forward`` returns ``(loss, clip_ratio, ppo_kl, vllm_kl,
+    is_filter_ratio)`` like the host: vllm_kl = mean_t(log μ − log π_old) over the action mask,
+    is_filter_ratio = offpolicy's ``masked_fraction``; all offpolicy metrics are kept in
+    ``self.last_metrics`` (an ``op.Metrics``, merged over the micro-batches since the last
+    :meth:`pop_metrics`).
+    """
+
+    loss_config: ClassVar[LossConfig | None] = None
+    dumper: ClassVar[BatchDumper | None] = None
+
+    def __init__(self, clip_eps_low: float = 0.2, clip_eps_high: float = 0.2, dual_clip: float | None = None,
+                 token_level_loss: bool = True, policy_loss_type: str = "ppo", is_correction_level: str = "off",
+                 is_correction_mode: str = "mask", is_correction_gating: str = "ratio",
+                 is_correction_threshold: Any = (0.5, 5.0), *, loss_config: LossConfig | CorrectionConfig | str | None = None,
+                 dumper: BatchDumper | None = None) -> None:
+        super().__init__(clip_eps_low, clip_eps_high, dual_clip, token_level_loss, policy_loss_type,
+                         is_correction_level, is_correction_mode, is_correction_gating, is_correction_threshold)
+        if is_correction_level != "off":
+            raise ConfigError(
+                f"--algo.advantage.is_correction_level={is_correction_level}: OpenRLHF's own vLLM IS correction and "
+                "offpolicy's would both weight the loss by π_old/μ. Set --algo.advantage.is_correction_level off "
+                "(offpolicy's setup_worker still requests the rollout log-probs), or do not install offpolicy's loss."
+            )
+        cfg = resolve_config(loss_config if loss_config is not None else type(self).loss_config)
+        self._check_agrees(cfg)
+        self.config = cfg
+        self.dump = dumper if dumper is not None else (type(self).dumper or _dumper_from_env())
+        self.calls = 0
+        self.last_metrics: op.Metrics | None = None
+
+    def _check_agrees(self, cfg: LossConfig) -> None:
+        # token_level_loss is what PolicyLoss.__init__ left (gspo forces False, as in 0.11.2).
+        host_agg = _AGG[bool(self.token_level_loss)]
+        if cfg.agg != host_agg:
+            raise ConfigError(
+                f"loss.agg={cfg.agg!r} but OpenRLHF aggregates {host_agg!r} (--actor.loss_agg_mode"
+                f"{' / policy_loss_type gspo' if self.policy_loss_type == 'gspo' else ''}); OpenRLHF's aggregate_loss "
+                "does token-mean or seq-mean-token-mean only — make the two agree"
+            )
+        if cfg.kl_coef > 0:
+            raise ConfigError(
+                f"loss.kl_coef={cfg.kl_coef}: OpenRLHF adds its KL term itself (--algo.kl.use_loss, --algo.kl.init_coef) "
+                "and PolicyLoss never receives reference log-probs; set loss.kl_coef 0 and use OpenRLHF's"
+            )
+        want_type = "gspo" if cfg.kind == "gspo" else "ppo"
+        if self.policy_loss_type != want_type:
+            raise ConfigError(
+                f"--actor.policy_loss_type={self.policy_loss_type} but loss.kind={cfg.kind!r}: set "
+                f"--actor.policy_loss_type {want_type} (offpolicy computes the loss; OpenRLHF's type only picks its aggregation)"
+            )
+        if cfg.kind in ("ppo", "gspo"):
+            host = (self.clip_eps_low, self.clip_eps_high, self.dual_clip)
+            ours = (cfg.clip_low, cfg.clip_high, cfg.dual_clip)
+            if host != ours:
+                raise ConfigError(
+                    f"OpenRLHF --actor.eps_clip_low_high/--actor.dual_clip = {host} but the LossConfig has "
+                    f"(clip_low, clip_high, dual_clip) = {ours}; offpolicy's values are the ones applied — set both alike"
+                )
+
+    def forward(self, log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor,
+                action_mask: torch.Tensor | None = None, rollout_log_probs: torch.Tensor | None = None,
+                dp_size: int = 1, batch_num_tokens: float | None = None, global_batch_size: float | None = None,
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        cfg = self.config
+        if cfg.correction is not None and rollout_log_probs is None:
+            raise RuntimeError(
+                "OffpolicyPolicyLoss: experience.rollout_log_probs is None, so vLLM returned no log-probs. Run "
+                "offpolicy.integrations.openrlhf.setup_worker() in every Ray worker (ray.init(runtime_env="
+                "runtime_env(config))) — OpenRLHF 0.11.2 requests them only when its own correction is on"
+            )
+        mask = action_mask if action_mask is not None else torch.ones_like(log_probs)
+        per_token, agg_mask, metrics = op.policy_loss(
+            log_probs, old_log_probs, advantages, mask, rollout_log_probs, cfg, reduce=False)
+        loss = aggregate_loss(per_token, agg_mask.to(per_token.dtype), token_level_loss=self.token_level_loss,
+                              dp_size=dp_size, batch_num_tokens=batch_num_tokens, global_batch_size=global_batch_size)
+        m = mask.to(torch.float32)
+        n = m.sum().clamp(min=1.0)  # masked means below; an all-padding micro-batch reports 0, not NaN
+        dev = log_probs.device
+        clip_ratio = torch.tensor(metrics["clip_fraction"] if "clip_fraction" in metrics else 0.0,
+                                  device=dev, dtype=torch.float32)
+        ppo_kl = ((old_log_probs.detach().float() - log_probs.detach().float()) * m).sum() / n
+        vllm_kl = is_filter_ratio = None
+        if rollout_log_probs is not None:
+            vllm_kl = ((rollout_log_probs.float() - old_log_probs.detach().float()) * m).sum() / n
+            is_filter_ratio = torch.tensor(metrics["masked_fraction"] if "masked_fraction" in metrics else 0.0,
+                                           device=dev, dtype=torch.float32)
+        self.last_metrics = metrics if self.last_metrics is None else self.last_metrics.merge(metrics)
+        if self.dump is not None and rollout_log_probs is not None:
+            self.dump.maybe_dump(self.calls, old_logprobs=old_log_probs, rollout_logprobs=rollout_log_probs,
+                                 mask=mask, advantages=advantages.expand_as(mask), logprobs=log_probs,
+                                 meta={"step_unit": "PolicyLoss.forward call (micro-batch)"})
+        self.calls += 1
+        return loss, clip_ratio, ppo_kl, vllm_kl, is_filter_ratio
+
+    def pop_metrics(self, prefix: str = METRIC_PREFIX) -> dict[str, float]:
+        """offpolicy's metrics merged since the last call, as ``{prefix + name: value}``; then cleared."""
+        out = {} if self.last_metrics is None else self.last_metrics.to_dict(prefix=prefix)
+        self.last_metrics = None
+        return out
+
+
+def _dumper_from_env() -> BatchDumper | None:
+    d = os.environ.get(ENV_DUMP_DIR)
+    if not d:
+        return None
+    return BatchDumper(d, every=int(os.environ.get(ENV_DUMP_EVERY, "1")), host="openrlhf", host_version=host_version())
+
+
+def add_metrics_to_status(status: dict[str, Any], loss_fn: Any) -> dict[str, Any]:
+    """Put ``loss_fn``'s offpolicy metrics into a ``training_step`` status dict (0.11.2 layout:
+    ``{"metrics": {name: tensor}, "weights": {name: "token" | "sample" | None}}``); 0-D tensors
+    weighted "token", the way ppo_actor weights its own loss statistics."""
+    if isinstance(loss_fn, OffpolicyPolicyLoss):
+        for k, v in loss_fn.pop_metrics().items():
+            status["metrics"][k] = torch.tensor(v, dtype=torch.float32)
+            status["weights"][k] = "token"
+    return status
+
+
+def _wrap_training_step(cls: type) -> None:
+    if getattr(cls.training_step, "_offpolicy", False):
+        return
+    original = cls.training_step
+
+    @functools.wraps(original)
+    def training_step(self: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        return add_metrics_to_status(original(self, *args, **kwargs), self.actor_loss_fn)
+
+    training_step._offpolicy = True  # type: ignore[attr-defined]
+    cls.training_step = training_step
+
+
+def _forced_sampling_params(real: Any) -> Any:
+    @functools.wraps(real)
+    def sampling_params(*args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("logprobs") is None:
+            kwargs["logprobs"] = 1  # the sampled token's log μ; OpenRLHF reads response["rollout_log_probs"]
+        return real(*args, **kwargs)
+
+    sampling_params._offpolicy = True  # type: ignore[attr-defined]
+    return sampling_params
+
+
+def _forced_create_vllm_engines(real: Any) -> Any:
+    sig = inspect.signature(real)
+
+    @functools.wraps(real)
+    def create_vllm_engines(*args: Any, **kwargs: Any) -> Any:
+        bound = sig.bind(*args, **kwargs)
+        if bound.arguments.get("logprobs_mode") is None:
+            # log μ after temperature/top-p, the distribution actually sampled (SPEC: μ).
+            bound.arguments["logprobs_mode"] = "processed_logprobs"
+        return real(*bound.args, **bound.kwargs)
+
+    create_vllm_engines._offpolicy = True  # type: ignore[attr-defined]
+    return create_vllm_engines
+
+
+def install(config: LossConfig | CorrectionConfig | str | None = None, *, dumper: BatchDumper | None = None) -> list[str]:
+    """Install offpolicy in this process; returns what was patched (for logs and tests).
+
+    - ``PolicyLoss`` → :class:`OffpolicyPolicyLoss` in ``openrlhf.models`` (where ppo_actor imports
+      it from) and in ``ppo_actor`` if already imported; ``ActorPPOTrainer.training_step`` then
+      adds offpolicy's metrics to its status dict.
+    - ``samples_generator.SamplingParams`` asks vLLM for the sampled token's log-prob;
+      ``create_vllm_engines`` gets ``logprobs_mode="processed_logprobs"``.
+    Modules that cannot be imported in this process (a driver without DeepSpeed) are skipped.
+    """
+    _check_version()
+    OffpolicyPolicyLoss.loss_config = resolve_config(config)
+    if dumper is not None:
+        OffpolicyPolicyLoss.dumper = dumper
+    done: list[str] = []
+    for name in ("openrlhf.models", "openrlhf.models.loss"):
+        mod = _try_import(name)
+        if mod is not None and getattr(mod, "PolicyLoss", None) is not OffpolicyPolicyLoss:
+            mod.PolicyLoss = OffpolicyPolicyLoss
+            done.append(f"{name}.PolicyLoss")
+    actor = sys.modules.get("openrlhf.trainer.ray.ppo_actor") or _try_import("openrlhf.trainer.ray.ppo_actor")
+    if actor is not None:
+        actor.PolicyLoss = OffpolicyPolicyLoss
+        _wrap_training_step(actor.ActorPPOTrainer)
+        done.append("openrlhf.trainer.ray.ppo_actor.{PolicyLoss,ActorPPOTrainer.training_step}")
+    gen = _try_import("openrlhf.trainer.ppo_utils.samples_generator")
+    if gen is not None and not getattr(gen.SamplingParams, "_offpolicy", False):
+        gen.SamplingParams = _forced_sampling_params(gen.SamplingParams)
+        done.append("openrlhf.trainer.ppo_utils.samples_generator.SamplingParams")
+    for name in ("openrlhf.trainer.ray.vllm_engine", "openrlhf.trainer.ray"):
+        mod = _try_import(name)
+        if mod is not None and not getattr(mod.create_vllm_engines, "_offpolicy", False):
+            mod.create_vllm_engines = _forced_create_vllm_engines(mod.create_vllm_engines)
+            done.append(f"{name}.create_vllm_engines")
+    return done
+
+
+def _try_import(name: str) -> Any:
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        return None
+
+
+def setup_worker() -> None:
+    """Ray ``worker_process_setup_hook``: :func:`install` from ``$OFFPOLICY_OPENRLHF_LOSS``."""
+    install(None)
+
+
+def runtime_env(config: LossConfig | CorrectionConfig | str, base: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A Ray ``runtime_env`` that installs offpolicy in every worker: the setup hook, and the config
+    in ``$OFFPOLICY_OPENRLHF_LOSS`` (a preset name or YAML path as given, a config object as JSON)."""
+    cfg_spec = config if isinstance(config, str) else resolve_config(config).model_dump_json()
+    env = dict(base or {})
+    env_vars = {**env.get("env_vars", {}), ENV_LOSS: cfg_spec}
+    for key in (ENV_DUMP_DIR, ENV_DUMP_EVERY):
+        if os.environ.get(key):
+            env_vars[key] = os.environ[key]
+    # OpenRLHF's own ray.init defaults (train_ppo_ray.train, 0.11.2), kept since our ray.init replaces it.
+    env_vars.setdefault("TOKENIZERS_PARALLELISM", os.environ.get("TOKENIZERS_PARALLELISM", "true"))
+    env_vars.setdefault("NCCL_DEBUG", os.environ.get("NCCL_DEBUG", "WARN"))
+    env_vars.setdefault("RAY_ENABLE_ZERO_COPY_TORCH_TENSORS", os.environ.get("RAY_ENABLE_ZERO_COPY_TORCH_TENSORS", "1"))
+    env["env_vars"] = env_vars
+    env["worker_process_setup_hook"] = "offpolicy.integrations.openrlhf.setup_worker"
+    return env

@@ -1,0 +1,206 @@
+"""OpenRLHF 0.11.2: OffpolicyPolicyLoss called the way ppo_actor.training_step calls PolicyLoss
+gives offpolicy's own loss and gradient, refuses double correction, and reports metrics.
+
+``openrlhf.models/__init__`` imports the actor (DeepSpeed, flash-attn: GPU-only packages); the
+loss lives in ``openrlhf/models/loss.py`` + ``utils.py``, which need only torch and, at import,
+``deepspeed`` (utils.py, unused by the loss). Without DeepSpeed/flash-attn we load those two real
+files under a bare ``openrlhf.models`` package with an inert ``deepspeed`` placeholder — the loss
+code that runs is OpenRLHF's own.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.machinery
+import sys
+import types
+
+import pytest
+import torch
+
+openrlhf = pytest.importorskip("openrlhf", reason="OpenRLHF not installed (pip install offpolicy[openrlhf])")
+
+import offpolicy as op  # noqa: E402
+from offpolicy.config import ConfigError  # noqa: E402
+
+
+def _import_loss_module() -> types.ModuleType:
+    try:
+        return importlib.import_module("openrlhf.models.loss")
+    except ImportError:
+        pass
+    for k in [k for k in sys.modules if k.startswith("openrlhf.models")]:
+        del sys.modules[k]
+    pkg = types.ModuleType("openrlhf.models")
+    pkg.__path__ = [openrlhf.__path__[0] + "/models"]
+    pkg.__spec__ = importlib.machinery.ModuleSpec("openrlhf.models", None, is_package=True)
+    sys.modules["openrlhf.models"] = pkg
+    added = "deepspeed" not in sys.modules and importlib.util.find_spec("deepspeed") is None
+    if added:
+        sys.modules["deepspeed"] = types.ModuleType("deepspeed")
+    try:
+        return importlib.import_module("openrlhf.models.loss")
+    finally:
+        if added:  # leave no placeholder behind for other tests (transformers probes for deepspeed)
+            del sys.modules["deepspeed"]
+
+
+host_loss = _import_loss_module()
+from offpolicy.integrations import openrlhf as adapter  # noqa: E402
+
+CONFIGS = {
+    "token_tis": op.presets.loss("openrlhf:tis"),
+    "seq_mis": op.presets.loss("openrlhf:seq-mask-tis"),
+    "veto": op.LossConfig(correction=op.CorrectionConfig(
+        reject=[{"stat": "ratio", "level": "any_token", "low": 0.5, "high": 2.0}])),
+    "recommended": op.presets.loss("recommended"),
+}
+
+
+def _batch(seed: int = 0, b: int = 6, t: int = 7) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    logp = -torch.rand(b, t, generator=g) * 2 - 0.05
+    old = (logp + 0.05 * torch.randn(b, t, generator=g)).clamp(max=-1e-3)  # log-probs are ≤ 0
+    mu = (old + 0.6 * torch.randn(b, t, generator=g)).clamp(max=-1e-3)  # wide: the veto and bands reject rows
+    mu[2] = old[2] - 2.0  # row 2: log ρ = +2 on every token, ρ = 7.4 — outside every band here
+    adv = torch.randn(b, 1, generator=g).expand(b, t).contiguous()
+    mask = torch.ones(b, t)
+    mask[0, 4:] = 0
+    mask[3, 2:] = 0
+    return {"logp": logp, "old": old, "mu": mu, "adv": adv, "mask": mask}
+
+
+def _host_call(fn: torch.nn.Module, x: dict[str, torch.Tensor], **batch_info):
+    # ppo_actor.ActorPPOTrainer.training_step (0.11.2): positional π_θ, π_old, A; keywords after.
+    logp = x["logp"].clone().requires_grad_(True)
+    out = fn(logp, x["old"], x["adv"], action_mask=x["mask"], rollout_log_probs=x["mu"], **batch_info)
+    out[0].backward()
+    return out, logp.grad
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_loss_and_grad_equal_offpolicy(name: str) -> None:
+    cfg = CONFIGS[name]
+    x = _batch()
+    fn = adapter.OffpolicyPolicyLoss(clip_eps_low=cfg.clip_low, clip_eps_high=cfg.clip_high,
+                                     token_level_loss=cfg.agg == "token-mean", loss_config=cfg)
+    assert isinstance(fn, host_loss.PolicyLoss)
+    out, grad = _host_call(fn, x)
+    assert len(out) == 5  # the arity ppo_actor unpacks
+    logp = x["logp"].clone().requires_grad_(True)
+    ref, metrics = op.policy_loss(logp, x["old"], x["adv"], x["mask"], x["mu"], cfg, implementation="reference")
+    ref.backward()
+    torch.testing.assert_close(out[0], ref, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(grad, logp.grad, rtol=1e-6, atol=1e-8)
+    assert grad.abs().sum() > 0
+    if name in ("seq_mis", "veto"):  # the test batch must exercise the rejection
+        assert metrics["masked_fraction"] > 0
+        assert out[4].item() == pytest.approx(metrics["masked_fraction"])
+    assert fn.pop_metrics()["offpolicy/valid_tokens"] == x["mask"].sum().item()
+
+
+def test_global_batch_normalisation_is_openrlhf_s() -> None:
+    # With batch_num_tokens (the global count over ranks and micro-batches), OpenRLHF's
+    # aggregate_loss is Σ ℓ_t m_t / N · dp_size; offpolicy's global_tokens gives Σ ℓ_t m_t / N.
+    cfg = CONFIGS["token_tis"]
+    x = _batch(1)
+    fn = adapter.OffpolicyPolicyLoss(loss_config=cfg)
+    out, grad = _host_call(fn, x, dp_size=2, batch_num_tokens=100.0)
+    logp = x["logp"].clone().requires_grad_(True)
+    ref, _ = op.policy_loss(logp, x["old"], x["adv"], x["mask"], x["mu"], cfg.model_copy(update={"global_tokens": 100.0}),
+                            implementation="reference")
+    (2 * ref).backward()
+    torch.testing.assert_close(out[0], 2 * ref, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(grad, logp.grad, rtol=1e-6, atol=1e-8)
+
+
+def test_host_without_correction_matches_offpolicy_without_correction() -> None:
+    # Differential check of the contract itself: OpenRLHF's plain PPO == offpolicy's plain PPO.
+    x = _batch(2)
+    host = host_loss.PolicyLoss()
+    ours = adapter.OffpolicyPolicyLoss(loss_config=op.LossConfig())
+    (h, *_), gh = _host_call(host, x)
+    (o, *_), go = _host_call(ours, x)
+    torch.testing.assert_close(o, h, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(go, gh, rtol=1e-6, atol=1e-8)
+
+
+def test_refuses_openrlhf_s_own_correction() -> None:
+    with pytest.raises(ConfigError, match="is_correction_level=token"):
+        adapter.OffpolicyPolicyLoss(is_correction_level="token", loss_config=CONFIGS["token_tis"])
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"token_level_loss": False}, "loss.agg"),
+    ({"clip_eps_high": 0.28}, "eps_clip_low_high"),
+    ({"policy_loss_type": "gspo"}, "loss.agg|policy_loss_type"),
+])
+def test_refuses_host_arguments_that_disagree(kwargs: dict, match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        adapter.OffpolicyPolicyLoss(loss_config=op.LossConfig(correction=CONFIGS["token_tis"].correction), **kwargs)
+
+
+def test_refuses_missing_rollout_logprobs() -> None:
+    x = _batch()
+    fn = adapter.OffpolicyPolicyLoss(loss_config=CONFIGS["token_tis"])
+    with pytest.raises(RuntimeError, match="setup_worker"):
+        fn(x["logp"], x["old"], x["adv"], action_mask=x["mask"], rollout_log_probs=None)
+
+
+def test_metrics_reach_the_status_dict() -> None:
+    # training_step's status layout (0.11.2): {"metrics": {k: tensor}, "weights": {k: ...}}.
+    x = _batch()
+    fn = adapter.OffpolicyPolicyLoss(loss_config=CONFIGS["veto"])
+    _host_call(fn, x)
+    _host_call(fn, _batch(3))
+    status = adapter.add_metrics_to_status({"metrics": {"policy_loss": torch.tensor(0.0)},
+                                            "weights": {"policy_loss": "token"}}, fn)
+    assert status["metrics"]["offpolicy/valid_tokens"].item() == x["mask"].sum().item() + _batch(3)["mask"].sum().item()
+    assert status["weights"]["offpolicy/masked_fraction"] == "token"
+    assert "offpolicy/is_mean" in status["metrics"]
+    assert fn.pop_metrics() == {}  # consumed once
+
+
+def test_install_replaces_policyloss_and_forces_logprobs(monkeypatch: pytest.MonkeyPatch) -> None:
+    import openrlhf.models as models
+
+    monkeypatch.setattr(models, "PolicyLoss", host_loss.PolicyLoss, raising=False)
+    monkeypatch.setattr(host_loss, "PolicyLoss", host_loss.PolicyLoss)
+    monkeypatch.setattr(adapter.OffpolicyPolicyLoss, "loss_config", None)
+    monkeypatch.setenv(adapter.ENV_LOSS, "openrlhf:icepop")
+    done = adapter.install(None)
+    assert "openrlhf.models.PolicyLoss" in done
+    assert models.PolicyLoss is adapter.OffpolicyPolicyLoss
+    assert adapter.OffpolicyPolicyLoss.loss_config == op.presets.loss("openrlhf:icepop")
+    # the rollout-log-prob switches, on stand-ins with the 0.11.2 signatures
+    seen = {}
+    sp = adapter._forced_sampling_params(lambda **kw: seen.update(kw))
+    sp(temperature=1.0, logprobs=None)
+    assert seen["logprobs"] == 1
+
+    def create_vllm_engines(num_engines, tensor_parallel_size, pretrain, seed, full_determinism,
+                            enable_prefix_caching, enforce_eager, max_model_len, shared_pg=None,
+                            gpu_memory_utilization=None, vllm_enable_sleep=False, logprobs_mode=None,
+                            agent_func_path=None, remote_rm_url=None, max_images_per_prompt=0):
+        return logprobs_mode
+
+    assert adapter._forced_create_vllm_engines(create_vllm_engines)(*range(11), None) == "processed_logprobs"
+
+
+def test_runtime_env_carries_the_config() -> None:
+    env = adapter.runtime_env(CONFIGS["veto"])
+    assert env["worker_process_setup_hook"] == "offpolicy.integrations.openrlhf.setup_worker"
+    assert adapter.resolve_config(env["env_vars"][adapter.ENV_LOSS]) == CONFIGS["veto"]
+    assert adapter.runtime_env("recommended")["env_vars"][adapter.ENV_LOSS] == "recommended"
+
+
+def test_dump_is_readable_by_diagnose(tmp_path) -> None:
+    from offpolicy.integrations.dump import BatchDumper, load_batch
+
+    x = _batch()
+    fn = adapter.OffpolicyPolicyLoss(loss_config=CONFIGS["token_tis"],
+                                     dumper=BatchDumper(tmp_path, steps={0}, host="openrlhf"))
+    _host_call(fn, x)
+    got = load_batch(tmp_path)
+    torch.testing.assert_close(got["rollout_logprobs"], x["mu"])
+    torch.testing.assert_close(got["old_logprobs"], x["old"])
