@@ -1,0 +1,150 @@
+"""offpolicy's correction as a verl policy loss (tested with verl 0.9.1).
+
+Importing this module registers the policy loss ``"offpolicy"`` through verl's public registry
+(``verl.trainer.ppo.core_algos.register_policy_loss``). offpolicy ships it as a ``verl.plugins``
+entry point, which ``import verl`` loads in every process, Ray workers included (verl 0.9.1
+``verl/__init__.py``; ``VERL_USE_EXTERNAL_PLUGINS=none`` turns that off). verl only DEBUG-logs a
+plugin that fails to import: if ``loss_mode=offpolicy`` then reports "Unsupported loss mode",
+run ``python -c "import offpolicy.integrations.verl"`` to see why.
+
+Which offpolicy loss: ``OFFPOLICY_VERL_LOSS`` in the workers' environment — a preset name
+(``op.LossConfig.from_preset``) or the path of a YAML file holding a ``LossConfig`` — or
+``configure(config)`` in the process that computes the loss.
+
+verl 0.9.1 calls a policy loss as ``fn(old_log_prob, log_prob, advantages, response_mask,
+loss_agg_mode, config, rollout_is_weights)`` (``verl/workers/utils/losses.py::ppo_loss``): it
+never passes the rollout log-probs μ. Hence:
+
+* corrections with ``anchor: rollout`` or ``anchor: current`` (two policies: π_θ and μ) run in
+  verl's **bypass mode**, where verl sets ``old_log_probs := rollout_log_probs``; the loss then
+  uses μ = ``old_log_prob``. Set ``algorithm.rollout_correction.bypass_mode=True`` with the v1
+  trainer (``verl/trainer/ppo/v1/trainer_base.py`` only substitutes the log-probs). The legacy
+  ``RayPPOTrainer`` (``ray_trainer.py::apply_bypass_mode``) also overwrites ``loss_mode`` with
+  verl's own ``"bypass_mode"`` loss; this module wraps that entry so it refuses to run while
+  ``OFFPOLICY_VERL_LOSS`` is set, instead of silently training without offpolicy.
+* corrections with ``anchor: old`` (three policies) are refused: the loss would need μ next to a
+  recomputed π_old, which verl 0.9.1 does not hand a registered loss. Use verl's own
+  ``algorithm.rollout_correction`` for decoupled corrections (offpolicy's ``verl:*`` presets
+  reproduce them; measure with ``offpolicy diagnose``), or a two-policy correction here.
+* verl's own IS weights (``rollout_is_weights`` not None) together with an offpolicy correction
+  are refused: the mismatch would be corrected twice. Set ``algorithm.rollout_correction.rollout_is``
+  and ``rollout_rs`` to null.
+
+The per-token loss is ``op.policy_loss(log π_θ, π_old, A, mask, μ, config, reduce=False)``;
+verl aggregates it with its own ``agg_loss`` over offpolicy's mask, with verl's global batch
+info (``dp_size``, ``batch_num_tokens``, ``global_batch_size``), so verl's ``loss_agg_mode`` and
+its micro-batch/data-parallel normalisation decide the reduction (when verl sets a global token
+count, the denominator is verl's valid-token count: ``denominator: fixed`` in effect).
+offpolicy's ``agg`` is not used. The KL term stays verl's (``actor.use_kl_loss``). Metrics come
+back as floats under ``offpolicy/``; verl averages them over micro-batches and ranks
+(``AggregationType.MEAN``), so ``*_min``/``*_max`` are means of per-micro-batch extremes.
+
+Would break on upgrade if verl changes the policy-loss signature, ``agg_loss``'s keywords,
+``config.global_batch_info``, the ``verl.plugins`` group, or where bypass mode substitutes μ.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import verl
+from verl.trainer.ppo import core_algos
+
+import offpolicy as op
+from offpolicy.config import ConfigError
+
+TESTED_VERSION = "0.9.1"
+ENV = "OFFPOLICY_VERL_LOSS"
+LOSS_NAME = "offpolicy"
+
+_configured: op.LossConfig | None = None
+
+
+def configure(config: op.LossConfig | str | None) -> None:
+    """Set the offpolicy loss for this process (a ``LossConfig`` or preset name; None = use ``OFFPOLICY_VERL_LOSS``)."""
+    global _configured
+    _configured = op.LossConfig.from_preset(config) if isinstance(config, str) else config
+
+
+def loss_config() -> op.LossConfig:
+    """The configured ``LossConfig``: ``configure(...)`` first, else ``$OFFPOLICY_VERL_LOSS``.
+
+    Raises:
+        ConfigError: neither is set, or the value is neither a preset nor a readable YAML file.
+    """
+    if _configured is not None:
+        return _configured
+    value = os.environ.get(ENV)
+    if not value:
+        raise ConfigError(f"actor.policy_loss.loss_mode={LOSS_NAME!r} but {ENV} is not set in this worker: set it to "
+                          "a preset name (e.g. verl:bypass_ppo_clip) or a LossConfig YAML path, for every Ray worker "
+                          "(ray runtime_env env_vars), or call offpolicy.integrations.verl.configure(...)")
+    if Path(value).is_file():
+        return op.LossConfig.from_yaml(value)
+    return op.LossConfig.from_preset(value)
+
+
+def _check(cfg: op.LossConfig, rollout_is_weights: torch.Tensor | None) -> None:
+    corr = cfg.correction
+    if corr is None:
+        return
+    if rollout_is_weights is not None:
+        raise ConfigError("verl passed rollout_is_weights (algorithm.rollout_correction.rollout_is is set) and the "
+                          f"offpolicy loss ({ENV}) also corrects the mismatch: it would count twice. Set "
+                          "algorithm.rollout_correction.rollout_is=null and rollout_rs=null, or drop the offpolicy correction")
+    if corr.anchor == "old":
+        raise ConfigError(f"{ENV}: correction.anchor 'old' (three policies) needs the rollout log-probs next to "
+                          f"π_old, and verl {TESTED_VERSION} does not pass them to a policy loss. Use anchor 'rollout' "
+                          "or 'current' with algorithm.rollout_correction.bypass_mode=True (e.g. verl:bypass_ppo_clip, "
+                          "verl:bypass_pg_is), or verl's own algorithm.rollout_correction for decoupled corrections")
+    if cfg.kl_coef > 0:
+        raise ConfigError(f"{ENV}: kl_coef={cfg.kl_coef}; in verl the KL term is verl's: set actor.use_kl_loss and "
+                          "kl_loss_coef, and kl_coef 0 in the offpolicy config")
+
+
+@core_algos.register_policy_loss(LOSS_NAME)
+def offpolicy_policy_loss(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str = "token-mean",
+    config: Any = None,
+    rollout_is_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, Any]]:
+    """verl policy loss: ``agg_loss(ℓ, m, loss_agg_mode)`` with ``(ℓ, m) = op.policy_loss(log π_θ, π_old, A,
+    mask, μ, cfg, reduce=False)``; in bypass mode π_old = μ = ``old_log_prob`` (module docstring)."""
+    cfg = loss_config()
+    _check(cfg, rollout_is_weights)
+    mask = response_mask.to(log_prob.dtype)
+    # Bypass mode: verl put μ in old_log_prob. Without a correction μ is not used at all.
+    rollout = old_log_prob if cfg.correction is not None else None
+    per_token, loss_mask, metrics = op.policy_loss(log_prob, old_log_prob, advantages, mask, rollout, cfg, reduce=False)
+    batch_info = dict(getattr(config, "global_batch_info", None) or {}) if config is not None else {}
+    loss = core_algos.agg_loss(loss_mat=per_token, loss_mask=loss_mask, loss_agg_mode=loss_agg_mode, **batch_info)
+    return loss, metrics.to_dict()
+
+
+def _guard_bypass_loss() -> None:
+    """Legacy RayPPOTrainer bypass mode replaces loss_mode with verl's "bypass_mode" loss (verl 0.9.1
+    rollout_corr_helper.apply_bypass_mode): refuse it while the user asked for offpolicy's loss."""
+    original = core_algos.POLICY_LOSS_REGISTRY.get("bypass_mode")
+    if original is None or getattr(original, "_offpolicy_guard", False):
+        return
+
+    def guarded(*args: Any, **kwargs: Any):
+        if os.environ.get(ENV) or _configured is not None:
+            raise ConfigError(f"{ENV} is set but verl runs its own 'bypass_mode' loss: the legacy RayPPOTrainer's "
+                              "bypass mode overwrites actor.policy_loss.loss_mode. Use the v1 trainer with "
+                              "bypass_mode=True, or unset the offpolicy loss")
+        return original(*args, **kwargs)
+
+    guarded._offpolicy_guard = True  # type: ignore[attr-defined]
+    core_algos.POLICY_LOSS_REGISTRY["bypass_mode"] = guarded
+
+
+_guard_bypass_loss()
+HOST_VERSION = getattr(verl, "__version__", "unknown")
