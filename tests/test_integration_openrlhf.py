@@ -48,12 +48,17 @@ def _import_loss_module() -> types.ModuleType:
 host_loss = _import_loss_module()
 from offpolicy.integrations import openrlhf as adapter  # noqa: E402
 
+def _fixed(cfg: op.LossConfig) -> op.LossConfig:
+    return cfg.model_copy(update={"correction": cfg.correction.model_copy(update={"denominator": "fixed"})})
+
+
 CONFIGS = {
     "token_tis": op.presets.loss("openrlhf:tis"),
     "seq_mis": op.presets.loss("openrlhf:seq-mask-tis"),
     "veto": op.LossConfig(correction=op.CorrectionConfig(
-        reject=[{"stat": "ratio", "level": "any_token", "low": 0.5, "high": 2.0}])),
-    "recommended": op.presets.loss("recommended"),
+        reject=[{"stat": "ratio", "level": "any_token", "low": 0.5, "high": 2.0}], denominator="fixed")),
+    # recommended = sequence TIS + any-token veto; the host fixes the denominator (renormalize is refused)
+    "recommended": _fixed(op.presets.loss("recommended")),
 }
 
 
@@ -204,3 +209,8 @@ def test_dump_is_readable_by_diagnose(tmp_path) -> None:
     got = load_batch(tmp_path)
     torch.testing.assert_close(got["rollout_logprobs"], x["mu"])
     torch.testing.assert_close(got["old_logprobs"], x["old"])
+
+
+def test_refuses_renormalize_since_openrlhf_fixes_the_denominator() -> None:
+    with pytest.raises(ConfigError, match="renormalize"):
+        adapter.OffpolicyPolicyLoss(loss_config=op.presets.loss("recommended"))

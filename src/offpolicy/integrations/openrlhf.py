@@ -34,7 +34,8 @@ own ``--algo.advantage.is_correction_level`` is on), and adds offpolicy's metric
 
 Refused: OpenRLHF's own correction (``is_correction_level`` ≠ off) together with offpolicy's —
 the ratio π_old/μ would be applied twice; ``kl_coef`` > 0 (OpenRLHF adds its own KL term from
-``--algo.kl.*``; ``PolicyLoss`` never sees the reference log-probs); an ``agg`` the host's
+``--algo.kl.*``; ``PolicyLoss`` never sees the reference log-probs); ``correction.denominator:
+renormalize`` (OpenRLHF's global token/sample counts are fixed before the loss); an ``agg`` the host's
 ``--actor.loss_agg_mode`` does not perform; clip/dual-clip/loss-type arguments that disagree with
 the LossConfig (the LossConfig governs; the host's values must match so its logs do not lie).
 """
@@ -152,6 +153,15 @@ class OffpolicyPolicyLoss(PolicyLoss):
                 f"loss.agg={cfg.agg!r} but OpenRLHF aggregates {host_agg!r} (--actor.loss_agg_mode"
                 f"{' / policy_loss_type gspo' if self.policy_loss_type == 'gspo' else ''}); OpenRLHF's aggregate_loss "
                 "does token-mean or seq-mean-token-mean only — make the two agree"
+            )
+        if cfg.correction is not None and cfg.correction.denominator == "renormalize":
+            # ppo_actor always passes batch_num_tokens / global_batch_size (loss_utils.get_loss_batch_info,
+            # 0.11.2): counts of *valid* tokens/samples over ranks, fixed before the loss runs.
+            raise ConfigError(
+                "loss.correction.denominator='renormalize': OpenRLHF divides by its global count of valid tokens "
+                "(batch_num_tokens) or samples, fixed before the loss runs, so rejected tokens cannot leave the "
+                "denominator; set correction.denominator 'fixed' (e.g. op.presets.loss('recommended') with "
+                "correction.denominator='fixed')"
             )
         if cfg.kl_coef > 0:
             raise ConfigError(

@@ -1,0 +1,183 @@
+"""SkyRL 0.4.0: the "offpolicy" loss fetched from SkyRL's PolicyLossRegistry and called the way
+its worker calls it (advantages pre-scaled by SkyRL's own ``apply_loss_reduction_to_advantages_minibatch``)
+gives offpolicy's own loss and gradient, refuses double correction, and returns metrics the
+worker puts in its status as ``loss_metrics/offpolicy/...``.
+
+SkyRL 0.4.0 declares Python >= 3.12; on 3.11 ``skyrl/backends/__init__`` (the Tinker backend,
+unrelated to the loss) fails at import on a pydantic TypedDict, so we load the real
+``skyrl.backends.skyrl_train.utils`` modules under a bare ``skyrl.backends`` package.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.machinery
+import sys
+import types
+
+import pytest
+import torch
+
+skyrl = pytest.importorskip("skyrl", reason="SkyRL not installed (pip install offpolicy[skyrl]; Python >= 3.12)")
+
+
+def _import_ppo_utils() -> types.ModuleType:
+    try:
+        return importlib.import_module("skyrl.backends.skyrl_train.utils.ppo_utils")
+    except ImportError:
+        raise
+    except Exception:  # the 3.11 pydantic error from skyrl.backends.backend
+        pass
+    for k in [k for k in sys.modules if k.startswith("skyrl.backends")]:
+        del sys.modules[k]
+    pkg = types.ModuleType("skyrl.backends")
+    pkg.__path__ = [skyrl.__path__[0] + "/backends"]
+    pkg.__spec__ = importlib.machinery.ModuleSpec("skyrl.backends", None, is_package=True)
+    sys.modules["skyrl.backends"] = pkg
+    return importlib.import_module("skyrl.backends.skyrl_train.utils.ppo_utils")
+
+
+try:
+    pu = _import_ppo_utils()
+except ImportError as err:  # a SkyRL dependency missing (ray, jaxtyping, skyrl-gym, ...)
+    pytest.skip(f"SkyRL's ppo_utils does not import here: {err}", allow_module_level=True)
+
+from skyrl.train.config.config import AlgorithmConfig, OffPolicyCorrectionConfig, SkyRLTrainConfig  # noqa: E402
+
+import offpolicy as op  # noqa: E402
+from offpolicy.config import ConfigError  # noqa: E402
+from offpolicy.integrations import skyrl as adapter  # noqa: E402
+
+def _fixed(cfg: op.LossConfig) -> op.LossConfig:
+    return cfg.model_copy(update={"correction": cfg.correction.model_copy(update={"denominator": "fixed"})})
+
+
+CONFIGS = {
+    "token_tis": op.presets.loss("skyrl:token_tis"),
+    "seq_mis": op.presets.loss("skyrl:geometric_mask").model_copy(update={"correction": op.CorrectionConfig(
+        reject=[{"stat": "ratio", "level": "geometric", "low": 0.5, "high": 2.0}], denominator="fixed")}),
+    "veto": op.presets.loss("skyrl:outlier_mask").model_copy(update={"correction": op.CorrectionConfig(
+        reject=[{"stat": "ratio", "level": "any_token", "low": 0.5, "high": 2.0}], denominator="fixed")}),
+    # recommended = sequence TIS + any-token veto; the host fixes the denominator (renormalize is refused)
+    "recommended": _fixed(op.presets.loss("recommended")),
+}
+
+
+@pytest.fixture(autouse=True)
+def _clean_registry():
+    if adapter.NAME in pu.PolicyLossRegistry.list_available():
+        pu.PolicyLossRegistry.unregister(adapter.NAME)
+    yield
+    if adapter.NAME in pu.PolicyLossRegistry.list_available():
+        pu.PolicyLossRegistry.unregister(adapter.NAME)
+
+
+def _batch(seed: int = 0, b: int = 6, t: int = 7) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    logp = -torch.rand(b, t, generator=g) * 2 - 0.05
+    old = (logp + 0.05 * torch.randn(b, t, generator=g)).clamp(max=-1e-3)  # log-probs are ≤ 0
+    mu = (old + 0.3 * torch.randn(b, t, generator=g)).clamp(max=-1e-3)
+    mu[2] = old[2] - 2.0  # row 2: log ρ = +2 on every token, ρ = 7.4 — outside every band here
+    adv = torch.randn(b, 1, generator=g).expand(b, t).contiguous()
+    mask = torch.ones(b, t)
+    mask[0, 4:] = 0
+    mask[3, 2:] = 0
+    return {"logp": logp, "old": old, "mu": mu, "adv": adv, "mask": mask}
+
+
+def _worker_call(loss_fn, x: dict[str, torch.Tensor], algorithm: AlgorithmConfig):
+    # worker.py (0.4.0): the mini-batch's advantages are pre-scaled for loss_reduction, then
+    # loss_fn(action_log_probs, old_action_log_probs, advantages, config=..., loss_mask=..., rollout_logprobs=...)
+    b, t = x["mask"].shape
+    adv = pu.apply_loss_reduction_to_advantages_minibatch(x["adv"], x["mask"], algorithm.loss_reduction, b, t)
+    logp = x["logp"].clone().requires_grad_(True)
+    loss, metrics = loss_fn(logp, x["old"], adv, config=algorithm, loss_mask=x["mask"], rollout_logprobs=x["mu"])
+    loss.backward()
+    return loss, metrics, logp.grad
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_loss_and_grad_equal_offpolicy(name: str) -> None:
+    cfg = CONFIGS[name]
+    adapter.register(cfg)
+    fn = pu.PolicyLossRegistry.get("offpolicy")
+    x = _batch()
+    reduction = {"token-mean": "token_mean", "seq-mean-token-mean": "sequence_mean"}[cfg.agg]
+    loss, metrics, grad = _worker_call(fn, x, AlgorithmConfig(policy_loss_type="offpolicy", loss_reduction=reduction))
+    logp = x["logp"].clone().requires_grad_(True)
+    ref, ref_metrics = op.policy_loss(logp, x["old"], x["adv"], x["mask"], x["mu"], cfg, implementation="reference")
+    ref.backward()
+    torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(grad, logp.grad, rtol=1e-5, atol=1e-8)
+    assert grad.abs().sum() > 0
+    if name in ("seq_mis", "veto"):
+        assert ref_metrics["masked_fraction"] > 0
+    assert metrics["offpolicy/masked_fraction"] == pytest.approx(ref_metrics["masked_fraction"])
+    assert metrics["offpolicy/valid_tokens"] == x["mask"].sum().item()
+
+
+def test_skyrl_s_own_token_tis_equals_the_preset_through_the_adapter() -> None:
+    # Differential: SkyRL's "regular" loss with its own token TIS (cap 2) vs offpolicy's
+    # skyrl:token_tis preset through the adapter, same pre-scaled batch.
+    x = _batch(1)
+    own = AlgorithmConfig(policy_loss_type="regular",
+                          off_policy_correction=OffPolicyCorrectionConfig(tis_ratio_type="token"))
+    h_loss, h_metrics, h_grad = _worker_call(pu.PolicyLossRegistry.get("regular"), x, own)
+    adapter.register("skyrl:token_tis")
+    o_loss, o_metrics, o_grad = _worker_call(pu.PolicyLossRegistry.get("offpolicy"), x,
+                                             AlgorithmConfig(policy_loss_type="offpolicy"))
+    torch.testing.assert_close(o_loss, h_loss, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(o_grad, h_grad, rtol=1e-5, atol=1e-8)
+
+
+def test_refuses_skyrl_s_own_correction() -> None:
+    adapter.register(CONFIGS["token_tis"])
+    x = _batch()
+    both = AlgorithmConfig(policy_loss_type="offpolicy",
+                           off_policy_correction=OffPolicyCorrectionConfig(sequence_mask_metric="geometric"))
+    with pytest.raises(ConfigError, match="corrected twice"):
+        _worker_call(pu.PolicyLossRegistry.get("offpolicy"), x, both)
+    cfg = SkyRLTrainConfig()
+    cfg.trainer.algorithm.off_policy_correction.tis_ratio_type = "token"
+    with pytest.raises(ConfigError, match="off_policy_correction"):
+        adapter.configure(cfg)
+
+
+def test_refuses_mismatched_reduction_and_unsupported_configs() -> None:
+    adapter.register(CONFIGS["token_tis"])
+    with pytest.raises(ConfigError, match="loss_reduction='sequence_mean'"):
+        _worker_call(pu.PolicyLossRegistry.get("offpolicy"), _batch(),
+                     AlgorithmConfig(policy_loss_type="offpolicy", loss_reduction="sequence_mean"))
+    with pytest.raises(ConfigError, match="kl_coef"):
+        adapter.OffpolicyLoss(op.LossConfig(kl_coef=0.1))
+    with pytest.raises(ConfigError, match="renormalize"):
+        adapter.OffpolicyLoss(op.LossConfig(correction=op.CorrectionConfig(
+            reject=[{"stat": "ratio", "level": "token", "low": 0.5, "high": 2.0}], denominator="renormalize")))
+
+
+def test_configure_switches_rollout_logprobs_on() -> None:
+    adapter.register(CONFIGS["recommended"])
+    cfg = SkyRLTrainConfig()
+    cfg.generator.sampling_params.logprobs = None
+    adapter.configure(cfg)
+    assert cfg.trainer.algorithm.policy_loss_type == "offpolicy"
+    assert cfg.generator.sampling_params.logprobs == 1
+
+
+def test_registration_is_guarded() -> None:
+    first = adapter.register(CONFIGS["recommended"])
+    assert adapter.register(CONFIGS["recommended"]) is first  # same config: no-op, no "already registered"
+    second = adapter.register("skyrl:token_tis")  # a different config replaces ours
+    assert pu.PolicyLossRegistry.get("offpolicy") is second
+    pu.PolicyLossRegistry.unregister("offpolicy")
+    pu.PolicyLossRegistry.register("offpolicy", lambda *a, **k: None)
+    with pytest.raises(ConfigError, match="different loss"):
+        adapter.register(CONFIGS["recommended"])
+
+
+def test_missing_rollout_logprobs_is_an_error() -> None:
+    adapter.register(CONFIGS["token_tis"])
+    x = _batch()
+    with pytest.raises(RuntimeError, match="sampling_params.logprobs"):
+        pu.PolicyLossRegistry.get("offpolicy")(x["logp"], x["old"], x["adv"], config=AlgorithmConfig(),
+                                                loss_mask=x["mask"], rollout_logprobs=None)
