@@ -123,6 +123,21 @@ def test_verl_needs_a_configured_loss(monkeypatch):
         get_policy_loss_fn("bypass_mode")(mu, lp, adv, mask)
 
 
+def test_verl_dump_is_diagnosable(tmp_path, monkeypatch):
+    from offpolicy.cli import main
+
+    monkeypatch.setenv("OFFPOLICY_VERL_DUMP_DIR", str(tmp_path / "dump"))
+    adapter.configure(CONFIGS["veto"])
+    lp, mu, adv, mask, resp_len = _batch()
+    _verl_call(lp, mu, adv, mask, resp_len, global_tokens=False)
+    files = list((tmp_path / "dump").glob("*.pt"))
+    assert len(files) == 1
+    assert main(["diagnose", "--batch", str(files[0]), "--out", str(tmp_path / "report")]) == 0
+    report = __import__("json").loads((tmp_path / "report" / "report.json").read_text())
+    want = op.correct(lp, mu, mask).metrics  # the trainer view is π_θ, the engine's μ
+    assert abs(report["mismatch"]["kl_k3"] - want["kl_k3"]) < 1e-6 * max(1.0, want["kl_k3"])
+
+
 def test_import_verl_loads_the_entry_point():
     """A fresh interpreter: `import verl` alone (as in a Ray worker) registers loss_mode 'offpolicy'."""
     code = ("import sys, verl\n"

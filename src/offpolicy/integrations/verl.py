@@ -39,6 +39,12 @@ offpolicy's ``agg`` is not used. The KL term stays verl's (``actor.use_kl_loss``
 back as floats under ``offpolicy/``; verl averages them over micro-batches and ranks
 (``AggregationType.MEAN``), so ``*_min``/``*_max`` are means of per-micro-batch extremes.
 
+Dumps for ``offpolicy diagnose --batch``: ``OFFPOLICY_VERL_DUMP_DIR`` (and ``OFFPOLICY_VERL_DUMP_EVERY``,
+default 1) in the workers' environment write every N-th call of the loss in each process (the loss
+does not see verl's step; the file's "step" is that call index). In bypass mode verl never
+recomputes π_old, so the dump's ``old_logprobs`` is sg(π_θ) of that micro-batch (π_old itself on
+the first PPO epoch), ``rollout_logprobs`` is μ, and ``meta.anchor`` is "rollout".
+
 Would break on upgrade if verl changes the policy-loss signature, ``agg_loss``'s keywords,
 ``config.global_batch_info``, the ``verl.plugins`` group, or where bypass mode substitutes μ.
 """
@@ -55,12 +61,15 @@ from verl.trainer.ppo import core_algos
 
 import offpolicy as op
 from offpolicy.config import ConfigError
+from offpolicy.integrations.dump import BatchDumper
 
 TESTED_VERSION = "0.9.1"
 ENV = "OFFPOLICY_VERL_LOSS"
 LOSS_NAME = "offpolicy"
 
 _configured: op.LossConfig | None = None
+_calls = 0
+_dumper: BatchDumper | None = None
 
 
 def configure(config: op.LossConfig | str | None) -> None:
@@ -125,7 +134,22 @@ def offpolicy_policy_loss(
     per_token, loss_mask, metrics = op.policy_loss(log_prob, old_log_prob, advantages, mask, rollout, cfg, reduce=False)
     batch_info = dict(getattr(config, "global_batch_info", None) or {}) if config is not None else {}
     loss = core_algos.agg_loss(loss_mat=per_token, loss_mask=loss_mask, loss_agg_mode=loss_agg_mode, **batch_info)
+    _maybe_dump(log_prob, old_log_prob, response_mask, advantages, cfg)
     return loss, metrics.to_dict()
+
+
+def _maybe_dump(log_prob, old_log_prob, response_mask, advantages, cfg: op.LossConfig) -> None:
+    global _calls, _dumper
+    directory = os.environ.get("OFFPOLICY_VERL_DUMP_DIR")
+    if not directory or cfg.correction is None:
+        return
+    if _dumper is None or str(_dumper.directory) != directory:
+        every = int(os.environ.get("OFFPOLICY_VERL_DUMP_EVERY", "1"))
+        _dumper = BatchDumper(directory, every=every, host="verl", host_version=HOST_VERSION)
+    _dumper.maybe_dump(_calls, old_logprobs=log_prob.detach(), rollout_logprobs=old_log_prob,
+                       mask=response_mask.float(), advantages=advantages, logprobs=log_prob,
+                       meta={"anchor": "rollout", "note": "old_logprobs is sg(pi_theta): bypass mode has no pi_old"})
+    _calls += 1
 
 
 def _guard_bypass_loss() -> None:
