@@ -18,7 +18,7 @@ never passes the rollout log-probs μ. Hence:
 * corrections with ``anchor: rollout`` or ``anchor: current`` (two policies: π_θ and μ) run in
   verl's **bypass mode**, where verl sets ``old_log_probs := rollout_log_probs``; the loss then
   uses μ = ``old_log_prob``. Set ``algorithm.rollout_correction.bypass_mode=True`` with the v1
-  trainer (``verl/trainer/ppo/v1/trainer_base.py`` only substitutes the log-probs). The legacy
+  trainer (``trainer.use_v1=True``; ``verl/trainer/ppo/v1/trainer_base.py`` only substitutes the log-probs). The legacy
   ``RayPPOTrainer`` (``ray_trainer.py::apply_bypass_mode``) also overwrites ``loss_mode`` with
   verl's own ``"bypass_mode"`` loss; this module wraps that entry so it refuses to run while
   ``OFFPOLICY_VERL_LOSS`` is set, instead of silently training without offpolicy.
