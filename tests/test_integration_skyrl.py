@@ -42,7 +42,7 @@ try:
 except ImportError as err:  # a SkyRL dependency missing (ray, jaxtyping, skyrl-gym, ...)
     pytest.skip(f"SkyRL's ppo_utils does not import here: {err}", allow_module_level=True)
 
-from skyrl.train.config.config import AlgorithmConfig, OffPolicyCorrectionConfig, SkyRLTrainConfig  # noqa: E402
+from skyrl.train.config.config import AlgorithmConfig, OffPolicyCorrectionConfig, SamplingParams  # noqa: E402
 
 import offpolicy as op  # noqa: E402
 from offpolicy.config import ConfigError  # noqa: E402
@@ -83,6 +83,14 @@ def _batch(seed: int = 0, b: int = 6, t: int = 7) -> dict[str, torch.Tensor]:
     mask[0, 4:] = 0
     mask[3, 2:] = 0
     return {"logp": logp, "old": old, "mu": mu, "adv": adv, "mask": mask}
+
+
+def _train_config() -> types.SimpleNamespace:
+    # The two sections of SkyRLTrainConfig that configure() touches, with SkyRL's own dataclasses.
+    # (A full SkyRLTrainConfig() imports vLLM and installs SkyRL's vLLM patches process-wide — not
+    # something to leave behind in a shared pytest process.)
+    return types.SimpleNamespace(trainer=types.SimpleNamespace(algorithm=AlgorithmConfig()),
+                                 generator=types.SimpleNamespace(sampling_params=SamplingParams()))
 
 
 def _worker_call(loss_fn, x: dict[str, torch.Tensor], algorithm: AlgorithmConfig):
@@ -137,7 +145,7 @@ def test_refuses_skyrl_s_own_correction() -> None:
                            off_policy_correction=OffPolicyCorrectionConfig(sequence_mask_metric="geometric"))
     with pytest.raises(ConfigError, match="corrected twice"):
         _worker_call(pu.PolicyLossRegistry.get("offpolicy"), x, both)
-    cfg = SkyRLTrainConfig()
+    cfg = _train_config()
     cfg.trainer.algorithm.off_policy_correction.tis_ratio_type = "token"
     with pytest.raises(ConfigError, match="off_policy_correction"):
         adapter.configure(cfg)
@@ -157,7 +165,7 @@ def test_refuses_mismatched_reduction_and_unsupported_configs() -> None:
 
 def test_configure_switches_rollout_logprobs_on() -> None:
     adapter.register(CONFIGS["recommended"])
-    cfg = SkyRLTrainConfig()
+    cfg = _train_config()
     cfg.generator.sampling_params.logprobs = None
     adapter.configure(cfg)
     assert cfg.trainer.algorithm.policy_loss_type == "offpolicy"
