@@ -7,6 +7,10 @@ import os
 
 import pytest
 import torch
+
+# Triton kernels run on the CPU under Triton's interpreter; it must be chosen before they are defined
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 from hypothesis import HealthCheck, settings
 
 settings.register_profile(

@@ -23,7 +23,7 @@ Partial sums are float64 tensors on the data's device; ``to_dict`` synchronises 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Literal
 
 import torch
@@ -46,9 +46,41 @@ class Metrics:
     def __init__(self) -> None:
         self._reducer: dict[str, str] = {}
         self._parts: dict[str, torch.Tensor] = {}
+        # (counts on the device, describe(counts) -> error message or None): input checks that a
+        # kernel made without a host synchronisation, raised at the first host read (``to_dict``)
+        self._checks: list[tuple[torch.Tensor, Callable[[list[float]], str | None]]] = []
+        # set by from_flat while every part is still a slice of one vector: to_dict then copies
+        # that vector alone (no cat, no per-key work on the device)
+        self._flat: tuple[torch.Tensor, dict[str, int]] | None = None
+
+    @classmethod
+    def from_flat(cls, flat: torch.Tensor, layout: Sequence[tuple[str, str]]) -> Metrics:
+        """Metrics whose partial sums are consecutive slices (views) of one fp64 vector ``flat``,
+        in the order of ``layout`` = [(key, reducer), ...] — how a kernel hands over its metrics
+        without a copy per key. Entries of ``flat`` past the layout are left alone (a kernel's
+        input checks may follow, see ``defer_check``)."""
+        out = cls()
+        widths = [_WIDTH[reducer] for _, reducer in layout]
+        total = sum(widths)
+        if total > flat.numel():
+            raise ValueError(f"layout covers {total} partial sums but the vector holds {flat.numel()}")
+        offsets: dict[str, int] = {}
+        offset = 0
+        for (key, reducer), part in zip(layout, flat[:total].split(widths)):  # one op for all views
+            out._reducer[key] = reducer
+            out._parts[key] = part
+            offsets[key] = offset
+            offset += _WIDTH[reducer]
+        out._flat = (flat, offsets)
+        return out
+
+    def defer_check(self, counts: torch.Tensor, describe: Callable[[list[float]], str | None]) -> None:
+        """Raise ``ValueError(describe(counts))`` at the first ``to_dict`` if it returns a message."""
+        self._checks.append((counts, describe))
 
     # ------------------------------------------------------------------ recording
     def _put(self, key: str, reducer: str, parts: torch.Tensor) -> None:
+        self._flat = None
         if key in self._reducer:
             if self._reducer[key] != reducer:
                 raise ValueError(
@@ -114,6 +146,7 @@ class Metrics:
         """Merge ``other`` into ``self`` in place (see ``merge``); returns ``self``."""
         for key, reducer in other._reducer.items():
             self._put(key, reducer, other._parts[key])
+        self._checks.extend(other._checks)
         return self
 
     def merge(self, other: Metrics) -> Metrics:
@@ -128,6 +161,7 @@ class Metrics:
         out = Metrics()
         for key, reducer in self._reducer.items():
             out._put(prefix + key, reducer, self._parts[key])
+        out._checks = list(self._checks)
         return out
 
     def all_reduce(self, group: torch.distributed.ProcessGroup | None = None) -> Metrics:
@@ -142,6 +176,7 @@ class Metrics:
         dist = torch.distributed
         if not (dist.is_available() and dist.is_initialized()):
             return self
+        self._flat = None
         world = dist.get_world_size(group)
         gathered: list[dict[str, str] | None] = [None] * world
         dist.all_gather_object(gathered, dict(self._reducer), group=group)
@@ -189,19 +224,36 @@ class Metrics:
 
     # ------------------------------------------------------------------ reading
     def to_dict(self, prefix: str = PREFIX) -> dict[str, float]:
-        """Finished values as Python floats under ``prefix`` (one device sync for all keys)."""
-        if not self._parts:
+        """Finished values as Python floats under ``prefix`` (one device-to-host copy for all keys).
+
+        Raises:
+            ValueError: a deferred input check failed (see ``defer_check``).
+        """
+        if not self._parts and not self._checks:
             return {}
         keys = sorted(self._parts)
-        flat = torch.cat([self._parts[k].reshape(-1).cpu() for k in keys]).tolist()
-        out: dict[str, float] = {}
-        offset = 0
-        for key in keys:
-            reducer = self._reducer[key]
-            width = _WIDTH[reducer]
-            out[prefix + key] = _finish(reducer, flat[offset : offset + width])
-            offset += width
-        return out
+        backing = self._flat
+        if backing is not None and all(_offset_in(c, backing[0]) is not None for c, _ in self._checks):
+            flat = backing[0].cpu().tolist()  # the one device-to-host copy
+            values = {key: flat[backing[1][key] : backing[1][key] + _WIDTH[self._reducer[key]]] for key in keys}
+            counts = [flat[_offset_in(c, backing[0]) :][: c.numel()] for c, _ in self._checks]
+        else:
+            pieces = [self._parts[k].reshape(-1) for k in keys] + [c.reshape(-1).to(torch.float64) for c, _ in self._checks]
+            device = pieces[0].device
+            flat = torch.cat([p.to(device) for p in pieces]).cpu().tolist()  # the one device-to-host copy
+            values, offset = {}, 0
+            for key in keys:
+                values[key] = flat[offset : offset + _WIDTH[self._reducer[key]]]
+                offset += _WIDTH[self._reducer[key]]
+            counts = []
+            for c, _ in self._checks:
+                counts.append(flat[offset : offset + c.numel()])
+                offset += c.numel()
+        for (_, describe), found in zip(self._checks, counts):
+            message = describe(found)
+            if message is not None:
+                raise ValueError(message)
+        return {prefix + key: _finish(self._reducer[key], values[key]) for key in keys}
 
     def __getitem__(self, key: str) -> float:
         key = key.removeprefix(PREFIX)
@@ -227,6 +279,13 @@ class Metrics:
     def __repr__(self) -> str:
         body = ", ".join(f"{k}={v:.6g}" for k, v in self.to_dict(prefix="").items())
         return f"Metrics({body})"
+
+
+def _offset_in(view: torch.Tensor, flat: torch.Tensor) -> int | None:
+    """Where the 1-D contiguous ``view`` starts inside ``flat``, or None if it is not a slice of it."""
+    if view.dim() != 1 or view.dtype != flat.dtype or view.untyped_storage().data_ptr() != flat.untyped_storage().data_ptr():
+        return None
+    return view.storage_offset() - flat.storage_offset()
 
 
 def _combine(reducer: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -28,6 +28,7 @@ does not support the configuration; non-finite inputs still go to the reference.
 
 from __future__ import annotations
 
+import functools
 import importlib
 from types import ModuleType
 
@@ -40,12 +41,30 @@ IMPLEMENTATIONS: tuple[str, ...] = ("reference", "eager", "compiled", "triton")
 _ALIASES = {"fused": "eager"}  # the name of the eager rung before the ladder had four rungs
 
 
+@functools.lru_cache(maxsize=None)
 def get(name: str) -> ModuleType:
     """The module of rung ``name`` (imported on first use: triton is optional)."""
     name = _ALIASES.get(name, name)
     if name not in IMPLEMENTATIONS:
         raise ValueError(f"implementation must be 'auto' or one of {', '.join(IMPLEMENTATIONS)}; got {name!r}")
     return importlib.import_module(f"offpolicy.kernels.{name}")
+
+
+_SUPPORTED: dict[tuple[int, bool], tuple[LossConfig, list[ModuleType]]] = {}
+
+
+def _supporting(config: LossConfig, ref_logprobs: torch.Tensor | None) -> list[ModuleType]:
+    """The fast rungs (fastest first) that cover ``config``; worked out once per config object."""
+    key = (id(config), ref_logprobs is None)
+    cached = _SUPPORTED.get(key)
+    if cached is not None and cached[0] is config:
+        return cached[1]
+    rungs = [get(name) for name in reversed(IMPLEMENTATIONS[1:])]
+    rungs = [rung for rung in rungs if rung.supports(config, ref_logprobs)]
+    if len(_SUPPORTED) > 256:
+        _SUPPORTED.clear()
+    _SUPPORTED[key] = (config, rungs)  # holding the config keeps its id from being reused
+    return rungs
 
 
 def choose(config: LossConfig, ref_logprobs: torch.Tensor | None, mask: torch.Tensor, implementation: str) -> list[ModuleType]:
@@ -56,12 +75,7 @@ def choose(config: LossConfig, ref_logprobs: torch.Tensor | None, mask: torch.Te
     """
     reference = get("reference")
     if implementation == "auto":
-        rungs = []
-        for name in reversed(IMPLEMENTATIONS[1:]):
-            rung = get(name)
-            if rung.supports(config, ref_logprobs) and rung.preferred(mask):
-                rungs.append(rung)
-        return [*rungs, reference]
+        return [*(rung for rung in _supporting(config, ref_logprobs) if rung.preferred(mask)), reference]
     rung = get(implementation)
     if rung is reference:
         return [reference]

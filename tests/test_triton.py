@@ -1,0 +1,233 @@
+"""The Triton rung equals the reference: loss, gradient, the unreduced loss and mask, and every
+metric (keys, reducers, values within 1e-4 relative — the rung sums in fp32 per block of tokens
+and in fp64 across blocks, the reference in fp64 throughout).
+
+On the CPU the kernels run under Triton's interpreter (``TRITON_INTERPRET=1``, set by conftest
+when no GPU is present) at small shapes, with ``BLOCK`` shrunk so that rows span several programs
+(the cross-chunk reductions are then exercised). On a GPU the same checks run on CUDA tensors,
+plus what only a GPU can show: no host synchronisation, CUDA-graph capture, the deferred check.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import offpolicy as op
+from conftest import random_batch
+
+pytest.importorskip("triton", reason="Triton is not installed (pip install triton); the triton rung is untested")
+from offpolicy.kernels import triton as tk  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+DEVICES = ["cuda"] if CUDA else ["cpu"]  # on the CPU: the interpreter (conftest sets TRITON_INTERPRET=1)
+cpu_only = pytest.mark.skipif(CUDA, reason="the interpreter runs only where no GPU is (TRITON_INTERPRET is unset)")
+
+CORRECTIONS = [
+    None,
+    {},
+    {"weight": {"level": "token", "mode": "truncate", "high": 2.0}},
+    {"weight": {"level": "token", "mode": "mask", "low": 0.5, "high": 5.0}, "denominator": "fixed"},
+    {"weight": {"level": "sequence", "mode": "truncate", "low": 0.2, "high": 2.0}},
+    {"weight": {"level": "geometric", "mode": "mask", "low": 0.8, "high": 1.25}},
+    {"weight": {"level": "sequence", "mode": "truncate", "high": 2.0},
+     "reject": [{"stat": "ratio", "level": "any_token", "low": 1e-3}]},
+    {"weight": {"level": "token", "mode": "truncate", "high": 2.0},
+     "reject": [{"stat": "ratio", "level": "token", "low": 0.3, "high": 3.0}, {"stat": "k3", "level": "seq_mean", "high": 0.3},
+                {"stat": "ratio", "level": "geometric", "low": 0.7, "high": 1.4}], "reject_mode": "sequential"},
+    {"weight": {"level": "geometric", "mode": "truncate", "high": 1.5},
+     "reject": [{"stat": "ratio", "level": "token", "low": 0.3, "high": 3.0}, {"stat": "ratio", "level": "sequence", "low": 0.1, "high": 10}],
+     "reject_mode": "sequential", "denominator": "fixed"},
+    {"reject": [{"stat": "k1", "level": "seq_sum", "low": -0.7, "high": 0.7}, {"stat": "k2", "level": "seq_max", "high": 0.5},
+                {"stat": "k3", "level": "token", "high": 0.4}]},
+    {"anchor": "rollout", "reject": [{"stat": "ratio", "level": "geometric", "low": 0.9, "high": 1.1}]},
+    {"anchor": "current", "weight": {"level": "token", "mode": "truncate", "low": 0.8, "high": 1.2}},
+    {"weight": {"level": "sequence", "mode": "truncate"}, "log_clamp": None},
+]
+AGGS = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
+
+
+@pytest.fixture(autouse=True)
+def small_blocks(monkeypatch):
+    """Rows of ~40 tokens over blocks of 16: every row spans several programs."""
+    monkeypatch.setattr(tk, "BLOCK", 16)
+
+
+def _loss_config(kind: str, agg: str, correction) -> op.LossConfig:
+    if correction is not None and correction.get("anchor") == "current" and kind == "ppo":
+        kind = "reinforce"
+    extra = {"dual_clip": 3.0} if kind == "ppo" else {}
+    return op.LossConfig(kind=kind, agg=agg, correction=correction, **extra)
+
+
+def _run(batch, cfg, implementation, reduce=True):
+    lp = batch["logprobs"].clone().requires_grad_(True)
+    out = op.policy_loss(lp, batch["old"], batch["adv"], batch["mask"], rollout_logprobs=batch["rollout"], config=cfg,
+                         reduce=reduce, implementation=implementation)
+    value = out[0] if reduce else (out[0] * torch.linspace(0.5, 1.5, out[0].shape[-1], device=lp.device)).sum()
+    value.backward()
+    return out, lp.grad
+
+
+def assert_same(batch, cfg, reduce=True):
+    (ref, ref_grad), (fast, fast_grad) = _run(batch, cfg, "reference", reduce), _run(batch, cfg, "triton", reduce)
+    torch.testing.assert_close(fast_grad, ref_grad, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(fast[0], ref[0], rtol=1e-4, atol=1e-6)
+    if not reduce:
+        torch.testing.assert_close(fast[1], ref[1])
+    ref_m, fast_m = ref[-1].to_dict(), fast[-1].to_dict()
+    assert ref_m.keys() == fast_m.keys(), ref_m.keys() ^ fast_m.keys()
+    for key, value in ref_m.items():
+        assert fast[-1].reducer(key) == ref[-1].reducer(key), key
+        assert math.isclose(fast_m[key], value, rel_tol=1e-4, abs_tol=1e-6) or (
+            math.isnan(value) and math.isnan(fast_m[key])), (key, value, fast_m[key])
+
+
+def _batch(seed, device, t=40, noise=0.4):
+    return {k: v.to(device) for k, v in random_batch(seed, b=6, t=t, noise=noise).items()}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("index", range(len(CORRECTIONS)))
+def test_triton_equals_reference(device, index):
+    batch = _batch(index, device)
+    correction = CORRECTIONS[index]
+    for j, kind in enumerate(("ppo", "cispo", "reinforce")):
+        agg = AGGS[(index + j) % len(AGGS)]
+        cfg = _loss_config(kind, agg, correction)
+        assert tk.supports(cfg, None)
+        assert_same(batch, cfg)
+    assert_same(batch, _loss_config("ppo", AGGS[index % 4], correction), reduce=False)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_global_normalisers_and_max_len(device):
+    batch = _batch(3, device)
+    assert_same(batch, op.LossConfig(global_tokens=97.0, correction=CORRECTIONS[2]))
+    assert_same(batch, op.LossConfig(agg="seq-mean-token-mean", global_seqs=11.0, correction=CORRECTIONS[4]))
+    assert_same(batch, op.LossConfig(agg="seq-mean-token-sum-norm", max_len=64, correction=CORRECTIONS[7]))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("policy", ["mask_token", "mask_sequence"])
+def test_nonfinite_policies_match_the_reference(device, policy):
+    """NaN/±inf in every input, in valid tokens and in padding: the rung applies the policy itself."""
+    batch = _batch(5, device)
+    batch["old"][0, 3] = float("nan")
+    batch["rollout"][2, 1] = float("-inf")
+    batch["logprobs"][3, 0] = float("nan")
+    batch["adv"][4, 2] = float("inf")
+    batch["rollout"][1, -1] = float("nan")  # padding or not: either way the reference and the rung agree
+    cfg = op.LossConfig(dual_clip=3.0, correction={"weight": {"level": "sequence", "mode": "truncate", "high": 2.0},
+                                                  "reject": [{"stat": "ratio", "level": "any_token", "low": 1e-3}],
+                                                  "nonfinite": policy})
+    assert_same(batch, cfg)
+    assert_same(batch, cfg, reduce=False)
+
+
+@cpu_only
+def test_refusals_on_the_cpu_are_the_references_messages():
+    batch = _batch(1, "cpu")
+    cfg = op.LossConfig(correction=CORRECTIONS[2])
+    bad = dict(batch, old=batch["old"].clone())
+    bad["old"][1, 0] = 0.5
+    with pytest.raises(ValueError, match=r"old_logprobs has 1 positive log-prob\(s\) on valid tokens .*first at \(1, 0\)"):
+        _run(bad, cfg, "triton")
+    nan = dict(batch, rollout=batch["rollout"].clone())
+    nan["rollout"][0, 0] = float("nan")
+    with pytest.raises(ValueError, match="rollout_logprobs has 1 non-finite value"):
+        _run(nan, cfg, "triton")
+    empty = dict(batch, mask=torch.zeros_like(batch["mask"]))
+    with pytest.raises(ValueError, match="no valid token"):
+        _run(empty, cfg, "triton")
+
+
+def test_configurations_outside_the_rung_are_refused_by_name_and_routed_by_auto():
+    batch = _batch(2, "cpu")
+    for cfg in (op.LossConfig(kind="gspo"), op.LossConfig(correction={"nonfinite": "neutral"}),
+                op.LossConfig(correction={"weight": {"level": "token", "mode": "truncate", "high": 2, "normalize": True}}),
+                op.LossConfig(correction={"reject": [{"stat": "opsm", "delta": 0.1}]})):
+        assert not tk.supports(cfg, None)
+        with pytest.raises(ValueError, match="implementation 'triton' does not cover"):
+            _run(batch, cfg, "triton")
+    assert not tk.preferred(batch["mask"]), "auto must not pick the interpreter on CPU tensors"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_low_precision_inputs_give_gradients_in_their_dtype(device):
+    batch = {k: (v.to(torch.bfloat16) if k != "mask" else v) for k, v in _batch(4, device).items()}
+    cfg = op.LossConfig(correction=CORRECTIONS[6])
+    (ref, ref_grad), (fast, fast_grad) = _run(batch, cfg, "reference"), _run(batch, cfg, "triton")
+    assert fast_grad.dtype == torch.bfloat16 and fast[0].dtype == torch.float32
+    torch.testing.assert_close(fast_grad.float(), ref_grad.float(), rtol=1e-2, atol=1e-3)
+
+
+# ------------------------------------------------------------------------------------ GPU only
+needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (run on the device machine)")
+
+
+@needs_cuda
+def test_auto_takes_the_triton_rung_on_cuda_without_a_host_sync():
+    batch = _batch(7, "cuda", t=3000)
+    cfg = op.LossConfig(correction=CORRECTIONS[7])
+    lp = batch["logprobs"].clone().requires_grad_(True)
+    op.policy_loss(lp, batch["old"], batch["adv"], batch["mask"], rollout_logprobs=batch["rollout"], config=cfg)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        loss, metrics = op.policy_loss(lp, batch["old"], batch["adv"], batch["mask"], rollout_logprobs=batch["rollout"],
+                                       config=cfg)
+        loss.backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert "Coef" in type(loss.grad_fn).__name__
+    ref, _ = _run(batch, cfg, "reference")
+    torch.testing.assert_close(loss, ref[0], rtol=1e-4, atol=1e-6)
+    assert math.isclose(metrics.to_dict()["offpolicy/kl_k3"], ref[-1].to_dict()["offpolicy/kl_k3"], rel_tol=1e-4)
+
+
+@needs_cuda
+def test_the_step_is_capturable_in_a_cuda_graph():
+    batch = _batch(8, "cuda", t=2048)
+    cfg = op.LossConfig(correction=CORRECTIONS[8])
+    lp = batch["logprobs"].clone().requires_grad_(True)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):  # warm-up on a side stream, as torch.cuda.graphs requires
+            lp.grad = None
+            loss, _ = op.policy_loss(lp, batch["old"], batch["adv"], batch["mask"], rollout_logprobs=batch["rollout"],
+                                     config=cfg)
+            loss.backward()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    lp.grad = None
+    with torch.cuda.graph(graph):
+        loss, metrics = op.policy_loss(lp, batch["old"], batch["adv"], batch["mask"],
+                                       rollout_logprobs=batch["rollout"], config=cfg)
+        loss.backward()
+    new = _batch(9, "cuda", t=2048)
+    with torch.no_grad():
+        for key in ("old", "rollout", "adv", "mask"):
+            batch[key].copy_(new[key])
+        lp.copy_(new["logprobs"])
+    lp.grad.zero_()
+    graph.replay()
+    ref, ref_grad = _run(new, cfg, "reference")
+    torch.testing.assert_close(loss, ref[0], rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(lp.grad, ref_grad, rtol=1e-4, atol=1e-6)
+    assert math.isclose(metrics.to_dict()["offpolicy/is_mean"], ref[-1].to_dict()["offpolicy/is_mean"], rel_tol=1e-4)
+
+
+@needs_cuda
+def test_refusals_on_cuda_are_raised_at_the_first_read_of_the_metrics():
+    batch = _batch(1, "cuda")
+    batch["rollout"][0, 0] = float("nan")
+    lp = batch["logprobs"].clone().requires_grad_(True)
+    loss, metrics = op.policy_loss(lp, batch["old"], batch["adv"], batch["mask"], rollout_logprobs=batch["rollout"],
+                                   config=op.LossConfig(correction=CORRECTIONS[2]), implementation="triton")
+    assert torch.isfinite(loss).item(), "the refused token never reaches the loss"
+    with pytest.raises(ValueError, match="rollout_logprobs has 1 non-finite value"):
+        metrics.to_dict()
