@@ -117,7 +117,7 @@ class OffpolicyPolicyLoss(PolicyLoss):
     ``loss_config`` / ``dumper`` (default: the class-level ones :func:`install` sets, else
     ``$OFFPOLICY_OPENRLHF_LOSS``). ``forward`` returns ``(loss, clip_ratio, ppo_kl, vllm_kl,
     is_filter_ratio)`` like the host: vllm_kl = mean_t(log μ − log π_old) over the action mask,
-    is_filter_ratio = offpolicy's ``masked_fraction``; all offpolicy metrics are kept in
+    is_filter_ratio = offpolicy's ``masked_fraction`` + the fractions outside the weight's band; all offpolicy metrics are kept in
     ``self.last_metrics`` (an ``op.Metrics``, merged over the micro-batches since the last
     :meth:`pop_metrics`).
     """
@@ -208,8 +208,12 @@ class OffpolicyPolicyLoss(PolicyLoss):
         vllm_kl = is_filter_ratio = None
         if rollout_log_probs is not None:
             vllm_kl = ((rollout_log_probs.float() - old_log_probs.detach().float()) * m).sum() / n
-            is_filter_ratio = torch.tensor(metrics["masked_fraction"] if "masked_fraction" in metrics else 0.0,
-                                           device=dev, dtype=torch.float32)
+            # OpenRLHF's is_filter_ratio counts tokens its gate dropped (mask) or clamped (clip): here the
+            # rejected fraction plus the fractions outside the weight's band (a token both rejected and
+            # outside the band counts twice; capped at 1).
+            filtered = sum(metrics[k] for k in ("masked_fraction", "fraction_below_low", "fraction_above_high")
+                           if k in metrics)
+            is_filter_ratio = torch.tensor(min(filtered, 1.0), device=dev, dtype=torch.float32)
         self.last_metrics = metrics if self.last_metrics is None else self.last_metrics.merge(metrics)
         if self.dump is not None and rollout_log_probs is not None:
             self.dump.maybe_dump(self.calls, old_logprobs=old_log_probs, rollout_logprobs=rollout_log_probs,
