@@ -16,6 +16,8 @@ import sys
 import types
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 
 openrlhf = pytest.importorskip("openrlhf", reason="OpenRLHF not installed (pip install offpolicy[openrlhf])")
@@ -231,3 +233,25 @@ def test_openrlhf_s_own_correction_equals_the_preset_through_the_adapter(mode: s
     assert gh.abs().sum() > 0
     assert h_filter.item() > 0  # the batch exercises the band
     assert o_filter.item() == pytest.approx(h_filter.item())  # the same filter fraction in the host's log
+
+
+@settings(max_examples=20, deadline=None, derandomize=True)
+@given(seed=st.integers(0, 2**16), b=st.integers(1, 5), t=st.integers(1, 9), token_level=st.booleans(),
+       global_counts=st.booleans())
+def test_property_host_aggregation_equals_offpolicy(seed: int, b: int, t: int, token_level: bool,
+                                                    global_counts: bool) -> None:
+    # For any batch: OpenRLHF's aggregate_loss over (ℓ, m) == offpolicy's own reduction, locally and
+    # with the global counts ppo_actor passes (batch_num_tokens / global_batch_size, dp_size 1).
+    x = _batch(seed, b=b + 3, t=t + 2)
+    agg = "token-mean" if token_level else "seq-mean-token-mean"
+    cfg = CONFIGS["recommended"].model_copy(update={"agg": agg})
+    info = {}
+    if global_counts:
+        info = {"batch_num_tokens": x["mask"].sum(), "global_batch_size": float(x["mask"].shape[0])}
+    fn = adapter.OffpolicyPolicyLoss(token_level_loss=token_level, loss_config=cfg)
+    (loss, *_), grad = _host_call(fn, x, **info)
+    logp = x["logp"].clone().requires_grad_(True)
+    ref, _ = op.policy_loss(logp, x["old"], x["adv"], x["mask"], x["mu"], cfg, implementation="reference")
+    ref.backward()
+    torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grad, logp.grad, rtol=1e-5, atol=1e-7)

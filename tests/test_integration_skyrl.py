@@ -16,6 +16,8 @@ import sys
 import types
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 
 skyrl = pytest.importorskip("skyrl", reason="SkyRL not installed (pip install offpolicy[skyrl]; Python >= 3.12)")
@@ -189,3 +191,34 @@ def test_missing_rollout_logprobs_is_an_error() -> None:
     with pytest.raises(RuntimeError, match="sampling_params.logprobs"):
         pu.PolicyLossRegistry.get("offpolicy")(x["logp"], x["old"], x["adv"], config=AlgorithmConfig(),
                                                 loss_mask=x["mask"], rollout_logprobs=None)
+
+
+@settings(max_examples=20, deadline=None, derandomize=True)
+@given(seed=st.integers(0, 2**16), b=st.integers(1, 5), t=st.integers(1, 9),
+       reduction=st.sampled_from(["token_mean", "sequence_mean"]))
+def test_property_worker_path_equals_offpolicy(seed: int, b: int, t: int, reduction: str) -> None:
+    # For any batch, SkyRL's pre-scaled-advantage sum == offpolicy's own reduction (ℓ is linear in A).
+    x = _batch(seed, b=b + 3, t=t + 2)  # _batch pads rows 0 and 3 and shifts row 2
+    agg = {"token_mean": "token-mean", "sequence_mean": "seq-mean-token-mean"}[reduction]
+    cfg = CONFIGS["recommended"].model_copy(update={"agg": agg})
+    if adapter.NAME in pu.PolicyLossRegistry.list_available():
+        pu.PolicyLossRegistry.unregister(adapter.NAME)
+    adapter.register(cfg)
+    loss, _, grad = _worker_call(pu.PolicyLossRegistry.get("offpolicy"), x,
+                                 AlgorithmConfig(policy_loss_type="offpolicy", loss_reduction=reduction))
+    logp = x["logp"].clone().requires_grad_(True)
+    ref, _ = op.policy_loss(logp, x["old"], x["adv"], x["mask"], x["mu"], cfg, implementation="reference")
+    ref.backward()
+    torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grad, logp.grad, rtol=1e-5, atol=1e-7)
+
+
+def test_dump_is_readable_by_diagnose(tmp_path) -> None:
+    from offpolicy.integrations.dump import BatchDumper, load_batch
+
+    adapter.register(CONFIGS["token_tis"], dumper=BatchDumper(tmp_path, steps={0}, host="skyrl"))
+    x = _batch()
+    _worker_call(pu.PolicyLossRegistry.get("offpolicy"), x, AlgorithmConfig(policy_loss_type="offpolicy"))
+    got = load_batch(tmp_path)
+    torch.testing.assert_close(got["rollout_logprobs"], x["mu"])
+    torch.testing.assert_close(got["old_logprobs"], x["old"])
