@@ -83,10 +83,17 @@ def test_diagnose_batch_cli_reports_like_the_engine_path(tmp_path):
     assert {row["preset"] for row in rep["what_if"]} == set(op.presets.names())
     assert all((out / p.split("/")[-1]).is_file() for p in rep["plots"]) and len(rep["plots"]) == 3
     assert rep["setting"]["hosts"] == ["trl 1.16.0"]
-    # a directory: both steps
-    r = _diagnose("--batch", str(tmp_path / "dump"), "--out", str(out), cwd=tmp_path)
-    assert r.returncode == 0, r.stderr
+
+
+def test_diagnose_batch_directory_and_errors(tmp_path, capsys):
+    from offpolicy.cli import main
+
+    d = BatchDumper(tmp_path / "dump", every=1)
+    d.maybe_dump(0, **_tensors(4, 6, 2))
+    d.maybe_dump(1, **_tensors(2, 3, 3))
+    out = tmp_path / "report"
+    assert main(["diagnose", "--batch", str(tmp_path / "dump"), "--out", str(out)]) == 0  # both steps
     assert json.loads((out / "report.json").read_text())["samples"] == 6
     # a wrong path is one clear error, exit 2
-    r = _diagnose("--batch", str(tmp_path / "missing.pt"), cwd=tmp_path)
-    assert r.returncode == 2 and "no such file" in r.stderr
+    assert main(["diagnose", "--batch", str(tmp_path / "missing.pt")]) == 2
+    assert "no such file" in capsys.readouterr().err
