@@ -97,3 +97,29 @@ def test_diagnose_batch_directory_and_errors(tmp_path, capsys):
     # a wrong path is one clear error, exit 2
     assert main(["diagnose", "--batch", str(tmp_path / "missing.pt")]) == 2
     assert "no such file" in capsys.readouterr().err
+
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+@settings(max_examples=25, deadline=None)
+@given(shapes=st.lists(st.tuples(st.integers(1, 4), st.integers(1, 9)), min_size=1, max_size=4),
+       seed=st.integers(0, 2**16))
+def test_directory_load_keeps_every_valid_token(tmp_path_factory, shapes, seed):
+    """Any mix of per-step shapes: the concatenation keeps each file's valid entries in order, pads with mask 0."""
+    directory = tmp_path_factory.mktemp("dump")
+    d = BatchDumper(directory, every=1)
+    parts = [_tensors(b, t, seed + i) for i, (b, t) in enumerate(shapes)]
+    for step, x in enumerate(parts):
+        d.maybe_dump(step, **x)
+    got = load_batch(directory)
+    t_max = max(x["mask"].shape[1] for x in parts)
+    assert got["mask"].shape == (sum(x["mask"].shape[0] for x in parts), t_max)
+    row = 0
+    for x in parts:
+        b, t = x["mask"].shape
+        for k in ("old_logprobs", "rollout_logprobs", "mask"):
+            assert torch.equal(got[k][row:row + b, :t], x[k])
+        assert not got["mask"][row:row + b, t:].any()
+        row += b
