@@ -35,9 +35,10 @@ own ``--algo.advantage.is_correction_level`` is on), and adds offpolicy's metric
 Refused: OpenRLHF's own correction (``is_correction_level`` ≠ off) together with offpolicy's —
 the ratio π_old/μ would be applied twice; ``kl_coef`` > 0 (OpenRLHF adds its own KL term from
 ``--algo.kl.*``; ``PolicyLoss`` never sees the reference log-probs); ``correction.denominator:
-renormalize`` (OpenRLHF's global token/sample counts are fixed before the loss); an ``agg`` the host's
-``--actor.loss_agg_mode`` does not perform; clip/dual-clip/loss-type arguments that disagree with
-the LossConfig (the LossConfig governs; the host's values must match so its logs do not lie).
+renormalize`` (OpenRLHF's global token/sample counts are fixed before the loss); clip/dual-clip/
+loss-type arguments that disagree with the LossConfig (the LossConfig governs; the host's values
+must match so its logs do not lie). The aggregation is OpenRLHF's (``--actor.loss_agg_mode``);
+the LossConfig's ``agg`` is not used.
 """
 
 from __future__ import annotations
@@ -68,7 +69,6 @@ ENV_LOSS = "OFFPOLICY_OPENRLHF_LOSS"
 ENV_DUMP_DIR = "OFFPOLICY_DUMP_DIR"
 ENV_DUMP_EVERY = "OFFPOLICY_DUMP_EVERY"
 METRIC_PREFIX = "offpolicy/"
-_AGG = {True: "token-mean", False: "seq-mean-token-mean"}  # PolicyLoss.token_level_loss -> LossConfig.agg
 
 
 def host_version() -> str:
@@ -117,7 +117,8 @@ class OffpolicyPolicyLoss(PolicyLoss):
     ``loss_config`` / ``dumper`` (default: the class-level ones :func:`install` sets, else
     ``$OFFPOLICY_OPENRLHF_LOSS``). ``forward`` returns ``(loss, clip_ratio, ppo_kl, vllm_kl,
     is_filter_ratio)`` like the host: vllm_kl = mean_t(log μ − log π_old) over the action mask,
-    is_filter_ratio = offpolicy's ``masked_fraction`` + the fractions outside the weight's band; all offpolicy metrics are kept in
+    is_filter_ratio = offpolicy's ``masked_fraction`` + the fractions outside the weight's band;
+    all offpolicy metrics are kept in
     ``self.last_metrics`` (an ``op.Metrics``, merged over the micro-batches since the last
     :meth:`pop_metrics`).
     """
@@ -128,7 +129,8 @@ class OffpolicyPolicyLoss(PolicyLoss):
     def __init__(self, clip_eps_low: float = 0.2, clip_eps_high: float = 0.2, dual_clip: float | None = None,
                  token_level_loss: bool = True, policy_loss_type: str = "ppo", is_correction_level: str = "off",
                  is_correction_mode: str = "mask", is_correction_gating: str = "ratio",
-                 is_correction_threshold: Any = (0.5, 5.0), *, loss_config: LossConfig | CorrectionConfig | str | None = None,
+                 is_correction_threshold: Any = (0.5, 5.0), *,
+                 loss_config: LossConfig | CorrectionConfig | str | None = None,
                  dumper: BatchDumper | None = None) -> None:
         super().__init__(clip_eps_low, clip_eps_high, dual_clip, token_level_loss, policy_loss_type,
                          is_correction_level, is_correction_mode, is_correction_gating, is_correction_threshold)
@@ -146,14 +148,8 @@ class OffpolicyPolicyLoss(PolicyLoss):
         self.last_metrics: op.Metrics | None = None
 
     def _check_agrees(self, cfg: LossConfig) -> None:
-        # token_level_loss is what PolicyLoss.__init__ left (gspo forces False, as in 0.11.2).
-        host_agg = _AGG[bool(self.token_level_loss)]
-        if cfg.agg != host_agg:
-            raise ConfigError(
-                f"loss.agg={cfg.agg!r} but OpenRLHF aggregates {host_agg!r} (--actor.loss_agg_mode"
-                f"{' / policy_loss_type gspo' if self.policy_loss_type == 'gspo' else ''}); OpenRLHF's aggregate_loss "
-                "does token-mean or seq-mean-token-mean only — make the two agree"
-            )
+        # Aggregation is OpenRLHF's (token_level_loss from --actor.loss_agg_mode; gspo forces
+        # per-sample, as PolicyLoss.__init__ 0.11.2 does); the LossConfig's agg is not used.
         if cfg.correction is not None and cfg.correction.denominator == "renormalize":
             # ppo_actor always passes batch_num_tokens / global_batch_size (loss_utils.get_loss_batch_info,
             # 0.11.2): counts of *valid* tokens/samples over ranks, fixed before the loss runs.
@@ -165,14 +161,16 @@ class OffpolicyPolicyLoss(PolicyLoss):
             )
         if cfg.kl_coef > 0:
             raise ConfigError(
-                f"loss.kl_coef={cfg.kl_coef}: OpenRLHF adds its KL term itself (--algo.kl.use_loss, --algo.kl.init_coef) "
+                f"loss.kl_coef={cfg.kl_coef}: OpenRLHF adds its KL term itself "
+                "(--algo.kl.use_loss, --algo.kl.init_coef) "
                 "and PolicyLoss never receives reference log-probs; set loss.kl_coef 0 and use OpenRLHF's"
             )
         want_type = "gspo" if cfg.kind == "gspo" else "ppo"
         if self.policy_loss_type != want_type:
             raise ConfigError(
                 f"--actor.policy_loss_type={self.policy_loss_type} but loss.kind={cfg.kind!r}: set "
-                f"--actor.policy_loss_type {want_type} (offpolicy computes the loss; OpenRLHF's type only picks its aggregation)"
+                f"--actor.policy_loss_type {want_type} (offpolicy computes the loss; OpenRLHF's type only "
+                "picks its aggregation)"
             )
         if cfg.kind in ("ppo", "gspo"):
             host = (self.clip_eps_low, self.clip_eps_high, self.dual_clip)
@@ -180,7 +178,8 @@ class OffpolicyPolicyLoss(PolicyLoss):
             if host != ours:
                 raise ConfigError(
                     f"OpenRLHF --actor.eps_clip_low_high/--actor.dual_clip = {host} but the LossConfig has "
-                    f"(clip_low, clip_high, dual_clip) = {ours}; offpolicy's values are the ones applied — set both alike"
+                    f"(clip_low, clip_high, dual_clip) = {ours}; offpolicy's values are the ones applied — "
+                    "set both alike"
                 )
 
     def forward(self, log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor,
@@ -286,7 +285,8 @@ def _forced_create_vllm_engines(real: Any) -> Any:
     return create_vllm_engines
 
 
-def install(config: LossConfig | CorrectionConfig | str | None = None, *, dumper: BatchDumper | None = None) -> list[str]:
+def install(config: LossConfig | CorrectionConfig | str | None = None, *,
+            dumper: BatchDumper | None = None) -> list[str]:
     """Install offpolicy in this process; returns what was patched (for logs and tests).
 
     - ``PolicyLoss`` → :class:`OffpolicyPolicyLoss` in ``openrlhf.models`` (where ppo_actor imports

@@ -31,9 +31,10 @@ losses to the workers through its Ray registry actor):
 Refused: SkyRL's ``algorithm.off_policy_correction`` enabled together with offpolicy's (the ratio
 π_old/μ would be applied twice); ``loss.kl_coef`` > 0 (SkyRL adds its KL itself via
 ``use_kl_loss``; the loss never sees reference log-probs); ``correction.denominator:
-renormalize`` (SkyRL's normaliser is fixed before the loss runs); a ``loss.agg`` that differs from
-``algorithm.loss_reduction``; a surrogate that is not positively homogeneous in A (``sapo``).
-SkyRL's ``eps_clip_*`` / ``clip_ratio_c`` are not read: the LossConfig's clip applies.
+renormalize`` (SkyRL's normaliser is fixed before the loss runs); a surrogate that is not
+positively homogeneous in A (``sapo``).
+SkyRL's ``eps_clip_*`` / ``clip_ratio_c`` are not read: the LossConfig's clip applies. The
+aggregation is SkyRL's ``loss_reduction`` (any of them); the LossConfig's ``agg`` is not used.
 """
 
 from __future__ import annotations
@@ -60,9 +61,6 @@ except ImportError as _err:  # pragma: no cover - exercised only without SkyRL
 NAME = "offpolicy"
 TESTED_VERSIONS = ("0.4.0",)
 METRIC_PREFIX = "offpolicy/"
-# algorithm.loss_reduction (0.4.0) -> LossConfig.agg with the same normaliser
-_AGG = {"token_mean": "token-mean", "sequence_mean": "seq-mean-token-mean",
-        "seq_mean_token_sum_norm": "seq-mean-token-sum-norm"}
 
 
 def host_version() -> str:
@@ -99,7 +97,8 @@ class OffpolicyLoss:
             raise ConfigError(
                 "loss.correction.denominator='renormalize': SkyRL divides the advantages by its token/sequence "
                 "count before the loss runs, so rejected tokens cannot leave the denominator; set "
-                "correction.denominator 'fixed' (e.g. op.presets.loss('recommended') with correction.denominator='fixed')"
+                "correction.denominator 'fixed' (e.g. op.presets.loss('recommended') with "
+                "correction.denominator='fixed')"
             )
         if config.kind == "sapo":
             raise ConfigError(
@@ -118,13 +117,6 @@ class OffpolicyLoss:
                 "outlier_token_is_threshold_* / token_mask_is_threshold_*) while policy_loss_type is 'offpolicy': "
                 "π_old/μ would be corrected twice. Put the correction in offpolicy's LossConfig and leave SkyRL's "
                 "off_policy_correction at its defaults (all None)"
-            )
-        want = _AGG.get(algorithm.loss_reduction)
-        if want != self.config.agg:
-            raise ConfigError(
-                f"trainer.algorithm.loss_reduction={algorithm.loss_reduction!r} normalises like "
-                f"{want or 'nothing offpolicy has'} but loss.agg={self.config.agg!r}; make them agree "
-                f"({', '.join(f'{k} ↔ {v}' for k, v in _AGG.items())})"
             )
 
     def __call__(self, log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor,
@@ -179,7 +171,7 @@ def register(config: LossConfig | CorrectionConfig | str, *, dumper: BatchDumper
 def configure(cfg: Any) -> Any:
     """Point a ``SkyRLTrainConfig`` at the registered offpolicy loss: ``policy_loss_type`` "offpolicy",
     ``generator.sampling_params.logprobs`` 1 (log μ of the sampled token), and refuse what the
-    registered loss would refuse (SkyRL's own correction on, mismatched loss_reduction)."""
+    registered loss would refuse (SkyRL's own correction on)."""
     if NAME not in PolicyLossRegistry.list_available():
         raise ConfigError("configure(cfg) before register(config): SkyRL has no 'offpolicy' loss yet")
     alg = cfg.trainer.algorithm
