@@ -47,7 +47,10 @@ def _import_loss_module() -> types.ModuleType:
             del sys.modules["deepspeed"]
 
 
-host_loss = _import_loss_module()
+try:
+    host_loss = _import_loss_module()
+except ImportError as err:  # a dependency of openrlhf/models/{loss,utils}.py missing
+    pytest.skip(f"OpenRLHF's openrlhf.models.loss does not import here: {err}", allow_module_level=True)
 from offpolicy.integrations import openrlhf as adapter  # noqa: E402
 
 def _fixed(cfg: op.LossConfig) -> op.LossConfig:
