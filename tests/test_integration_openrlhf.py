@@ -257,3 +257,23 @@ def test_property_host_aggregation_equals_offpolicy(seed: int, b: int, t: int, t
     ref.backward()
     torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(grad, logp.grad, rtol=1e-5, atol=1e-7)
+
+
+def test_training_step_wrapper_adds_metrics_once() -> None:
+    # ppo_actor.ActorPPOTrainer needs DeepSpeed to import; the wrapper is checked on a class with
+    # the same training_step contract (0.11.2: returns {"metrics", "weights", ...}; self.actor_loss_fn).
+    x = _batch()
+
+    class Trainer:
+        def __init__(self) -> None:
+            self.actor_loss_fn = adapter.OffpolicyPolicyLoss(loss_config=CONFIGS["token_tis"])
+
+        def training_step(self, experience, kl_ctl, step, loss_batch_info=None):
+            (loss, *_), _ = _host_call(self.actor_loss_fn, x)
+            return {"metrics": {"policy_loss": loss.detach()}, "weights": {"policy_loss": "token"}}
+
+    adapter._wrap_training_step(Trainer)
+    adapter._wrap_training_step(Trainer)  # idempotent: a second install does not wrap twice
+    status = Trainer().training_step(None, 0.0, 0)
+    assert status["metrics"]["offpolicy/valid_tokens"].item() == x["mask"].sum().item()
+    assert status["weights"]["offpolicy/is_mean"] == "token"
