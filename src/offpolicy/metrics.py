@@ -45,7 +45,8 @@ class Metrics:
 
     def __init__(self) -> None:
         self._reducer: dict[str, str] = {}
-        self._parts: dict[str, torch.Tensor] = {}
+        self._store: dict[str, torch.Tensor] = {}
+        self._pending: tuple[torch.Tensor, list[int]] | None = None  # from_flat's slices, made on first use
         # (counts on the device, describe(counts) -> error message or None): input checks that a
         # kernel made without a host synchronisation, raised at the first host read (``to_dict``)
         self._checks: list[tuple[torch.Tensor, Callable[[list[float]], str | None]]] = []
@@ -60,19 +61,28 @@ class Metrics:
         without a copy per key. Entries of ``flat`` past the layout are left alone (a kernel's
         input checks may follow, see ``defer_check``)."""
         out = cls()
-        widths = [_WIDTH[reducer] for _, reducer in layout]
-        total = sum(widths)
-        if total > flat.numel():
-            raise ValueError(f"layout covers {total} partial sums but the vector holds {flat.numel()}")
         offsets: dict[str, int] = {}
+        widths: list[int] = []
         offset = 0
-        for (key, reducer), part in zip(layout, flat[:total].split(widths)):  # one op for all views
+        for key, reducer in layout:
             out._reducer[key] = reducer
-            out._parts[key] = part
             offsets[key] = offset
-            offset += _WIDTH[reducer]
+            widths.append(_WIDTH[reducer])
+            offset += widths[-1]
+        if offset > flat.numel():
+            raise ValueError(f"layout covers {offset} partial sums but the vector holds {flat.numel()}")
         out._flat = (flat, offsets)
+        out._pending = (flat[:offset], widths)  # views are made only if a caller needs them
         return out
+
+    @property
+    def _parts(self) -> dict[str, torch.Tensor]:
+        """key → partial sums (a tensor on the data's device)."""
+        if self._pending is not None:
+            flat, widths = self._pending
+            self._pending = None
+            self._store.update(zip(self._reducer, flat.split(widths)))
+        return self._store
 
     def defer_check(self, counts: torch.Tensor, describe: Callable[[list[float]], str | None]) -> None:
         """Raise ``ValueError(describe(counts))`` at the first ``to_dict`` if it returns a message."""
@@ -80,6 +90,7 @@ class Metrics:
 
     # ------------------------------------------------------------------ recording
     def _put(self, key: str, reducer: str, parts: torch.Tensor) -> None:
+        self._parts  # noqa: B018 — make from_flat's views before the key set changes
         self._flat = None
         if key in self._reducer:
             if self._reducer[key] != reducer:
@@ -102,7 +113,8 @@ class Metrics:
 
     def ratio(self, key: str, numerator: torch.Tensor | float, denominator: torch.Tensor | float) -> None:
         """Record a mean given as already-summed numerator and denominator."""
-        device = numerator.device if isinstance(numerator, torch.Tensor) else None
+        # the device of whichever side is a tensor: a float side must not land on the default device
+        device = next((x.device for x in (numerator, denominator) if isinstance(x, torch.Tensor)), None)
         self._put(key, "mean", torch.stack([_f64(numerator, device), _f64(denominator, device)]))
 
     def sum(self, key: str, value: torch.Tensor | float) -> None:
@@ -229,9 +241,9 @@ class Metrics:
         Raises:
             ValueError: a deferred input check failed (see ``defer_check``).
         """
-        if not self._parts and not self._checks:
+        if not self._reducer and not self._checks:
             return {}
-        keys = sorted(self._parts)
+        keys = sorted(self._reducer)
         backing = self._flat
         if backing is not None and all(_offset_in(c, backing[0]) is not None for c, _ in self._checks):
             flat = backing[0].cpu().tolist()  # the one device-to-host copy
@@ -265,16 +277,16 @@ class Metrics:
         return self._reducer[key.removeprefix(PREFIX)]
 
     def __contains__(self, key: object) -> bool:
-        return isinstance(key, str) and key.removeprefix(PREFIX) in self._parts
+        return isinstance(key, str) and key.removeprefix(PREFIX) in self._reducer
 
     def __iter__(self) -> Iterator[str]:
-        return iter(sorted(self._parts))
+        return iter(sorted(self._reducer))
 
     def __len__(self) -> int:
-        return len(self._parts)
+        return len(self._reducer)
 
     def keys(self) -> list[str]:
-        return sorted(self._parts)
+        return sorted(self._reducer)
 
     def __repr__(self) -> str:
         body = ", ".join(f"{k}={v:.6g}" for k, v in self.to_dict(prefix="").items())
@@ -316,7 +328,8 @@ def _finish(reducer: str, p: list[float]) -> float:
         return math.nan
     if reducer == "std":
         return math.sqrt(max(total_sq / n - (total / n) ** 2, 0.0))
-    return total * total / (n * total_sq) if total_sq > 0 else math.nan  # ess
+    # ess; all weights 0 on a non-empty selection: no effective sample, 0 (not 0/0 = NaN, issue #9)
+    return total * total / (n * total_sq) if total_sq > 0 else 0.0
 
 
 def _device_for_collectives(group, parts: dict[str, torch.Tensor]) -> torch.device:

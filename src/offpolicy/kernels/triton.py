@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import math
 import os
-from functools import lru_cache
 from typing import NamedTuple
 
 import torch
@@ -52,7 +51,16 @@ from offpolicy.metrics import Metrics
 
 NAME = "triton"
 KINDS = ("ppo", "cispo", "reinforce")
-BLOCK = 1024  # tokens per program: 8.4M tokens (1024×8192) → 8,192 programs, enough to fill 132 SMs
+BLOCK: int | None = None  # tokens per program; None = by row length (``_block``); tests set a small one
+
+
+def _block(T: int) -> int:
+    """Tokens per program: ≥ 1024 (enough work per program), and ≤ 8 chunks per row up to 4096
+    (the finishing program reduces B × chunks partials per slot). 256×4096 → 1,024 programs;
+    1024×8192 → 8,192; 64×32768 → 512 of 4,096 tokens."""
+    if BLOCK is not None:
+        return BLOCK
+    return min(max(1024, triton.next_power_of_2(triton.cdiv(T, 8))), 4096)
 _INF = math.inf
 
 # rule encodings (constexpr): (stat, level, low, high) with ±inf for an open bound
@@ -495,8 +503,9 @@ if triton is not None:
     @triton.jit
     def _finish(p2_ptr, raw_ptr, loss_ptr, scale_ptr, B, C, global_count, max_len,
                 L: tl.constexpr, N_RULES: tl.constexpr, AGG: tl.constexpr, HAS_GLOBAL: tl.constexpr,
-                CP: tl.constexpr, RB: tl.constexpr, NRAW: tl.constexpr):
-        """Pass 3 (one program): rows, then the batch, in fp64; the raw vector's layout is ``_RAW``."""
+                CP: tl.constexpr, RB: tl.constexpr, NRAW: tl.constexpr, LAYOUT: tl.constexpr):
+        """Pass 3 (one program): rows, then the batch, in fp64 (raw quantities at the indices of
+        ``_R``); writes them to ``raw_ptr`` in the metrics' layout: raw_ptr[j] = raw[LAYOUT[j]]."""
         idx = tl.arange(0, NRAW)
         acc = tl.zeros([NRAW], dtype=tl.float64)
         hi = tl.full([NRAW], -float("inf"), tl.float64)  # running maxima (and −minima)
@@ -567,7 +576,8 @@ if triton is not None:
         acc = tl.where(idx == 1, 1.0, acc)  # raw[0] = 0, raw[1] = 1: constants for the layout
         acc = tl.where((idx == 15) | (idx == 16) | (idx == 20), hi, acc)
         acc = tl.where(idx == 21, -hi, acc)
-        tl.store(raw_ptr + idx, acc)
+        for j in tl.static_range(len(LAYOUT)):
+            tl.store(raw_ptr + j, tl.sum(tl.where(idx == LAYOUT[j], acc, 0.0), axis=0))
         tl.store(loss_ptr, loss.to(tl.float32))
         # ∂L/∂ℓ_bt per row: row_scale_b / max(count, 1)
         for b0 in range(0, B, RB):
@@ -634,12 +644,9 @@ def _layout(spec: Spec, rule_names: tuple[str, ...], has_global: bool) -> tuple[
     return tuple(out)
 
 
-@lru_cache(maxsize=256)
-def _gather_index(layout, device: torch.device) -> torch.Tensor:
-    """The raw → metric-layout index, on ``device`` (built once per layout: no copy per call, so
-    the call stays capturable in a CUDA graph after the first)."""
-    index = [i for _, _, parts in layout for i in parts] + [_R[name] for name in _CHECKS]
-    return torch.tensor(index, dtype=torch.long, device=device)
+def _index(layout) -> tuple[int, ...]:
+    """The raw quantities ``_finish`` writes, in order: every metric's partial sums, then the checks."""
+    return tuple(i for _, _, parts in layout for i in parts) + tuple(_R[name] for name in _CHECKS)
 
 
 def _check_message(spec: Spec, shape: tuple[int, ...], counts: list[float]) -> str | None:
@@ -668,6 +675,10 @@ class _Plan(NamedTuple):
     spec: Spec
     layout: tuple[tuple[str, str, tuple[int, ...]], ...]
     layout_global: tuple[tuple[str, str, tuple[int, ...]], ...]
+    index: tuple[int, ...]
+    index_global: tuple[int, ...]
+    pairs: tuple[tuple[str, str], ...]  # (key, reducer) of each layout
+    pairs_global: tuple[tuple[str, str], ...]
 
 
 _PLANS: dict[tuple[int, bool], tuple[LossConfig, _Plan | None]] = {}
@@ -685,7 +696,9 @@ def _plan(config: LossConfig, has_old: bool) -> _Plan | None:
     plan = None
     if spec is not None:
         names = tuple(rule_name(i, r) for i, r in enumerate(config.correction.reject)) if spec.corrected else ()
-        plan = _Plan(spec, _layout(spec, names, False), _layout(spec, names, True))
+        layout, layout_global = _layout(spec, names, False), _layout(spec, names, True)
+        plan = _Plan(spec, layout, layout_global, _index(layout), _index(layout_global),
+                     tuple((k, r) for k, r, _ in layout), tuple((k, r) for k, r, _ in layout_global))
     if len(_PLANS) > 256:
         _PLANS.clear()
     _PLANS[key] = (config, plan)  # holding the config keeps its id from being reused
@@ -714,6 +727,7 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, rollout_logprobs, conf
     if plan is None or (plan.spec.corrected and corr.anchor == "old" and old_logprobs is None):
         return None
     spec = plan.spec
+    global_count = config.global_tokens if config.agg == "token-mean" else config.global_seqs
     tensors = {"logprobs": logprobs, "old_logprobs": old_logprobs, "rollout_logprobs": rollout_logprobs,
                "advantages": advantages}
     if mask.dim() != 2 or any(t is not None and (t.shape != mask.shape or not t.is_floating_point())
@@ -721,7 +735,8 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, rollout_logprobs, conf
         validate_inputs(mask, **tensors)  # raises the reference's message (shapes and dtypes: no sync)
     device = logprobs.device
     B, T = mask.shape
-    C = triton.cdiv(T, BLOCK)
+    block = _block(T)
+    C = triton.cdiv(T, block)
     CP = triton.next_power_of_2(C)
     old_in = old_logprobs is not None and not (spec.corrected and corr.anchor == "rollout")
     lp = _rows(logprobs.detach())
@@ -731,20 +746,25 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, rollout_logprobs, conf
     adv = advantages.detach()
     n_rules = len(spec.rules)
     f32 = torch.float32
-    p2 = torch.empty((_S_RULES + n_rules, B, C), dtype=f32, device=device)
+    # one fp32 allocation for the derivative, the partial sums, the backward scale and the loss
+    n_p2 = (_S_RULES + n_rules) * B * C
+    buffer = torch.empty(B * T + n_p2 + B + 1, dtype=f32, device=device)
+    coef = buffer[: B * T].view(B, T)
+    p2 = buffer[B * T : B * T + n_p2].view(_S_RULES + n_rules, B, C)
+    scale = buffer[B * T + n_p2 : B * T + n_p2 + B].view(B, 1)
+    loss = buffer[-1]
     p1 = torch.empty((2 * n_rules + 3, B, C), dtype=f32, device=device) if spec.needs_rows else p2
-    coef = torch.empty((B, T), dtype=f32, device=device)
     unreduced = not reduce
     per_token = torch.empty((B, T), dtype=f32, device=device) if unreduced else coef
     den = torch.empty((B, T), dtype=f32, device=device) if unreduced else coef
     n_raw = triton.next_power_of_2(_R_RULES + 2 * n_rules)
-    raw = torch.empty(n_raw, dtype=torch.float64, device=device)
-    loss = torch.empty((), dtype=f32, device=device)
-    scale = torch.empty((B, 1), dtype=f32, device=device)
+    layout = plan.layout_global if global_count is not None else plan.layout
+    index = plan.index_global if global_count is not None else plan.index
+    flat = torch.empty(len(index), dtype=torch.float64, device=device)  # every metric's partial sums, then the checks
     strides = (lp.stride(0), old.stride(0), roll.stride(0), adv.stride(0), adv.stride(1), m.stride(0))
     grid = (B, C)
     common = dict(CORRECTED=spec.corrected, ANCHOR=spec.anchor, OLD_IN=old_in, L=spec.log_clamp, RULES=spec.rules,
-                  SEQUENTIAL=spec.sequential, BLOCK=BLOCK)
+                  SEQUENTIAL=spec.sequential, BLOCK=block, num_warps=max(4, min(16, block // 256)))
     if spec.needs_rows:
         _row_stats[grid](lp, old, roll, adv, m, p1, B, T, C, *strides, **common)
     w = spec.weight or (0, 0, -_INF, _INF)
@@ -752,19 +772,16 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, rollout_logprobs, conf
                   NONFINITE=spec.nonfinite, HAS_WEIGHT=spec.weight is not None, WLEVEL=w[0], WMODE=w[1], WLO=w[2],
                   WHI=w[3], FIXED=spec.fixed_denominator, KIND=spec.kind, CLIP_LO=spec.clip_low,
                   CLIP_HI=spec.clip_high, DUAL=spec.dual_clip, UNREDUCED=unreduced, CP=CP)
-    global_count = config.global_tokens if config.agg == "token-mean" else config.global_seqs
     max_len = float(config.max_len if config.max_len is not None else T)
-    _finish[(1,)](p2, raw, loss, scale, B, C, float(global_count or 0.0), max_len, L=spec.log_clamp,
+    _finish[(1,)](p2, flat, loss, scale, B, C, float(global_count or 0.0), max_len, L=spec.log_clamp,
                   N_RULES=n_rules, AGG=spec.agg, HAS_GLOBAL=global_count is not None, CP=CP, RB=max(16, 2048 // CP),
-                  NRAW=n_raw)
+                  NRAW=n_raw, LAYOUT=index, num_warps=16)  # one program: all the warps it can get
 
-    layout = plan.layout_global if global_count is not None else plan.layout
-    flat = raw[_gather_index(layout, device)]  # one gather: every metric's partial sums, then the checks
     checks = flat[-len(_CHECKS):]
     shape = tuple(mask.shape)
     if not mask.is_cuda and _check_message(spec, shape, checks.tolist()) is not None:
         return None  # the reference raises its exact message (with the first positions)
-    metrics = Metrics.from_flat(flat, [(key, reducer) for key, reducer, _ in layout])
+    metrics = Metrics.from_flat(flat, plan.pairs_global if global_count is not None else plan.pairs)
     if mask.is_cuda:
         metrics.defer_check(checks, lambda counts: _check_message(spec, shape, counts))
     if unreduced:
