@@ -28,8 +28,17 @@ install_hosts() {
   # compiled 0.8-0.10 wheels are built against older torch releases.
   "${PIP[@]}" -c "$pins" datasets pandas pyarrow ray "pyvers>=0.2,<0.3" hydra-core codetiming
   rm -f "$pins"
+  # OpenRLHF 0.11.2 and SkyRL 0.4.0 for tests/test_integration_{openrlhf,skyrl}.py. --no-deps: both pull GPU
+  # stacks (deepspeed, flash-attn, pinned vllm/transformers); peft: `import openrlhf.models`. SkyRL 0.4.0
+  # declares Python>=3.12; its loss code imports on 3.11 (the test loads it around skyrl.backends), hence
+  # --ignore-requires-python.
+  "${PIP[@]}" --no-deps openrlhf==0.11.2 peft==0.18.1
+  "${PIP[@]}" --no-deps --ignore-requires-python skyrl==0.4.0
+  "${PIP[@]}" --no-deps skyrl-gym==0.4.0 cloudpathlib==0.26.0 jaxtyping==0.3.11 wadler-lindig==0.1.8 loguru==0.7.3
   python3 -c "import trl, verl; from trl import GRPOTrainer; print('install.sh: trl', trl.__version__, 'verl', verl.__version__)" 2>/dev/null \
     || echo "install.sh: trl/verl failed to import; their integration tests will skip"
 }
 if [[ " $* " != *" --no-hosts "* ]]; then install_hosts; fi
+# Triton: the GPU rung's kernels run on the CPU under TRITON_INTERPRET=1, so the tests check them here too
+"${PIP[@]}" triton==3.9.0 || echo "install.sh: triton failed to install; tests/test_triton.py will skip"
 python3 -c "import offpolicy; print('install.sh: offpolicy', offpolicy.__version__, 'ready')"
