@@ -54,14 +54,16 @@ KINDS = ("ppo", "cispo", "reinforce")
 BLOCK: int | None = None  # tokens per program; None = by row length (``_block``); tests set a small one
 
 
-def _block(T: int) -> int:
-    """Tokens per program: ≥ 1024 (enough work per program), and ≤ 8 chunks per row up to 4096
-    (the finishing program reduces B × chunks partials per slot). 256×4096 → 1,024 programs;
-    1024×8192 → 8,192; 64×32768 → 512 of 4,096 tokens."""
+def _block(B: int, T: int) -> int:
+    """Tokens per program, a power of two in [1024, 4096]: rows cut into ≤ 8 chunks and ≤ ~1,024
+    programs where that is enough to fill the GPU — the finishing program reduces B × chunks
+    partials per slot, so fewer chunks make it shorter. 256×4096 → 1,024 programs of 1,024 tokens;
+    1024×8192 → 2,048 of 4,096; 64×32768 → 512 of 4,096."""
     if BLOCK is not None:
         return BLOCK
-    return min(max(1024, triton.next_power_of_2(triton.cdiv(T, 8))), 4096)
-_INF = math.inf
+    wanted = max(triton.next_power_of_2(triton.cdiv(T, 8)), triton.next_power_of_2(triton.cdiv(B * T, 1024)))
+    return min(max(1024, wanted), 4096)
+
 
 # rule encodings (constexpr): (stat, level, low, high) with ±inf for an open bound
 _STAT = {"ratio": 0, "k1": 1, "k2": 2, "k3": 3}
@@ -735,7 +737,7 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, rollout_logprobs, conf
         validate_inputs(mask, **tensors)  # raises the reference's message (shapes and dtypes: no sync)
     device = logprobs.device
     B, T = mask.shape
-    block = _block(T)
+    block = _block(B, T)
     C = triton.cdiv(T, block)
     CP = triton.next_power_of_2(C)
     old_in = old_logprobs is not None and not (spec.corrected and corr.anchor == "rollout")
