@@ -15,6 +15,9 @@ from pydantic import Field, model_validator
 from offpolicy.config import ConfigError, LossConfig, _read_yaml, _Strict
 
 
+NO_CORRECTION = "none"  # preset value that turns the correction off explicitly (async guard)
+
+
 class WarmStartConfig(_Strict):
     """Supervised warm start of the embedded default model, cached on disk and reused."""
 
@@ -53,7 +56,8 @@ class TrainConfig(_Strict):
     lr: float = Field(3e-4, gt=0)
     max_grad_norm: float = Field(1.0, gt=0)
     max_staleness: int = Field(0, ge=0, description="0 = synchronous; s = rollouts up to s policy versions old")
-    preset: str | None = Field("recommended", description="correction preset used when loss.correction is unset")
+    preset: str | None = Field("recommended", description="correction preset used when loss.correction is unset; "
+                               "'none' = no correction on purpose (the only way to train stale rollouts uncorrected)")
     loss: LossConfig = Field(default_factory=LossConfig)
     # bookkeeping
     seed: int = 0
@@ -70,15 +74,30 @@ class TrainConfig(_Strict):
             raise ValueError(f"prompts_per_step·group_size = {batch} is not divisible by minibatches={self.minibatches}")
         if self.engine_logit_noise > 0 and self.engine != "hf":
             raise ValueError("engine_logit_noise is implemented by the hf engine; with vllm use engine_weight_noise")
-        if self.preset is not None:
+        if self.preset is not None and self.preset != NO_CORRECTION:
             from offpolicy import presets
 
             presets.get(self.preset)  # unknown names fail here, with suggestions
+        if self.max_staleness > 0 and self.preset is None and self.loss.correction is None:
+            # Async guard (issue #14). Under staleness μ is up to s versions behind π_θ; without a
+            # correction PPO's ratio is taken against an anchor the rollouts were not sampled from,
+            # and nothing accounts for μ ≠ π_old. NeMo-RL refuses it too: async_grpo_train in
+            # nemo_rl/algorithms/grpo.py asserts loss_fn.use_importance_sampling_correction. We only
+            # ask for the choice to be explicit (preset=none), not forbid it.
+            raise ValueError(
+                f"max_staleness={self.max_staleness} with no correction (preset is null and loss.correction "
+                "is unset): the rollouts come from a policy up to that many versions old, so PPO's ratio "
+                "π_θ/π_old is anchored on a policy that did not sample them and the μ ≠ π_old mismatch goes "
+                "uncorrected (NeMo-RL's async GRPO refuses to run without importance-sampling correction for the "
+                "same reason). "
+                "Fix: pick a correction (preset=recommended, preset=areal:token_mask, loss.correction=...), "
+                "or say preset=none to train uncorrected on purpose"
+            )
         return self
 
     def loss_config(self) -> LossConfig:
         """``loss``, with the preset's correction when ``loss.correction`` is unset."""
-        if self.loss.correction is not None or self.preset is None:
+        if self.loss.correction is not None or self.preset in (None, NO_CORRECTION):
             return self.loss
         from offpolicy import presets
 

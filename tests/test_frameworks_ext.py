@@ -1,0 +1,101 @@
+"""Presets of the asynchronous-RL systems (issue #14) and the async guard of ``offpolicy train``.
+
+Goldens are derived by hand from the frameworks' code (AReaL 1.0.4: areal/utils/functional/
+functional.py ``ppo_actor_loss_fn`` / ``apply_rejection_sampling``); the AReaL parity against its
+own function lives in ``test_areal_parity.py``.
+"""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import offpolicy as op
+from conftest import FAST
+from offpolicy.errors import ConfigError
+from offpolicy.train.config import load_train_config
+
+
+# ------------------------------------------------------------------ AReaL presets, by hand
+def _areal_loss(preset: str, rho: tuple[float, float]) -> float:
+    """One row, two valid tokens, π_θ = π_prox (PPO ratio 1, no clip), A = 1."""
+    prox = torch.full((1, 2), math.log(0.5))
+    mu = prox - torch.log(torch.tensor([rho]))
+    theta = prox.clone().requires_grad_(True)
+    adv = torch.ones(1, 2)
+    loss, _ = op.policy_loss(theta, prox, adv, torch.ones(1, 2), mu, preset, implementation="reference")
+    return loss.item()
+
+
+# ρ = (2, 8): token mask drops ρ=8 > 5 → −(1·2)/2 (fixed denominator: 2 tokens before rejection) = −1
+#   token clamp: −(min(2,5) + min(8,5))/2 = −3.5
+#   geometric mean exp((ln 2 + ln 8)/2) = 4 ≤ 5 → row kept, weight 4 on both tokens: −(4+4)/2 = −4
+#   decoupled without rejection_sampling: no behaviour weight → −(1+1)/2 = −1
+# ρ = (2, 32): geometric mean exp((ln 2 + ln 32)/2) = 8 > 5 → seq_mask drops the row: 0/2 = 0;
+#   seq_clamp: w = min(8, 5) = 5 → −5
+@pytest.mark.parametrize(
+    "preset, rho, want",
+    [
+        ("areal:token_mask", (2.0, 8.0), -1.0),
+        ("areal:token_clamp", (2.0, 8.0), -3.5),
+        ("areal:seq_mask", (2.0, 8.0), -4.0),
+        ("areal:seq_clamp", (2.0, 8.0), -4.0),
+        ("areal:decoupled", (2.0, 8.0), -1.0),
+        ("areal:seq_mask", (2.0, 32.0), 0.0),
+        ("areal:seq_clamp", (2.0, 32.0), -5.0),
+    ],
+)
+def test_areal_goldens(preset, rho, want):
+    assert _areal_loss(preset, rho) == pytest.approx(want, rel=1e-6, abs=1e-7)
+
+
+def test_new_presets_are_listed_with_summaries():
+    out = subprocess.run([sys.executable, "-m", "offpolicy.cli", "presets"], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    for name in ("areal:decoupled", "areal:token_mask", "areal:token_clamp", "areal:seq_mask", "areal:seq_clamp"):
+        assert name in out.stdout
+        assert op.presets.get(name).summary and op.presets.get(name).note
+
+
+# ------------------------------------------------------------------ async guard
+def test_staleness_without_correction_is_refused_in_python():
+    with pytest.raises(ConfigError, match=r"max_staleness=2 .*preset=none"):
+        load_train_config(None, ["max_staleness=2", "preset=null"])
+    # each way out is accepted: an explicit opt-out, a preset, an explicit loss.correction
+    assert load_train_config(None, ["max_staleness=2", "preset=none"]).loss_config().correction is None
+    assert load_train_config(None, ["max_staleness=2"]).loss_config().correction is not None
+    cfg = load_train_config(None, ["max_staleness=2", "preset=null", "loss.correction.anchor=old"])
+    assert cfg.loss_config().correction is not None
+    # synchronous training without a correction stays allowed (μ differs from π_old only by numerics)
+    assert load_train_config(None, ["preset=null"]).loss_config().correction is None
+
+
+def _train(*args: str, cache) -> subprocess.CompletedProcess:
+    import os
+
+    env = {**os.environ, "OFFPOLICY_CACHE": str(cache)}
+    return subprocess.run([sys.executable, "-m", "offpolicy.cli", "train", *args], capture_output=True, text=True,
+                          env=env, timeout=600)
+
+
+def test_async_guard_as_a_user_types_it(offpolicy_cache, tmp_path):
+    refused = _train("max_staleness=2", "preset=null", f"out_dir={tmp_path / 'refused'}", cache=offpolicy_cache)
+    assert refused.returncode != 0
+    text = refused.stdout + refused.stderr
+    assert "max_staleness=2" in text and "NeMo-RL" in text and "preset=none" in text, text[-2000:]
+    assert "Traceback" not in text, text[-2000:]  # a config error, not a crash
+    assert not (tmp_path / "refused" / "metrics.jsonl").exists()
+
+
+@pytest.mark.slow
+def test_async_guard_opt_out_trains(offpolicy_cache, tmp_path):
+    out = tmp_path / "optout"
+    run = _train(*FAST, "steps=1", "max_staleness=2", "preset=none", f"out_dir={out}", "--no-progress",
+                 cache=offpolicy_cache)
+    assert run.returncode == 0, (run.stdout + run.stderr)[-2000:]
+    assert (out / "metrics.jsonl").read_text().strip()
