@@ -217,7 +217,7 @@ class CorrectionConfig(_Loadable):
     denominator: Literal["fixed", "renormalize"] = Field(
         "renormalize", description="fixed: original valid-token count; renormalize: surviving count"
     )
-    log_clamp: float | None = Field(20.0, gt=0, description="clamp log ρ to [−L, L] before exp; None = fp32 range only")
+    log_clamp: float | None = Field(20.0, gt=0, description="clamp log ρ to [−L, L] before exp (L ≤ 60); None = 60, the largest bound whose weights cannot overflow the loss")
     nonfinite: Literal["error", "mask_token", "mask_sequence", "neutral"] = Field(
         "error", description="what to do with NaN/inf log-probs on valid tokens"
     )
@@ -268,8 +268,9 @@ class LossConfig(_Loadable):
     dual_clip: float | None = Field(None, gt=1, description="PPO dual clip c > 1 for A < 0")
     agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = "token-mean"
     max_len: int | None = Field(None, gt=0, description="seq-mean-token-sum-norm divisor; None = T")
-    global_tokens: float | None = Field(None, gt=0, description="token count over all micro-batches and ranks")
-    global_seqs: float | None = Field(None, gt=0, description="sequence count over all micro-batches and ranks")
+    # a count: >= 1 (a fraction was silently clamped to 1 by the division guard, issue #9 item 9)
+    global_tokens: float | None = Field(None, ge=1, description="token count over all micro-batches and ranks (>= 1)")
+    global_seqs: float | None = Field(None, ge=1, description="sequence count over all micro-batches and ranks (>= 1)")
     correction: CorrectionConfig | None = None
     sapo_tau_pos: float = Field(1.0, gt=0)
     sapo_tau_neg: float = Field(1.05, gt=0)

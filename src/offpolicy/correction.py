@@ -54,6 +54,9 @@ class Correction:
     metrics: Metrics
     log_ratio: torch.Tensor
     valid_mask: torch.Tensor
+    # [B, T] fp32 log π_old for PPO's own ratio after the nonfinite policy (anchor old: π_old;
+    # rollout: μ), 0 off valid tokens; None under anchor current (the loss takes π_old as given)
+    old_logprobs: torch.Tensor | None = None
 
 
 # =========================================================================== 1. sanitize
@@ -111,6 +114,7 @@ class Sanitized:
     valid: torch.Tensor  # [B, T] bool, tokens that count after the nonfinite policy
     neutral: torch.Tensor  # [B, T] bool, tokens kept with ρ := 1 (nonfinite: neutral)
     count: torch.Tensor  # number of valid tokens that held a non-finite value
+    bad: dict[str, torch.Tensor]  # per input name: [B, T] bool, valid tokens holding a non-finite value
 
 
 def sanitize(
@@ -121,14 +125,19 @@ def sanitize(
 ) -> Sanitized:
     """Apply the ``nonfinite`` policy (SPEC §6) to the valid tokens.
 
-    ``ratio_inputs`` feed log ρ only; under ``neutral`` their bad tokens get ρ = 1 and stay.
-    ``loss_inputs`` (π_θ, advantages) have no neutral value, so under ``neutral`` their bad
-    tokens are masked like ``mask_token``.
+    ``ratio_inputs`` (the anchor's trainer side and log μ) feed log ρ; under ``neutral`` a token
+    where exactly one of them is bad stays, the caller replacing the bad value by the other
+    side's (so log ρ_t = 0, ρ_t = 1); a token where both are bad is masked. ``loss_inputs``
+    (π_θ, advantages, ...) have no neutral value, so under ``neutral`` their bad tokens are
+    masked like ``mask_token``.
 
     Raises:
         ValueError: under ``error``, naming the tensor, the count and the first positions.
     """
     bad = {"ratio": torch.zeros_like(valid), "loss": torch.zeros_like(valid)}
+    per_input: dict[str, torch.Tensor] = {}
+    both_ratio = valid.clone()  # every ratio input bad (neutral has nothing to substitute)
+    n_ratio = 0
     for group, tensors in (("ratio", ratio_inputs), ("loss", loss_inputs)):
         for name, tensor in tensors.items():
             if tensor is None:
@@ -141,17 +150,23 @@ def sanitize(
                     "mask_token, mask_sequence or neutral"
                 )
             bad[group] |= bad_here
+            per_input[name] = bad_here
+            if group == "ratio":
+                both_ratio &= bad_here
+                n_ratio += 1
     bad_any = bad["ratio"] | bad["loss"]
     neutral = torch.zeros_like(valid)
     if policy == "mask_sequence":
         valid = valid & ~bad_any.any(dim=-1, keepdim=True)
     elif policy == "neutral":
         valid = valid & ~bad["loss"]
+        if n_ratio == 2:
+            valid = valid & ~both_ratio
         neutral = bad["ratio"] & valid
     else:  # mask_token (or error, with nothing bad)
         valid = valid & ~bad_any
     count = bad_any.sum()
-    return Sanitized(valid=valid, neutral=neutral, count=count)
+    return Sanitized(valid=valid, neutral=neutral, count=count, bad=per_input)
 
 
 # =========================================================================== log-ratio
@@ -386,6 +401,8 @@ def correct(
     config: CorrectionConfig | dict[str, Any] | str | None = None,
     logprobs: torch.Tensor | None = None,
     advantages: torch.Tensor | None = None,
+    *,
+    ref_logprobs: torch.Tensor | None = None,
 ) -> Correction:
     """Measure the mismatch and compute IS weights and the loss mask (SPEC §2–§4, §6–§7).
 
@@ -397,6 +414,14 @@ def correct(
         logprobs:         [B, T] log π_θ(y_t) of this forward (detached here); needed by
                           anchors rollout/current and by the opsm rule.
         advantages:       [B, T] A_t; needed by the opsm rule.
+        ref_logprobs:     [B, T] reference log-probs of a KL term, if any: checked like π_θ
+                          (a non-finite value follows ``nonfinite``; it has no neutral value).
+
+    Non-finite values (``nonfinite``, SPEC §6): ``neutral`` replaces a bad value of a ratio
+    input (the anchor's trainer side, or log μ) by the other side's value — log ρ_t = 0 — and
+    PPO's π_old of that token is the replaced value, so nothing non-finite reaches any output;
+    the token stays in every statistic (kl_k1, ppl_train, ppl_rollout, ..., with its
+    replaced value) and in the loss. Both sides bad, or a bad π_θ / A / ref: the token is masked.
 
     Returns:
         Correction(weights, mask, metrics, log_ratio, valid_mask). Under anchor 'rollout' the
@@ -407,6 +432,11 @@ def correct(
             non-finite values under ``nonfinite: error``, or a missing tensor a rule needs.
     """
     cfg = as_correction_config(config)
+    if rollout_logprobs is None:
+        raise ValueError(
+            "correct() needs rollout_logprobs (log μ reported by the inference engine): the mismatch is "
+            "measured against it. Request log-probs from the engine (vLLM: SamplingParams(logprobs=0))"
+        )
     input_mask = validate_inputs(
         mask, old_logprobs=old_logprobs, rollout_logprobs=rollout_logprobs, logprobs=logprobs, advantages=advantages
     )
@@ -421,12 +451,17 @@ def correct(
             "logprobs": current,
             "old_logprobs": old_logprobs if cfg.anchor == "current" else None,
             "advantages": advantages,
+            "ref_logprobs": ref_logprobs,
         },
     )
     valid = clean.valid
     zero = torch.zeros((), dtype=torch.float32, device=mask.device)
-    trainer = torch.where(valid & ~clean.neutral, trainer.float(), zero)
-    rollout = torch.where(valid & ~clean.neutral, rollout_logprobs.float(), zero)
+    trainer_f, rollout_f = trainer.float(), rollout_logprobs.float()
+    if cfg.nonfinite == "neutral":  # the bad side takes the other side's value: log ρ = 0
+        bad_t, bad_m = clean.bad[trainer_name], clean.bad["rollout_logprobs"]
+        trainer_f, rollout_f = torch.where(bad_t, rollout_f, trainer_f), torch.where(bad_m, trainer_f, rollout_f)
+    trainer = torch.where(valid, trainer_f, zero)
+    rollout = torch.where(valid, rollout_f, zero)
     clamp = ops.effective_log_clamp(cfg.log_clamp)
     log_ratio = (trainer - rollout).clamp(-clamp, clamp)  # [B, T], 0 off valid and on neutral tokens
 
@@ -460,4 +495,5 @@ def correct(
         metrics=metrics,
         log_ratio=log_ratio,
         valid_mask=valid.float(),
+        old_logprobs={"old": trainer, "rollout": rollout}.get(cfg.anchor),
     )

@@ -29,9 +29,39 @@ from __future__ import annotations
 
 import torch
 
+from pathlib import Path
+from typing import Any
+
 from offpolicy import kernels
-from offpolicy.config import LossConfig
+from offpolicy.config import CorrectionConfig, LossConfig
+from offpolicy.errors import ConfigError
 from offpolicy.metrics import Metrics
+
+
+def as_loss_config(config: LossConfig | CorrectionConfig | dict[str, Any] | str | Path | None) -> LossConfig:
+    """What users naturally pass as ``config=``: a LossConfig; None (PPO defaults); a dict of
+    LossConfig fields; a CorrectionConfig (PPO defaults with that correction); a preset name
+    (``LossConfig.from_preset``); or the path of a YAML file (fields, or under ``loss:``).
+
+    Raises:
+        ConfigError: any other type, naming what is accepted.
+    """
+    if config is None:
+        return LossConfig()
+    if isinstance(config, LossConfig):
+        return config
+    if isinstance(config, CorrectionConfig):
+        return LossConfig(correction=config)
+    if isinstance(config, dict):
+        return LossConfig.from_dict(config)
+    if isinstance(config, Path) or (isinstance(config, str) and config.endswith((".yaml", ".yml"))):
+        return LossConfig.from_yaml(config)
+    if isinstance(config, str):
+        return LossConfig.from_preset(config)
+    raise ConfigError(
+        f"policy_loss: config must be a LossConfig, a CorrectionConfig, a dict of LossConfig fields, "
+        f"a preset name or a YAML path; got {type(config).__name__}"
+    )
 
 
 def policy_loss(
@@ -40,7 +70,7 @@ def policy_loss(
     advantages: torch.Tensor,
     mask: torch.Tensor,
     rollout_logprobs: torch.Tensor | None = None,
-    config: LossConfig | None = None,
+    config: LossConfig | CorrectionConfig | dict[str, Any] | str | Path | None = None,
     *,
     ref_logprobs: torch.Tensor | None = None,
     reduce: bool = True,
@@ -55,7 +85,8 @@ def policy_loss(
         advantages:       [B, T] A_t (broadcast a per-sequence value yourself).
         mask:             [B, T] 1 for tokens that count.
         rollout_logprobs: [B, T] log μ(y_t); required when ``config.correction`` is set.
-        config:           LossConfig (default: PPO, ε = 0.2, token-mean, no correction).
+        config:           LossConfig (default: PPO, ε = 0.2, token-mean, no correction), or a
+                          dict / CorrectionConfig / preset name / YAML path (``as_loss_config``).
         ref_logprobs:     [B, T] reference log-probs for the KL term (needed if kl_coef > 0;
                           when given, ``kl_ref`` is reported either way).
         reduce:           False returns the unreduced ``[B, T]`` loss for host frameworks.
@@ -73,12 +104,19 @@ def policy_loss(
     Raises:
         ValueError: invalid inputs (see ``correct``) or a tensor the config needs is missing.
     """
-    cfg = config if config is not None else LossConfig()
+    cfg = as_loss_config(config)
     corr_cfg = cfg.correction
     if cfg.kl_coef > 0 and ref_logprobs is None:
         raise ValueError(f"kl_coef={cfg.kl_coef} needs ref_logprobs=")
     if corr_cfg is not None and rollout_logprobs is None:
         raise ValueError("config.correction is set, so rollout_logprobs (log μ from the inference engine) is required")
+    if corr_cfg is not None and corr_cfg.anchor == "old" and old_logprobs is None:
+        # checked here, once, so that every rung raises the same error (issue #9 item 2: the
+        # compiled rung used π_θ as π_old under REINFORCE)
+        raise ConfigError(
+            "correction.anchor 'old' compares log π_old with log μ, so old_logprobs is required; pass it, "
+            "or set correction.anchor to 'current' (log ρ = sg(log π_θ) − log μ) or 'rollout' (bypass)"
+        )
     if corr_cfg is not None and corr_cfg.anchor == "rollout":
         old_logprobs = rollout_logprobs  # bypass: PPO's ratio becomes π_θ/μ
     if old_logprobs is None and cfg.kind != "reinforce":

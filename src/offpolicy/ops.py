@@ -9,14 +9,16 @@ from __future__ import annotations
 
 import torch
 
-# exp(88.72) overflows fp32. Frameworks that do not clamp their log-ratios (TRL, OpenRLHF) get
-# this bound instead of none: it changes no value they could have produced as a finite number,
-# and keeps ``inf`` out of the loss (see ``effective_log_clamp``).
-FP32_EXP_LIMIT = 87.0
+# exp(88.72) overflows fp32 — but a weight is then multiplied by A and summed over tokens, so a
+# bound just under 88.7 still let a few such terms overflow the loss to ±inf (issue #9 item 8).
+# exp(60) ≈ 1.1e26 leaves 12 orders of magnitude for |A|·(token count) before fp32's 3.4e38.
+# Frameworks that do not clamp their log-ratios (TRL, OpenRLHF; ``log_clamp: null``) get this
+# bound instead of none: it changes no ratio below 1e26, and keeps ``inf`` out of the loss.
+FP32_EXP_LIMIT = 60.0
 
 
 def effective_log_clamp(log_clamp: float | None) -> float:
-    """The bound actually applied before ``exp``: ``log_clamp`` or, for ``None``, fp32's range."""
+    """The bound actually applied before ``exp``: min(``log_clamp``, 60); ``None`` gives 60."""
     return FP32_EXP_LIMIT if log_clamp is None else min(float(log_clamp), FP32_EXP_LIMIT)
 
 

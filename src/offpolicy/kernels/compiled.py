@@ -257,14 +257,17 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, rollout_logprobs, conf
     metrics = Metrics()
     loss_rows = out["loss_rows"]
     n_keep = S.get("n_keep", n)
-    if spec.corrected:
-        _assemble_correction_metrics(metrics, corr, spec, S, M, out, n, n_keep, loss_rows[2])
-    if "clip" in S:
-        metrics.ratio("clip_fraction", S["clip"], n_keep)
-    if "dual" in S:
-        metrics.ratio("dual_clip_fraction", S["dual"], n_keep)
-    if "approx_kl" in S:
-        metrics.ratio("approx_kl", S["approx_kl"], n_keep)
+    # S and M are host floats: the tensors the metrics make of them go to the data's device, not
+    # the default one (issue #9 item 1)
+    with torch.device(mask.device):
+        if spec.corrected:
+            _assemble_correction_metrics(metrics, corr, spec, S, M, out, n, n_keep, loss_rows[2])
+        if "clip" in S:
+            metrics.ratio("clip_fraction", S["clip"], n_keep)
+        if "dual" in S:
+            metrics.ratio("dual_clip_fraction", S["dual"], n_keep)
+        if "approx_kl" in S:
+            metrics.ratio("approx_kl", S["approx_kl"], n_keep)
     numerator, count, row_scale = row_aggregation(loss_rows[0], loss_rows[1], config, mask.shape[-1])
     if config.global_tokens is not None or config.global_seqs is not None:
         metrics.sum("loss", numerator / count.clamp(min=1))
@@ -280,12 +283,13 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, rollout_logprobs, conf
 
 def _assemble_correction_metrics(metrics, corr, spec, S, M, out, n, n_keep, keep_rows):
     """The same keys, reducers and values as ``correct`` records, from the core's partial sums."""
-    metrics.sum("nonfinite_tokens", 0.0)
+    dev = out["rows"][3].device  # host floats become tensors on the data's device (issue #9 item 1)
+    metrics.sum("nonfinite_tokens", torch.zeros((), device=dev))
     metrics.sum("valid_tokens", n)
     metrics.ratio("kl_k1", S["kl_k1"], n)
     metrics.ratio("kl_k3", S["kl_k3"], n)
     metrics.ratio("chi2_token", S["chi2"], n)
-    metrics._put("ess", "ess", torch.tensor([S["rho"], S["rho2"], n], dtype=torch.float64))
+    metrics._put("ess", "ess", torch.tensor([S["rho"], S["rho2"], n], dtype=torch.float64, device=dev))
     trainer_rows, rollout_rows, lr_rows, counts = out["rows"]
     rows = counts > 0
     n_rows = rows.sum()
@@ -300,9 +304,9 @@ def _assemble_correction_metrics(metrics, corr, spec, S, M, out, n, n_keep, keep
     metrics.ratio("log_ppl_diff", torch.where(rows, diff, 0.0).sum(), n_rows)
     metrics.ratio("ppl_ratio", torch.where(rows, torch.exp(diff.clamp(-cap, cap)), 0.0).sum(), n_rows)
     metrics.ratio("abs_logp_diff_mean", S["abs_lr"], n)
-    metrics._put("abs_logp_diff_max", "max", torch.tensor([M["abs_lr_max"], n], dtype=torch.float64))
+    metrics._put("abs_logp_diff_max", "max", torch.tensor([M["abs_lr_max"], n], dtype=torch.float64, device=dev))
     metrics.ratio("prob_diff_mean", S["prob_diff"], n)
-    metrics._put("prob_diff_max", "max", torch.tensor([M["prob_diff_max"], n], dtype=torch.float64))
+    metrics._put("prob_diff_max", "max", torch.tensor([M["prob_diff_max"], n], dtype=torch.float64, device=dev))
     if out["removed"] is not None:
         for i, rule in enumerate(corr.reject):
             removed = out["removed"][i]
@@ -315,8 +319,8 @@ def _assemble_correction_metrics(metrics, corr, spec, S, M, out, n, n_keep, keep
         metrics.ratio("fraction_above_high", S["above"], S["units"])
         metrics.ratio("fraction_below_low", S["below"], S["units"])
     metrics.ratio("is_mean", S["w_sum"], n_keep)
-    moments = torch.tensor([S["w_sum"], S["w2_sum"], n_keep], dtype=torch.float64)
+    moments = torch.tensor([S["w_sum"], S["w2_sum"], n_keep], dtype=torch.float64, device=dev)
     metrics._put("is_std", "std", moments)
     metrics._put("is_ess", "ess", moments.clone())
-    metrics._put("is_min", "min", torch.tensor([-M["w_min_neg"], n_keep], dtype=torch.float64))
-    metrics._put("is_max", "max", torch.tensor([M["w_max"], n_keep], dtype=torch.float64))
+    metrics._put("is_min", "min", torch.tensor([-M["w_min_neg"], n_keep], dtype=torch.float64, device=dev))
+    metrics._put("is_max", "max", torch.tensor([M["w_max"], n_keep], dtype=torch.float64, device=dev))

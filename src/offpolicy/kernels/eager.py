@@ -109,7 +109,7 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, rollout_logprobs, conf
             ratio = torch.exp(log_ratio)
             em1 = torch.expm1(log_ratio)  # ρ − 1, exact near ρ = 1 where sums of ρ − 1 would cancel
             trainer_m, rollout_m, lp_m = trainer * m, rollout * m, lp * m
-            old_m = old * m if old is not None and anchor == "current" else torch.zeros(())
+            old_m = old * m if old is not None and anchor == "current" else torch.zeros((), device=m.device)
             # a NaN/±inf anywhere (even in padding: inf·0 = NaN) makes a sum non-finite: then the
             # readable path applies the nonfinite policy
             sums = torch.stack([trainer_m.sum(), rollout_m.sum(), lp_m.sum(), (adv * m).sum(), old_m.sum()])
@@ -140,7 +140,7 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, rollout_logprobs, conf
             old = None if old_logprobs is None else old_logprobs.float()
             keep, km, weights, denominator_mask = input_mask, m, m, m
             lp_m = lp * m
-            old_m = old * m if old is not None else torch.zeros(())
+            old_m = old * m if old is not None else torch.zeros((), device=m.device)
             if not bool(torch.isfinite(torch.stack([lp_m.sum(), (adv * m).sum(), old_m.sum()])).all()):
                 return None
             if bool((torch.stack([lp_m.amax(), old_m.amax()]) > 1e-6).any()):
@@ -233,7 +233,7 @@ def _mismatch_metrics(metrics, trainer_m, rollout_m, log_ratio, ratio, em1, m, v
     prob_diff = (torch.exp(trainer_m) - torch.exp(rollout_m)).abs_()  # exp(0) − exp(0) = 0 off the mask
     metrics.ratio("prob_diff_mean", prob_diff.sum(), n)
     metrics._put("prob_diff_max", "max", torch.stack([prob_diff.amax(), n]).double())
-    metrics.sum("nonfinite_tokens", 0.0)
+    metrics.sum("nonfinite_tokens", torch.zeros((), device=m.device))
     metrics.sum("valid_tokens", n)
 
 

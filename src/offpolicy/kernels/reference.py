@@ -153,7 +153,10 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, rollout_logprobs, conf
             corr_cfg,
             logprobs=logprobs,
             advantages=advantages,
+            ref_logprobs=ref_logprobs,
         )
+        if corr.old_logprobs is not None:
+            old_logprobs = corr.old_logprobs  # after the nonfinite policy (neutral: never the bad value)
         metrics, weights = corr.metrics, corr.weights
         loss_mask, valid = corr.mask.bool(), corr.valid_mask.bool()
         kl_weights = weights if corr_cfg.kl_is_weight else None
@@ -164,7 +167,7 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, rollout_logprobs, conf
             valid, "error", {}, {"logprobs": logprobs, "old_logprobs": old_logprobs, "advantages": advantages}
         ).valid
         loss_mask, metrics, weights, kl_weights, fixed_denominator = valid, Metrics(), None, None, False
-    if ref_logprobs is not None:
+    if ref_logprobs is not None and corr_cfg is None:
         validate_inputs(mask, ref_logprobs=ref_logprobs)
         sanitize(loss_mask, "error", {}, {"ref_logprobs": ref_logprobs})
 
