@@ -53,11 +53,31 @@ def test_areal_goldens(preset, rho, want):
     assert _areal_loss(preset, rho) == pytest.approx(want, rel=1e-6, abs=1e-7)
 
 
+# ------------------------------------------------------------------ NeMo-RL presets, by hand
+# NeMo-RL ClippedPGLossFn (nemo_rl/algorithms/loss_functions.py): same one-row set-up as above.
+# ρ = (2, 8): tis min(ρ, 2) → −(2+2)/2 = −2; icepop keeps ρ ∈ [0.5, 5] → −(2 + 0)/2 = −1
+#   (the zeroed token still counts in the denominator);
+# seq-mask-tis: geometric mean 4 ∉ [0.999, 1.002] → row weight 0 → 0.
+# ρ = (1.001, 1.001): geometric mean 1.001 ∈ band → raw token weights: −(1.001+1.001)/2 = −1.001
+@pytest.mark.parametrize(
+    "preset, rho, want",
+    [
+        ("nemorl:tis", (2.0, 8.0), -2.0),
+        ("nemorl:icepop", (2.0, 8.0), -1.0),
+        ("nemorl:seq-mask-tis", (2.0, 8.0), 0.0),
+        ("nemorl:seq-mask-tis", (1.001, 1.001), -1.001),
+    ],
+)
+def test_nemorl_goldens(preset, rho, want):
+    assert _areal_loss(preset, rho) == pytest.approx(want, rel=1e-6, abs=1e-7)
+
+
 def test_new_presets_are_listed_with_summaries():
     out = subprocess.run([sys.executable, "-m", "offpolicy.cli", "presets"], capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
-    for name in ("areal:decoupled", "areal:token_mask", "areal:token_clamp", "areal:seq_mask", "areal:seq_clamp"):
+    for name in ("areal:decoupled", "areal:token_mask", "areal:token_clamp", "areal:seq_mask", "areal:seq_clamp",
+                 "nemorl:tis", "nemorl:icepop", "nemorl:seq-mask-tis"):
         assert name in out.stdout
         assert op.presets.get(name).summary and op.presets.get(name).note
 
