@@ -72,12 +72,32 @@ def test_nemorl_goldens(preset, rho, want):
     assert _areal_loss(preset, rho) == pytest.approx(want, rel=1e-6, abs=1e-7)
 
 
+# ------------------------------------------------------------------ ROLL presets, by hand
+# ROLL compute_train_infer_correction, upper_bound 1.2; one row, ρ = (0.5, 2), A = 1, ratio 1:
+#   token: −(min(0.5,1.2) + min(2,1.2))/2 = −(0.5+1.2)/2 = −0.85
+#   geometric: exp((ln 0.5 + ln 2)/2) = 1 → −1;  sequence: 0.5·2 = 1 → −1
+# ρ = (1.1, 1.1): geometric 1.1 → −1.1; sequence 1.21 → capped 1.2 → −1.2
+@pytest.mark.parametrize(
+    "preset, rho, want",
+    [
+        ("roll:token_is", (0.5, 2.0), -0.85),
+        ("roll:geometric_is", (0.5, 2.0), -1.0),
+        ("roll:sequence_is", (0.5, 2.0), -1.0),
+        ("roll:geometric_is", (1.1, 1.1), -1.1),
+        ("roll:sequence_is", (1.1, 1.1), -1.2),
+    ],
+)
+def test_roll_goldens(preset, rho, want):
+    assert _areal_loss(preset, rho) == pytest.approx(want, rel=1e-6, abs=1e-7)
+
+
 def test_new_presets_are_listed_with_summaries():
     out = subprocess.run([sys.executable, "-m", "offpolicy.cli", "presets"], capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     for name in ("areal:decoupled", "areal:token_mask", "areal:token_clamp", "areal:seq_mask", "areal:seq_clamp",
-                 "nemorl:tis", "nemorl:icepop", "nemorl:seq-mask-tis"):
+                 "nemorl:tis", "nemorl:icepop", "nemorl:seq-mask-tis", "roll:token_is", "roll:geometric_is",
+                 "roll:sequence_is"):
         assert name in out.stdout
         assert op.presets.get(name).summary and op.presets.get(name).note
 
