@@ -54,13 +54,22 @@ def to_batch(rollouts: Rollouts, pad_id: int) -> Batch:
 
 
 def trainer_logprobs(model, batch: Batch, sampling: SamplingConfig) -> torch.Tensor:
-    """log π(y_t) ``[B, T]`` fp32 under ``model`` on the engine's sampling support."""
+    """log π(y_t) ``[B, T]`` fp32 under ``model`` on the engine's sampling support.
+
+    Without truncation (top_k = -1, top_p = 1) log π(y_t) = z_{y_t} − logsumexp_v z_v with
+    z = logits / τ: one gather and one reduction, never the ``[B, T, V]`` log-softmax. With
+    top-k/top-p the support depends on the whole row, so ``renormalize_logprobs`` builds it.
+    """
     logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits  # [B, L, V]
     index = batch.positions.unsqueeze(-1).expand(-1, -1, logits.shape[-1])
     response_logits = logits.gather(1, index).float()  # [B, T, V]
-    logprobs = renormalize_logprobs(response_logits, top_p=sampling.top_p, top_k=sampling.top_k,
-                                    temperature=sampling.temperature)
-    token_lp = logprobs.gather(-1, batch.response_ids.unsqueeze(-1)).squeeze(-1)
+    if sampling.top_k == -1 and sampling.top_p == 1.0:
+        z = response_logits / sampling.temperature if sampling.temperature != 1.0 else response_logits
+        token_lp = z.gather(-1, batch.response_ids.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(z, dim=-1)
+    else:
+        logprobs = renormalize_logprobs(response_logits, top_p=sampling.top_p, top_k=sampling.top_k,
+                                        temperature=sampling.temperature)
+        token_lp = logprobs.gather(-1, batch.response_ids.unsqueeze(-1)).squeeze(-1)
     return torch.where(batch.mask.bool(), token_lp, torch.zeros((), device=token_lp.device))
 
 

@@ -40,7 +40,10 @@ class TrainConfig(_Strict):
     task_params: dict[str, Any] = Field(default_factory=dict, description="e.g. {digits: 2} or {min_len: 3, max_len: 6}")
     # the rollout engine and the mismatch it brings
     engine: Literal["vllm", "hf"] = "vllm"
-    engine_dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
+    engine_dtype: Literal["auto", "bf16", "fp16", "fp32"] = Field(
+        "auto", description="auto = bf16 where the hardware computes it natively (CUDA with bf16, CPUs with "
+        "AVX512-BF16/AMX), else fp32; the choice and its reason go to the run's config.yaml. Force bf16/fp16 "
+        "to study the mismatch they bring")
     engine_weight_noise: float = Field(0.0, ge=0, description="relative N(0, σ·std(w)) on the engine's weight copy")
     engine_logit_noise: float = Field(0.0, ge=0, description="additive N(0, σ²) on the engine's logits (hf engine)")
     temperature: float = Field(1.0, gt=0)
@@ -52,10 +55,14 @@ class TrainConfig(_Strict):
     prompts_per_step: int = Field(32, gt=0)
     group_size: int = Field(8, gt=1, description="G samples per prompt (GRPO groups)")
     ppo_epochs: int = Field(1, gt=0)
-    minibatches: int = Field(2, gt=0, description="optimizer steps per epoch over the rollout batch")
+    minibatches: int = Field(1, gt=0, description="optimizer steps per epoch over the rollout batch; 1 (with "
+                             "ppo_epochs=1, max_staleness=0) makes π_old = π_θ, so its forward is skipped")
     lr: float = Field(3e-4, gt=0)
     max_grad_norm: float = Field(1.0, gt=0)
-    max_staleness: int = Field(0, ge=0, description="0 = synchronous; s = rollouts up to s policy versions old")
+    max_staleness: int = Field(0, ge=0, description="0 = synchronous; s ≥ 1 = the engine generates the next "
+                               "batches in its own thread while the trainer trains, rollouts up to s versions old")
+    recompute_old: bool = Field(False, description="always run the π_old forward, even when it provably equals "
+                                "π_θ (for checking the skip; costs one forward per step)")
     preset: str | None = Field("recommended", description="correction preset used when loss.correction is unset; "
                                "'none' = no correction on purpose (the only way to train stale rollouts uncorrected)")
     loss: LossConfig = Field(default_factory=LossConfig)
@@ -102,6 +109,30 @@ class TrainConfig(_Strict):
         from offpolicy import presets
 
         return self.loss.model_copy(update={"correction": presets.correction(self.preset)})
+
+
+def _native_bf16() -> tuple[bool, str]:
+    import torch
+
+    if torch.cuda.is_available():
+        ok = torch.cuda.is_bf16_supported()
+        return ok, f"CUDA device {torch.cuda.get_device_name()} {'has' if ok else 'lacks'} native bf16"
+    try:
+        flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
+    except OSError:
+        flags = ""
+    native = [f for f in ("avx512_bf16", "amx_bf16") if f in flags.split()]
+    if native:
+        return True, f"CPU has native bf16 ({', '.join(native)})"
+    return False, "CPU has no native bf16 (no avx512_bf16/amx_bf16): bf16 is emulated and 2–2.5× slower than fp32"
+
+
+def resolve_engine_dtype(cfg: TrainConfig) -> tuple[str, str]:
+    """The engine dtype to run with and why: ``engine_dtype`` unless it is ``auto``."""
+    if cfg.engine_dtype != "auto":
+        return cfg.engine_dtype, "set in the config"
+    native, why = _native_bf16()
+    return ("bf16" if native else "fp32"), f"auto: {why}"
 
 
 def _set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:

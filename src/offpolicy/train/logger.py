@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import math
+import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +20,24 @@ PLOTS = [
     ("masked", "masked fraction (rejected tokens)", ["offpolicy/masked_fraction"]),
     ("ess", "ESS of ρ = π_old/μ", ["offpolicy/ess"]),
 ]
+
+
+STAGES = ["generate", "wait", "score", "pi_old", "train", "sync", "log", "write"]
+
+
+class StageTimer:
+    """Seconds per named stage of one step: ``with timer("train"): …``."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, name: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -35,6 +55,7 @@ class RunLogger:
         kept = [r for r in read_jsonl(self.path) if r["step"] < start_step]
         self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
         self.records = kept
+        self.write_seconds: list[float] = []
         self.console = console or Console()
         try:
             from torch.utils.tensorboard import SummaryWriter
@@ -49,6 +70,7 @@ class RunLogger:
         self.progress.start()
 
     def log(self, step: int, values: dict[str, float]) -> None:
+        start = time.perf_counter()
         record = {"step": step, **{k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in values.items()}}
         self.records.append(record)
         with self.path.open("a") as f:
@@ -61,6 +83,7 @@ class RunLogger:
         if "eval/accuracy" in values:
             status += f"  acc {values['eval/accuracy']:.2f}"
         self.progress.update(self.task, completed=step + 1, status=status)
+        self.write_seconds.append(time.perf_counter() - start)  # this call's own cost: the "write" stage
 
     def close(self) -> None:
         self.progress.stop()
@@ -111,4 +134,31 @@ class RunLogger:
             out[f"{key}/start"], out[f"{key}/end"] = start, end
             table.add_row(key, f"{start:.4g}", f"{end:.4g}")
         self.console.print(table)
+        out.update(self.stage_table())
         return out
+
+    def stage_table(self) -> dict[str, float]:
+        """Mean seconds per step of each stage over this session's steps (``time/<stage>``), printed
+        as a table: where the time goes. ``generate`` is engine time; with overlap it runs in the
+        engine's thread and only ``wait`` holds the trainer up."""
+        means = {}
+        for stage in STAGES:
+            values = self.write_seconds if stage == "write" else \
+                [r[f"time/{stage}"] for r in self.records if r.get(f"time/{stage}") is not None]
+            if values:
+                means[f"time/{stage}"] = sum(values) / len(values)
+        steps = [r["step_seconds"] for r in self.records if r.get("step_seconds") is not None]
+        if not means or not steps:
+            return means
+        per_step = sum(steps) / len(steps)
+        means["time/step"] = per_step
+        table = Table(title="time per stage (mean per step)")
+        table.add_column("stage")
+        table.add_column("ms", justify="right")
+        table.add_column("% of step", justify="right")
+        for key, value in means.items():
+            if key != "time/step":
+                table.add_row(key.removeprefix("time/"), f"{1e3 * value:.1f}", f"{100 * value / per_step:.0f}%")
+        table.add_row("step", f"{1e3 * per_step:.1f}", f"{1 / per_step:.2f} steps/s")
+        self.console.print(table)
+        return means

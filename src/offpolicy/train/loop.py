@@ -1,10 +1,15 @@
 """The GRPO/PPO loop, top to bottom: sample → score → advantages → forward → correct + loss →
 step → sync → log. Helpers live in batch.py, pipeline.py, checkpoint.py and logger.py.
 
-π_old is the *proximal* policy: the trainer's own weights at the start of the step,
-recomputed on the batch. With synchronous sampling it differs from the engine's μ only by the
-engine's numerics (dtype, noise); with ``max_staleness`` > 0 it is also newer than the weights
-that sampled the batch — real staleness for the correction (anchor old / rollout / current) to fix.
+π_old is the *proximal* policy: the trainer's own weights at the start of the step. With
+synchronous sampling it differs from the engine's μ only by the engine's numerics (dtype, noise);
+with ``max_staleness`` > 0 it is also newer than the weights that sampled the batch — real
+staleness for the correction (anchor old / rollout / current) to fix. With one update per batch
+(ppo_epochs = minibatches = 1) and no dropout, π_old = sg(π_θ) exactly: the update's own forward
+is taken before any weight changes, so π_old's extra forward is skipped (``recompute_old`` forces it).
+
+Each step logs its time per stage (``time/generate`` … ``time/log``); overlapped, ``time/generate``
+is the engine's time in its own thread and ``time/wait`` what the trainer waited for it.
 """
 
 from __future__ import annotations
@@ -29,8 +34,8 @@ from offpolicy.tasks import make_task, problems
 from offpolicy.tasks.tokenizer import load_tokenizer
 from offpolicy.train.batch import grpo_advantages, to_batch, trainer_logprobs
 from offpolicy.train.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint
-from offpolicy.train.config import TrainConfig
-from offpolicy.train.logger import RunLogger
+from offpolicy.train.config import TrainConfig, resolve_engine_dtype
+from offpolicy.train.logger import RunLogger, StageTimer
 from offpolicy.train.pipeline import RolloutPipeline
 from offpolicy.train.warmstart import default_model, exact_match_accuracy
 
@@ -59,18 +64,31 @@ def resolve_model(cfg: TrainConfig, console: Console) -> Path:
     return path
 
 
-def new_run_dir(cfg: TrainConfig) -> Path:
+def new_run_dir(cfg: TrainConfig, resolved: dict[str, str]) -> Path:
+    """A fresh run directory with ``config.yaml``: the config under ``train`` (what ``--resume``
+    reads) and the choices made at run time (engine dtype and why) under ``resolved``."""
     run_dir = Path(cfg.out_dir or f"runs/{cfg.task}-{datetime.now():%Y%m%d-%H%M%S}")
     if (run_dir / "checkpoints").exists():
         raise ConfigError(f"run directory {run_dir} already holds a run; use --resume {run_dir} or another out_dir")
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+    text = yaml.safe_dump({"train": cfg.model_dump(mode="json"), "resolved": resolved}, sort_keys=False,
+                          allow_unicode=True)
+    (run_dir / "config.yaml").write_text(text)
     return run_dir
 
 
-def sync_engine(engine, policy, cfg: TrainConfig, version: int) -> None:
-    weights = ((name, t.detach()) for name, t in policy.state_dict().items())
-    engine.sync_weights(perturb(weights, cfg.engine_weight_noise, seed=cfg.seed * 104_729 + version))
+def engine_weights(policy, cfg: TrainConfig, version: int, snapshot: bool):
+    """The trainer's weights as the engine gets them (with the configured noise); ``snapshot``
+    copies them, for an engine that loads them later in its own thread."""
+    weights = [(name, t.detach().clone() if snapshot else t.detach()) for name, t in policy.state_dict().items()]
+    return perturb(weights, cfg.engine_weight_noise, seed=cfg.seed * 104_729 + version)
+
+
+def single_update(cfg: TrainConfig, policy) -> bool:
+    """π_old = sg(π_θ) exactly: one optimizer step per batch and no dropout to make forwards differ."""
+    dropout = any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in policy.modules()) or \
+        getattr(policy.config, "attention_dropout", 0.0) > 0
+    return cfg.ppo_epochs == 1 and cfg.minibatches == 1 and not dropout and not cfg.recompute_old
 
 
 def train(cfg: TrainConfig, resume: Path | None = None, console: Console | None = None,
@@ -86,8 +104,10 @@ def train(cfg: TrainConfig, resume: Path | None = None, console: Console | None 
     loss_cfg = cfg.loss_config()
     sampling = SamplingConfig(max_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
                               top_k=cfg.top_k)
+    engine_dtype, dtype_reason = resolve_engine_dtype(cfg)
     created = resume is None
-    run_dir = resume if resume is not None else new_run_dir(cfg)
+    run_dir = resume if resume is not None else new_run_dir(cfg, {"engine_dtype": engine_dtype,
+                                                                  "engine_dtype_reason": dtype_reason})
     try:
         # ---------------------------------------------------------------- setup
         checkpoint = latest_checkpoint(run_dir) if resume is not None else None
@@ -100,12 +120,13 @@ def train(cfg: TrainConfig, resume: Path | None = None, console: Console | None 
         if checkpoint:
             optimizer.load_state_dict(state["optimizer"])
         start_step, version = state["step"], state["version"]
-        console.print(f"offpolicy train: {cfg.task} · engine {cfg.engine} ({cfg.engine_dtype}) · "
+        console.print(f"offpolicy train: {cfg.task} · engine {cfg.engine} ({engine_dtype}) · "
                       f"preset {cfg.preset if cfg.loss.correction is None else 'custom'} · staleness ≤ "
                       f"{cfg.max_staleness} · run {run_dir}")
-        engine = make_engine(cfg.engine, str(load_from), tokenizer, cfg.engine_dtype, seed=cfg.seed,
+        engine = make_engine(cfg.engine, str(load_from), tokenizer, engine_dtype, seed=cfg.seed,
                              logit_noise=cfg.engine_logit_noise)
-        sync_engine(engine, policy, cfg, version)
+        engine.sync_weights(engine_weights(policy, cfg, version, snapshot=False))
+        skip_old = single_update(cfg, policy)
         pipeline = RolloutPipeline(engine, task, tokenizer, sampling, cfg.prompts_per_step, cfg.group_size,
                                    cfg.max_staleness, cfg.seed, pending=state["pending"])
         eval_set = problems(task, cfg.eval_problems, seed=cfg.seed + 20_000)
@@ -118,53 +139,60 @@ def train(cfg: TrainConfig, resume: Path | None = None, console: Console | None 
     completed, updating, interrupted, failed = start_step, False, False, False
     try:
         for step in range(start_step, cfg.steps):
-            t0 = time.perf_counter()
+            t0, timer = time.perf_counter(), StageTimer()
             # ------------------------------------------------ sample (bounded staleness) and score
-            item = pipeline.next(step, version)
-            texts = tokenizer.batch_decode(item.rollouts.response_ids, skip_special_tokens=True)
-            rewards = torch.tensor([task.reward(p, t) for p, t in zip(item.problems, texts)])
-            advantages = grpo_advantages(rewards, cfg.group_size)
-            batch = to_batch(item.rollouts, tokenizer.pad_token_id)
-            adv_tokens = advantages.unsqueeze(-1).expand_as(batch.mask).contiguous()
+            item, waited = pipeline.next(step, version)
+            with timer("score"):
+                texts = tokenizer.batch_decode(item.rollouts.response_ids, skip_special_tokens=True)
+                rewards = torch.tensor([task.reward(p, t) for p, t in zip(item.problems, texts)])
+                advantages = grpo_advantages(rewards, cfg.group_size)
+                batch = to_batch(item.rollouts, tokenizer.pad_token_id)
+                adv_tokens = advantages.unsqueeze(-1).expand_as(batch.mask).contiguous()
             # ------------------------------------------------ π_old: the trainer before this step
-            with torch.no_grad():
-                old = trainer_logprobs(policy, batch, sampling)
+            with timer("pi_old"), torch.no_grad():
+                old = None if skip_old else trainer_logprobs(policy, batch, sampling)
             # ------------------------------------------------ corrected loss, PPO mini-batches
             metrics = Metrics()
             order = torch.Generator().manual_seed(cfg.seed * 31 + step)
             updating = True  # from here until the step is logged, the weights are mid-update
-            for _ in range(cfg.ppo_epochs):
-                for rows in torch.randperm(len(rewards), generator=order).chunk(cfg.minibatches):
-                    mb = batch.select(rows)
-                    if mb.mask.sum() == 0:
-                        continue
-                    logprobs = trainer_logprobs(policy, mb, sampling)
-                    loss, m = op.policy_loss(logprobs, old[rows], adv_tokens[rows], mb.mask,
-                                             rollout_logprobs=mb.rollout_logprobs, config=loss_cfg)
-                    optimizer.zero_grad(set_to_none=True)
-                    loss.backward()
-                    grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.max_grad_norm)
-                    optimizer.step()
-                    metrics.update(m)
-                    metrics.mean("grad_norm", grad_norm.reshape(1))
+            with timer("train"):
+                for _ in range(cfg.ppo_epochs):
+                    for rows in torch.randperm(len(rewards), generator=order).chunk(cfg.minibatches):
+                        mb = batch.select(rows)
+                        if mb.mask.sum() == 0:
+                            continue
+                        logprobs = trainer_logprobs(policy, mb, sampling)
+                        mb_old = logprobs.detach() if skip_old else old[rows]
+                        loss, m = op.policy_loss(logprobs, mb_old, adv_tokens[rows], mb.mask,
+                                                 rollout_logprobs=mb.rollout_logprobs, config=loss_cfg)
+                        optimizer.zero_grad(set_to_none=True)
+                        loss.backward()
+                        grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.max_grad_norm)
+                        optimizer.step()
+                        metrics.update(m)
+                        metrics.mean("grad_norm", grad_norm.reshape(1))
             # ------------------------------------------------ new weights to the engine
             version += 1
-            sync_engine(engine, policy, cfg, version)
+            with timer("sync"):
+                pipeline.sync(engine_weights(policy, cfg, version, snapshot=pipeline.overlapped))
             # ------------------------------------------------ log
-            n_tokens = float(batch.mask.sum())
-            values = {
-                **metrics.to_dict(),
-                "reward": rewards.mean().item(),
-                "response_length": n_tokens / len(rewards),
-                "finished_fraction": sum(item.rollouts.finished) / len(rewards),
-                "staleness": float(step - item.rollouts.version),
-                "tokens_per_s": n_tokens / max(item.seconds, 1e-9),
-                "step_seconds": time.perf_counter() - t0,
-                "policy_version": float(version),
-            }
-            if step % cfg.eval_every == 0 or step == cfg.steps - 1:
-                values["eval/accuracy"] = exact_match_accuracy(policy, tokenizer, task, eval_set,
-                                                               cfg.max_new_tokens, sample_seed=None)
+            with timer("log"):
+                n_tokens = float(batch.mask.sum())
+                values = {
+                    **metrics.to_dict(),
+                    "reward": rewards.mean().item(),
+                    "response_length": n_tokens / len(rewards),
+                    "finished_fraction": sum(item.rollouts.finished) / len(rewards),
+                    "staleness": float(step - item.rollouts.version),
+                    "tokens_per_s": n_tokens / max(item.seconds, 1e-9),
+                    "policy_version": float(version),
+                }
+                if step % cfg.eval_every == 0 or step == cfg.steps - 1:
+                    values["eval/accuracy"] = exact_match_accuracy(policy, tokenizer, task, eval_set,
+                                                                   cfg.max_new_tokens, sample_seed=None)
+            values.update({"time/generate": item.seconds, "time/wait": waited,
+                           **{f"time/{k}": v for k, v in timer.seconds.items()},
+                           "step_seconds": time.perf_counter() - t0})
             logger.log(step, values)
             pipeline.commit(step)
             completed, updating = step + 1, False
@@ -184,6 +212,7 @@ def train(cfg: TrainConfig, resume: Path | None = None, console: Console | None 
         failed = True
         raise
     finally:
+        pipeline.close()
         logger.close()
         engine.close()
         if failed and created and not (run_dir / "checkpoints").exists():

@@ -1,0 +1,211 @@
+"""The overlapped rollout pipeline and the trainer's shortcuts: staleness bounded under real
+overlap, no batch lost or generated twice across a checkpoint, the π_old skip identical to the
+recompute path, log-probs by logsumexp identical to the full log-softmax, stage timings in the
+summary, and the engine dtype chosen (with its reason) in the run's config."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from conftest import FAST
+from offpolicy.engines import Rollouts, SamplingConfig
+from offpolicy.sampling import renormalize_logprobs
+from offpolicy.tasks import make_task
+from offpolicy.tasks.tokenizer import build_char_tokenizer
+from offpolicy.train.batch import Batch, trainer_logprobs
+from offpolicy.train.config import load_train_config, resolve_engine_dtype
+from offpolicy.train.loop import train
+from offpolicy.train.pipeline import RolloutPipeline
+
+
+class RecordingEngine:
+    """Answers every prompt with one token, after ``delay`` s; records what ran when, in which thread."""
+
+    name = "recording"
+
+    def __init__(self, delay: float = 0.0):
+        self.delay, self.version, self.events = delay, 0, []
+
+    def generate(self, prompt_ids, sampling, seed, version):
+        start = time.perf_counter()
+        time.sleep(self.delay)
+        if version != self.version:  # the pipeline promised these weights
+            raise AssertionError(f"generate asked for version {version}, engine holds {self.version}")
+        self.events.append(("generate", seed, version, start, time.perf_counter(), threading.get_ident()))
+        return Rollouts([list(p) for p in prompt_ids], [[5] for _ in prompt_ids], [[-1.0] for _ in prompt_ids],
+                        [False] * len(prompt_ids), version)
+
+    def sync_weights(self, named_tensors):
+        self.version = dict(named_tensors)["version"].item()
+
+    def close(self):
+        pass
+
+
+def pipeline(engine, staleness: int, pending=None) -> RolloutPipeline:
+    return RolloutPipeline(engine, make_task("reverse"), build_char_tokenizer(), SamplingConfig(max_tokens=1), 2, 2,
+                           staleness, seed=0, pending=pending)
+
+
+def drive(pipe: RolloutPipeline, steps: range, version: int, train_seconds: float = 0.0):
+    """The trainer's side of the loop: take the batch, 'train', sync the next version, commit."""
+    trained = []
+    for step in steps:
+        item, _ = pipe.next(step, version)
+        start = time.perf_counter()
+        time.sleep(train_seconds)
+        trained.append((step, item.rollouts.version, start, time.perf_counter()))
+        version += 1
+        pipe.sync([("version", torch.tensor(version))])
+        pipe.commit(step)
+    return trained, version
+
+
+@pytest.mark.parametrize("staleness", [1, 3])
+def test_overlap_keeps_staleness_exact_and_really_overlaps(staleness):
+    engine = RecordingEngine(delay=0.03)
+    pipe = pipeline(engine, staleness)
+    trained, _ = drive(pipe, range(8), version=0, train_seconds=0.03)
+    pipe.close()
+    # batch k is sampled by version max(0, k − s), however the threads interleave
+    assert [v for _, v, _, _ in trained] == [max(0, k - staleness) for k in range(8)]
+    gens = {seed: (start, end, tid) for _, seed, _, start, end, tid in engine.events}
+    assert {tid for _, _, tid in gens.values()} == {next(iter(gens.values()))[2]} != {threading.get_ident()}
+    # overlap: the batch for step k + 1 started generating before step k finished training
+    for step, _, _, train_end in trained[:-1]:
+        assert gens[step + 1][0] < train_end, step
+
+
+def test_synchronous_pipeline_runs_in_the_calling_thread():
+    engine = RecordingEngine()
+    trained, _ = drive(pipeline(engine, 0), range(3), version=0)
+    assert [v for _, v, _, _ in trained] == [0, 1, 2]
+    assert {e[-1] for e in engine.events} == {threading.get_ident()}
+
+
+@pytest.mark.parametrize("cut", [1, 4])
+def test_checkpoint_mid_pipeline_loses_and_duplicates_no_batch(cut):
+    staleness, total = 2, 7
+    straight = RecordingEngine(delay=0.01)
+    pipe = pipeline(straight, staleness)
+    reference, _ = drive(pipe, range(total), version=0)
+    pipe.close()
+
+    first = RecordingEngine(delay=0.01)
+    pipe = pipeline(first, staleness)
+    trained, version = drive(pipe, range(cut), version=0)
+    pending = pipe.state()  # what a checkpoint holds: generated, not yet trained
+    pipe.close()
+    assert [p.step for p in pending] == list(range(cut, cut + staleness))
+    second = RecordingEngine(delay=0.01)
+    second.version = version  # a resumed engine starts from the checkpoint's weights
+    pipe = pipeline(second, staleness, pending=pending)
+    rest, _ = drive(pipe, range(cut, total), version=version)
+    pipe.close()
+    # every batch id generated at most once over both halves, none missing, each trained exactly once; the
+    # batches queued beyond the last step may or may not have started when the pipeline closed (timing)
+    ids = [e[1] for e in first.events + second.events]
+    assert len(ids) == len(set(ids)) and set(range(total)) <= set(ids) <= set(range(total + staleness))
+    assert [e[1] for e in first.events] == list(range(cut + staleness))  # the queued ones were checkpointed
+    assert pipe.generated == [e[1] for e in second.events]
+    assert [(s, v) for s, v, _, _ in trained + rest] == [(s, v) for s, v, _, _ in reference]
+
+
+def test_engine_failure_in_the_worker_reaches_the_trainer():
+    class Broken(RecordingEngine):
+        def generate(self, *args, **kwargs):
+            raise RuntimeError("engine died")
+
+    pipe = pipeline(Broken(), 1)
+    with pytest.raises(RuntimeError, match="engine died"):
+        pipe.next(0, 0)
+    pipe.close()
+
+
+@pytest.mark.parametrize(("top_k", "top_p", "temperature"), [(-1, 1.0, 1.0), (-1, 1.0, 0.7), (5, 1.0, 1.0),
+                                                             (-1, 0.8, 1.3)])
+def test_trainer_logprobs_by_logsumexp_match_the_full_log_softmax(top_k, top_p, temperature):
+    torch.manual_seed(0)
+    B, L, T, V = 3, 7, 4, 11
+    logits = torch.randn(B, L, V) * 3
+
+    class Model:
+        def __call__(self, input_ids, attention_mask):
+            return type("Out", (), {"logits": logits})()
+
+    positions = torch.tensor([[2, 3, 4, 5], [1, 2, 3, 4], [3, 4, 5, 6]])
+    response = torch.randint(0, V, (B, T))
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1], [1, 0, 0, 0]], dtype=torch.float32)
+    batch = Batch(torch.zeros(B, L, dtype=torch.long), torch.ones(B, L, dtype=torch.long), positions, response, mask,
+                  torch.zeros(B, T), torch.zeros(B, dtype=torch.long))
+    sampling = SamplingConfig(top_k=top_k, top_p=top_p, temperature=temperature)
+    got = trainer_logprobs(Model(), batch, sampling)
+    full = renormalize_logprobs(logits.gather(1, positions.unsqueeze(-1).expand(-1, -1, V)), top_p=top_p, top_k=top_k,
+                                temperature=temperature)
+    want = torch.where(mask.bool(), full.gather(-1, response.unsqueeze(-1)).squeeze(-1), torch.tensor(0.0))
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    assert got.dtype == torch.float32
+    if top_k == -1 and top_p == 1.0:  # untruncated: every token has finite log-prob
+        assert torch.isfinite(got).all()
+
+
+def _run(tmp_path: Path, name: str, *overrides: str):
+    cfg = load_train_config(None, [*FAST, "minibatches=1", f"out_dir={tmp_path / name}", *overrides])
+    return train(cfg, progress=False)
+
+
+def _records(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_pi_old_skip_is_identical_to_recomputing_it(offpolicy_cache, tmp_path):
+    skipped = _run(tmp_path, "skip", "steps=3")
+    recomputed = _run(tmp_path, "recompute", "steps=3", "recompute_old=true")
+    a, b = _records(skipped.run_dir), _records(recomputed.run_dir)
+    assert all(r["time/pi_old"] < 1e-3 for r in a)  # the skip happened (no forward takes under 1 ms)
+    assert all(r["time/pi_old"] > 0 for r in b)
+    for ra, rb in zip(a, b, strict=True):
+        for key in ra:
+            if not key.startswith("time/") and key not in ("step_seconds", "tokens_per_s"):
+                assert ra[key] == rb[key], (ra["step"], key, ra[key], rb[key])
+    from safetensors.torch import load_file
+
+    wa = load_file(skipped.run_dir / "checkpoints" / "step-3" / "model.safetensors")
+    wb = load_file(recomputed.run_dir / "checkpoints" / "step-3" / "model.safetensors")
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    # the summary shows where the time went, stage by stage
+    for stage in ("generate", "score", "pi_old", "train", "sync", "log", "write"):
+        assert f"time/{stage}" in skipped.summary, stage
+
+
+def test_engine_dtype_auto_is_resolved_with_a_reason(monkeypatch):
+    from offpolicy.train import config as train_config
+
+    cfg = load_train_config(None, [])
+    assert cfg.engine_dtype == "auto"
+    monkeypatch.setattr(train_config, "_native_bf16", lambda: (False, "CPU has no native bf16"))
+    assert resolve_engine_dtype(cfg) == ("fp32", "auto: CPU has no native bf16")
+    monkeypatch.setattr(train_config, "_native_bf16", lambda: (True, "CPU has native bf16 (amx_bf16)"))
+    assert resolve_engine_dtype(cfg)[0] == "bf16"
+    forced = load_train_config(None, ["engine_dtype=fp16"])  # mismatch experiments still force a dtype
+    assert resolve_engine_dtype(forced) == ("fp16", "set in the config")
+
+
+@pytest.mark.slow
+def test_run_config_records_the_dtype_and_resumes_from_it(offpolicy_cache, tmp_path):
+    first = _run(tmp_path, "auto", "steps=2", "engine_dtype=auto", "max_staleness=1")
+    saved = yaml.safe_load((first.run_dir / "config.yaml").read_text())
+    assert saved["resolved"]["engine_dtype"] in ("fp32", "bf16") and saved["resolved"]["engine_dtype_reason"]
+    assert saved["train"]["engine_dtype"] == "auto"
+    again = load_train_config(first.run_dir / "config.yaml", ["steps=3"])  # what --resume reads
+    resumed = train(again, resume=first.run_dir, progress=False)
+    assert [r["step"] for r in _records(resumed.run_dir)] == [0, 1, 2]
+    assert [r["staleness"] for r in _records(resumed.run_dir)] == [0, 1, 1]
