@@ -16,7 +16,8 @@ What is asserted, per rung that ``supports`` the configuration:
   (then a mean over an empty selection reads NaN = "no data", by design of ``Metrics``), and
   the loss and gradient agree with the oracle evaluated on the *same* (upcast) input values:
   |Δloss| ≤ 2e-4·(1 + Σ|ℓ-terms|/N) and |Δgrad| ≤ 2e-4·(1 + max|grad|) elementwise
-  (fp32 arithmetic against float64; cases whose outcome hinges on a value within 1e-4
+  (fp32 arithmetic against float64; a bf16/fp16 gradient is compared with the oracle's
+  saturated at the dtype's largest finite value, as the library returns it; cases whose outcome hinges on a value within 1e-4
   of a band or clip edge — where fp32 rounding may legitimately decide the other way — are
   detected by perturbing the oracle and skipped);
 * every metric of a fast rung equals the reference's within 1e-4 relative (+1e-5 absolute).
@@ -61,6 +62,8 @@ def _available(name: str) -> bool:
 
 
 RUNGS = [name for name in getattr(kernels, "IMPLEMENTATIONS", ("reference", "eager", "compiled")) if _available(name)]
+if os.environ.get("OFFPOLICY_FUZZ_RUNGS"):  # e.g. "reference,eager": to bisect a failure by rung
+    RUNGS = [name for name in RUNGS if name in os.environ["OFFPOLICY_FUZZ_RUNGS"].split(",")]
 
 # ------------------------------------------------------------------------------ configurations
 bound = st.sampled_from([None, 0.0, 0.1, 0.5, 0.8, 1.0, 1.2, 2.0, 5.0])
@@ -263,7 +266,8 @@ def test_every_rung_agrees_with_the_float64_oracle(cfg, t):
             assert abs(float(loss) - want.loss) <= 2e-4 * (1 + abs(want.loss) + scale), (rung, float(loss), want.loss)
             # the gradient comes back in the input's dtype: its own rounding (bf16 2^-8, fp16 2^-11) on top
             tol = {torch.float32: 2e-4, torch.float16: 2e-3, torch.bfloat16: 1e-2}[grad.dtype]
-            torch.testing.assert_close(grad.double(), want.grad, rtol=tol, atol=tol * scale, msg=rung)
+            big = torch.finfo(grad.dtype).max  # fp16 gradients saturate at 65504 instead of overflowing
+            torch.testing.assert_close(grad.double(), want.grad.clamp(-big, big), rtol=tol, atol=tol * min(scale, big), msg=rung)
         if rung != "reference" and "reference" in ran:
             ref_m = ran["reference"][2]
             for key in ref_m.keys() & metrics.keys():

@@ -15,6 +15,30 @@ from offpolicy.config import LossConfig
 RATIO_LOG_CLAMP = 20.0  # PPO's own ratio π_θ/π_old: exp(clamp(log r, ±20)) in every implementation
 
 
+def to_input_dtype(grad: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Cast an fp32 gradient back to the input's dtype, saturating at its largest finite value:
+    fp16 holds at most 65504, and a clipped PPO ratio alone reaches e^20 ≈ 5e8, so a plain cast
+    would hand the optimiser ±inf (issue #9, found by the fuzz). NaN cannot arise here."""
+    if dtype in (torch.float16, torch.bfloat16) and grad.dtype != dtype:
+        big = torch.finfo(dtype).max
+        grad = grad.clamp(-big, big)
+    return grad.to(dtype)
+
+
+class UpcastSaturating(torch.autograd.Function):
+    """x.float() whose backward casts the gradient back with ``to_input_dtype`` (the reference's
+    entry point for π_θ)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.dtype = x.dtype
+        return x.float()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return to_input_dtype(grad, ctx.dtype)
+
+
 class CoefLoss(torch.autograd.Function):
     """forward(logprobs, loss_value, coef, scale) → loss_value; backward: grad · coef · scale."""
 
@@ -28,7 +52,7 @@ class CoefLoss(torch.autograd.Function):
     def backward(ctx, grad):
         coef, scale = ctx.saved_tensors
         # grad·scale is [B, 1] (or a scalar): one [B, T] product, no [B, T] temporary
-        return (coef * (grad * scale)).to(ctx.dtype), None, None, None
+        return to_input_dtype(coef * (grad * scale), ctx.dtype), None, None, None
 
 
 class CoefTokens(torch.autograd.Function):
@@ -43,7 +67,7 @@ class CoefTokens(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         (coef,) = ctx.saved_tensors
-        return (grad * coef).to(ctx.dtype), None, None
+        return to_input_dtype(grad * coef, ctx.dtype), None, None
 
 
 def row_aggregation(row_sum, row_count, cfg: LossConfig, width: int):

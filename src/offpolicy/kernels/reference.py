@@ -31,7 +31,7 @@ import torch
 from offpolicy import ops
 from offpolicy.config import LossConfig
 from offpolicy.correction import correct, sanitize, validate_inputs
-from offpolicy.kernels.common import RATIO_LOG_CLAMP
+from offpolicy.kernels.common import RATIO_LOG_CLAMP, UpcastSaturating
 from offpolicy.kl import kl_penalty
 from offpolicy.metrics import Metrics
 
@@ -174,7 +174,9 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, rollout_logprobs, conf
     # Off the loss mask inputs may be NaN/garbage: select them away *before* any arithmetic,
     # so neither the forward nor the backward ever touches them.
     zero = torch.zeros((), dtype=torch.float32, device=logprobs.device)
-    lp = torch.where(loss_mask, logprobs.float(), zero)
+    # fp32 from here; the gradient goes back to π_θ's dtype saturating (fp16 would overflow to inf)
+    lp_in = UpcastSaturating.apply(logprobs) if logprobs.dtype in (torch.float16, torch.bfloat16) else logprobs.float()
+    lp = torch.where(loss_mask, lp_in, zero)
     old = None if old_logprobs is None else torch.where(loss_mask, old_logprobs.float().detach(), zero)
     adv = torch.where(loss_mask, advantages.float().detach(), zero)
 
