@@ -65,6 +65,8 @@ def _block(B: int, T: int) -> int:
     return min(max(1024, wanted), 4096)
 
 
+_INF = math.inf
+
 # rule encodings (constexpr): (stat, level, low, high) with ±inf for an open bound
 _STAT = {"ratio": 0, "k1": 1, "k2": 2, "k3": 3}
 _LEVEL = {"token": 0, "sequence": 1, "geometric": 2, "any_token": 3, "seq_sum": 4, "seq_mean": 5, "seq_max": 6}
