@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -32,7 +32,7 @@ def tiny_model(tmp_path_factory) -> Path:
 
 def diag(*args: str, cache: Path | None = None) -> subprocess.CompletedProcess:
     env = {**os.environ, **({"OFFPOLICY_CACHE": str(cache)} if cache else {})}
-    return subprocess.run([shutil.which("offpolicy"), "diagnose", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "offpolicy", "diagnose", *args], capture_output=True, text=True,
                           timeout=600, env=env)
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -29,7 +29,7 @@ def cli(*args: str, env_cache: Path) -> subprocess.CompletedProcess:
     import os
 
     env = {**os.environ, "OFFPOLICY_CACHE": str(env_cache)}
-    return subprocess.run([shutil.which("offpolicy"), "train", *args], capture_output=True, text=True, env=env,
+    return subprocess.run([sys.executable, "-m", "offpolicy", "train", *args], capture_output=True, text=True, env=env,
                           timeout=600)
 
 
@@ -148,7 +148,7 @@ def test_cli_missing_model_path_leaves_nothing(offpolicy_cache, tmp_path):
 def test_cli_missing_config_file_and_resume_dir(offpolicy_cache, tmp_path):
     result = cli(str(tmp_path / "missing.yaml"), env_cache=offpolicy_cache)
     assert result.returncode == 2 and "config file not found" in result.stderr
-    result = subprocess.run([shutil.which("offpolicy"), "train", "--resume", str(tmp_path)], capture_output=True,
+    result = subprocess.run([sys.executable, "-m", "offpolicy", "train", "--resume", str(tmp_path)], capture_output=True,
                             text=True, timeout=120)
     assert result.returncode == 2 and "no config.yaml there" in result.stderr
 
@@ -187,20 +187,29 @@ def test_ctrl_c_saves_a_checkpoint_and_resume_continues(offpolicy_cache, tmp_pat
 
     out = tmp_path / "interrupted"
     env = {**os.environ, "OFFPOLICY_CACHE": str(offpolicy_cache)}
-    proc = subprocess.Popen([shutil.which("offpolicy"), "train", *FAST, "steps=400", f"out_dir={out}", "--no-progress"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    deadline = time.time() + 240
-    while time.time() < deadline and proc.poll() is None:
-        if (out / "metrics.jsonl").exists() and len((out / "metrics.jsonl").read_text().splitlines()) >= 3:
-            break
+    proc = subprocess.Popen([sys.executable, "-m", "offpolicy", "train", *FAST, "steps=400", f"out_dir={out}", "--no-progress"],
+                            stdout=(tmp_path / "stdout").open("w"), stderr=(tmp_path / "stderr").open("w"), text=True,
+                            env=env)  # files, not pipes: a full pipe buffer would block the run before step 3
+    # Deterministic (issue #9 item 11): the signal is sent only once the run has provably finished
+    # 3 steps (3 lines in metrics.jsonl) and is still running — never on a timer, which sent it
+    # during start-up on a slow box (rc 0 instead of 130). The deadline only fails the test.
+    deadline = time.time() + 900
+    while not ((out / "metrics.jsonl").exists() and len((out / "metrics.jsonl").read_text().splitlines()) >= 3):
+        if proc.poll() is not None:
+            pytest.fail(f"the run exited (rc {proc.returncode}) before step 3: {(tmp_path / 'stderr').read_text()[-2000:]}")
+        if time.time() > deadline:
+            proc.kill()
+            pytest.fail("the run did not reach step 3 within 900 s")
         time.sleep(0.2)
+    assert proc.poll() is None, "the run ended before it could be interrupted"
     proc.send_signal(signal.SIGINT)
-    stdout, stderr = proc.communicate(timeout=120)
+    proc.wait(timeout=120)
+    stdout, stderr = (tmp_path / "stdout").read_text(), (tmp_path / "stderr").read_text()
     assert proc.returncode == 130, stderr[-2000:]
     assert "interrupted after" in stdout and "--resume" in stdout
     done = int((out / "checkpoints" / "latest").read_text().split("-")[1])
     assert done >= 2
-    result = subprocess.run([shutil.which("offpolicy"), "train", "--resume", str(out), f"steps={done + 2}",
+    result = subprocess.run([sys.executable, "-m", "offpolicy", "train", "--resume", str(out), f"steps={done + 2}",
                              "--no-progress"], capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     assert [r["step"] for r in records(out)] == list(range(done + 2))

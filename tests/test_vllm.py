@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -46,7 +45,7 @@ def test_train_cli_on_vllm_bf16(offpolicy_cache, tmp_path):
     out = tmp_path / "run"
     args = [a for a in FAST if not a.startswith("engine")] + ["engine=vllm", "engine_dtype=bf16", "steps=3"]
     env = {**os.environ, "OFFPOLICY_CACHE": str(offpolicy_cache)}
-    result = subprocess.run([shutil.which("offpolicy"), "train", *args, f"out_dir={out}", "--no-progress"],
+    result = subprocess.run([sys.executable, "-m", "offpolicy", "train", *args, f"out_dir={out}", "--no-progress"],
                             capture_output=True, text=True, timeout=900, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
