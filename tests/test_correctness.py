@@ -166,3 +166,21 @@ def test_all_zero_weights_give_an_ess_of_zero_not_nan():
     mu = torch.tensor([[-1.1, -1.2]])  # ρ = e^0.1, e^0.2 < 2 = low: every weight 0
     out = op.correct(old, mu, torch.ones(1, 2), {"weight": {"level": "token", "mode": "mask", "low": 2.0}})
     assert out.metrics.to_dict()["offpolicy/is_ess"] == 0.0
+
+
+def test_more_than_eight_configurations_stay_compiled():
+    """Suspicion (confirmed): dynamo's recompile_limit (8) made the 9th configuration of a process
+    fall back to uncompiled execution with only a log warning. Building the compiled core now
+    raises the limit to the number of configurations it caches."""
+    import torch._dynamo.config as dynamo_config
+
+    from offpolicy.kernels import compiled
+
+    old = dynamo_config.recompile_limit
+    try:
+        dynamo_config.recompile_limit = 8
+        compiled._compiled.cache_clear()
+        compiled._compiled(compiled.core_spec(op.LossConfig(), True, True))  # builds, compiles lazily
+        assert dynamo_config.recompile_limit >= compiled.COMPILED_CONFIGS
+    finally:
+        dynamo_config.recompile_limit = max(old, compiled.COMPILED_CONFIGS)

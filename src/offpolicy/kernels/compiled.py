@@ -209,11 +209,19 @@ def preferred(mask: torch.Tensor) -> bool:
     return setting == "1" or mask.numel() >= COMPILE_MIN_TOKENS
 
 
-@functools.lru_cache(maxsize=64)
+COMPILED_CONFIGS = 64  # configurations whose compiled core a process keeps
+
+
+@functools.lru_cache(maxsize=COMPILED_CONFIGS)
 def _compiled(spec: CoreSpec):
     # dynamic shapes: one compile serves every [B, T]; dynamic_threads keeps the CPU kernel
     # OpenMP-parallel under dynamic shapes (without it inductor emits a serial loop: 10.9 vs 6.7 ms
     # at 256×4096 on 2 cores)
+    # Every configuration is one more compiled version of the same code object (_core): dynamo's
+    # default recompile_limit of 8 made the 9th configuration of a process run *uncompiled*, silently
+    # (issue #9, suspicion confirmed by the fuzz). Allow as many as this cache holds (only raised).
+    dynamo_config = torch._dynamo.config
+    dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, COMPILED_CONFIGS)
     return torch.compile(functools.partial(_core, spec=spec), dynamic=True, options={"cpp.dynamic_threads": True})
 
 
