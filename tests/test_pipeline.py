@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+import offpolicy as op
 import yaml
 
 from conftest import FAST
@@ -155,6 +157,17 @@ def test_trainer_logprobs_by_logsumexp_match_the_full_log_softmax(top_k, top_p, 
     assert got.dtype == torch.float32
     if top_k == -1 and top_p == 1.0:  # untruncated: every token has finite log-prob
         assert torch.isfinite(got).all()
+    # the truncated-away mass is a Metrics entry when the support is truncated (issue #9 item 10)
+    metrics = op.Metrics()
+    trainer_logprobs(Model(), batch, sampling, metrics)
+    if top_k == -1 and top_p == 1.0:
+        assert "offpolicy/outside_mass" not in metrics.to_dict()
+    else:
+        _, outside = renormalize_logprobs(logits.gather(1, positions.unsqueeze(-1).expand(-1, -1, V)), top_p=top_p,
+                                          top_k=top_k, temperature=temperature, return_outside_mass=True)
+        values = metrics.to_dict()
+        assert values["offpolicy/outside_mass"] == pytest.approx(outside[mask.bool()].double().mean().item(), rel=1e-6)
+        assert values["offpolicy/outside_mass_max"] == pytest.approx(outside[mask.bool()].max().item(), rel=1e-6)
 
 
 def _run(tmp_path: Path, name: str, *overrides: str):

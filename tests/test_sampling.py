@@ -74,3 +74,17 @@ def test_bad_arguments():
         op.renormalize_logprobs(torch.zeros(1, 3), top_p=0.0)
     with pytest.raises(ValueError, match="top_k must be -1"):
         op.renormalize_logprobs(torch.zeros(1, 3), top_k=0)
+
+
+def test_outside_mass_metrics_merge_to_the_whole_batch():
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, 5, 11, generator=g)
+    mask = (torch.rand(6, 5, generator=g) > 0.3).float()
+    _, outside = op.renormalize_logprobs(logits, top_p=0.7, top_k=6, return_outside_mass=True)
+    whole = op.outside_mass_metrics(outside, mask).to_dict()
+    halves = op.outside_mass_metrics(outside[:2], mask[:2])
+    halves.update(op.outside_mass_metrics(outside[2:], mask[2:]))
+    got = halves.to_dict()
+    assert whole["offpolicy/outside_mass"] == pytest.approx(outside[mask.bool()].double().mean().item(), rel=1e-9)
+    assert 0 < whole["offpolicy/outside_mass"] < whole["offpolicy/outside_mass_max"] < 1
+    assert got == pytest.approx(whole, rel=1e-12)

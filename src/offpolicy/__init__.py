@@ -7,9 +7,9 @@ from offpolicy import presets
 from offpolicy.config import ConfigError, CorrectionConfig, LossConfig
 from offpolicy.correction import Correction, correct
 from offpolicy.kl import kl_penalty
-from offpolicy.losses import policy_loss
+from offpolicy.losses import policy_loss, with_global_normalizer
 from offpolicy.metrics import Metrics
-from offpolicy.sampling import renormalize_logprobs
+from offpolicy.sampling import outside_mass_metrics, renormalize_logprobs
 
 __version__ = "0.1.0"
 
@@ -21,7 +21,9 @@ __all__ = [
     "Metrics",
     "correct",
     "kl_penalty",
+    "outside_mass_metrics",
     "policy_loss",
     "presets",
     "renormalize_logprobs",
+    "with_global_normalizer",
 ]

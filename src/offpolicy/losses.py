@@ -29,11 +29,13 @@ from __future__ import annotations
 
 import torch
 
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 from offpolicy import kernels
 from offpolicy.config import CorrectionConfig, LossConfig
+from offpolicy.correction import correct
 from offpolicy.errors import ConfigError
 from offpolicy.metrics import Metrics
 
@@ -126,3 +128,75 @@ def policy_loss(
         if out is not None:
             return out
     raise AssertionError("the reference implementation always returns")  # pragma: no cover
+
+
+_MICRO_BATCH_KEYS = ("old_logprobs", "rollout_logprobs", "mask", "logprobs", "advantages")
+
+
+def with_global_normalizer(
+    config: LossConfig | CorrectionConfig | dict[str, Any] | str | Path | None,
+    micro_batches: Iterable[Mapping[str, torch.Tensor | None]],
+    *,
+    group: torch.distributed.ProcessGroup | None = None,
+) -> LossConfig:
+    """``config`` with the loss denominator of one optimizer step filled in, so that the losses
+    of its micro-batches, on every rank of ``group``, add up to the loss of one big batch
+    (issue #9 item 10): call it once per step, before the micro-batches' forwards.
+
+        token-mean:                global_tokens = Σ_micro-batches Σ_ranks N_tokens
+        seq-mean-token-*:          global_seqs   = Σ_micro-batches Σ_ranks #rows with ≥ 1 token
+
+    where a token counts when it survives the rejection rules (``denominator: renormalize``)
+    or is valid (``fixed``; NaN/inf masked by ``nonfinite`` do not count) — the same count
+    ``policy_loss`` divides by when no global count is set. The counts are summed over the ranks
+    with one all-reduce when torch.distributed is initialised. A count of 0 (everything
+    rejected) becomes 1: the loss is 0 either way.
+
+    Each micro-batch maps ``mask`` and, when the correction has rules to evaluate,
+    ``rollout_logprobs`` and ``old_logprobs`` (anchor ``old``) — the tensors ``correct`` reads.
+    Rules on π_θ (anchors ``rollout``/``current``, ``opsm``) also need ``logprobs`` (and
+    ``advantages`` for ``opsm``): π_θ does not change between the micro-batches of one step, so a
+    no-grad forward gives them. ``seq-mean-token-sum-norm`` needs ``max_len`` set: micro-batches
+    padded to different lengths would otherwise divide by different T.
+
+    Not exact by design (per call, across ranks only): ``weight.normalize`` divides by the
+    mean weight of the micro-batch's ranks, not of the whole step.
+
+    Raises:
+        ConfigError: seq-mean-token-sum-norm without ``max_len``.
+        ValueError: a micro-batch without ``mask``, or one the correction cannot read.
+    """
+    cfg = as_loss_config(config)
+    if cfg.agg == "seq-mean-token-sum-norm" and cfg.max_len is None:
+        raise ConfigError(
+            "agg 'seq-mean-token-sum-norm' divides each row by max_len, which defaults to the micro-batch's T; "
+            "set loss.max_len (e.g. the response length limit) so every micro-batch divides by the same number"
+        )
+    corr_cfg = cfg.correction
+    tokens = None
+    for i, mb in enumerate(micro_batches):
+        unknown = set(mb) - set(_MICRO_BATCH_KEYS)
+        if "mask" not in mb or unknown:
+            raise ValueError(
+                f"micro-batch {i}: expected a mapping with 'mask' and some of {', '.join(_MICRO_BATCH_KEYS[:2] + _MICRO_BATCH_KEYS[3:])}"
+                + (f"; unknown keys {sorted(unknown)}" if unknown else "")
+            )
+        if corr_cfg is None:
+            counted = mb["mask"].bool()
+        else:
+            corr = correct(
+                mb.get("old_logprobs"), mb.get("rollout_logprobs"), mb["mask"], corr_cfg,
+                logprobs=mb.get("logprobs"), advantages=mb.get("advantages"),
+            )
+            counted = (corr.valid_mask if corr_cfg.denominator == "fixed" else corr.mask).bool()
+        count = torch.stack([counted.sum(), counted.any(dim=-1).sum()]).to(torch.float64)
+        tokens = count if tokens is None else tokens + count.to(tokens.device)
+    if tokens is None:
+        raise ValueError("with_global_normalizer: no micro-batches given")
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(tokens, op=dist.ReduceOp.SUM, group=group)
+    n_tokens, n_seqs = (max(1.0, float(x)) for x in tokens.tolist())
+    field = {"global_tokens": n_tokens} if cfg.agg == "token-mean" else {"global_seqs": n_seqs}
+    return LossConfig(**{**cfg.model_dump(exclude={"global_tokens", "global_seqs", "correction"}),
+                         "correction": corr_cfg, **field})

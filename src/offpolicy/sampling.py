@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from offpolicy.metrics import Metrics
+
 
 def renormalize_logprobs(
     logits: torch.Tensor,
@@ -67,3 +69,18 @@ def renormalize_logprobs(
     full = torch.log_softmax(z, dim=-1)
     inside = torch.logsumexp(full.masked_fill(~keep, float("-inf")), dim=-1).exp()
     return logprobs, (1.0 - inside).clamp(min=0.0)
+
+
+def outside_mass_metrics(outside_mass: torch.Tensor, mask: torch.Tensor, metrics: Metrics | None = None) -> Metrics:
+    """Record the sampler's truncated-away mass on the tokens that count (issue #9 item 10).
+
+    ``outside_mass`` ``[B, T]`` as returned by ``renormalize_logprobs(..., return_outside_mass=True)``
+    at the sampled positions; ``mask`` ``[B, T]``. Adds ``outside_mass`` (mean over the mask) and
+    ``outside_mass_max`` to ``metrics`` (a new ``Metrics`` if None) as partial sums, so merged
+    micro-batches and all-reduced ranks report the big batch's values.
+    """
+    metrics = Metrics() if metrics is None else metrics
+    keep = mask.bool()
+    metrics.mean("outside_mass", outside_mass, keep)
+    metrics.max("outside_mass_max", outside_mass, keep)
+    return metrics

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 import torch
 
 from offpolicy.engines import Rollouts, SamplingConfig
-from offpolicy.sampling import renormalize_logprobs
+from offpolicy.metrics import Metrics
+from offpolicy.sampling import outside_mass_metrics, renormalize_logprobs
 
 
 @dataclass
@@ -53,8 +54,11 @@ def to_batch(rollouts: Rollouts, pad_id: int) -> Batch:
     return Batch(input_ids, attention, positions, response, mask, rollout_lp, versions)
 
 
-def trainer_logprobs(model, batch: Batch, sampling: SamplingConfig) -> torch.Tensor:
+def trainer_logprobs(model, batch: Batch, sampling: SamplingConfig, metrics: Metrics | None = None) -> torch.Tensor:
     """log π(y_t) ``[B, T]`` fp32 under ``model`` on the engine's sampling support.
+
+    With top-k/top-p and ``metrics`` given, the mass the sampler truncated away is recorded
+    there (``outside_mass``, ``outside_mass_max``; see ``outside_mass_metrics``).
 
     Without truncation (top_k = -1, top_p = 1) log π(y_t) = z_{y_t} − logsumexp_v z_v with
     z = logits / τ: one gather and one reduction, never the ``[B, T, V]`` log-softmax. With
@@ -67,9 +71,11 @@ def trainer_logprobs(model, batch: Batch, sampling: SamplingConfig) -> torch.Ten
         z = response_logits / sampling.temperature if sampling.temperature != 1.0 else response_logits
         token_lp = z.gather(-1, batch.response_ids.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(z, dim=-1)
     else:
-        logprobs = renormalize_logprobs(response_logits, top_p=sampling.top_p, top_k=sampling.top_k,
-                                        temperature=sampling.temperature)
+        logprobs, outside = renormalize_logprobs(response_logits, top_p=sampling.top_p, top_k=sampling.top_k,
+                                                 temperature=sampling.temperature, return_outside_mass=True)
         token_lp = logprobs.gather(-1, batch.response_ids.unsqueeze(-1)).squeeze(-1)
+        if metrics is not None:
+            outside_mass_metrics(outside.detach(), batch.mask, metrics)
     return torch.where(batch.mask.bool(), token_lp, torch.zeros((), device=token_lp.device))
 
 

@@ -161,7 +161,7 @@ def train(cfg: TrainConfig, resume: Path | None = None, console: Console | None 
                         mb = batch.select(rows)
                         if mb.mask.sum() == 0:
                             continue
-                        logprobs = trainer_logprobs(policy, mb, sampling)
+                        logprobs = trainer_logprobs(policy, mb, sampling, metrics)
                         mb_old = logprobs.detach() if skip_old else old[rows]
                         loss, m = op.policy_loss(logprobs, mb_old, adv_tokens[rows], mb.mask,
                                                  rollout_logprobs=mb.rollout_logprobs, config=loss_cfg)
