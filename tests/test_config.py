@@ -80,7 +80,7 @@ def test_loss_combinations():
     assert "max_len is used only by agg 'seq-mean-token-sum-norm'" in error_of(op.LossConfig, max_len=10)
     msg = error_of(op.LossConfig, kind="ppo", correction={"anchor": "current",
                                                           "weight": {"level": "token", "mode": "truncate", "high": 2}})
-    assert "anchor 'current'" in msg and "Use kind reinforce or cispo" in msg
+    assert "anchor 'current'" in msg and "Use kind reinforce" in msg
     assert "no KL term to weight" in error_of(
         op.LossConfig, correction={"weight": {"level": "token", "mode": "truncate", "high": 2}, "kl_is_weight": True})
     assert "greater than 1" in error_of(op.LossConfig, dual_clip=0.5)

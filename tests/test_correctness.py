@@ -17,7 +17,7 @@ RUNGS = [n for n in ("reference", "eager", "compiled") if n in kernels.IMPLEMENT
 DEVICE_CONFIGS = [
     op.LossConfig(),
     op.LossConfig(kind="reinforce"),
-    op.LossConfig(kind="cispo", correction=op.CorrectionConfig(anchor="current",
+    op.LossConfig(kind="reinforce", correction=op.CorrectionConfig(anchor="current",
                   weight={"level": "sequence", "mode": "mask", "high": 5.0})),
     op.LossConfig(correction=op.CorrectionConfig(
         weight={"level": "token", "mode": "truncate", "high": 2.0, "normalize": True},
@@ -184,3 +184,22 @@ def test_more_than_eight_configurations_stay_compiled():
         assert dynamo_config.recompile_limit >= compiled.COMPILED_CONFIGS
     finally:
         dynamo_config.recompile_limit = max(old, compiled.COMPILED_CONFIGS)
+
+
+def test_anchor_current_with_cispo_would_correct_staleness_twice():
+    """Suspected in issue #9, confirmed: CISPO's weight sg(clip(π_θ/π_old)) times anchor current's
+    sg(π_θ)/μ is (π_θ/π_old)²·π_old/μ. With π_θ ≠ π_old (a second mini-batch) the per-token weight
+    on A·∇log π_θ is no longer the importance weight π_θ/μ, so the combination is refused; anchor
+    'old' with CISPO gives exactly π_θ/μ inside the clip band."""
+    b = random_batch(seed=5, b=4, t=6, noise=0.3)
+    with pytest.raises(ConfigError, match="twice"):
+        op.LossConfig(kind="cispo", correction={"anchor": "current", "weight": {"level": "token", "mode": "truncate"}})
+    # the accepted form: anchor old, unbounded weight, clip wide enough not to bite
+    cfg = op.LossConfig(kind="cispo", clip_low=None, clip_high=None,
+                        correction={"anchor": "old", "weight": {"level": "token", "mode": "truncate"}})
+    lp = b["logprobs"].clone().requires_grad_(True)
+    op.policy_loss(lp, b["old"], b["adv"], b["mask"], rollout_logprobs=b["rollout"], config=cfg)[0].backward()
+    # d/d log π_θ of −w·A·log π_θ / N with w = π_θ/μ: the IS-weighted REINFORCE gradient
+    n = b["mask"].sum()
+    want = -(b["logprobs"] - b["rollout"]).exp() * b["adv"] * b["mask"] / n
+    torch.testing.assert_close(lp.grad, want, rtol=1e-5, atol=1e-7)

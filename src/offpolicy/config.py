@@ -303,10 +303,14 @@ class LossConfig(_Loadable):
         if self.global_tokens is not None and self.agg != "token-mean":
             raise ValueError(f"global_tokens normalises agg 'token-mean'; with agg '{self.agg}' use global_seqs")
         corr = self.correction
-        if corr is not None and corr.anchor == "current" and self.kind not in ("reinforce", "cispo"):
+        if corr is not None and corr.anchor == "current" and self.kind != "reinforce":
+            # cispo too (issue #9, confirmed): its own weight sg(clip(π_θ/π_old)) times sg(π_θ)/μ
+            # is (π_θ/π_old)²·π_old/μ — the π_θ/π_old part counted twice once π_θ moves off π_old
             raise ValueError(
                 f"anchor 'current' weights by sg(π_θ)/μ, which already corrects staleness; with kind "
-                f"'{self.kind}' the π_θ/π_old ratio would correct it twice. Use kind reinforce or cispo"
+                f"'{self.kind}' the π_θ/π_old ratio would correct it twice. Use kind reinforce (the weight "
+                f"is the whole correction), or keep kind '{self.kind}' with anchor 'old' (w = π_old/μ times "
+                f"the loss's π_θ/π_old) or 'rollout' (the loss's ratio becomes π_θ/μ)"
             )
         if corr is not None and corr.kl_is_weight and self.kl_coef == 0:
             raise ValueError("correction.kl_is_weight is set but kl_coef is 0: there is no KL term to weight")
