@@ -131,7 +131,8 @@ def _cmd_diagnose(args: argparse.Namespace, console: Console) -> int:
             name += f"-noise{setting['logit_noise']}"
         console.print(f"diagnose: {name} on {len(prompts)} samples ...")
         s = diagnose.sample(model_path, tokenizer, prompts, setting["engine"], setting["engine_dtype"],
-                            setting["trainer_dtype"], sampling, seed=args.seed, logit_noise=setting["logit_noise"])
+                            setting["trainer_dtype"], sampling, seed=args.seed, logit_noise=setting["logit_noise"],
+                            log_path=out / "engine.log")
         reports.append(diagnose.report(s, {**setting, "name": name, "model": str(model_path),
                                            "sampling": sampling.__dict__}, out / name if len(settings) > 1 else out))
     out.mkdir(parents=True, exist_ok=True)

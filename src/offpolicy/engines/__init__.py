@@ -2,19 +2,65 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
 from offpolicy.engines.base import RolloutEngine, Rollouts, SamplingConfig, perturb
 
-__all__ = ["RolloutEngine", "Rollouts", "SamplingConfig", "make_engine", "perturb"]
+__all__ = ["RolloutEngine", "Rollouts", "SamplingConfig", "make_engine", "output_to", "perturb"]
+
+
+@contextlib.contextmanager
+def output_to(path: Path | None) -> Iterator[None]:
+    """Send everything written to file descriptors 1 and 2 — C/C++ notices (vLLM's NUMA
+    binding), ``print``s, Python warnings, progress bars of libraries — to ``path`` (appended)
+    while the block runs; nothing changes when ``path`` is None. Exceptions still propagate:
+    the caller prints them after the descriptors are restored.
+    """
+    if path is None:
+        yield
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    try:
+        with open(path, "ab") as log:
+            os.dup2(log.fileno(), 1)
+            os.dup2(log.fileno(), 2)
+        with warnings.catch_warnings():
+            warnings.simplefilter("default")  # recorded in the log, each once per location
+            yield
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        os.close(saved[0])
+        os.close(saved[1])
 
 
 def make_engine(name: str, model_path: str, tokenizer, dtype: str, seed: int = 0, logit_noise: float = 0.0,
-                max_model_len: int = 1024) -> RolloutEngine:
+                max_model_len: int = 1024, log_path: Path | None = None) -> RolloutEngine:
     """Build the engine called ``name`` (``vllm`` | ``hf``) on the model at ``model_path``.
+
+    With ``log_path`` the engine's start-up output (vLLM's import warnings, NUMA notices, weight
+    loading bars — nothing a user acts on) goes to that file instead of the console.
 
     Raises:
         ValueError: unknown engine, or logit noise asked of an engine that cannot add it.
         RuntimeError: vllm requested but not importable.
     """
+    with output_to(log_path):
+        return _build(name, model_path, tokenizer, dtype, seed, logit_noise, max_model_len)
+
+
+def _build(name: str, model_path: str, tokenizer, dtype: str, seed: int, logit_noise: float,
+           max_model_len: int) -> RolloutEngine:
     if name == "hf":
         from offpolicy.engines.hf import HFEngine
 

@@ -124,7 +124,7 @@ def train(cfg: TrainConfig, resume: Path | None = None, console: Console | None 
                       f"preset {cfg.preset if cfg.loss.correction is None else 'custom'} · staleness ≤ "
                       f"{cfg.max_staleness} · run {run_dir}")
         engine = make_engine(cfg.engine, str(load_from), tokenizer, engine_dtype, seed=cfg.seed,
-                             logit_noise=cfg.engine_logit_noise)
+                             logit_noise=cfg.engine_logit_noise, log_path=run_dir / "engine.log")
         engine.sync_weights(engine_weights(policy, cfg, version, snapshot=False))
         skip_old = single_update(cfg, policy)
         pipeline = RolloutPipeline(engine, task, tokenizer, sampling, cfg.prompts_per_step, cfg.group_size,
@@ -149,8 +149,9 @@ def train(cfg: TrainConfig, resume: Path | None = None, console: Console | None 
                 batch = to_batch(item.rollouts, tokenizer.pad_token_id)
                 adv_tokens = advantages.unsqueeze(-1).expand_as(batch.mask).contiguous()
             # ------------------------------------------------ π_old: the trainer before this step
+            loglinear = cfg.prox_logp == "loglinear"  # π_old from the versions: no forward (AReaL)
             with timer("pi_old"), torch.no_grad():
-                old = None if skip_old else trainer_logprobs(policy, batch, sampling)
+                old = None if skip_old or loglinear else trainer_logprobs(policy, batch, sampling)
             # ------------------------------------------------ corrected loss, PPO mini-batches
             metrics = Metrics()
             order = torch.Generator().manual_seed(cfg.seed * 31 + step)
@@ -162,7 +163,11 @@ def train(cfg: TrainConfig, resume: Path | None = None, console: Console | None 
                         if mb.mask.sum() == 0:
                             continue
                         logprobs = trainer_logprobs(policy, mb, sampling, metrics)
-                        mb_old = logprobs.detach() if skip_old else old[rows]
+                        if loglinear:  # proximal = this step's starting weights (v + 1 − 1)
+                            mb_old = op.loglinear_proximal(logprobs, mb.rollout_logprobs, item.rollouts.version,
+                                                           current_version=version + 1)
+                        else:
+                            mb_old = logprobs.detach() if skip_old else old[rows]
                         loss, m = op.policy_loss(logprobs, mb_old, adv_tokens[rows], mb.mask,
                                                  rollout_logprobs=mb.rollout_logprobs, config=loss_cfg)
                         optimizer.zero_grad(set_to_none=True)
