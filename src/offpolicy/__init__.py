@@ -9,7 +9,9 @@ from offpolicy.correction import Correction, correct
 from offpolicy.kl import kl_penalty
 from offpolicy.losses import policy_loss, with_global_normalizer
 from offpolicy.metrics import Metrics
+from offpolicy.proximal import loglinear_proximal
 from offpolicy.sampling import outside_mass_metrics, renormalize_logprobs
+from offpolicy.thresholds import resolve_thresholds
 
 __version__ = "0.1.0"
 
@@ -21,9 +23,11 @@ __all__ = [
     "Metrics",
     "correct",
     "kl_penalty",
+    "loglinear_proximal",
     "outside_mass_metrics",
     "policy_loss",
     "presets",
     "renormalize_logprobs",
+    "resolve_thresholds",
     "with_global_normalizer",
 ]

@@ -71,9 +71,89 @@ class _Strict(BaseModel):
             _NESTING.reset(token)
 
 
-def _check_band(low: float | None, high: float | None, what: str) -> None:
+# --------------------------------------------------------------------------- data-chosen bounds (issue #12)
+class EssBound(_Strict):
+    """A truncation cap chosen from the batch (issue #12 item 2): the LARGEST c whose truncated
+    weights min(w_i, c) keep the normalised effective sample size
+
+        ESS(c) = (Σ_i min(w_i, c))² / (n · Σ_i min(w_i, c)²)  ≥  target
+
+    over the n weight units of the call (valid tokens, or non-empty rows / segments). ESS(c)
+    is non-increasing in c (dESS/dc ∝ Σ_{w_i<c} w_i (w_i − c) ≤ 0), so the cap is found exactly
+    by sorting: the least bias (largest cap) inside the variance budget. If the untruncated
+    weights already reach the target, c = max w (nothing is cut). Only for ``weight.high`` with
+    mode ``truncate``."""
+
+    rule: Literal["ess"]
+    target: float = Field(gt=0, le=1, description="normalised ESS the truncated weights must keep, in (0, 1]")
+
+
+class QuantileBound(_Strict):
+    """A bound at an order statistic of the call's ratios (issue #12 item 2): with the n unit
+    ratios sorted, v_(1) ≤ … ≤ v_(n), an upper bound is v_(⌈q·n⌉) and a lower bound
+    v_(⌊q·n⌋+1) (indices clamped to [1, n]) — so an upper band removes at most (1 − q)·n units
+    and a lower band at most q·n (fewer only on ties). No interpolation: the bound is one of
+    the ratios, so the comparison with it is exact in fp32."""
+
+    rule: Literal["quantile"]
+    q: float = Field(ge=0, le=1, description="quantile level in [0, 1]")
+
+
+AdaptiveBound = Annotated[Union[EssBound, QuantileBound], Field(discriminator="rule")]
+
+
+def is_adaptive(bound: Any) -> bool:
+    """Whether ``bound`` is chosen from the data (an EssBound / QuantileBound) rather than a number."""
+    return isinstance(bound, (EssBound, QuantileBound))
+
+
+def _check_band(low: Any, high: Any, what: str) -> None:
+    if isinstance(low, QuantileBound) and isinstance(high, QuantileBound) and low.q > high.q:
+        raise ValueError(f"{what}: low quantile q={low.q} is above high quantile q={high.q}; swap them")
+    if is_adaptive(low) or is_adaptive(high):
+        return
     if low is not None and high is not None and low > high:
         raise ValueError(f"{what}: low={low} is above high={high}; swap them")
+
+
+LowBound = Union[Annotated[float, Field(ge=0)], AdaptiveBound, None]
+HighBound = Union[Annotated[float, Field(gt=0)], AdaptiveBound, None]
+_BOUND_KINDS = {"ess": EssBound, "quantile": QuantileBound}
+
+
+def _parse_bounds(data: Any, what: str) -> Any:
+    """Turn the ``low``/``high`` of a band into a number or an adaptive bound before pydantic's
+    union sees them, so that a mistake gives one message naming the field (not one per branch)."""
+    if not isinstance(data, dict):
+        return data
+    data = dict(data)
+    for side, positive in (("low", False), ("high", True)):
+        value = data.get(side)
+        if value is None or isinstance(value, (EssBound, QuantileBound)):
+            continue
+        if isinstance(value, dict):
+            kind = value.get("rule")
+            if kind not in _BOUND_KINDS:
+                raise ValueError(
+                    f"{what}.{side}: a data-chosen bound needs rule 'ess' ({{rule: ess, target: 0.9}}) or 'quantile' "
+                    f"({{rule: quantile, q: 0.99}}); got rule={kind!r}"
+                )
+            try:
+                data[side] = _BOUND_KINDS[kind](**value)
+            except ValidationError as err:
+                raise ValueError(_format_validation_error(f"{what}.{side}", err) + f" (got {value})") from None
+            continue
+        if isinstance(value, str):  # YAML 1.1 reads 1.0e4 as a string; pydantic's lax float took it before
+            try:
+                value = data[side] = float(value)
+            except ValueError:
+                pass
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"{what}.{side}: expected a number, a {{rule: ...}} mapping or null; got {value!r}")
+        if value < 0 or (positive and value == 0):
+            need = "> 0" if positive else "≥ 0"
+            raise ValueError(f"{what}.{side}: a ratio bound must be {need}; got {value}")
+    return data
 
 
 # --------------------------------------------------------------------------- weighting (§3)
@@ -83,15 +163,27 @@ class WeightConfig(_Strict):
     token:     w_t = f(ρ_t)
     sequence:  w   = f(Π_t ρ_t)               (broadcast to the row)
     geometric: w   = f(exp(mean_t log ρ_t))   (broadcast to the row)
+    segment:   w   = f(exp(mean_{t∈s} log ρ_t)) broadcast to each segment s, a maximal run of
+               consecutive tokens with mask = 1 (one assistant turn of a multi-turn rollout whose
+               tool/environment tokens are masked; ROLL ``weight_type: segment``)
     truncate:  f(ρ) = clamp(ρ, low, high)     (TIS; a None bound is open)
     mask:      f(ρ) = ρ · 1[low ≤ ρ ≤ high]   (IcePop; the value is kept inside the band)
+
+    A bound may be chosen from the call's data: ``{rule: ess, target}`` (upper cap of truncate
+    only) or ``{rule: quantile, q}`` — see ``EssBound`` / ``QuantileBound``.
     """
 
-    level: Literal["token", "sequence", "geometric"] = Field(description="granularity of the ratio")
+    level: Literal["token", "sequence", "geometric", "segment"] = Field(description="granularity of the ratio")
     mode: Literal["truncate", "mask"] = Field(description="truncate (TIS) or mask (IcePop)")
-    low: float | None = Field(None, ge=0, description="lower bound on the ratio; None = open")
-    high: float | None = Field(None, gt=0, description="upper bound on the ratio; None = open")
+    low: LowBound = Field(None, description="lower bound on the ratio; a number, {rule: quantile, q}, or None = open")
+    high: HighBound = Field(None, description="upper bound on the ratio; a number, {rule: ess, target}, "
+                            "{rule: quantile, q}, or None = open")
     normalize: bool = Field(False, description="divide by the batch mean weight (across DP ranks)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _bounds(cls, data: Any) -> Any:
+        return _parse_bounds(data, "weight")
 
     @model_validator(mode="after")
     def _band_is_ordered(self) -> WeightConfig:
@@ -101,7 +193,21 @@ class WeightConfig(_Strict):
                 "weight: mode 'mask' needs a band (low and/or high); for the raw ratio use "
                 "mode 'truncate' with no bounds"
             )
+        if isinstance(self.low, EssBound):
+            raise ValueError(
+                f"weight.low: {{rule: ess, target: {self.low.target}}} chooses an upper cap; put it under "
+                "weight.high, or use {rule: quantile, q} for a lower bound"
+            )
+        if isinstance(self.high, EssBound) and self.mode != "truncate":
+            raise ValueError(
+                f"weight.high: {{rule: ess}} chooses a truncation cap, so it needs mode 'truncate' (got mode "
+                f"'{self.mode}'); for a data-chosen mask band use {{rule: quantile, q}}"
+            )
         return self
+
+    @property
+    def adaptive(self) -> bool:
+        return is_adaptive(self.low) or is_adaptive(self.high)
 
 
 # --------------------------------------------------------------------------- rejection (§4)
@@ -110,15 +216,31 @@ class RatioRule(_Strict):
 
     stat: Literal["ratio"]
     level: Literal["token", "sequence", "geometric", "any_token"]
-    low: float | None = Field(None, ge=0)
-    high: float | None = Field(None, gt=0)
+    low: LowBound = Field(None, description="a number, {rule: quantile, q} (of the token ratios for token/any_token, "
+                          "of the row ratios for sequence/geometric), or None = open")
+    high: HighBound = Field(None, description="as low")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _bounds(cls, data: Any) -> Any:
+        return _parse_bounds(data, "reject rule 'ratio'")
 
     @model_validator(mode="after")
     def _has_a_band(self) -> RatioRule:
         if self.low is None and self.high is None:
             raise ValueError("reject rule 'ratio' needs low and/or high")
+        for side in ("low", "high"):
+            if isinstance(getattr(self, side), EssBound):
+                raise ValueError(
+                    f"reject rule 'ratio': {side}={{rule: ess}} is a truncation cap for weight.high, not a rejection "
+                    "band; use {rule: quantile, q} here"
+                )
         _check_band(self.low, self.high, "reject rule 'ratio'")
         return self
+
+    @property
+    def adaptive(self) -> bool:
+        return is_adaptive(self.low) or is_adaptive(self.high)
 
 
 class DivergenceRule(_Strict):
@@ -169,10 +291,60 @@ class BinaryKLRule(_Strict):
     high: float = Field(ge=0)
 
 
-RejectRule = Annotated[Union[RatioRule, DivergenceRule, OPSMRule, BinaryKLRule], Field(discriminator="stat")]
+class M2Rule(_Strict):
+    """M2PO (AReaL ``m2_threshold``, areal/trainer/ppo/actor.py ``_apply_m2po_masking``, 1.0.4):
+    drop the tokens with the largest m2_t = (log ρ_t)² until the second moment of the rest is
+    below ``high``. With the n incoming tokens' m2 sorted descending, s_1 ≥ … ≥ s_n, and
+    k = min{i ≥ 0 : mean(s_{i+1..n}) < high} (k = n − 1 if there is none), the tokens with
+    m2 ≥ s_k are dropped (none if k = 0). Ties at s_k are dropped together — AReaL's unstable
+    sort drops an arbitrary subset of them — so the kept second moment is always < high, and at
+    least one token (the smallest m2) survives. A batch statistic: computed per call (one
+    micro-batch) like AReaL, or over a whole step with ``offpolicy.resolve_thresholds``."""
+
+    stat: Literal["m2"]
+    level: Literal["token"] = "token"
+    high: float = Field(gt=0, description="bound on the kept tokens' mean (log ρ)² (AReaL m2_threshold)")
 
 
-def rule_name(index: int, rule: RatioRule | DivergenceRule | OPSMRule | BinaryKLRule) -> str:
+class MultErrorRule(_Strict):
+    """NeMo-RL ``grpo.seq_logprob_error_threshold`` (nemo_rl/algorithms/grpo.py
+    ``compute_and_apply_seq_logprob_error_masking``): the multiplicative probability error of a
+    row, mean_t exp(|log ρ_t|) = mean_t max(ρ_t, 1/ρ_t) ≥ 1 over its valid tokens; drop the row
+    unless it is ≤ ``high``."""
+
+    stat: Literal["mult_error"]
+    level: Literal["seq_mean"] = "seq_mean"
+    high: float = Field(ge=1, description="bound on mean_t exp(|log ρ_t|) (≥ 1; NeMo-RL recipes use 2)")
+
+
+class ProbDiffRule(_Strict):
+    """A trust region in probability space (prime-rl DPPO-Binary-TV / IPO masks,
+    src/prime_rl/trainer/rl/loss.py): with d_t = π_train(y_t) − μ(y_t) (π_train the anchor's
+    trainer side; sg(π_θ) under anchors rollout/current), drop the token if d_t > high or
+    d_t < −low. ``by_advantage``: high applies only where A_t > 0 and low only where A_t ≤ 0
+    (prime-rl's default loss: a token whose probability already rose too far is not pushed up
+    further, one that fell too far is not pushed down)."""
+
+    stat: Literal["prob_diff"]
+    level: Literal["token"] = "token"
+    low: float | None = Field(None, ge=0, description="drop d_t < −low; None = open")
+    high: float | None = Field(None, ge=0, description="drop d_t > high; None = open")
+    by_advantage: bool = Field(False, description="high only where A > 0, low only where A ≤ 0 (needs advantages)")
+
+    @model_validator(mode="after")
+    def _has_a_bound(self) -> ProbDiffRule:
+        if self.low is None and self.high is None:
+            raise ValueError("reject rule 'prob_diff' needs low and/or high (bounds on |π − μ|, e.g. 0.2)")
+        return self
+
+
+RejectRule = Annotated[
+    Union[RatioRule, DivergenceRule, OPSMRule, BinaryKLRule, M2Rule, MultErrorRule, ProbDiffRule],
+    Field(discriminator="stat"),
+]
+
+
+def rule_name(index: int, rule: Any) -> str:
     """Stable metric namespace of a rule, e.g. ``0_ratio_token``."""
     return f"{index}_{rule.stat}_{rule.level}"
 
@@ -246,6 +418,14 @@ class CorrectionConfig(_Loadable):
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(exclude_defaults=True)
+
+    @property
+    def data_dependent(self) -> bool:
+        """Whether a bound is chosen from the call's data (an ESS or quantile bound, an m2 rule):
+        then the result depends on how the batch is split into calls (see ``resolve_thresholds``)."""
+        return (self.weight is not None and self.weight.adaptive) or any(
+            isinstance(r, M2Rule) or getattr(r, "adaptive", False) for r in self.reject
+        )
 
 
 # --------------------------------------------------------------------------- loss

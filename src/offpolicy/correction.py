@@ -16,6 +16,7 @@ and is clamped to [−L, L] (``log_clamp``) before any ``exp``.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,12 +27,17 @@ from offpolicy.config import (
     BinaryKLRule,
     CorrectionConfig,
     DivergenceRule,
+    M2Rule,
+    MultErrorRule,
     OPSMRule,
+    ProbDiffRule,
     RatioRule,
     WeightConfig,
+    is_adaptive,
     rule_name,
 )
 from offpolicy.metrics import Metrics
+from offpolicy.thresholds import bound_value, m2_cut
 
 _MAX_LOGPROB = 1e-6
 
@@ -252,12 +258,79 @@ def reject_binary_kl(rule: BinaryKLRule, b: RuleInputs, mask: torch.Tensor) -> t
     return ops.broadcast_rows(ops.masked_mean(bkl, mask, dim=-1) <= rule.high, mask)
 
 
+def reject_mult_error(rule: MultErrorRule, b: RuleInputs, mask: torch.Tensor) -> torch.Tensor:
+    """NeMo-RL seq_logprob_error_threshold: keep a row if mean_t exp(|log ρ_t|) ≤ high."""
+    error = ops.safe_exp(b.log_ratio.abs(), b.clamp)  # max(ρ, 1/ρ) ≥ 1
+    return ops.broadcast_rows(ops.masked_mean(error, mask, dim=-1) <= rule.high, mask)
+
+
+def reject_prob_diff(rule: ProbDiffRule, b: RuleInputs, mask: torch.Tensor) -> torch.Tensor:
+    """prime-rl trust region: d_t = π_train(y_t) − μ(y_t); drop d_t > high or d_t < −low
+    (``by_advantage``: high only where A_t > 0, low only where A_t ≤ 0)."""
+    d = torch.exp(b.trainer) - torch.exp(b.rollout)  # [B, T], in [−1, 1]
+    too_high = d > rule.high if rule.high is not None else torch.zeros_like(mask)
+    too_low = d < -rule.low if rule.low is not None else torch.zeros_like(mask)
+    if rule.by_advantage:
+        if b.advantages is None:
+            raise ValueError("reject rule 'prob_diff' with by_advantage needs advantages= passed to correct()")
+        drop = torch.where(b.advantages > 0, too_high, too_low)
+    else:
+        drop = too_high | too_low
+    return ~drop
+
+
 _RULES = {
     RatioRule: reject_ratio,
     DivergenceRule: reject_divergence,
     OPSMRule: reject_opsm,
     BinaryKLRule: reject_binary_kl,
+    MultErrorRule: reject_mult_error,
+    ProbDiffRule: reject_prob_diff,
 }
+
+
+def _record_bound(metrics: Metrics, key: str, value: float | None, device: torch.device) -> None:
+    """A chosen bound, reducer mean over calls: [value, 1], or [0, 0] (NaN = no data) without units."""
+    parts = torch.tensor([0.0 if value is None else value, 0.0 if value is None else 1.0], dtype=torch.float64,
+                         device=device)
+    metrics.ratio(key, parts[0], parts[1])
+
+
+def rule_units(rule: RatioRule | M2Rule, log_ratio: torch.Tensor, seen: torch.Tensor, log_clamp: float | None) -> torch.Tensor:
+    """The 1-D values a data-chosen bound of ``rule`` is read from, over the tokens it sees:
+    ratio rules at token / any_token level: ρ_t of the seen tokens; at sequence / geometric level:
+    the row ratios of the rows with a seen token; m2: (log ρ_t)² of the seen tokens."""
+    clamp = ops.effective_log_clamp(log_clamp)
+    if isinstance(rule, M2Rule):
+        return (log_ratio * log_ratio)[seen]
+    if rule.level in ("token", "any_token"):
+        return ops.safe_exp(log_ratio, clamp)[seen]
+    row = ops.row_log_ratio(log_ratio, seen, geometric=rule.level == "geometric")  # [B]
+    return ops.safe_exp(row, clamp)[seen.any(dim=-1)]
+
+
+def resolve_rule(rule: Any, b: RuleInputs, seen: torch.Tensor, log_clamp: float | None, name: str, metrics: Metrics):
+    """A rule with data-chosen bounds → the same rule with the numbers read off this call's
+    tokens (``offpolicy.thresholds``), recording them: ``<name>/low`` and ``<name>/high`` (the
+    chosen ratio bounds), or for m2 ``<name>/m2_before`` (mean (log ρ)² over the seen tokens).
+    An m2 rule becomes ``{k2, token, high: h/2}`` (keep (log ρ)² ≤ h). Other rules pass through."""
+    if isinstance(rule, M2Rule):
+        m2 = b.log_ratio * b.log_ratio
+        metrics.mean(f"{name}/m2_before", m2, seen)
+        cut = m2_cut(m2[seen], rule.high)
+        return DivergenceRule.model_construct(stat="k2", level="token", low=None, high=cut / 2)
+    if not getattr(rule, "adaptive", False):
+        return rule
+    values = rule_units(rule, b.log_ratio, seen, log_clamp)
+    band = {}
+    for side in ("low", "high"):
+        bound = getattr(rule, side)
+        band[side] = bound_value(bound, values, side)
+        if is_adaptive(bound):
+            _record_bound(metrics, f"{name}/{side}", band[side], values.device)
+    if band["low"] is None and band["high"] is None:
+        band["high"] = math.inf  # no unit seen: nothing to reject
+    return rule.model_copy(update=band)
 
 
 def apply_rejection(cfg: CorrectionConfig, b: RuleInputs, valid: torch.Tensor, input_mask: torch.Tensor, metrics: Metrics) -> torch.Tensor:
@@ -273,11 +346,14 @@ def apply_rejection(cfg: CorrectionConfig, b: RuleInputs, valid: torch.Tensor, i
     current = valid
     for i, rule in enumerate(cfg.reject):
         seen = current if cfg.reject_mode == "sequential" else valid
-        keep = _RULES[type(rule)](rule, b, seen) & seen
-        removed = seen & ~keep
         name = f"reject/{rule_name(i, rule)}"
+        fixed = resolve_rule(rule, b, seen, cfg.log_clamp, name, metrics)
+        keep = _RULES[type(fixed)](fixed, b, seen) & seen
+        removed = seen & ~keep
         metrics.ratio(f"{name}/masked_fraction", removed.sum(), n_tokens)
         metrics.ratio(f"{name}/masked_fraction_seq", removed.any(dim=-1).sum(), n_rows)
+        if isinstance(rule, M2Rule):
+            metrics.mean(f"{name}/m2_after", b.log_ratio * b.log_ratio, keep)
         current = current & keep
     return current
 
@@ -292,24 +368,77 @@ def weight_fn(w: WeightConfig, ratio: torch.Tensor) -> torch.Tensor:
     return ratio * ops.in_band(ratio, w.low, w.high)
 
 
+def segment_index(input_mask: torch.Tensor) -> torch.Tensor:
+    """[B, T] long: the segment of each token, numbered b·T + j for the j-th maximal run of
+    consecutive tokens with mask = 1 in row b (ROLL ``compute_segment_masked_mean``: one assistant
+    turn between masked tool/environment tokens). Values off the mask are arbitrary."""
+    m = input_mask.bool()
+    B, T = m.shape
+    starts = m & ~torch.nn.functional.pad(m[:, :-1], (1, 0), value=False)  # [B, T] first token of a run
+    j = (torch.cumsum(starts.to(torch.int64), dim=-1) - 1).clamp(min=0)
+    return j + torch.arange(B, device=m.device).unsqueeze(-1) * T
+
+
+def _units(level: str, log_ratio: torch.Tensor, mask: torch.Tensor, clamp: float, input_mask: torch.Tensor | None):
+    """(unit ratios, unit mask, broadcast) of a weight level: token → [B, T]; sequence /
+    geometric → [B] row ratios; segment → [B·T] segment ratios exp(mean_{t∈s} log ρ_t) over the
+    surviving tokens of each segment of ``input_mask``. ``broadcast`` maps unit values to [B, T]."""
+    if level == "token":
+        return ops.safe_exp(log_ratio, clamp), mask, lambda v: v
+    if level in ("sequence", "geometric"):
+        row = ops.row_log_ratio(log_ratio, mask, geometric=level == "geometric")  # [B]
+        return ops.safe_exp(row, clamp), mask.any(dim=-1), lambda v: ops.broadcast_rows(v, mask)
+    seg = segment_index(input_mask if input_mask is not None else mask).reshape(-1)  # [B·T]
+    m = mask.reshape(-1)
+    zero = torch.zeros((), dtype=log_ratio.dtype, device=log_ratio.device)
+    total = torch.zeros(seg.numel(), dtype=log_ratio.dtype, device=log_ratio.device).index_add_(
+        0, seg, torch.where(m, log_ratio.reshape(-1), zero))
+    count = torch.zeros(seg.numel(), dtype=log_ratio.dtype, device=log_ratio.device).index_add_(0, seg, m.to(log_ratio.dtype))
+    mean = (total / count.clamp(min=1)).clamp(-clamp, clamp)
+    return ops.safe_exp(mean, clamp), count > 0, lambda v: v[seg].reshape(mask.shape)
+
+
+def weight_units(w: WeightConfig, log_ratio: torch.Tensor, mask: torch.Tensor, log_clamp: float | None,
+                 input_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """The 1-D unit ratios a data-chosen weight bound is read from (tokens, rows or segments on
+    the surviving ``mask``)."""
+    ratio, unit_mask, _ = _units(w.level, log_ratio, mask, ops.effective_log_clamp(log_clamp), input_mask)
+    return ratio[unit_mask]
+
+
+def resolve_weight(w: WeightConfig, ratio: torch.Tensor, unit_mask: torch.Tensor, metrics: Metrics) -> WeightConfig:
+    """A weight with data-chosen bounds → the same weight with the numbers read off this call's
+    units, recorded as ``weight_low`` / ``weight_high`` (reducer mean: merged over micro-batches
+    and ranks it is the mean of the per-call bounds, NaN if no call had a unit)."""
+    if not w.adaptive:
+        return w
+    values = ratio[unit_mask]
+    band = {}
+    for side in ("low", "high"):
+        bound = getattr(w, side)
+        band[side] = bound_value(bound, values, side)
+        if is_adaptive(bound):
+            _record_bound(metrics, f"weight_{side}", band[side], values.device)
+    if w.mode == "mask" and band["low"] is None and band["high"] is None:
+        band["high"] = math.inf  # no unit: keep the (empty) set as is
+    return w.model_copy(update=band)
+
+
 def compute_weights(
-    w: WeightConfig, log_ratio: torch.Tensor, mask: torch.Tensor, clamp: float, metrics: Metrics
+    w: WeightConfig, log_ratio: torch.Tensor, mask: torch.Tensor, clamp: float, metrics: Metrics,
+    input_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """IS weights ``[B, T]`` on ``mask`` (SPEC §3), detached, 0 off the mask.
 
-    token: w_t = f(ρ_t); sequence: f(exp(clamp(Σ_t log ρ_t))); geometric: f(exp(clamp(mean_t log ρ_t))).
-    Records the raw ratio's ``fraction_above_high`` / ``fraction_below_low`` over tokens (token
-    level) or non-empty rows (sequence levels).
+    token: w_t = f(ρ_t); sequence: f(exp(clamp(Σ_t log ρ_t))); geometric: f(exp(clamp(mean_t log ρ_t)));
+    segment: f(exp(clamp(mean_{t∈s} log ρ_t))) for each run s of ``input_mask`` (tokens of ``mask``).
+    Data-chosen bounds are read off the units first (``resolve_weight``). Records the raw ratio's
+    ``fraction_above_high`` / ``fraction_below_low`` over tokens (token level) or non-empty rows /
+    segments.
     """
-    if w.level == "token":
-        ratio = ops.safe_exp(log_ratio, clamp)  # [B, T]
-        unit_mask = mask
-        weights = weight_fn(w, ratio)
-    else:
-        row = ops.row_log_ratio(log_ratio, mask, geometric=w.level == "geometric")  # [B]
-        ratio = ops.safe_exp(row, clamp)  # [B]
-        unit_mask = mask.any(dim=-1)
-        weights = ops.broadcast_rows(weight_fn(w, ratio), mask)
+    ratio, unit_mask, broadcast = _units(w.level, log_ratio, mask, clamp, input_mask)
+    w = resolve_weight(w, ratio, unit_mask, metrics)
+    weights = broadcast(weight_fn(w, ratio))
     metrics.mean("fraction_above_high", ratio > w.high if w.high is not None else torch.zeros_like(unit_mask), unit_mask)
     metrics.mean("fraction_below_low", ratio < w.low if w.low is not None else torch.zeros_like(unit_mask), unit_mask)
     return torch.where(mask, weights, torch.zeros((), device=weights.device)).detach()
@@ -485,9 +614,10 @@ def correct(
     if cfg.weight is None or cfg.anchor == "rollout":
         weights = surviving.float()
     else:
-        weights = compute_weights(cfg.weight, log_ratio, surviving, clamp, metrics)
+        weights = compute_weights(cfg.weight, log_ratio, surviving, clamp, metrics, input_mask)
         if cfg.weight.normalize:
-            weights = normalize_weights(weights, surviving, cfg.weight.level)
+            level = "token" if cfg.weight.level == "segment" else cfg.weight.level
+            weights = normalize_weights(weights, surviving, level)
     weight_metrics(metrics, weights, surviving)
     return Correction(
         weights=weights.detach(),

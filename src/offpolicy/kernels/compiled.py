@@ -30,8 +30,8 @@ NAME = "compiled"
 
 
 def supports(config: LossConfig, ref_logprobs: torch.Tensor | None) -> bool:
-    """Kinds ppo / cispo / reinforce without KL; corrections with ratio rules only and no
-    batch normalisation of the weights."""
+    """Kinds ppo / cispo / reinforce without KL; corrections with fixed-bound ratio rules only,
+    no batch normalisation, no segment level and no data-chosen (ess / quantile) bounds."""
     return config.kind in KINDS and ref_logprobs is None and core_spec(config, True, True) is not None
 
 
@@ -61,7 +61,9 @@ def core_spec(config: LossConfig, has_old: bool, reduce: bool) -> CoreSpec | Non
                         config.dual_clip, has_old, not reduce)
     if any(getattr(r, "stat", None) != "ratio" for r in corr.reject):
         return None
-    if corr.weight is not None and corr.weight.normalize:
+    if corr.weight is not None and (corr.weight.normalize or corr.weight.level == "segment"):
+        return None
+    if corr.data_dependent:  # ess / quantile bounds need a sort of the whole call: the reference's job
         return None
     weight = None
     if corr.weight is not None and corr.anchor != "rollout":

@@ -45,8 +45,11 @@ KINDS = ("ppo", "cispo", "reinforce")
 
 def supports(config: LossConfig, ref_logprobs: torch.Tensor | None) -> bool:
     """Whether this path computes exactly what the reference would: kinds ppo / cispo /
-    reinforce without a KL term."""
-    return config.kind in KINDS and ref_logprobs is None
+    reinforce without a KL term, and no segment-level or data-chosen (ess / quantile) weight
+    bound (those go to the reference; data-chosen rejection bounds and m2 are covered)."""
+    w = None if config.correction is None else config.correction.weight
+    plain_weight = w is None or (w.level != "segment" and not w.adaptive)
+    return config.kind in KINDS and ref_logprobs is None and plain_weight
 
 
 def preferred(mask: torch.Tensor) -> bool:
