@@ -46,6 +46,19 @@ def test_every_tensor_takes_the_inputs_device(rung, cfg):
     assert math.isfinite(values["offpolicy/loss"])
 
 
+def test_the_device_check_fails_on_one_device_less_tensor(monkeypatch):
+    """The check above can fail: re-introduce one ``torch.zeros(())`` (here inside the masked
+    sum every rung's correction uses) and the same call raises."""
+    from offpolicy import ops
+
+    real = ops.masked_sum
+    monkeypatch.setattr(ops, "masked_sum", lambda *a, **k: real(*a, **k) + torch.zeros(()))
+    b = random_batch(1)
+    with torch.device("meta"), pytest.raises(RuntimeError, match="device"):
+        op.policy_loss(b["logprobs"], b["old"], b["adv"], b["mask"], b["rollout"], DEVICE_CONFIGS[3],
+                       implementation="reference")
+
+
 @pytest.mark.parametrize("rung", RUNGS)
 def test_anchor_old_without_old_logprobs_raises_the_same_error_everywhere(rung):
     """Item 2: the compiled rung used π_θ as π_old under REINFORCE; every rung must raise."""
