@@ -21,9 +21,9 @@ from offpolicy.train.config import load_train_config
 
 
 # ------------------------------------------------------------------ AReaL presets, by hand
-def _areal_loss(preset: str, rho: tuple[float, float]) -> float:
-    """One row, two valid tokens, π_θ = π_prox (PPO ratio 1, no clip), A = 1."""
-    prox = torch.full((1, 2), math.log(0.5))
+def _areal_loss(preset: str, rho: tuple[float, float], p: float = 0.5) -> float:
+    """One row, two valid tokens, π_θ = π_prox = p (PPO ratio 1, no clip), A = 1."""
+    prox = torch.full((1, 2), math.log(p))
     mu = prox - torch.log(torch.tensor([rho]))
     theta = prox.clone().requires_grad_(True)
     adv = torch.ones(1, 2)
@@ -91,13 +91,61 @@ def test_roll_goldens(preset, rho, want):
     assert _areal_loss(preset, rho) == pytest.approx(want, rel=1e-6, abs=1e-7)
 
 
+# ------------------------------------------------------------------ issue #14: new estimators, by hand
+# Same one-row set-up (π_θ = π_prox = 0.5, A = 1, PPO ratio 1 unless the anchor is rollout).
+# areal:m2po, ρ = (1.1, 1.5): m2 = (ln 1.1)² = 0.00908, (ln 1.5)² = 0.1644, mean 0.0867 ≥ 0.04 → drop 0.1644
+#   → mean 0.00908 < 0.04; no weight, denominator = survivors (AReaL edits loss_mask first): −1/1 = −1
+# nemorl:tis-seq-error, ρ = (1.5, 1/1.5): mean exp|ln ρ| = 1.5 ≤ 2 kept; min(ρ, 2) → −(1.5 + 0.6667)/2;
+#   ρ = (2, 8): mean(2, 8) = 5 > 2 → row dropped → 0
+# nemorl:icepop-seq-error (π = 0.05), ρ = (1.5, 0.4): mean(1.5, 2.5) = 2 ≤ 2 kept; 0.4 ∉ [0.5, 5] → weight 0
+#   → −(1.5 + 0)/2 (the zeroed token stays in the denominator: the mask is not edited)
+# prime-rl (anchor rollout: the loss's ratio is π_θ/μ = ρ, no clip, fixed denominator 2):
+#   icepop ρ = (2, 10): 10 > 8 dropped → −(2 + 0)/2 = −1;
+#   icepop_seq_veto (π = 0.05) ρ = (2, 0.1): min 0.1 < 0.125 → row dropped → 0; icepop alone keeps ρ = 2 → −1
+#   dppo ρ = (2, 1.25): μ = (0.25, 0.4), π − μ = (0.25, 0.1); A > 0 and 0.25 > 0.2 → dropped → −(0 + 1.25)/2
+#   ipo ρ = (2, 1.1): |π − μ| = (0.25, 0.0455) → first dropped → −1.1/2
+@pytest.mark.parametrize(
+    "preset, rho, want, p",
+    [
+        ("areal:m2po", (1.1, 1.5), -1.0, 0.5),
+        ("nemorl:tis-seq-error", (1.5, 1 / 1.5), -(1.5 + 1 / 1.5) / 2, 0.5),
+        ("nemorl:tis-seq-error", (2.0, 8.0), 0.0, 0.05),
+        ("nemorl:icepop-seq-error", (1.5, 0.4), -0.75, 0.05),
+        ("prime-rl:icepop", (2.0, 10.0), -1.0, 0.05),
+        ("prime-rl:icepop_seq_veto", (2.0, 0.1), 0.0, 0.05),
+        ("prime-rl:icepop", (2.0, 0.1), -1.0, 0.05),
+        ("prime-rl:dppo", (2.0, 1.25), -0.625, 0.5),
+        ("prime-rl:ipo", (2.0, 1.1), -0.55, 0.5),
+        ("roll:segment_is", (1.1, 1.1), -1.1, 0.5),
+    ],
+)
+def test_new_estimator_preset_goldens(preset, rho, want, p):
+    assert _areal_loss(preset, rho, p) == pytest.approx(want, rel=1e-6, abs=1e-7)
+
+
+def test_roll_segment_is_weights_each_turn():
+    # one row, mask [1, 0, 1] (a masked tool output between two turns), ρ = (1.44, ·, 0.81), A = 1, ratio 1:
+    # segment weights min(1.44, 1.2) = 1.2 and 0.81 → −(1.2 + 0.81)/2 = −1.005 (geometric would give
+    # min(√(1.44·0.81), 1.2) = 1.08 on both → −1.08)
+    prox = torch.full((1, 3), math.log(0.5))
+    mu = prox - torch.log(torch.tensor([[1.44, 1.0, 0.81]]))
+    theta = prox.clone().requires_grad_(True)
+    mask = torch.tensor([[1.0, 0.0, 1.0]])
+    loss, _ = op.policy_loss(theta, prox, torch.ones(1, 3), mask, mu, "roll:segment_is")
+    assert loss.item() == pytest.approx(-1.005, rel=1e-6)
+    geo, _ = op.policy_loss(theta, prox, torch.ones(1, 3), mask, mu, "roll:geometric_is")
+    assert geo.item() == pytest.approx(-1.08, rel=1e-6)
+
+
 def test_new_presets_are_listed_with_summaries():
     out = subprocess.run([sys.executable, "-m", "offpolicy.cli", "presets"], capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     for name in ("areal:decoupled", "areal:token_mask", "areal:token_clamp", "areal:seq_mask", "areal:seq_clamp",
                  "nemorl:tis", "nemorl:icepop", "nemorl:seq-mask-tis", "roll:token_is", "roll:geometric_is",
-                 "roll:sequence_is"):
+                 "roll:sequence_is", "roll:segment_is", "areal:m2po", "nemorl:tis-seq-error",
+                 "nemorl:icepop-seq-error", "prime-rl:icepop", "prime-rl:icepop_seq_veto", "prime-rl:dppo",
+                 "prime-rl:ipo"):
         assert name in out.stdout
         assert op.presets.get(name).summary and op.presets.get(name).note
 
@@ -139,3 +187,24 @@ def test_async_guard_opt_out_trains(offpolicy_cache, tmp_path):
                  cache=offpolicy_cache)
     assert run.returncode == 0, (run.stdout + run.stderr)[-2000:]
     assert (out / "metrics.jsonl").read_text().strip()
+
+
+# ------------------------------------------------------------------ prox_logp: loglinear (AReaL)
+def test_prox_logp_option_is_validated():
+    assert load_train_config(None, []).prox_logp == "forward"
+    assert load_train_config(None, ["prox_logp=loglinear", "minibatches=4"]).prox_logp == "loglinear"
+    with pytest.raises(ConfigError, match="prox_logp"):
+        load_train_config(None, ["prox_logp=linear"])
+
+
+@pytest.mark.slow
+def test_loglinear_run_skips_the_pi_old_forward(offpolicy_cache, tmp_path):
+    import json
+
+    out = tmp_path / "loglinear"
+    run = _train(*FAST, "steps=2", "minibatches=2", "max_staleness=1", "prox_logp=loglinear", f"out_dir={out}",
+                 "--no-progress", cache=offpolicy_cache)
+    assert run.returncode == 0, (run.stdout + run.stderr)[-2000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["time/pi_old"] < 1e-3 for r in rows)  # no forward: nothing timed
+    assert all(math.isfinite(r["offpolicy/loss"]) for r in rows)

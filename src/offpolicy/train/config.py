@@ -63,6 +63,10 @@ class TrainConfig(_Strict):
                                "batches in its own thread while the trainer trains, rollouts up to s versions old")
     recompute_old: bool = Field(False, description="always run the π_old forward, even when it provably equals "
                                 "π_θ (for checking the skip; costs one forward per step)")
+    prox_logp: Literal["forward", "loglinear"] = Field(
+        "forward", description="π_old: 'forward' = the trainer's own forward before the step (skipped when it equals "
+        "π_θ); 'loglinear' = AReaL's approximation log μ + α(sg(log π_θ) − log μ), α from the policy versions, "
+        "no π_old forward at all (offpolicy.loglinear_proximal)")
     preset: str | None = Field("recommended", description="correction preset used when loss.correction is unset; "
                                "'none' = no correction on purpose (the only way to train stale rollouts uncorrected)")
     loss: LossConfig = Field(default_factory=LossConfig)
