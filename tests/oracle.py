@@ -117,7 +117,7 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, rollout_logprobs, cfg:
             rule_keep = _rule(rule, seen, log_rho, rho, trainer, rollout, lp_in, adv, L)
             keep &= rule_keep & seen
         if corr.weight is not None and anchor != "rollout":
-            weights = _weights(corr.weight, keep, log_rho, L)
+            weights = _weights(corr.weight, keep, log_rho, L, input_valid=mask.bool() if mask.dtype == torch.bool else mask != 0)
         weights = torch.where(keep, weights, torch.zeros((), dtype=D))
 
     # ---------------------------------------------------------------- §5 the loss, with grad
@@ -139,10 +139,85 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, rollout_logprobs, cfg:
     return OracleResult(loss=float(loss.detach()), grad=lp.grad.detach(), loss_mask=keep, agg_mask=agg_mask)
 
 
+# ---------------------------------------------------------------- data-chosen bounds (issue #12)
+def _quantile(values: list[float], q: float, side: str) -> float | None:
+    """Order statistic: upper v_(⌈q·n⌉), lower v_(⌊q·n⌋+1), 1-based, clamped to [1, n]."""
+    if not values:
+        return None
+    v = sorted(values)
+    n = len(v)
+    k = math.ceil(q * n - 1e-9) if side == "high" else math.floor(q * n + 1e-9) + 1
+    return v[min(max(k, 1), n) - 1]
+
+
+def _ess(w: list[float]) -> float:
+    s2 = sum(x * x for x in w)
+    return 1.0 if not w or s2 == 0 else sum(w) ** 2 / (len(w) * s2)
+
+
+def _ess_cap(w: list[float], target: float) -> float | None:
+    """Largest c with ESS(min(w, c)) ≥ target, by bisection on c (ESS is non-increasing in c)."""
+    if not w:
+        return None
+    if _ess(w) >= target:
+        return max(w)
+    lo, hi = 0.0, max(w)
+    lo = min(w)  # ESS(min w) = 1
+    for _ in range(200):
+        mid = 0.5 * (lo + hi)
+        if _ess([min(x, mid) for x in w]) >= target:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def _resolve(bound, values: list[float], side: str):
+    kind = getattr(bound, "rule", None)
+    if kind == "quantile":
+        return _quantile(values, bound.q, side)
+    if kind == "ess":
+        return _ess_cap(values, bound.target)
+    return bound
+
+
+def _m2_keep(seen, log_rho, tau) -> torch.Tensor:
+    """M2PO as the config documents it: s = m2 sorted descending, k = min{i : mean(s[i:]) < τ};
+    drop every token with m2 ≥ s[k−1]; if no suffix is below τ keep only m2 ≤ min."""
+    idx = [(b, t) for b in range(seen.shape[0]) for t in range(seen.shape[1]) if seen[b, t]]
+    m2 = {p: float(log_rho[p]) ** 2 for p in idx}
+    keep = torch.ones_like(seen)
+    if not idx:
+        return keep
+    s = sorted(m2.values(), reverse=True)
+    n = len(s)
+    k = next((i for i in range(n) if sum(s[i:]) / (n - i) < tau), None)
+    for p in idx:
+        if k is None:
+            keep[p] = m2[p] <= s[-1]
+        elif k > 0:
+            keep[p] = m2[p] < s[k - 1]
+    return keep
+
+
 def _rule(rule, seen, log_rho, rho, trainer, rollout, lp, adv, L) -> torch.Tensor:
     B, T = seen.shape
     keep = torch.ones(B, T, dtype=torch.bool)
     stat = rule.stat
+    if stat == "m2":
+        return _m2_keep(seen, log_rho, rule.high)
+    if stat == "ratio" and (getattr(rule.low, "rule", None) or getattr(rule.high, "rule", None)):
+        if rule.level in ("token", "any_token"):
+            units = [float(rho[b, t]) for b in range(B) for t in range(T) if seen[b, t]]
+        else:
+            units = []
+            for b in range(B):
+                idx = [t for t in range(T) if seen[b, t]]
+                if idx:
+                    s_ = sum(float(log_rho[b, t]) for t in idx) / (len(idx) if rule.level == "geometric" else 1)
+                    units.append(math.exp(max(-L, min(L, s_))))
+        low, high = _resolve(rule.low, units, "low"), _resolve(rule.high, units, "high")
+        rule = type("Fixed", (), {"stat": "ratio", "level": rule.level, "low": low, "high": high})()
     for b in range(B):
         idx = [t for t in range(T) if seen[b, t]]
         if stat == "ratio":
@@ -174,6 +249,19 @@ def _rule(rule, seen, log_rho, rho, trainer, rollout, lp, adv, L) -> torch.Tenso
             else:
                 v = max(vals) if vals else -math.inf
             ok = _in_band(v, rule.low, rule.high)
+        elif stat == "mult_error":
+            vals = [math.exp(abs(float(log_rho[b, t]))) for t in idx]
+            ok = (sum(vals) / max(len(vals), 1)) <= rule.high
+        elif stat == "prob_diff":
+            for t in idx:
+                d = math.exp(float(trainer[b, t])) - math.exp(float(rollout[b, t]))
+                high = rule.high is not None and d > rule.high
+                low = rule.low is not None and d < -rule.low
+                if rule.by_advantage:
+                    keep[b, t] = not (high if float(adv[b, t]) > 0 else low)
+                else:
+                    keep[b, t] = not (high or low)
+            continue
         elif stat == "opsm":
             n = max(len(idx), 1)
             mean_a = sum(float(adv[b, t]) for t in idx) / n
@@ -201,23 +289,49 @@ def _f(w, x: float) -> float:
     return x if _in_band(x, w.low, w.high) else 0.0
 
 
-def _weights(w, keep, log_rho, L) -> torch.Tensor:
+def _segments(input_valid, b: int) -> list[list[int]]:
+    """Maximal runs of consecutive mask = 1 positions of row b (ROLL's segments)."""
+    runs, cur = [], []
+    for t in range(input_valid.shape[1]):
+        if input_valid[b, t]:
+            cur.append(t)
+        elif cur:
+            runs.append(cur)
+            cur = []
+    if cur:
+        runs.append(cur)
+    return runs
+
+
+def _weights(w, keep, log_rho, L, input_valid=None) -> torch.Tensor:
     B, T = keep.shape
     out = torch.zeros(B, T, dtype=D)
+    # units: (positions, raw ratio) — a token, a row or a segment of the input mask
+    units: list[tuple[list[tuple[int, int]], float]] = []
     for b in range(B):
         idx = [t for t in range(T) if keep[b, t]]
         if w.level == "token":
-            for t in idx:
-                out[b, t] = _f(w, math.exp(float(log_rho[b, t])))
+            units += [([(b, t)], math.exp(float(log_rho[b, t]))) for t in idx]
+        elif w.level == "segment":
+            for run in _segments(input_valid, b):
+                kept = [t for t in run if keep[b, t]]
+                if kept:
+                    s = sum(float(log_rho[b, t]) for t in kept) / len(kept)
+                    units.append(([(b, t) for t in kept], math.exp(max(-L, min(L, s)))))
         elif idx:
             s = sum(float(log_rho[b, t]) for t in idx)
             if w.level == "geometric":
                 s /= len(idx)
-            v = _f(w, math.exp(max(-L, min(L, s))))
-            for t in idx:
-                out[b, t] = v
+            units.append(([(b, t) for t in idx], math.exp(max(-L, min(L, s)))))
+    values = [r for _, r in units]
+    fixed = type("Fixed", (), {"mode": w.mode, "low": _resolve(w.low, values, "low"),
+                               "high": _resolve(w.high, values, "high")})()
+    for positions, r in units:
+        v = _f(fixed, r)
+        for p in positions:
+            out[p] = v
     if w.normalize:
-        if w.level == "token":
+        if w.level in ("token", "segment"):
             n = int(keep.sum())
             mean = float(out[keep].sum()) / max(n, 1)
         else:

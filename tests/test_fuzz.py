@@ -2,8 +2,9 @@
 rung of ``offpolicy.kernels.IMPLEMENTATIONS``, against the float64 oracle in ``tests/oracle.py``
 (written from SPEC, not from our code).
 
-What is generated: every kind, anchor (or no correction), weight level/mode/bounds/normalize,
-up to three rejection rules of every stat and level, both reject modes, both denominators,
+What is generated: every kind, anchor (or no correction), weight level (segment included)/mode/
+bounds (numbers, quantile and ESS bounds)/normalize, up to three rejection rules of every stat and
+level (m2, mult_error and prob_diff included, quantile bands now and then), both reject modes, both denominators,
 log_clamp 20 / 3 / null, every ``nonfinite`` policy, the dual clip, every aggregation with
 max_len / global normalisers, a KL term of every estimator (with and without kl_is_weight);
 inputs of 1–5 rows × 1–7 tokens in fp32, bf16 or fp16 with a bool or a float mask, fully
@@ -69,9 +70,15 @@ if os.environ.get("OFFPOLICY_FUZZ_RUNGS"):  # e.g. "reference,eager": to bisect 
 bound = st.sampled_from([None, 0.0, 0.1, 0.5, 0.8, 1.0, 1.2, 2.0, 5.0])
 
 
+# data-chosen bounds (issue #12): drawn now and then in place of a number
+quantile_low = st.sampled_from([{"rule": "quantile", "q": 0.0}, {"rule": "quantile", "q": 0.2}])
+quantile_high = st.sampled_from([{"rule": "quantile", "q": 0.5}, {"rule": "quantile", "q": 0.9},
+                                 {"rule": "quantile", "q": 1.0}])
+
+
 @st.composite
 def weights(draw):
-    level = draw(st.sampled_from(["token", "sequence", "geometric"]))
+    level = draw(st.sampled_from(["token", "sequence", "geometric", "token", "sequence", "geometric", "segment"]))
     mode = draw(st.sampled_from(["truncate", "mask"]))
     low, high = draw(bound), draw(bound)
     if high == 0.0:
@@ -80,12 +87,18 @@ def weights(draw):
         low, high = high, low
     if mode == "mask" and low is None and high is None:
         high = 2.0
+    adaptive = draw(st.integers(0, 5))
+    if adaptive == 0:
+        low, high = draw(quantile_low), draw(quantile_high)
+    elif adaptive == 1:
+        high = {"rule": "ess", "target": draw(st.sampled_from([0.3, 0.8, 0.99]))} if mode == "truncate" else draw(quantile_high)
     return {"level": level, "mode": mode, "low": low, "high": high, "normalize": draw(st.booleans())}
 
 
 @st.composite
 def rules(draw):
-    stat = draw(st.sampled_from(["ratio", "k1", "k2", "k3", "opsm", "binary_kl"]))
+    stat = draw(st.sampled_from(["ratio", "k1", "k2", "k3", "opsm", "binary_kl", "ratio", "m2", "mult_error",
+                                 "prob_diff"]))
     if stat == "ratio":
         level = draw(st.sampled_from(["token", "sequence", "geometric", "any_token"]))
         low, high = draw(bound), draw(bound)
@@ -95,7 +108,16 @@ def rules(draw):
             low, high = high, low
         if low is None and high is None:
             low = 0.5
+        if draw(st.integers(0, 4)) == 0:
+            low, high = draw(st.sampled_from([None, {"rule": "quantile", "q": 0.1}])), draw(quantile_high)
         return {"stat": stat, "level": level, "low": low, "high": high}
+    if stat == "m2":
+        return {"stat": stat, "high": draw(st.sampled_from([0.001, 0.04, 0.5, 10.0]))}
+    if stat == "mult_error":
+        return {"stat": stat, "high": draw(st.sampled_from([1.0, 1.1, 2.0]))}
+    if stat == "prob_diff":
+        return {"stat": stat, "low": draw(st.sampled_from([None, 0.05, 0.2])), "high": draw(st.sampled_from([0.05, 0.2])),
+                "by_advantage": draw(st.booleans())}
     if stat == "k1":
         level = draw(st.sampled_from(["token", "seq_sum", "seq_mean"]))
         low = draw(st.sampled_from([None, -1.0, -0.2]))
