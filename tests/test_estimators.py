@@ -389,3 +389,40 @@ def test_per_call_bounds_differ_from_the_whole_batch():
 def test_config_errors_name_field_value_and_fix(cfg, message):
     with pytest.raises(ConfigError, match=message):
         op.CorrectionConfig(**cfg)
+
+
+# =========================================================================== across ranks (gloo)
+_DIST_CFG = op.CorrectionConfig(
+    reject=[{"stat": "m2", "high": 0.04}, {"stat": "ratio", "level": "geometric", "high": {"rule": "quantile", "q": 0.8}}],
+    weight={"level": "token", "mode": "truncate", "high": {"rule": "ess", "target": 0.95}},
+    reject_mode="sequential",
+)
+_RANK_ROWS = [[slice(0, 2), slice(2, 3)], [slice(3, 7), slice(7, 9)]]  # uneven ranks, two micro-batches each
+
+
+def _dist_rank(rank: int, world: int, init_file: str, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        lp, old, mu, adv, mask = batch(5, B=9)
+        mbs = [{"old_logprobs": old[s], "rollout_logprobs": mu[s], "mask": mask[s]} for s in _RANK_ROWS[rank]]
+        torch.save(op.resolve_thresholds(_DIST_CFG, mbs).model_dump(), f"{out_dir}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_resolve_thresholds_all_gathers_over_ranks(tmp_path):
+    import torch.multiprocessing as mp
+
+    mp.spawn(_dist_rank, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+    lp, old, mu, adv, mask = batch(5, B=9)
+    every = [{"old_logprobs": old[s], "rollout_logprobs": mu[s], "mask": mask[s]} for r in _RANK_ROWS for s in r]
+    want = op.resolve_thresholds(_DIST_CFG, every).model_dump()
+    for rank in range(2):
+        assert torch.load(tmp_path / f"rank{rank}.pt") == want
+    # and what one rank alone would pick differs (the gather matters)
+    alone = op.resolve_thresholds(_DIST_CFG, [{"old_logprobs": old[s], "rollout_logprobs": mu[s], "mask": mask[s]}
+                                              for s in _RANK_ROWS[0]]).model_dump()
+    assert alone != want

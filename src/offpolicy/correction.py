@@ -12,6 +12,10 @@ The log-ratio compares the trainer with the sampler μ; ``anchor`` picks the tra
     rollout: log ρ_t = sg(log π_θ(y_t)) − log μ(y_t)   (bypass: only rejection uses it)
     current: log ρ_t = sg(log π_θ(y_t)) − log μ(y_t)   (one weight for mismatch + staleness)
 and is clamped to [−L, L] (``log_clamp``) before any ``exp``.
+
+A bound chosen from the data (``{rule: ess | quantile}``, the ``m2`` rule) is read off the units
+the stage sees in this call (``offpolicy.thresholds``) and then applied as a fixed number, so
+it is per call (one micro-batch, one rank) unless ``resolve_thresholds`` fixed it for a step.
 """
 
 from __future__ import annotations
@@ -447,8 +451,9 @@ def compute_weights(
 def normalize_weights(weights: torch.Tensor, mask: torch.Tensor, level: str) -> torch.Tensor:
     """Divide by the batch mean weight, over all data-parallel ranks when torch.distributed is up.
 
-    token level: mean over valid tokens; sequence levels: mean over non-empty rows of each row's
-    weight. Skipped when that mean is ≤ 1e-8 (all weights ~0: dividing would explode).
+    token level (and segment, whose weights are per token): mean over valid tokens; sequence
+    levels: mean over non-empty rows of each row's weight. Skipped when that mean is ≤ 1e-8 (all
+    weights ~0: dividing would explode).
     """
     if level == "token":
         stats = torch.stack([ops.masked_sum(weights, mask), mask.sum().to(weights.dtype)])
