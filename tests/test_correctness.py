@@ -216,3 +216,28 @@ def test_anchor_current_with_cispo_would_correct_staleness_twice():
     n = b["mask"].sum()
     want = -(b["logprobs"] - b["rollout"]).exp() * b["adv"] * b["mask"] / n
     torch.testing.assert_close(lp.grad, want, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("rung", [n for n in kernels.IMPLEMENTATIONS if n != "reference"])
+@pytest.mark.parametrize("anchor", ["rollout", None])
+def test_ppo_gives_no_gradient_where_the_ratio_log_is_clamped(rung, anchor):
+    """Found by the 3000-example fuzz: with log(π_θ/π_old) past the ±20 clamp and A < 0 (PPO's
+    unclipped branch), the reference's gradient is 0 (clamp's derivative), while the fast rungs
+    used r = e^20 as the derivative (a gradient of 4.8e7)."""
+    rung_module = kernels.get(rung)
+    if not getattr(rung_module, "available", lambda: True)():
+        pytest.skip(f"{rung} is not available here")
+    mask = torch.ones(2, 3)
+    lp = torch.tensor([[-0.5, -1.0, -0.2], [-0.3, -0.4, -0.6]])
+    old = torch.tensor([[-34.5, -1.2, -0.1], [-0.2, -21.0, -0.5]])  # Δ = 34 and 20.6 past the clamp
+    adv = torch.tensor([[-1.0] * 3, [-2.0] * 3])
+    cfg = op.LossConfig(correction={"anchor": "rollout"} if anchor else None)
+    grads = {}
+    for name in ("reference", rung):
+        x = lp.clone().requires_grad_(True)
+        loss, _ = op.policy_loss(x, None if anchor else old, adv, mask, rollout_logprobs=old if anchor else None,
+                                 config=cfg, implementation=name)
+        loss.backward()
+        grads[name] = x.grad
+    assert grads["reference"][0, 0] == 0 and grads["reference"][1, 1] == 0
+    torch.testing.assert_close(grads[rung], grads["reference"], rtol=1e-5, atol=1e-7)

@@ -179,6 +179,7 @@ def _core(lp, old, roll, adv, m, spec: CoreSpec):
         per_token = -adv_w * clipped
         active = clipped == r
         scalars["clip"] = ((~active) & (adv != 0) & keep).sum(dtype=f64)
+        active = active & ((lp - old).abs() <= 20.0)  # clamp's derivative is 0 past ±20: no gradient through r
         if spec.dual_clip is not None:
             dual = (adv < 0) & (clipped > spec.dual_clip)
             scalars["dual"] = (dual & keep).sum(dtype=f64)

@@ -154,7 +154,10 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, rollout_logprobs, conf
         # ---------------------------------------------------------------- loss and its derivative
         adv_w = adv * weights  # A·w, 0 off the surviving mask
         if old is not None:
-            log_r = (lp - old).clamp_(-RATIO_LOG_CLAMP, RATIO_LOG_CLAMP)
+            log_r = lp - old
+            # clamp's derivative is 0 outside ±RATIO_LOG_CLAMP: PPO's r carries no gradient there
+            unclamped = log_r.abs() <= RATIO_LOG_CLAMP if config.kind == "ppo" else None
+            log_r = log_r.clamp_(-RATIO_LOG_CLAMP, RATIO_LOG_CLAMP)
             metrics.ratio("approx_kl", ((torch.expm1(log_r) - log_r) * km).sum(), km.sum())  # k3 of π_θ vs π_old
         if config.kind == "reinforce":
             per_token = -adv_w * lp
@@ -175,6 +178,7 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, rollout_logprobs, conf
                 per_token = -adv_w * clipped
                 active = clipped == r  # gradient flows only through the unclipped branch
                 metrics.ratio("clip_fraction", (~active & (adv != 0) & keep).sum(), km.sum())
+                active = active & unclamped
                 if config.dual_clip is not None:
                     dual = (adv < 0) & (clipped > config.dual_clip)  # −A·s > −c·A ⇔ s > c for A < 0
                     metrics.ratio("dual_clip_fraction", (dual & keep).sum(), km.sum())

@@ -398,7 +398,8 @@ if triton is not None:
         # ----------------------------------------------------------- loss and derivative (SPEC §5)
         adv_w = tl.where(keep, adv, 0.0) * w
         lp_k = tl.where(keep, lp, 0.0)
-        log_r = _clamp(lp_k - tl.where(keep, old, 0.0), _RATIO_CLAMP)
+        raw_log_r = lp_k - tl.where(keep, old, 0.0)
+        log_r = _clamp(raw_log_r, _RATIO_CLAMP)
         r = tl.exp(log_r)
         clip = 0.0
         dual = 0.0
@@ -418,7 +419,8 @@ if triton is not None:
             is_dual = (adv < 0) & (clipped > DUAL)  # −A·s > −c·A ⇔ s > c for A < 0
             dual = tl.sum(tl.where(keep & is_dual, 1.0, 0.0), axis=0)
             per_token = tl.where(is_dual, -adv_w * DUAL, per_token)
-            coef = tl.where(active & ~is_dual, -adv_w * r, 0.0)
+            # clamp's derivative is 0 past ±RATIO_LOG_CLAMP: no gradient through r there
+            coef = tl.where(active & ~is_dual & (tl.abs(raw_log_r) <= _RATIO_CLAMP), -adv_w * r, 0.0)
         per_token = tl.where(keep, per_token, 0.0)
         out = row * T + cols
         tl.store(coef_ptr + out, tl.where(keep, coef, 0.0), mask=inb)
