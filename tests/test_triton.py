@@ -56,7 +56,7 @@ def small_blocks(monkeypatch):
 
 
 def _loss_config(kind: str, agg: str, correction) -> op.LossConfig:
-    if correction is not None and correction.get("anchor") == "current" and kind == "ppo":
+    if correction is not None and correction.get("anchor") == "current":  # reinforce only (cispo would double-count)
         kind = "reinforce"
     extra = {"dual_clip": 3.0} if kind == "ppo" else {}
     return op.LossConfig(kind=kind, agg=agg, correction=correction, **extra)
