@@ -152,13 +152,9 @@ def configs(draw):
     if agg == "seq-mean-token-sum-norm":
         loss["max_len"] = draw(st.sampled_from([None, 1, 10]))
     anchor = draw(st.sampled_from([None, "old", "old", "rollout", "current"]))
-    if anchor == "current":
-        kind = loss["kind"] = draw(st.sampled_from(["reinforce", "cispo"]))
-        if kind == "reinforce":
-            loss.pop("clip_low", None), loss.pop("clip_high", None), loss.pop("dual_clip", None)
-        else:
-            loss.pop("dual_clip", None)
-            loss.setdefault("clip_low", None), loss.setdefault("clip_high", 0.2)
+    if anchor == "current":  # reinforce only: the config refuses ppo/cispo (π_θ/π_old counted twice)
+        loss["kind"] = "reinforce"
+        loss.pop("clip_low", None), loss.pop("clip_high", None), loss.pop("dual_clip", None)
     has_weight = False
     if anchor is not None:
         corr: dict = {"anchor": anchor}

@@ -103,6 +103,18 @@ def test_triton_equals_reference(device, index):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_unclamped_ratios_past_fp32_squares_keep_finite_metrics(device):
+    """log_clamp null (= 60): ρ² of a token with log ρ = 50 is e^100, past fp32; the partial sums
+    then live in fp64 (the 300-example fuzz found chi2_token = inf when they were fp32)."""
+    batch = _batch(2, device, t=12)
+    batch["rollout"][1, 0] = batch["old"][1, 0] - 50.0
+    cfg = op.LossConfig(correction={"log_clamp": None, "weight": {"level": "token", "mode": "truncate", "high": 2.0}})
+    assert_same(batch, cfg)
+    values = _run(batch, cfg, "triton")[0][-1].to_dict()
+    assert math.isfinite(values["offpolicy/chi2_token"]) and values["offpolicy/chi2_token"] > 1e40
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_global_normalisers_and_max_len(device):
     batch = _batch(3, device)
     assert_same(batch, op.LossConfig(global_tokens=97.0, correction=CORRECTIONS[2]))

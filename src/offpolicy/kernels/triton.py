@@ -433,11 +433,11 @@ if triton is not None:
             tl.store(den_ptr + out, den, mask=inb)
         # ----------------------------------------------------------- partial sums (SPEC §7)
         em1 = tl.where(valid, ratio - 1.0, 0.0)
-        if L > 44.0:  # ρ² overflows fp32 beyond log ρ = 44: square in fp64
+        if L > 44.0:  # ρ² overflows fp32 beyond log ρ = 44: square and store in fp64 (p2 is fp64 then)
             e64 = em1.to(tl.float64)
-            chi2 = tl.sum(e64 * (e64 + 2.0), axis=0).to(tl.float32)
+            chi2 = tl.sum(e64 * (e64 + 2.0), axis=0)
             rho64 = tl.where(valid, ratio, 0.0).to(tl.float64)
-            rho2 = tl.sum(rho64 * rho64, axis=0).to(tl.float32)
+            rho2 = tl.sum(rho64 * rho64, axis=0)
         else:
             chi2 = tl.sum(em1 * (em1 + 2.0), axis=0)
             rho2 = tl.sum(tl.where(valid, ratio * ratio, 0.0), axis=0)
@@ -755,12 +755,18 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, rollout_logprobs, conf
     adv = advantages.detach()
     n_rules = len(spec.rules)
     f32 = torch.float32
-    # one fp32 allocation for the derivative, the partial sums, the backward scale and the loss
+    # one fp32 allocation for the derivative, the partial sums, the backward scale and the loss;
+    # past log ρ = 44 (log_clamp > 44) ρ² overflows fp32, so the partial sums get their own fp64 tensor
+    wide = spec.log_clamp > 44.0
     n_p2 = (_S_RULES + n_rules) * B * C
-    buffer = torch.empty(B * T + n_p2 + B + 1, dtype=f32, device=device)
+    n_in_buffer = 0 if wide else n_p2
+    buffer = torch.empty(B * T + n_in_buffer + B + 1, dtype=f32, device=device)
     coef = buffer[: B * T].view(B, T)
-    p2 = buffer[B * T : B * T + n_p2].view(_S_RULES + n_rules, B, C)
-    scale = buffer[B * T + n_p2 : B * T + n_p2 + B].view(B, 1)
+    if wide:
+        p2 = torch.empty((_S_RULES + n_rules, B, C), dtype=torch.float64, device=device)
+    else:
+        p2 = buffer[B * T : B * T + n_p2].view(_S_RULES + n_rules, B, C)
+    scale = buffer[B * T + n_in_buffer : B * T + n_in_buffer + B].view(B, 1)
     loss = buffer[-1]
     p1 = torch.empty((2 * n_rules + 3, B, C), dtype=f32, device=device) if spec.needs_rows else p2
     unreduced = not reduce
