@@ -433,7 +433,7 @@ if triton is not None:
             tl.store(den_ptr + out, den, mask=inb)
         # ----------------------------------------------------------- partial sums (SPEC §7)
         em1 = tl.where(valid, ratio - 1.0, 0.0)
-        if L > 44.0:  # ρ² overflows fp32 beyond log ρ = 44: square and store in fp64 (p2 is fp64 then)
+        if L > 44.0:  # ρ² overflows fp32 beyond log ρ = 44: square in fp64 (p2 is fp64)
             e64 = em1.to(tl.float64)
             chi2 = tl.sum(e64 * (e64 + 2.0), axis=0)
             rho64 = tl.where(valid, ratio, 0.0).to(tl.float64)
@@ -446,7 +446,7 @@ if triton is not None:
         abs_lr = tl.abs(lr)
         prob_diff = tl.abs(tl.exp(tr_v) - tl.exp(ro_v))  # exp(0) − exp(0) = 0 off the valid tokens
         # weights sit near 1: sums of w − 1 keep the digits that E[w²] − E[w]² (is_std) cancels
-        wd = tl.where(keep, w - 1.0, 0.0)
+        wd = tl.where(keep, w.to(tl.float64) - 1.0, 0.0)  # exact in fp64, summed in fp64
         p = p2_ptr + base
         tl.store(p + 0 * plane, tl.sum(tl.where(m_in, 1.0, 0.0), axis=0))
         tl.store(p + 1 * plane, tl.sum(tl.where(valid, 1.0, 0.0), axis=0))
@@ -755,18 +755,14 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, rollout_logprobs, conf
     adv = advantages.detach()
     n_rules = len(spec.rules)
     f32 = torch.float32
-    # one fp32 allocation for the derivative, the partial sums, the backward scale and the loss;
-    # past log ρ = 44 (log_clamp > 44) ρ² overflows fp32, so the partial sums get their own fp64 tensor
-    wide = spec.log_clamp > 44.0
+    # one allocation for the per-chunk partial sums (fp64: sums such as Σ(w − 1)² feed differences
+    # of moments — is_std — and ρ² passes fp32's range past log ρ = 44), the derivative, the backward
+    # scale and the loss; the fp64 view sits at offset 0, so it is aligned
     n_p2 = (_S_RULES + n_rules) * B * C
-    n_in_buffer = 0 if wide else n_p2
-    buffer = torch.empty(B * T + n_in_buffer + B + 1, dtype=f32, device=device)
-    coef = buffer[: B * T].view(B, T)
-    if wide:
-        p2 = torch.empty((_S_RULES + n_rules, B, C), dtype=torch.float64, device=device)
-    else:
-        p2 = buffer[B * T : B * T + n_p2].view(_S_RULES + n_rules, B, C)
-    scale = buffer[B * T + n_in_buffer : B * T + n_in_buffer + B].view(B, 1)
+    buffer = torch.empty(2 * n_p2 + B * T + B + 1, dtype=f32, device=device)
+    p2 = buffer[: 2 * n_p2].view(torch.float64).view(_S_RULES + n_rules, B, C)
+    coef = buffer[2 * n_p2 : 2 * n_p2 + B * T].view(B, T)
+    scale = buffer[2 * n_p2 + B * T : 2 * n_p2 + B * T + B].view(B, 1)
     loss = buffer[-1]
     p1 = torch.empty((2 * n_rules + 3, B, C), dtype=f32, device=device) if spec.needs_rows else p2
     unreduced = not reduce
