@@ -44,3 +44,33 @@ def test_tiny_model_size():
     n = sum(p.numel() for p in model.parameters())
     assert 0.5e6 < n < 5e6
     assert model.config.model_type == "qwen2"
+
+
+def test_walk_is_seeded_long_verifiable_and_fits_the_response_limit():
+    from offpolicy.tasks import Walk
+    from offpolicy.train.config import load_train_config
+    from offpolicy.train.warmstart import context_length
+
+    task = make_task("walk")
+    batch = problems(task, 300, seed=7)
+    assert batch == problems(Walk(), 300, seed=7) and batch != problems(task, 300, seed=8)
+    assert 100 < len(task.seeds) < 676  # many distinct problems; only seeds whose walk is long
+    for p in batch:
+        assert 50 <= len(p.answer) <= 150  # 50–150 tokens with the character tokenizer (+ EOS)
+        assert task.reward(p, p.answer) == 1.0 and task.reward(p, f" {p.answer}\n") == 1.0
+        assert task.reward(p, p.answer[:-1]) == 0.0 and task.reward(p, p.answer + "a") == 0.0
+        # the rule, recomputed from the prompt: x_{t+1} = g(x_{t-1}, x_t), stop after a doubled a–e
+        seq = [ord(c) - 97 for c in p.prompt[-2:]]
+        for c in p.answer:
+            seq.append(task.table[seq[-2]][seq[-1]])
+            assert chr(97 + seq[-1]) == c
+        assert seq[-1] == seq[-2] < 5
+        assert not any(seq[i] == seq[i + 1] < 5 for i in range(len(seq) - 2))  # the first stop ends it
+    assert all(sorted(task.table[x][y] for x in range(26)) == list(range(26)) for y in range(26))
+    cfg = load_train_config(None, ["task=walk"])
+    longest_prompt = max(len(p.prompt) for p in batch) + 1  # + BOS
+    assert cfg.max_new_tokens >= 151 and longest_prompt + cfg.max_new_tokens <= context_length(cfg.max_new_tokens)
+    assert load_train_config(None, []).max_new_tokens == 10  # the short tasks keep their limit
+    assert make_task("walk", min_len=20, max_len=40).max_new_tokens == 50
+    with pytest.raises(ValueError, match="min_len"):
+        Walk(min_len=60, max_len=50)

@@ -221,7 +221,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--trainer-dtype", choices=["fp32", "bf16"], default="fp32")
     src = d.add_mutually_exclusive_group()
     src.add_argument("--prompts", metavar="FILE.jsonl", help="one JSON object per line with a 'prompt' field")
-    src.add_argument("--task", choices=["reverse", "addition"], default="reverse", help="synthetic prompts")
+    src.add_argument("--task", choices=["reverse", "addition", "walk"], default="reverse",
+                     help="synthetic prompts (walk answers run to 150 tokens: add --max-tokens 160)")
     src.add_argument("--batch", metavar="FILE_OR_DIR",
                      help="report on a batch dumped by a host integration (offpolicy.integrations.dump) instead of sampling")
     d.add_argument("--n", type=int, default=512, help="number of samples")

@@ -36,7 +36,8 @@ class TrainConfig(_Strict):
 
     # what is trained, on what
     model: str = Field("default", description="'default' (embedded tiny Qwen2, warm-started) or a local HF model path")
-    task: Literal["addition", "reverse"] = "reverse"
+    task: Literal["addition", "reverse", "walk"] = Field(
+        "reverse", description="reverse/addition: answers of ≤ 5 tokens; walk: 50–150 tokens (long responses)")
     task_params: dict[str, Any] = Field(default_factory=dict, description="e.g. {digits: 2} or {min_len: 3, max_len: 6}")
     # the rollout engine and the mismatch it brings
     engine: Literal["vllm", "hf"] = "vllm"
@@ -49,7 +50,8 @@ class TrainConfig(_Strict):
     temperature: float = Field(1.0, gt=0)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(-1, ge=-1)
-    max_new_tokens: int = Field(10, gt=0)
+    max_new_tokens: int | None = Field(None, gt=0, description="response limit; unset = the task's own "
+                                       "(10 for reverse/addition, max_len + 10 = 160 for walk)")
     # the RL algorithm
     steps: int = Field(150, gt=0)
     prompts_per_step: int = Field(32, gt=0)
@@ -77,6 +79,25 @@ class TrainConfig(_Strict):
     checkpoint_every: int = Field(20, gt=0)
     out_dir: str | None = Field(None, description="run directory; default runs/<task>-<time>")
     warm_start: WarmStartConfig = Field(default_factory=WarmStartConfig)
+
+    @model_validator(mode="after")
+    def _task_defaults(self) -> TrainConfig:
+        """Unset ``max_new_tokens`` and warm-start fields take the task's values."""
+        if self.max_new_tokens is None:  # the task's own limit (a frozen model: set once, here)
+            from offpolicy.tasks import make_task
+
+            try:
+                limit = make_task(self.task, **self.task_params).max_new_tokens
+            except TypeError as err:
+                raise ValueError(f"task_params {self.task_params} do not fit task {self.task!r}: {err}") from None
+            object.__setattr__(self, "max_new_tokens", limit)
+        from offpolicy.tasks import TASKS
+
+        task_ws = {k: v for k, v in getattr(TASKS[self.task], "warm_start_defaults", {}).items()
+                   if k not in self.warm_start.model_fields_set}  # the task's warm start, unless set
+        if task_ws:
+            object.__setattr__(self, "warm_start", self.warm_start.model_copy(update=task_ws))
+        return self
 
     @model_validator(mode="after")
     def _fits(self) -> TrainConfig:

@@ -79,6 +79,13 @@ def exact_match_accuracy(model, tokenizer, task: Task, batch: list[Problem], max
     return sum(task.reward(p, t) for p, t in zip(batch, texts)) / len(batch)
 
 
+def context_length(max_new_tokens: int) -> int:
+    """The embedded model's ``max_position_embeddings`` (vLLM's context limit): 128 for the short
+    tasks (unchanged), else room for a prompt of ≤ 64 tokens plus the response, rounded to 64.
+    RoPE has no learned positions, so this changes no weight."""
+    return max(128, 64 * -(-(max_new_tokens + 64) // 64))
+
+
 def warm_start_key(cfg: TrainConfig) -> str:
     ws = cfg.warm_start.model_dump()
     seed = ws.pop("seed")
@@ -97,7 +104,7 @@ def default_model(cfg: TrainConfig, progress=None) -> Path:
     ws = cfg.warm_start
     task = make_task(cfg.task, **cfg.task_params)
     tokenizer = build_char_tokenizer()
-    model = build_tiny_qwen2(tokenizer, seed=ws.seed)
+    model = build_tiny_qwen2(tokenizer, seed=ws.seed, max_positions=context_length(cfg.max_new_tokens))
     optimizer = torch.optim.AdamW(model.parameters(), lr=ws.lr, weight_decay=0.0)
     rng = random.Random(ws.seed)
     eval_set = problems(task, ws.eval_problems, seed=ws.seed + 10_000)
