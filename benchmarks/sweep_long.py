@@ -1,0 +1,387 @@
+"""Which correction trains best on short *and* long responses, as staleness grows? (issue #12)
+
+`recommended` was chosen by `mismatch_sweep.py` on digit reversal, whose answers are ~5 tokens.
+This sweep adds the `walk` task (answers of 50–150 tokens: products of per-token ratios drift
+far from 1, sequence truncation saturates) and runs every correction over staleness × engine
+dtype × seeds, in two stages so that 2 CPU cores can afford it:
+
+    stage screen  every method, staleness 4, bf16, seed 0, each task          (which are worth seeds?)
+    stage final   the finalists × staleness {0, 2, 4, 8} × {bf16, fp16} × seeds {0, 1, 2}
+
+    python benchmarks/sweep_long.py --stage screen                     # ~1.5 min a run on 2 cores
+    python benchmarks/sweep_long.py --stage final --finalists auto:4   # top 4 of the screen + none
+    python benchmarks/sweep_long.py --stage final --workers 16         # a many-core machine
+    python benchmarks/sweep_long.py --report                           # table + plot from the file
+
+Every finished run is appended to ``--out/results.json`` (rewritten atomically: temp file +
+rename), keyed by (stage, task, method, staleness, dtype, seed); a rerun skips the keys already
+there, so an interrupted sweep continues where it stopped. ``--workers N`` runs N runs at once,
+one process each with one torch thread (hf engine); only the parent writes the results file.
+
+Methods live in ``METHODS`` (name → loss overrides on a PPO ε = 0.2 token-mean base): add an
+entry (or call ``register``) to put a new correction into the sweep. Cells report final reward
+(mean of the last 25 % of steps), greedy eval accuracy at the end, mismatch statistics of the
+*uncorrected* ratio π_old/μ (KL k3, χ² of the sequence, mean |log ρ|, ESS) and the fraction of
+tokens the correction masked, as mean ± std over seeds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+BASE_LOSS: dict[str, Any] = {"kind": "ppo", "clip_low": 0.2, "clip_high": 0.2, "agg": "token-mean"}
+
+
+@dataclass(frozen=True)
+class Method:
+    """A correction under test: ``correction`` (a preset name or a CorrectionConfig dict; None =
+    measure only) and loss fields that differ from ``BASE_LOSS``."""
+
+    summary: str
+    correction: str | dict | None = None
+    loss: dict | None = None
+
+
+# Geo-RS: the geometric mean of ρ is length-normalised, so its band does not need to widen with
+# length — but verl's ±0.1 % rejected 53–99 % of the short-task batches (README), so ±2 % here.
+GEO_BAND = {"low": 0.98, "high": 1.02}
+METHODS: dict[str, Method] = {
+    "none": Method("PPO against π_old, no correction (ratios measured only)"),
+    "token_tis": Method("token TIS, w_t = min(ρ_t, 2)", "verl:decoupled_token_is"),
+    "seq_tis": Method("sequence TIS, w = min(Π ρ_t, 2)", "verl:decoupled_seq_is"),
+    "seq_mis": Method("Seq-MIS: seq TIS 2 + reject rows with Π ρ ∉ [0.5, 2]", "verl:decoupled_seq_is_rs"),
+    "geo_rs": Method("Geo-RS: reject rows with geometric-mean ρ ∉ [0.98, 1.02]",
+                     {"anchor": "old", "reject": [{"stat": "ratio", "level": "geometric", **GEO_BAND}]}),
+    "veto": Method("any-token veto: reject rows with a token ρ_t < 1e-4",
+                   {"anchor": "old", "reject": [{"stat": "ratio", "level": "any_token", "low": 1e-4}]}),
+    "recommended": Method("seq TIS 2 + any-token veto (the current default)", "recommended"),
+    "decoupled": Method("AReaL decoupled PPO: ratio to π_prox, behaviour weight ρ_t masked above 5",
+                        "areal:token_mask"),
+    "bypass": Method("bypass: PPO's ratio is π_θ/μ (two policies)", "verl:bypass_ppo_clip"),
+    "cispo": Method("CISPO on π_θ/μ: −sg(min(π_θ/μ, 2))·A·log π_θ", {"anchor": "rollout"},
+                    {"kind": "cispo", "clip_low": None, "clip_high": 1.0}),
+}
+
+
+def register(name: str, method: Method) -> None:
+    """Add a method to the sweep (e.g. the adaptive rules: ``register("adaptive", Method(...))``)."""
+    METHODS[name] = method
+
+
+# per task: what a ≤ 2-minute run on 2 cores affords (measured: README, issue #12 notes)
+TASK_RUNS: dict[str, dict[str, Any]] = {
+    "reverse": {"steps": 60},
+    "walk": {"steps": 30, "prompts_per_step": 16, "group_size": 8},
+}
+STALENESS = (0, 2, 4, 8)
+DTYPES = ("bf16", "fp16")
+
+
+@dataclass(frozen=True)
+class Job:
+    stage: str
+    task: str
+    method: str
+    staleness: int
+    dtype: str
+    seed: int
+
+    @property
+    def key(self) -> str:
+        return "|".join(str(v) for v in asdict(self).values())
+
+    @property
+    def name(self) -> str:
+        return f"{self.stage}-{self.task}-{self.method}-st{self.staleness}-{self.dtype}-s{self.seed}"
+
+
+# ----------------------------------------------------------------------------- results file
+
+def load_results(path: Path) -> list[dict]:
+    return json.loads(path.read_text()) if path.exists() else []
+
+
+def save_results(path: Path, results: list[dict]) -> None:
+    """Write all results at once: a temp file in the same folder, fsync, rename. A crash leaves
+    either the old file or the new one, never half of one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".results-", suffix=".json")
+    with os.fdopen(fd, "w") as f:
+        json.dump(results, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def pending(jobs: Iterable[Job], results: list[dict]) -> list[Job]:
+    done = {r["key"] for r in results}
+    return [j for j in jobs if j.key not in done]
+
+
+def run_sweep(jobs: list[Job], runner: Callable[[Job], dict], results_path: Path, workers: int = 1,
+              log: Callable[[str], None] = print) -> list[dict]:
+    """Run the jobs not yet in ``results_path``; each result is saved as soon as it finishes.
+
+    ``runner(job)`` returns the result dict (the sweep adds ``key`` and the job's fields). With
+    ``workers`` > 1 runs go to a process pool (``runner`` must be picklable) and the parent alone
+    writes the file, in completion order.
+    """
+    results = load_results(results_path)
+    todo = pending(jobs, results)
+    log(f"{len(jobs) - len(todo)} of {len(jobs)} runs already in {results_path}; {len(todo)} to go")
+
+    def record(job: Job, result: dict) -> None:
+        results.append({**asdict(job), "key": job.key, **result})
+        save_results(results_path, results)
+        log(f"[{len(results)}] {job.name}: final reward {result['final_reward']:.3f} accuracy "
+            f"{_fmt(result.get('eval_accuracy'))} masked {_fmt(result.get('masked_fraction'))} "
+            f"({result.get('seconds', 0):.0f}s)")
+
+    if workers <= 1:
+        for job in todo:
+            record(job, runner(job))
+        return results
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+
+    with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=_one_thread) as pool:
+        futures = {pool.submit(runner, job): job for job in todo}
+        for future in as_completed(futures):
+            record(futures[future], future.result())
+    return results
+
+
+def _one_thread() -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    import torch
+
+    torch.set_num_threads(1)
+
+
+def _fmt(value) -> str:
+    return "n/a" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.3f}"
+
+
+# ----------------------------------------------------------------------------- one training run
+
+def train_config(job: Job, out: Path, steps: int | None = None):
+    from offpolicy.train.config import TrainConfig
+
+    method = METHODS[job.method]
+    if isinstance(method.correction, str):
+        from offpolicy import presets
+
+        correction = presets.correction(method.correction).model_dump()
+    else:
+        correction = method.correction or {}  # {} = CorrectionConfig(): measure only
+    loss = {**BASE_LOSS, **(method.loss or {}), "correction": correction}
+    run = {**TASK_RUNS[job.task]}
+    if steps is not None:
+        run["steps"] = steps
+    return TrainConfig(engine="hf", task=job.task, engine_dtype=job.dtype, max_staleness=job.staleness,
+                       seed=job.seed, preset=None, loss=loss, eval_every=run["steps"],
+                       checkpoint_every=run["steps"], out_dir=str(out / "runs" / job.name), **run)
+
+
+def summarize(rows: list[dict]) -> dict:
+    """A run's numbers from its metrics.jsonl rows."""
+    def mean(key: str, part=slice(None)) -> float:
+        values = [r[key] for r in rows[part] if r.get(key) is not None]
+        return statistics.fmean(values) if values else math.nan
+
+    tail = slice(-max(1, len(rows) // 4), None)
+    return {
+        "final_reward": mean("reward", tail), "reward_auc": mean("reward"),
+        "eval_accuracy": rows[-1].get("eval/accuracy"), "start_accuracy": rows[0].get("eval/accuracy"),
+        "kl_k3": mean("offpolicy/kl_k3"), "chi2_seq": mean("offpolicy/chi2_seq"),
+        "abs_logp_diff_mean": mean("offpolicy/abs_logp_diff_mean"), "ess": mean("offpolicy/ess"),
+        "masked_fraction": mean("offpolicy/masked_fraction"),
+        "fraction_above_high": mean("offpolicy/fraction_above_high"),
+        "response_length": mean("response_length"), "step_seconds": mean("step_seconds"),
+        "rewards": [r["reward"] for r in rows],
+    }
+
+
+@dataclass(frozen=True)
+class TrainRunner:
+    """Runs a job with ``offpolicy train`` (hf engine) under ``out``; picklable for the pool."""
+
+    out: str
+    steps: int | None = None
+
+    def __call__(self, job: Job) -> dict:
+        from rich.console import Console
+
+        from offpolicy.train.loop import train
+
+        cfg = train_config(job, Path(self.out), self.steps)
+        shutil.rmtree(cfg.out_dir, ignore_errors=True)  # a run cut short last time starts over
+        start = time.perf_counter()
+        result = train(cfg, progress=False, console=Console(quiet=True))
+        rows = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
+        return {**summarize(rows), "steps": cfg.steps, "seconds": time.perf_counter() - start}
+
+
+# ----------------------------------------------------------------------------- stages
+
+def screen_jobs(tasks: list[str], methods: list[str], staleness: int = 4, dtype: str = "bf16",
+                seed: int = 0) -> list[Job]:
+    return [Job("screen", t, m, staleness, dtype, seed) for t in tasks for m in methods]
+
+
+def finalists(results: list[dict], task: str, spec: str) -> list[str]:
+    """``auto:K``: the K best methods of the task's screen by final reward, plus ``none``; or a
+    comma-separated list."""
+    if not spec.startswith("auto:"):
+        return spec.split(",")
+    k = int(spec.split(":", 1)[1])
+    screened = sorted((r for r in results if r["stage"] == "screen" and r["task"] == task),
+                      key=lambda r: -r["final_reward"])
+    if not screened:
+        raise SystemExit(f"--finalists {spec}: no screen results for task {task!r} yet; run --stage screen first")
+    chosen = [r["method"] for r in screened if r["method"] != "none"][:k]
+    return ["none", *chosen]
+
+
+def final_jobs(results: list[dict], tasks: list[str], spec: str, seeds: list[int],
+               staleness: Iterable[int] = STALENESS, dtypes: Iterable[str] = DTYPES) -> list[Job]:
+    return [Job("final", t, m, s, d, seed) for t in tasks for m in finalists(results, t, spec)
+            for s in staleness for d in dtypes for seed in seeds]
+
+
+# ----------------------------------------------------------------------------- report
+
+def _mean_std(values: list[float]) -> str:
+    values = [v for v in values if v is not None and not math.isnan(v)]
+    if not values:
+        return "n/a"
+    if len(values) == 1:
+        return f"{values[0]:.3f}"
+    return f"{statistics.fmean(values):.3f} ± {statistics.stdev(values):.3f}"
+
+
+def groups(results: list[dict]) -> dict[tuple, list[dict]]:
+    out: dict[tuple, list[dict]] = {}
+    for r in results:
+        out.setdefault((r["stage"], r["task"], r["staleness"], r["dtype"], r["method"]), []).append(r)
+    return dict(sorted(out.items(), key=lambda kv: (kv[0][0] != "screen", *kv[0][1:4],
+                                                   list(METHODS).index(kv[0][4]) if kv[0][4] in METHODS else 99)))
+
+
+def table(results: list[dict]):
+    from rich.table import Table
+
+    t = Table(title="long-response sweep: mean ± std over seeds (final reward = last 25 % of steps)")
+    for col in ("stage", "task", "stale", "dtype", "method", "n", "final reward", "accuracy", "KL k3",
+                "χ² seq", "|log ρ|", "ESS", "masked", "s/run"):
+        t.add_column(col, justify="left" if col in ("stage", "task", "dtype", "method") else "right")
+    for (stage, task, st, dtype, method), rs in groups(results).items():
+        t.add_row(stage, task, str(st), dtype, method, str(len(rs)), _mean_std([r["final_reward"] for r in rs]),
+                  _mean_std([r["eval_accuracy"] for r in rs]),
+                  f"{statistics.fmean(r['kl_k3'] for r in rs):.2e}", f"{statistics.fmean(r['chi2_seq'] for r in rs):.2e}",
+                  f"{statistics.fmean(r['abs_logp_diff_mean'] for r in rs):.1e}",
+                  f"{statistics.fmean(r['ess'] for r in rs):.3f}",
+                  f"{statistics.fmean(r['masked_fraction'] for r in rs):.3f}",
+                  f"{statistics.fmean(r['seconds'] for r in rs):.0f}")
+    return t
+
+
+def plot(results: list[dict], path: Path) -> None:
+    """Reward curves per method; one row per (stage, task, dtype), one panel per staleness."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = sorted({(r["stage"], r["task"], r["dtype"]) for r in results}, key=lambda k: (k[0] != "screen", k[1:]))
+    cols = sorted({r["staleness"] for r in results})
+    if not rows:
+        return
+    fig, axes = plt.subplots(len(rows), len(cols), figsize=(4.2 * len(cols), 3.2 * len(rows)), squeeze=False,
+                             constrained_layout=True)
+    colors = {m: plt.cm.tab20(i % 20) for i, m in enumerate(METHODS)}
+    for i, (stage, task, dtype) in enumerate(rows):
+        for j, st in enumerate(cols):
+            ax = axes[i][j]
+            for method in METHODS:
+                curves = [r["rewards"] for r in results if (r["stage"], r["task"], r["dtype"], r["staleness"],
+                                                            r["method"]) == (stage, task, dtype, st, method)]
+                if not curves:
+                    continue
+                n = min(len(c) for c in curves)
+                mean = [statistics.fmean(c[k] for c in curves) for k in range(n)]
+                smooth = [statistics.fmean(mean[max(0, k - 4): k + 1]) for k in range(n)]
+                ax.plot(smooth, label=method, lw=1.4, color=colors[method])
+            ax.set_title(f"{stage} · {task} · {dtype} · staleness {st}", fontsize=9)
+            ax.grid(alpha=0.3)
+            ax.set_xlabel("step")
+        axes[i][0].set_ylabel("reward (5-step mean)")
+    handles, labels = [], []
+    for ax in axes.flat:
+        for h, lab in zip(*ax.get_legend_handles_labels()):
+            if lab not in labels:
+                handles.append(h)
+                labels.append(lab)
+    axes[0][-1].legend(handles, labels, fontsize=7, loc="lower right")
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--stage", choices=["screen", "final"], default=None)
+    parser.add_argument("--tasks", default="reverse,walk")
+    parser.add_argument("--methods", default=",".join(METHODS), help="screen: the methods to screen")
+    parser.add_argument("--finalists", default="auto:4", help="final: auto:K (top K of the screen + none) or a list")
+    parser.add_argument("--seeds", default="0,1,2", help="final: seeds")
+    parser.add_argument("--staleness", default=",".join(map(str, STALENESS)), help="final: staleness levels")
+    parser.add_argument("--dtypes", default=",".join(DTYPES), help="final: engine dtypes")
+    parser.add_argument("--screen-staleness", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=None, help="override the per-task steps (TASK_RUNS)")
+    parser.add_argument("--workers", type=int, default=1, help="parallel runs, one process and one thread each")
+    parser.add_argument("--out", default="runs/sweep_long")
+    parser.add_argument("--report", action="store_true", help="only print the table and write the plot")
+    args = parser.parse_args(argv)
+    from rich.console import Console
+
+    console = Console()
+    out = Path(args.out)
+    path = out / "results.json"
+    tasks = args.tasks.split(",")
+    unknown = [m for m in args.methods.split(",") if m not in METHODS]
+    if unknown:
+        raise SystemExit(f"unknown methods {unknown}; known: {', '.join(METHODS)}")
+    if args.stage == "screen":
+        jobs = screen_jobs(tasks, args.methods.split(","), staleness=args.screen_staleness)
+    elif args.stage == "final":
+        jobs = final_jobs(load_results(path), tasks, args.finalists, [int(s) for s in args.seeds.split(",")],
+                          [int(s) for s in args.staleness.split(",")], args.dtypes.split(","))
+    else:
+        jobs = []
+    if jobs:
+        if args.workers > 1:
+            os.environ["OMP_NUM_THREADS"] = "1"
+        run_sweep(jobs, TrainRunner(str(out), args.steps), path, workers=args.workers, log=console.print)
+    results = load_results(path)
+    if not results:
+        console.print(f"no results in {path} yet: run --stage screen")
+        return
+    console.print(table(results))
+    plot(results, out / "sweep_long.png")
+    console.print(f"results: {path}  plot: {out / 'sweep_long.png'}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

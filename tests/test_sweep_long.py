@@ -1,0 +1,129 @@
+"""benchmarks/sweep_long.py: the staged sweep resumes from its results file (fake runner, no
+training), finalists come from the screen, and the table and plot render."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def sweep():
+    # importable by name: spawned pool workers unpickle Job from it (they inherit sys.path)
+    if str(ROOT / "benchmarks") not in sys.path:
+        sys.path.insert(0, str(ROOT / "benchmarks"))
+    import sweep_long
+
+    return sweep_long
+
+
+class FakeRunner:
+    """Returns numbers derived from the job; counts calls; can fail on the n-th call."""
+
+    def __init__(self, fail_at: int | None = None):
+        self.calls, self.fail_at = [], fail_at
+
+    def __call__(self, job):
+        if self.fail_at is not None and len(self.calls) == self.fail_at:
+            raise KeyboardInterrupt  # the sweep is interrupted mid-way
+        self.calls.append(job.key)
+        score = 0.5 + 0.01 * len(job.method) - 0.02 * job.staleness + 0.001 * job.seed
+        return {"final_reward": score, "reward_auc": score, "eval_accuracy": score, "start_accuracy": 0.2,
+                "kl_k3": 1e-3, "chi2_seq": 0.1, "abs_logp_diff_mean": 0.01, "ess": 0.9, "masked_fraction": 0.0,
+                "fraction_above_high": 0.1, "response_length": 90.0, "step_seconds": 1.0,
+                "rewards": [0.2, score], "seconds": 1.0}
+
+
+def test_interrupted_sweep_continues_without_rerunning(sweep, tmp_path):
+    path = tmp_path / "results.json"
+    jobs = sweep.screen_jobs(["reverse", "walk"], ["none", "seq_tis", "token_tis"])
+    first = FakeRunner(fail_at=4)
+    with pytest.raises(KeyboardInterrupt):
+        sweep.run_sweep(jobs, first, path, log=lambda _: None)
+    saved = json.loads(path.read_text())
+    assert [r["key"] for r in saved] == first.calls and len(saved) == 4  # each finished run is on disk
+    second = FakeRunner()
+    results = sweep.run_sweep(jobs, second, path, log=lambda _: None)
+    assert second.calls == [j.key for j in jobs[4:]]  # only the missing runs
+    assert sorted(r["key"] for r in results) == sorted(j.key for j in jobs)
+    third = FakeRunner()
+    sweep.run_sweep(jobs, third, path, log=lambda _: None)
+    assert third.calls == []  # a finished sweep runs nothing
+    assert not list(tmp_path.glob(".results-*"))  # no temp file left behind
+
+
+def test_keys_separate_stage_task_method_staleness_dtype_seed(sweep):
+    base = sweep.Job("screen", "walk", "none", 4, "bf16", 0)
+    variants = [sweep.Job("final", "walk", "none", 4, "bf16", 0), sweep.Job("screen", "reverse", "none", 4, "bf16", 0),
+                sweep.Job("screen", "walk", "seq_tis", 4, "bf16", 0), sweep.Job("screen", "walk", "none", 2, "bf16", 0),
+                sweep.Job("screen", "walk", "none", 4, "fp16", 0), sweep.Job("screen", "walk", "none", 4, "bf16", 1)]
+    assert len({base.key, *(v.key for v in variants)}) == 7
+
+
+def test_final_stage_takes_the_screens_best_plus_none(sweep, tmp_path):
+    path = tmp_path / "results.json"
+    sweep.run_sweep(sweep.screen_jobs(["walk"], ["none", "seq_tis", "token_tis", "veto"]), FakeRunner(), path,
+                    log=lambda _: None)
+    results = sweep.load_results(path)
+    # the fake scores by name length: token_tis (9) > seq_tis (7) > veto (4)
+    assert sweep.finalists(results, "walk", "auto:2") == ["none", "token_tis", "seq_tis"]
+    assert sweep.finalists(results, "walk", "none,veto") == ["none", "veto"]
+    jobs = sweep.final_jobs(results, ["walk"], "auto:2", seeds=[0, 1, 2])
+    assert len(jobs) == 3 * 4 * 2 * 3  # methods × staleness {0,2,4,8} × {bf16, fp16} × seeds
+    sweep.run_sweep(jobs, FakeRunner(), path, log=lambda _: None)
+    assert len(sweep.load_results(path)) == 4 + len(jobs)  # screen results kept, final ones added
+    with pytest.raises(SystemExit, match="no screen results"):
+        sweep.finalists(results, "reverse", "auto:2")
+
+
+def test_every_method_builds_a_train_config(sweep, tmp_path):
+    for name in sweep.METHODS:
+        for task in ("reverse", "walk"):
+            cfg = sweep.train_config(sweep.Job("screen", task, name, 4, "bf16", 0), tmp_path)
+            assert cfg.engine == "hf" and cfg.max_staleness == 4 and cfg.preset is None
+    walk = sweep.train_config(sweep.Job("screen", "walk", "none", 4, "bf16", 0), tmp_path)
+    assert walk.max_new_tokens >= 151  # the longest walk answer and its EOS fit
+
+
+def test_register_adds_a_method(sweep, tmp_path):
+    sweep.register("adaptive_test", sweep.Method("test entry", {"anchor": "old"}))
+    try:
+        cfg = sweep.train_config(sweep.Job("screen", "walk", "adaptive_test", 0, "fp16", 0), tmp_path)
+        assert cfg.loss.correction.anchor == "old"
+    finally:
+        sweep.METHODS.pop("adaptive_test")
+
+
+def test_report_table_and_plot(sweep, tmp_path):
+    path = tmp_path / "results.json"
+    jobs = sweep.final_jobs([], ["walk"], "none,seq_tis", seeds=[0, 1], staleness=[0, 4], dtypes=["bf16"])
+    results = sweep.run_sweep(jobs, FakeRunner(), path, log=lambda _: None)
+    from rich.console import Console
+
+    console = Console(record=True, width=200)
+    console.print(sweep.table(results))
+    text = console.export_text()
+    assert "±" in text and "seq_tis" in text
+    sweep.plot(results, tmp_path / "plot.png")
+    assert (tmp_path / "plot.png").stat().st_size > 5_000
+
+
+def test_workers_run_in_processes(sweep, tmp_path):
+    path = tmp_path / "results.json"
+    jobs = sweep.screen_jobs(["walk"], ["none", "seq_tis"])
+    results = sweep.run_sweep(jobs, _PicklableRunner(), path, workers=2, log=lambda _: None)
+    assert sorted(r["key"] for r in results) == sorted(j.key for j in jobs)
+    assert all(r["threads"] == 1 for r in results)  # one torch thread per worker process
+    assert sweep.run_sweep(jobs, _PicklableRunner(), path, workers=2, log=lambda _: None) == results
+
+
+class _PicklableRunner:
+    def __call__(self, job):
+        import torch
+
+        return {**FakeRunner()(job), "threads": torch.get_num_threads()}
