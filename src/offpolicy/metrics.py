@@ -43,7 +43,10 @@ def _f64(x: torch.Tensor | float, device: torch.device | None = None) -> torch.T
 class Metrics:
     """A dict-like bag of reducible metrics (SPEC §7). Keys are stored without the prefix."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device | None = None) -> None:
+        # where a partial sum given as a Python number goes (None: the default device); a kernel
+        # that reads its sums on the host sets the data's device, so they go back there
+        self._device = device
         self._reducer: dict[str, str] = {}
         self._store: dict[str, torch.Tensor] = {}
         self._pending: tuple[torch.Tensor, list[int]] | None = None  # from_flat's slices, made on first use
@@ -114,12 +117,12 @@ class Metrics:
     def ratio(self, key: str, numerator: torch.Tensor | float, denominator: torch.Tensor | float) -> None:
         """Record a mean given as already-summed numerator and denominator."""
         # the device of whichever side is a tensor: a float side must not land on the default device
-        device = next((x.device for x in (numerator, denominator) if isinstance(x, torch.Tensor)), None)
+        device = next((x.device for x in (numerator, denominator) if isinstance(x, torch.Tensor)), self._device)
         self._put(key, "mean", torch.stack([_f64(numerator, device), _f64(denominator, device)]))
 
     def sum(self, key: str, value: torch.Tensor | float) -> None:
         """Record a quantity whose batch value is the sum of its parts (counts, global-normalised losses)."""
-        v = _f64(value)
+        v = _f64(value, self._device)
         self._put(key, "sum", torch.stack([v, torch.ones_like(v)]))
 
     def min(self, key: str, values: torch.Tensor, mask: torch.Tensor | None = None) -> None:

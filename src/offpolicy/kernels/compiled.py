@@ -265,20 +265,19 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, rollout_logprobs, conf
     positive = any(M[k] > 1e-6 for k in ("lp_max", "old_max", "trainer_max", "rollout_max") if k in M)
     if not binary or n == 0 or positive:
         validate_inputs(mask, **tensors)  # raises the readable path's message
-    metrics = Metrics()
+    # S and M are host floats: the tensors the metrics make of them go to the data's device, not
+    # the default one (issue #9 item 1). (A `with torch.device(...)` block did the same at 0.2 ms a call.)
+    metrics = Metrics(device=mask.device)
     loss_rows = out["loss_rows"]
     n_keep = S.get("n_keep", n)
-    # S and M are host floats: the tensors the metrics make of them go to the data's device, not
-    # the default one (issue #9 item 1)
-    with torch.device(mask.device):
-        if spec.corrected:
-            _assemble_correction_metrics(metrics, corr, spec, S, M, out, n, n_keep, loss_rows[2])
-        if "clip" in S:
-            metrics.ratio("clip_fraction", S["clip"], n_keep)
-        if "dual" in S:
-            metrics.ratio("dual_clip_fraction", S["dual"], n_keep)
-        if "approx_kl" in S:
-            metrics.ratio("approx_kl", S["approx_kl"], n_keep)
+    if spec.corrected:
+        _assemble_correction_metrics(metrics, corr, spec, S, M, out, n, n_keep, loss_rows[2])
+    if "clip" in S:
+        metrics.ratio("clip_fraction", S["clip"], n_keep)
+    if "dual" in S:
+        metrics.ratio("dual_clip_fraction", S["dual"], n_keep)
+    if "approx_kl" in S:
+        metrics.ratio("approx_kl", S["approx_kl"], n_keep)
     numerator, count, row_scale = row_aggregation(loss_rows[0], loss_rows[1], config, mask.shape[-1])
     if config.global_tokens is not None or config.global_seqs is not None:
         metrics.sum("loss", numerator / count.clamp(min=1))
