@@ -401,7 +401,7 @@ class CorrectionConfig(_Loadable):
         if self.anchor == "rollout" and self.weight is not None:
             raise ValueError(
                 "anchor 'rollout' (bypass) makes PPO's own ratio π_θ/μ, so a separate IS weight would "
-                "count the mismatch twice. Remove `weight`, or use anchor 'current' with kind reinforce/cispo"
+                "count the mismatch twice. Remove `weight`, or use anchor 'current' with kind reinforce"
             )
         if self.kl_is_weight and self.weight is None:
             raise ValueError("kl_is_weight: true needs a `weight` to apply to the KL term")
