@@ -58,7 +58,12 @@ def test_walk_is_seeded_long_verifiable_and_fits_the_response_limit():
     for p in batch:
         assert 50 <= len(p.answer) <= 150  # 50–150 tokens with the character tokenizer (+ EOS)
         assert task.reward(p, p.answer) == 1.0 and task.reward(p, f" {p.answer}\n") == 1.0
-        assert task.reward(p, p.answer[:-1]) == 0.0 and task.reward(p, p.answer + "a") == 0.0
+        # partial credit: half the share of the answer right before the first mistake, never 1
+        n = len(p.answer)
+        assert task.reward(p, p.answer[:-1]) == pytest.approx(0.5 * (n - 1) / n)
+        assert task.reward(p, p.answer[:10] + "#") == pytest.approx(0.5 * 10 / n)
+        assert task.reward(p, p.answer + "a") == 0.5 and task.reward(p, "") == 0.0
+        assert Walk(partial_credit=False).reward(p, p.answer[:-1]) == 0.0
         # the rule, recomputed from the prompt: x_{t+1} = g(x_{t-1}, x_t), stop after a doubled a–e
         seq = [ord(c) - 97 for c in p.prompt[-2:]]
         for c in p.answer:

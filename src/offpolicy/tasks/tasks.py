@@ -82,14 +82,20 @@ class Walk:
     letters), so a 0.8M-parameter model learns it in ~200 SFT steps; one wrong letter anywhere
     sends the walk elsewhere, and the exact-match reward is 0. Only seed pairs whose walk stops
     after ``min_len``…``max_len`` letters are sampled (183 of the 676 pairs by default, answers
-    ~97 letters on average): every response is long. No partial credit: the warm start reaches
-    20 % exact match, which gives GRPO groups with mixed rewards.
+    ~97 letters on average): every response is long.
+
+    Reward (``partial_credit``, on by default): 1 for the exact answer, else 0.5 × the fraction
+    of the answer's letters that the completion gets right before its first mistake. Exact match
+    alone was not enough: with 80 % of 100-token responses scored 0, token-mean GRPO pushed down
+    the (mostly correct) letters of the failures and the reward fell from 0.22 to 0.05 in 6 steps
+    (recommended, bf16, lr 3e-4). Accuracy (warm start, eval) is always exact match.
     """
 
     min_len: int = 50
     max_len: int = 150
     stop_letters: int = 5
     table_seed: int = 0
+    partial_credit: bool = True
     name: str = "walk"
     # warm-start settings the train config uses unless set: long answers make a batch of 128 and
     # an eval of 128 × 160 sampled tokens every 5 steps cost ~10 s a step on 2 cores
@@ -139,7 +145,12 @@ class Walk:
         return Problem(prompt=f"walk {letters[a]}{letters[b]}", answer=self._trace(a, b))
 
     def reward(self, problem: Problem, completion: str) -> float:
-        return exact_match(problem, completion)
+        exact = exact_match(problem, completion)
+        if exact or not self.partial_credit:
+            return exact
+        text, answer = completion.strip(), problem.answer
+        prefix = next((i for i, (x, y) in enumerate(zip(text, answer)) if x != y), min(len(text), len(answer)))
+        return 0.5 * prefix / len(answer)
 
 
 TASKS: dict[str, type] = {"addition": Addition, "reverse": Reverse, "walk": Walk}

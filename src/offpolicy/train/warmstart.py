@@ -23,6 +23,7 @@ from transformers import PreTrainedTokenizerBase
 
 from offpolicy.engines.base import left_pad
 from offpolicy.tasks import Problem, Task, make_task, problems
+from offpolicy.tasks.tasks import exact_match
 from offpolicy.tasks.model import build_tiny_qwen2
 from offpolicy.tasks.tokenizer import build_char_tokenizer
 from offpolicy.train.config import TrainConfig
@@ -76,7 +77,7 @@ def exact_match_accuracy(model, tokenizer, task: Task, batch: list[Problem], max
                          pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, **sampling)
     model.train(was_training)
     texts = tokenizer.batch_decode(out[:, input_ids.shape[1]:], skip_special_tokens=True)
-    return sum(task.reward(p, t) for p, t in zip(batch, texts)) / len(batch)
+    return sum(exact_match(p, t) for p, t in zip(batch, texts)) / len(batch)  # not task.reward: no partial credit
 
 
 def context_length(max_new_tokens: int) -> int:
