@@ -300,6 +300,18 @@ def table(results: list[dict]):
     return t
 
 
+def markdown(results: list[dict]) -> str:
+    """The table as Markdown (for the README): one row per (stage, task, staleness, dtype, method)."""
+    lines = ["| stage | task | staleness | dtype | method | seeds | final reward | accuracy | KL k3 | ESS | masked |",
+             "|---|---|---:|---|---|---:|---:|---:|---:|---:|---:|"]
+    for (stage, task, st, dtype, method), rs in groups(results).items():
+        lines.append(f"| {stage} | {task} | {st} | {dtype} | {method} | {len(rs)} | "
+                     f"{_mean_std([r['final_reward'] for r in rs])} | {_mean_std([r['eval_accuracy'] for r in rs])} | "
+                     f"{statistics.fmean(r['kl_k3'] for r in rs):.2e} | {statistics.fmean(r['ess'] for r in rs):.3f} | "
+                     f"{statistics.fmean(r['masked_fraction'] for r in rs):.3f} |")
+    return "\n".join(lines)
+
+
 def plot(results: list[dict], path: Path) -> None:
     """Reward curves per method; one row per (stage, task, dtype), one panel per staleness."""
     import matplotlib
@@ -355,6 +367,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--workers", type=int, default=1, help="parallel runs, one process and one thread each")
     parser.add_argument("--out", default="runs/sweep_long")
     parser.add_argument("--report", action="store_true", help="only print the table and write the plot")
+    parser.add_argument("--markdown", action="store_true", help="also print the table as Markdown")
     args = parser.parse_args(argv)
     from rich.console import Console
 
@@ -381,6 +394,8 @@ def main(argv: list[str] | None = None) -> None:
         console.print(f"no results in {path} yet: run --stage screen")
         return
     console.print(table(results))
+    if args.markdown:
+        print(markdown(results))
     plot(results, out / "sweep_long.png")
     console.print(f"results: {path}  plot: {out / 'sweep_long.png'}")
 

@@ -109,6 +109,8 @@ def test_report_table_and_plot(sweep, tmp_path):
     console.print(sweep.table(results))
     text = console.export_text()
     assert "±" in text and "seq_tis" in text
+    md = sweep.markdown(results).splitlines()
+    assert len(md) == 2 + 2 * 2 and "±" in md[2]  # header + (method × staleness) rows
     sweep.plot(results, tmp_path / "plot.png")
     assert (tmp_path / "plot.png").stat().st_size > 5_000
 
