@@ -120,6 +120,7 @@ def save_results(path: Path, results: list[dict]) -> None:
     either the old file or the new one, never half of one."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".results-", suffix=".json")
+    os.chmod(tmp, 0o644)  # mkstemp's 0600 would make the results private to this user
     with os.fdopen(fd, "w") as f:
         json.dump(results, f, indent=1)
         f.flush()
