@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -32,13 +34,16 @@ STAGES = ["generate", "wait", "score", "pi_old", "train", "sync", "log"]
 
 
 def run(extra: list[str], seed: int, steps: int, dtype: str, out: Path) -> list[dict]:
-    from offpolicy.train.config import load_train_config
+    """One ``offpolicy train`` in its own process (each run gets a fresh engine), as a user types it."""
     from offpolicy.train.logger import read_jsonl
-    from offpolicy.train.loop import train
 
-    cfg = load_train_config(None, [f"seed={seed}", f"steps={steps}", f"engine_dtype={dtype}", f"out_dir={out}", *extra])
-    train(cfg, console=Console(quiet=True), progress=False)
-    return read_jsonl(out / "metrics.jsonl")
+    cmd = [sys.executable, "-m", "offpolicy", "train", f"seed={seed}", f"steps={steps}", f"engine_dtype={dtype}",
+           f"out_dir={out}", *extra, "--no-progress"]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    records = read_jsonl(out / "metrics.jsonl")
+    if done.returncode != 0 or not records:
+        raise RuntimeError(f"{' '.join(cmd)} exited {done.returncode}:\n{done.stderr[-2000:]}")
+    return records
 
 
 def _pm(values: list[float]) -> str:
@@ -59,7 +64,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for seed in args.seeds:
             for name, extra in SETTINGS.items():
-                records = run(extra, seed, args.steps, args.engine_dtype, Path(tmp) / f"{len(rows[name])}-{seed}-{name[:6]}")
+                records = run(extra, seed, args.steps, args.engine_dtype, Path(tmp) / f"{seed}-{list(SETTINGS).index(name)}")
                 rows[name].append(records)
                 console.print(f"seed {seed} {name}: final reward {statistics.fmean(r['reward'] for r in records[-10:]):.3f}")
 
