@@ -59,7 +59,7 @@ def main() -> None:
     parser.add_argument("--engine-dtype", default="bf16", choices=["bf16", "fp16", "fp32", "auto"])
     parser.add_argument("--out", type=Path, default=Path("docs"))
     args = parser.parse_args()
-    console = Console()
+    console = Console(width=160)  # the table is wide; a pipe would squeeze it to 80 columns
     rows: dict[str, list[list[dict]]] = {name: [] for name in SETTINGS}
     with tempfile.TemporaryDirectory() as tmp:
         for seed in args.seeds:
