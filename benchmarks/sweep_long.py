@@ -72,6 +72,14 @@ METHODS: dict[str, Method] = {
     "bypass": Method("bypass: PPO's ratio is π_θ/μ (two policies)", "verl:bypass_ppo_clip"),
     "cispo": Method("CISPO on π_θ/μ: −sg(min(π_θ/μ, 2))·A·log π_θ", {"anchor": "rollout"},
                     {"kind": "cispo", "clip_low": None, "clip_high": 1.0}),
+    # bounds chosen from each batch (issue #12 item 2) and AReaL's adaptive mask (issue #14)
+    "seq_ess": Method("sequence TIS with the largest cap keeping ESS ≥ 0.9 (data-chosen)",
+                      {"anchor": "old", "weight": {"level": "sequence", "mode": "truncate",
+                                                   "high": {"rule": "ess", "target": 0.9}}}),
+    "token_quantile": Method("token TIS capped at the batch's 99th percentile of ρ_t (data-chosen)",
+                             {"anchor": "old", "weight": {"level": "token", "mode": "truncate",
+                                                          "high": {"rule": "quantile", "q": 0.99}}}),
+    "m2po": Method("M2PO: drop the largest (log ρ)² until their mean is < 0.04", "areal:m2po"),
 }
 
 
