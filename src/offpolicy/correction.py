@@ -300,6 +300,24 @@ def _record_bound(metrics: Metrics, key: str, value: float | None, device: torch
     metrics.ratio(key, parts[0], parts[1])
 
 
+def chosen_band(bounded: Any, values: torch.Tensor, *, fill_empty: bool, metrics: Metrics | None = None,
+                key: str = "") -> dict[str, float | None]:
+    """``{low, high}`` of a rule or weight with every data-chosen bound replaced by the number it
+    takes over ``values`` (``thresholds.bound_value``; fixed bounds pass through). With
+    ``fill_empty`` a band left open on both sides (no unit to read a bound from) becomes
+    high = +inf, so the stage keeps everything. With ``metrics``, each data-chosen side is
+    recorded as ``<key><side>`` (see ``_record_bound``)."""
+    band = {}
+    for side in ("low", "high"):
+        bound = getattr(bounded, side)
+        band[side] = bound_value(bound, values, side)
+        if metrics is not None and is_adaptive(bound):
+            _record_bound(metrics, f"{key}{side}", band[side], values.device)
+    if fill_empty and band["low"] is None and band["high"] is None:
+        band["high"] = math.inf
+    return band
+
+
 def rule_units(rule: RatioRule | M2Rule, log_ratio: torch.Tensor, seen: torch.Tensor, log_clamp: float | None) -> torch.Tensor:
     """The 1-D values a data-chosen bound of ``rule`` is read from, over the tokens it sees:
     ratio rules at token / any_token level: ρ_t of the seen tokens; at sequence / geometric level:
@@ -326,15 +344,8 @@ def resolve_rule(rule: Any, b: RuleInputs, seen: torch.Tensor, log_clamp: float 
     if not getattr(rule, "adaptive", False):
         return rule
     values = rule_units(rule, b.log_ratio, seen, log_clamp)
-    band = {}
-    for side in ("low", "high"):
-        bound = getattr(rule, side)
-        band[side] = bound_value(bound, values, side)
-        if is_adaptive(bound):
-            _record_bound(metrics, f"{name}/{side}", band[side], values.device)
-    if band["low"] is None and band["high"] is None:
-        band["high"] = math.inf  # no unit seen: nothing to reject
-    return rule.model_copy(update=band)
+    # no unit seen: nothing to reject
+    return rule.model_copy(update=chosen_band(rule, values, fill_empty=True, metrics=metrics, key=f"{name}/"))
 
 
 def apply_rejection(cfg: CorrectionConfig, b: RuleInputs, valid: torch.Tensor, input_mask: torch.Tensor, metrics: Metrics) -> torch.Tensor:
@@ -416,15 +427,8 @@ def resolve_weight(w: WeightConfig, ratio: torch.Tensor, unit_mask: torch.Tensor
     and ranks it is the mean of the per-call bounds, NaN if no call had a unit)."""
     if not w.adaptive:
         return w
-    values = ratio[unit_mask]
-    band = {}
-    for side in ("low", "high"):
-        bound = getattr(w, side)
-        band[side] = bound_value(bound, values, side)
-        if is_adaptive(bound):
-            _record_bound(metrics, f"weight_{side}", band[side], values.device)
-    if w.mode == "mask" and band["low"] is None and band["high"] is None:
-        band["high"] = math.inf  # no unit: keep the (empty) set as is
+    # a mask with no unit keeps the (empty) set as is; open truncation bounds stay open
+    band = chosen_band(w, ratio[unit_mask], fill_empty=w.mode == "mask", metrics=metrics, key="weight_")
     return w.model_copy(update=band)
 
 

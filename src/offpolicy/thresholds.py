@@ -181,7 +181,7 @@ def resolve_thresholds(
     returns the same kind (a LossConfig for anything but a CorrectionConfig).
     """
     from offpolicy.config import CorrectionConfig, DivergenceRule, LossConfig, M2Rule
-    from offpolicy.correction import correct, rule_units, weight_units
+    from offpolicy.correction import chosen_band, correct, rule_units, weight_units
     from offpolicy.losses import as_loss_config
 
     as_corr = isinstance(config, CorrectionConfig)
@@ -203,19 +203,15 @@ def resolve_thresholds(
         if not (isinstance(rule, M2Rule) or getattr(rule, "adaptive", False)):
             continue
         outs = run(clamp_cfg.model_copy(update={"reject": rules[:i]}))
-        values = {}
-        for side in ("low", "high") if not isinstance(rule, M2Rule) else ("m2",):
-            parts = [rule_units(rule, o.log_ratio, (o.mask if corr.reject_mode == "sequential" else o.valid_mask).bool(),
-                                corr.log_clamp) for o in outs]
-            values[side] = _gather(torch.cat([p.reshape(-1).to(parts[0].device) for p in parts]), group)
+        # one set of units (and one all-gather) serves both sides of the band
+        parts = [rule_units(rule, o.log_ratio, (o.mask if corr.reject_mode == "sequential" else o.valid_mask).bool(),
+                            corr.log_clamp) for o in outs]
+        values = _gather(torch.cat([p.reshape(-1).to(parts[0].device) for p in parts]), group)
         if isinstance(rule, M2Rule):
-            cut = m2_cut(values["m2"], rule.high)
+            cut = m2_cut(values, rule.high)
             rules[i] = DivergenceRule(stat="k2", level="token", high=cut / 2)
-        else:
-            band = {side: bound_value(getattr(rule, side), values[side], side) for side in ("low", "high")}
-            if band["low"] is None and band["high"] is None:  # no unit anywhere: nothing to reject
-                band["high"] = math.inf
-            rules[i] = rule.model_copy(update=band)
+        else:  # no unit anywhere: nothing to reject
+            rules[i] = rule.model_copy(update=chosen_band(rule, values, fill_empty=True))
     fixed = corr.model_copy(update={"reject": rules})
     w = corr.weight
     if w is not None and w.adaptive and corr.anchor != "rollout":
@@ -223,8 +219,7 @@ def resolve_thresholds(
         parts = [weight_units(w, o.log_ratio, o.mask.bool(), corr.log_clamp, mb["mask"])
                  for o, mb in zip(outs, batches)]
         values = _gather(torch.cat([p.reshape(-1).to(parts[0].device) for p in parts]), group)
-        fixed = fixed.model_copy(update={"weight": w.model_copy(update={
-            side: bound_value(getattr(w, side), values, side) for side in ("low", "high")})})
+        fixed = fixed.model_copy(update={"weight": w.model_copy(update=chosen_band(w, values, fill_empty=False))})
     if as_corr:
         return fixed
     return LossConfig(**{**loss_cfg.model_dump(exclude={"correction"}), "correction": fixed})
