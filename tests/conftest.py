@@ -60,6 +60,26 @@ def random_batch(seed: int, b: int = 6, t: int = 9, noise: float = 0.3) -> dict[
     return {"old": old, "rollout": rollout, "logprobs": logprobs, "adv": adv, "mask": mask}
 
 
+def _gloo_rank(rank: int, fn, world: int, init_file: str, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        torch.save(fn(rank), os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def on_gloo_ranks(fn, tmp_path, world: int = 2) -> list:
+    """``fn(rank)`` on each of ``world`` gloo ranks, each in its own process with the process group
+    up; returns what each rank's call returned, in rank order. ``fn`` must be a module-level
+    function (the spawned processes import it by name)."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_gloo_rank, args=(fn, world, str(tmp_path / "init"), str(tmp_path)), nprocs=world, join=True)
+    return [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+
+
 @pytest.fixture(scope="session")
 def offpolicy_cache(tmp_path_factory):
     """One warm-start cache for the whole session (the warm start runs once, ~15 s)."""

@@ -4,19 +4,16 @@ weights of the whole batch (SPEC §3 normalize, §7 all_reduce)."""
 from __future__ import annotations
 
 import math
-import os
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import offpolicy as op
 
 sys.path.insert(0, str(Path(__file__).parent))
-from conftest import random_batch  # noqa: E402
+from conftest import on_gloo_ranks, random_batch  # noqa: E402
 
 CFG = op.LossConfig(correction=op.CorrectionConfig(
     weight={"level": "token", "mode": "truncate", "low": 0.5, "high": 2.0, "normalize": True},
@@ -26,29 +23,23 @@ SEQ_CFG = op.CorrectionConfig(weight={"level": "sequence", "mode": "truncate", "
 SPLIT = [slice(0, 3), slice(3, 8)]  # uneven on purpose
 
 
-def _rank_main(rank: int, world: int, init_file: str, out_dir: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        b = random_batch(seed=7, b=8, t=10, noise=0.5)
-        s = SPLIT[rank]
-        # rank 1 also records a key rank 0 never sees: the key sets must be agreed before reducing
-        loss, metrics = op.policy_loss(b["logprobs"][s], b["old"][s], b["adv"][s], b["mask"][s],
-                                       rollout_logprobs=b["rollout"][s], config=CFG)
-        if rank == 1:
-            metrics.mean("only_on_rank_1", torch.tensor([3.0]))
-        metrics.all_reduce()
-        seq = op.correct(b["old"][s], b["rollout"][s], b["mask"][s], SEQ_CFG)
-        tok = op.correct(b["old"][s], b["rollout"][s], b["mask"][s], CFG.correction)
-        torch.save({"metrics": metrics.to_dict(), "seq_weights": seq.weights, "tok_weights": tok.weights},
-                   os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+def _rank_main(rank: int) -> dict:
+    b = random_batch(seed=7, b=8, t=10, noise=0.5)
+    s = SPLIT[rank]
+    # rank 1 also records a key rank 0 never sees: the key sets must be agreed before reducing
+    loss, metrics = op.policy_loss(b["logprobs"][s], b["old"][s], b["adv"][s], b["mask"][s],
+                                   rollout_logprobs=b["rollout"][s], config=CFG)
+    if rank == 1:
+        metrics.mean("only_on_rank_1", torch.tensor([3.0]))
+    metrics.all_reduce()
+    seq = op.correct(b["old"][s], b["rollout"][s], b["mask"][s], SEQ_CFG)
+    tok = op.correct(b["old"][s], b["rollout"][s], b["mask"][s], CFG.correction)
+    return {"metrics": metrics.to_dict(), "seq_weights": seq.weights, "tok_weights": tok.weights}
 
 
 @pytest.mark.slow
 def test_two_gloo_ranks_equal_one_batch(tmp_path):
-    mp.spawn(_rank_main, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
-    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    ranks = on_gloo_ranks(_rank_main, tmp_path)
 
     b = random_batch(seed=7, b=8, t=10, noise=0.5)
     _, whole = op.policy_loss(b["logprobs"], b["old"], b["adv"], b["mask"], rollout_logprobs=b["rollout"], config=CFG)

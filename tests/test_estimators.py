@@ -400,28 +400,22 @@ _DIST_CFG = op.CorrectionConfig(
 _RANK_ROWS = [[slice(0, 2), slice(2, 3)], [slice(3, 7), slice(7, 9)]]  # uneven ranks, two micro-batches each
 
 
-def _dist_rank(rank: int, world: int, init_file: str, out_dir: str) -> None:
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        lp, old, mu, adv, mask = batch(5, B=9)
-        mbs = [{"old_logprobs": old[s], "rollout_logprobs": mu[s], "mask": mask[s]} for s in _RANK_ROWS[rank]]
-        torch.save(op.resolve_thresholds(_DIST_CFG, mbs).model_dump(), f"{out_dir}/rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+def _dist_rank(rank: int) -> dict:
+    lp, old, mu, adv, mask = batch(5, B=9)
+    mbs = [{"old_logprobs": old[s], "rollout_logprobs": mu[s], "mask": mask[s]} for s in _RANK_ROWS[rank]]
+    return op.resolve_thresholds(_DIST_CFG, mbs).model_dump()
 
 
 @pytest.mark.slow
 def test_resolve_thresholds_all_gathers_over_ranks(tmp_path):
-    import torch.multiprocessing as mp
+    from conftest import on_gloo_ranks
 
-    mp.spawn(_dist_rank, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+    ranks = on_gloo_ranks(_dist_rank, tmp_path)
     lp, old, mu, adv, mask = batch(5, B=9)
     every = [{"old_logprobs": old[s], "rollout_logprobs": mu[s], "mask": mask[s]} for r in _RANK_ROWS for s in r]
     want = op.resolve_thresholds(_DIST_CFG, every).model_dump()
-    for rank in range(2):
-        assert torch.load(tmp_path / f"rank{rank}.pt") == want
+    for got in ranks:
+        assert got == want
     # and what one rank alone would pick differs (the gather matters)
     alone = op.resolve_thresholds(_DIST_CFG, [{"old_logprobs": old[s], "rollout_logprobs": mu[s], "mask": mask[s]}
                                               for s in _RANK_ROWS[0]]).model_dump()

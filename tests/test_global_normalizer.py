@@ -7,20 +7,18 @@ all-reduced over ranks — so the micro-batches' losses and gradients add up to 
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import offpolicy as op
 from offpolicy.errors import ConfigError
 
 sys.path.insert(0, str(Path(__file__).parent))
-from conftest import random_batch  # noqa: E402
+from conftest import on_gloo_ranks, random_batch  # noqa: E402
 
 B, T = 12, 10
 REJECT = [{"stat": "ratio", "level": "token", "low": 0.6, "high": 1.6},
@@ -114,23 +112,18 @@ def test_bad_micro_batches_are_named():
         op.with_global_normalizer(op.LossConfig(), [])
 
 
-def _rank_main(rank: int, world: int, init_file: str, out_dir: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        b, out = _batch(), {}
-        for name, cfg in CONFIGS.items():
-            loss, grad = _step(b, RANKS[rank], cfg, op.with_global_normalizer(cfg, _inputs(b, RANKS[rank])))
-            dist.all_reduce(loss)
-            out[name] = (loss, grad)
-        torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+def _rank_main(rank: int) -> dict:
+    b, out = _batch(), {}
+    for name, cfg in CONFIGS.items():
+        loss, grad = _step(b, RANKS[rank], cfg, op.with_global_normalizer(cfg, _inputs(b, RANKS[rank])))
+        dist.all_reduce(loss)
+        out[name] = (loss, grad)
+    return out
 
 
 @pytest.mark.slow
 def test_two_gloo_ranks_of_micro_batches_equal_one_batch(tmp_path):
-    mp.spawn(_rank_main, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
-    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    ranks = on_gloo_ranks(_rank_main, tmp_path)
     for name, cfg in CONFIGS.items():
         whole_loss, whole_grad = _whole(cfg)
         for r in ranks:
