@@ -160,7 +160,8 @@ def with_global_normalizer(
     padded to different lengths would otherwise divide by different T.
 
     Not exact by design (per call, across ranks only): ``weight.normalize`` divides by the
-    mean weight of the micro-batch's ranks, not of the whole step.
+    mean weight of the micro-batch's ranks, not of the whole step. With data-chosen bounds,
+    pass the config ``resolve_thresholds`` returns, so the counts use the step's bounds.
 
     Raises:
         ConfigError: seq-mean-token-sum-norm without ``max_len``.

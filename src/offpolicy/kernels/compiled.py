@@ -20,7 +20,7 @@ import torch
 from offpolicy import ops
 from offpolicy.config import LossConfig, rule_name
 from offpolicy.correction import validate_inputs
-from offpolicy.kernels.common import CoefLoss, CoefTokens, row_aggregation
+from offpolicy.kernels.common import RATIO_LOG_CLAMP, CoefLoss, CoefTokens, row_aggregation
 from offpolicy.kernels.eager import KINDS
 from offpolicy.metrics import Metrics
 
@@ -160,7 +160,7 @@ def _core(lp, old, roll, adv, m, spec: CoreSpec):
     if spec.has_old:
         maxima["old_max"] = (old * m).amax()
         scalars["old_sum"] = (old * m).sum(dtype=f64)
-        log_r = (lp - old).clamp(-20.0, 20.0)
+        log_r = (lp - old).clamp(-RATIO_LOG_CLAMP, RATIO_LOG_CLAMP)
         r = torch.exp(log_r)
         scalars["approx_kl"] = ((torch.expm1(log_r) - log_r) * km).sum(dtype=f64)
     adv_w = adv * w
@@ -179,7 +179,8 @@ def _core(lp, old, roll, adv, m, spec: CoreSpec):
         per_token = -adv_w * clipped
         active = clipped == r
         scalars["clip"] = ((~active) & (adv != 0) & keep).sum(dtype=f64)
-        active = active & ((lp - old).abs() <= 20.0)  # clamp's derivative is 0 past ±20: no gradient through r
+        # clamp's derivative is 0 past ±RATIO_LOG_CLAMP: no gradient through r there
+        active = active & ((lp - old).abs() <= RATIO_LOG_CLAMP)
         if spec.dual_clip is not None:
             dual = (adv < 0) & (clipped > spec.dual_clip)
             scalars["dual"] = (dual & keep).sum(dtype=f64)
