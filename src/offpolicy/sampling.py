@@ -63,11 +63,12 @@ def renormalize_logprobs(
         keep_sorted[..., 0] = True
         keep &= torch.zeros_like(keep).scatter(-1, order, keep_sorted)
     kept_logits = z.masked_fill(~keep, float("-inf"))
-    logprobs = kept_logits - torch.logsumexp(kept_logits, dim=-1, keepdim=True)
+    kept_lse = torch.logsumexp(kept_logits, dim=-1, keepdim=True)
+    logprobs = kept_logits - kept_lse
     if not return_outside_mass:
         return logprobs
-    full = torch.log_softmax(z, dim=-1)
-    inside = torch.logsumexp(full.masked_fill(~keep, float("-inf")), dim=-1).exp()
+    # Σ_kept softmax(z) = exp(lse_kept − lse_all): one more reduction, no second [..., V] tensor
+    inside = (kept_lse - torch.logsumexp(z, dim=-1, keepdim=True)).squeeze(-1).exp()
     return logprobs, (1.0 - inside).clamp(min=0.0)
 
 
