@@ -102,8 +102,9 @@ def test_roll_goldens(preset, rho, want):
 # prime-rl (anchor rollout: the loss's ratio is π_θ/μ = ρ, no clip, fixed denominator 2):
 #   icepop ρ = (2, 10): 10 > 8 dropped → −(2 + 0)/2 = −1;
 #   icepop_seq_veto (π = 0.05) ρ = (2, 0.1): min 0.1 < 0.125 → row dropped → 0; icepop alone keeps ρ = 2 → −1
-#   dppo ρ = (2, 1.25): μ = (0.25, 0.4), π − μ = (0.25, 0.1); A > 0 and 0.25 > 0.2 → dropped → −(0 + 1.25)/2
-#   ipo ρ = (2, 1.1): |π − μ| = (0.25, 0.0455) → first dropped → −1.1/2
+#   dppo ρ = (2, 1.25): μ = (0.25, 0.4), π − μ = (0.25, 0.1); A > 0 and 0.25 > 0.2 → dropped → −(0 + 1.25)/2,
+#     plus kl_tau·Σ (ln ρ)² over BOTH tokens (the dropped one too) / 2: 1e-3·((ln 2)² + (ln 1.25)²)/2
+#   ipo ρ = (2, 1.1): |π − μ| = (0.25, 0.0455) → first dropped → −1.1/2, plus 1e-3·((ln 2)² + (ln 1.1)²)/2
 @pytest.mark.parametrize(
     "preset, rho, want, p",
     [
@@ -114,8 +115,8 @@ def test_roll_goldens(preset, rho, want):
         ("prime-rl:icepop", (2.0, 10.0), -1.0, 0.05),
         ("prime-rl:icepop_seq_veto", (2.0, 0.1), 0.0, 0.05),
         ("prime-rl:icepop", (2.0, 0.1), -1.0, 0.05),
-        ("prime-rl:dppo", (2.0, 1.25), -0.625, 0.5),
-        ("prime-rl:ipo", (2.0, 1.1), -0.55, 0.5),
+        ("prime-rl:dppo", (2.0, 1.25), -0.625 + 1e-3 * (math.log(2) ** 2 + math.log(1.25) ** 2) / 2, 0.5),
+        ("prime-rl:ipo", (2.0, 1.1), -0.55 + 1e-3 * (math.log(2) ** 2 + math.log(1.1) ** 2) / 2, 0.5),
         ("roll:segment_is", (1.1, 1.1), -1.1, 0.5),
     ],
 )
@@ -208,3 +209,101 @@ def test_loglinear_run_skips_the_pi_old_forward(offpolicy_cache, tmp_path):
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert all(r["time/pi_old"] < 1e-3 for r in rows)  # no forward: nothing timed
     assert all(math.isfinite(r["offpolicy/loss"]) for r in rows)
+
+
+# ------------------------------------------------------------------ prime-rl's KL term (kl_to / kl_mask)
+def _prime_rl_loss(theta, mu, adv, mask, keep, kl_tau, kl_mask_type, squared):
+    """prime-rl's per-token loss, written out from its code (not imported: prime-rl needs CUDA-era
+    deps). HEAD 559b447 src/prime_rl/trainer/rl/loss.py default_loss_fn / ipo_loss_fn:
+    per_token = −keep·A·exp(log π_θ − log μ) + kl_tau·loss_mask·(log π_θ − log μ)², summed and
+    divided by loss_scale = Σ loss_mask. 008468c compute_loss: kl_tau·Σ_{kl_mask} (log π_θ − log μ)
+    (k1, not squared) with kl_mask = loss_mask (all) / loss_mask & is_masked (masked) / keep (unmasked)."""
+    log_ratio = theta - mu
+    region = {"all": mask, "masked": mask & ~keep, "unmasked": keep}[kl_mask_type]
+    kl = log_ratio**2 if squared else log_ratio
+    per_token = -(keep * adv * torch.exp(log_ratio)) + kl_tau * region * kl
+    return per_token.sum() / mask.sum()
+
+
+def _prime_rl_batch(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    B, T = 4, 7
+    mu = torch.log(torch.rand(B, T, generator=g) * 0.9 + 0.05)
+    theta = (mu + 1.5 * torch.randn(B, T, generator=g)).clamp(max=-1e-3)  # π_θ ≤ 1; some ρ past [1/8, 8]
+    adv = torch.randn(B, 1, generator=g).expand(B, T).contiguous()
+    mask = torch.ones(B, T, dtype=torch.bool)
+    mask[0, 5:] = False
+    mask[2, 3:] = False
+    return theta, mu, adv, mask
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("preset, kl_overrides, kl_tau, kl_mask_type, squared", [
+    ("prime-rl:dppo", {}, 1e-3, "all", True),               # HEAD defaults: the preset as shipped
+    ("prime-rl:ipo", {}, 1e-3, "all", True),
+    ("prime-rl:dppo", {"kl_coef": 0.2}, 0.1, "all", True),   # a kl_tau large enough to matter
+    ("prime-rl:icepop", {"kl_coef": 0.05, "kl_kind": "k1", "kl_to": "rollout", "kl_mask": "valid"}, 0.05, "all", False),
+    ("prime-rl:icepop", {"kl_coef": 0.05, "kl_kind": "k1", "kl_to": "rollout", "kl_mask": "rejected"}, 0.05,
+     "masked", False),
+    ("prime-rl:icepop", {"kl_coef": 0.05, "kl_kind": "k1", "kl_to": "rollout", "kl_mask": "kept"}, 0.05,
+     "unmasked", False),
+])
+def test_prime_rl_kl_term_matches_its_code(seed, preset, kl_overrides, kl_tau, kl_mask_type, squared):
+    theta, mu, adv, mask = _prime_rl_batch(seed)
+    cfg = op.presets.loss(preset).model_copy(update=kl_overrides)
+    cfg = op.LossConfig(**cfg.model_dump())  # re-validate the overrides
+    lp = theta.clone().requires_grad_(True)
+    ours, metrics = op.policy_loss(lp, None, adv, mask.float(), mu, cfg)
+    ours.backward()
+    # prime-rl's keep mask, from its rule as written (prob_diff by A's sign / |Δp| / the ratio band)
+    p_diff = theta.exp() - mu.exp()
+    if preset == "prime-rl:dppo":
+        keep = mask & ~torch.where(adv > 0, p_diff > 0.2, p_diff < -0.2)
+    elif preset == "prime-rl:ipo":
+        keep = mask & ~(p_diff.abs() > 0.1)
+    else:
+        rho = (theta - mu).exp()
+        keep = mask & ~((rho < 0.125) | (rho > 8.0))
+    assert (~keep & mask).any() and keep.any(), "the batch must have both kept and rejected tokens"
+    ref_lp = theta.clone().double().requires_grad_(True)
+    want = _prime_rl_loss(ref_lp, mu.double(), adv.double(), mask, keep, kl_tau, kl_mask_type, squared)
+    want.backward()
+    assert ours.item() == pytest.approx(want.item(), rel=1e-5, abs=1e-6)
+    torch.testing.assert_close(lp.grad.double(), ref_lp.grad, rtol=1e-5, atol=1e-7)
+    # the KL gradient reaches the rejected tokens exactly when prime-rl's does
+    rejected = mask & ~keep
+    assert bool((lp.grad[rejected] != 0).any()) == (kl_mask_type in ("all", "masked"))
+    assert math.isfinite(metrics["kl_ref"])
+
+
+def test_kl_to_rollout_needs_no_ref_and_refuses_one():
+    theta, mu, adv, mask = _prime_rl_batch(0)
+    with pytest.raises(ValueError, match="ref_logprobs= must not be given"):
+        op.policy_loss(theta, None, adv, mask.float(), mu, "prime-rl:dppo", ref_logprobs=mu)
+    # the same loss through kl_to ref with ref_logprobs = μ: identical
+    explicit = op.presets.loss("prime-rl:dppo").model_copy(update={"kl_to": "ref"})
+    a, _ = op.policy_loss(theta, None, adv, mask.float(), mu, "prime-rl:dppo")
+    b, _ = op.policy_loss(theta, None, adv, mask.float(), mu, explicit, ref_logprobs=mu)
+    assert a.item() == b.item()
+
+
+@pytest.mark.parametrize("fields, match", [
+    ({"kl_to": "rollout"}, "kl_coef is 0"),
+    ({"kl_coef": 0.1, "kl_mask": "valid"}, "there is no correction"),
+    ({"kl_coef": 0.1, "kl_mask": "valid", "correction": {"anchor": "rollout", "reject": [
+        {"stat": "ratio", "level": "token", "low": 0.5, "high": 2.0}]}}, "denominator 'fixed'"),
+    ({"kl_coef": 0.1, "kl_mask": "rejected", "correction": {"anchor": "old", "kl_is_weight": True,
+      "weight": {"level": "token", "mode": "truncate", "high": 2.0}, "denominator": "fixed"}}, "kl_is_weight"),
+])
+def test_kl_mask_and_kl_to_are_validated(fields, match):
+    with pytest.raises(ConfigError, match=match):
+        op.LossConfig(**fields)
+
+
+def test_train_refuses_a_kl_to_a_reference_it_does_not_have():
+    with pytest.raises(ConfigError, match="no reference model"):
+        load_train_config(None, ["loss.kl_coef=0.1"])
+    cfg = load_train_config(None, ["loss.kl_coef=0.01", "loss.kl_to=rollout"])
+    assert cfg.loss_config().kl_to == "rollout"
+    # prime-rl's presets bring their KL to μ and train as they are
+    assert load_train_config(None, ["preset=prime-rl:dppo"]).loss_config().correction is not None

@@ -456,6 +456,13 @@ class LossConfig(_Loadable):
     sapo_tau_neg: float = Field(1.05, gt=0)
     kl_coef: float = Field(0.0, ge=0, description="β of the KL-to-reference term; 0 = off")
     kl_kind: Literal["k1", "k2", "k3", "k1+", "k2+", "k3+"] = Field("k3+", description="KL estimator (SPEC §5)")
+    kl_to: Literal["ref", "rollout"] = Field(
+        "ref", description="the KL term's target: ref = the ref_logprobs passed in (a reference model); "
+        "rollout = μ, the engine's log-probs (prime-rl's kl_tau): pass no ref_logprobs")
+    kl_mask: Literal["kept", "valid", "rejected"] = Field(
+        "kept", description="tokens the KL term covers: kept = those the correction keeps; valid = every "
+        "valid token, rejected ones included (prime-rl kl_mask_type all); rejected = only the rejected ones "
+        "(prime-rl 'masked')")
     _section: ClassVar[str] = "loss"
 
     @model_validator(mode="before")
@@ -494,6 +501,23 @@ class LossConfig(_Loadable):
             )
         if corr is not None and corr.kl_is_weight and self.kl_coef == 0:
             raise ValueError("correction.kl_is_weight is set but kl_coef is 0: there is no KL term to weight")
+        for key, default in (("kl_to", "ref"), ("kl_mask", "kept")):
+            if getattr(self, key) != default and self.kl_coef == 0:
+                raise ValueError(f"{key} '{getattr(self, key)}' shapes the KL term but kl_coef is 0: there is no "
+                                 "KL term; set kl_coef > 0 or leave it out")
+        if self.kl_mask != "kept":
+            if corr is None:
+                raise ValueError(f"kl_mask '{self.kl_mask}' reaches tokens a correction rejects, but there is no "
+                                 "correction: every valid token is kept; leave kl_mask at 'kept'")
+            if corr.kl_is_weight:
+                raise ValueError(f"kl_mask '{self.kl_mask}' puts the KL term on rejected tokens, whose weight is 0: "
+                                 "with correction.kl_is_weight it would vanish there; use one or the other")
+            if corr.denominator != "fixed":
+                # renormalize divides by the kept tokens: a KL sum over rejected ones would be counted
+                # in the numerator and not in the denominator
+                raise ValueError(f"kl_mask '{self.kl_mask}' adds loss on rejected tokens, so the denominator must "
+                                 "count them: set correction.denominator 'fixed' (prime-rl's loss_scale is Σ "
+                                 "loss_mask before masking)")
         return self
 
     @classmethod

@@ -12,8 +12,12 @@ Per token, with r_t = exp(clamp(log π_θ − log π_old, ±20)) and advantage A
     sapo:      ℓ = −(4/τ)·σ(τ(r−1))·A,  τ = τ_pos if A > 0 else τ_neg        (soft gate; slope 1 at r = 1)
     reinforce: ℓ = −A·log π_θ
 
-then ℓ ← w·ℓ (IS weights, after clipping and the dual clip), ℓ ← ℓ + β·KL_t (weighted too
-when ``kl_is_weight``), rejected and padding tokens give 0, and aggregation divides once:
+then ℓ ← w·ℓ (IS weights, after clipping and the dual clip), rejected and padding tokens give 0,
+ℓ ← ℓ + β·KL(π_θ ‖ π_ref)_t (weighted too when ``kl_is_weight``) on the ``kl_mask`` tokens —
+the kept ones by default, or every valid token (``valid``) or only the rejected ones
+(``rejected``) — with π_ref the ref_logprobs passed in, or μ under ``kl_to: rollout``
+(prime-rl's kl_tau·(log π_θ − log μ)² is kl_kind k2, β = 2·kl_tau, kl_mask valid) — and
+aggregation divides once:
 
     token-mean               Σ ℓ / N_tokens
     seq-mean-token-mean      mean over non-empty rows of (Σ_t ℓ / n_row)
@@ -89,7 +93,8 @@ def policy_loss(
         rollout_logprobs: [B, T] log μ(y_t); required when ``config.correction`` is set.
         config:           LossConfig (default: PPO, ε = 0.2, token-mean, no correction), or a
                           dict / CorrectionConfig / preset name / YAML path (``as_loss_config``).
-        ref_logprobs:     [B, T] reference log-probs for the KL term (needed if kl_coef > 0;
+        ref_logprobs:     [B, T] reference log-probs for the KL term (needed if kl_coef > 0,
+                          unless ``kl_to`` is 'rollout': then the KL is to μ and this must be None;
                           when given, ``kl_ref`` is reported either way).
         reduce:           False returns the unreduced ``[B, T]`` loss for host frameworks.
         implementation:   "auto" (the fastest rung of ``offpolicy.kernels`` that covers the
@@ -108,8 +113,15 @@ def policy_loss(
     """
     cfg = as_loss_config(config)
     corr_cfg = cfg.correction
+    if cfg.kl_to == "rollout":
+        if ref_logprobs is not None:
+            raise ValueError("kl_to 'rollout' takes the KL term to rollout_logprobs (μ); ref_logprobs= must not be "
+                             "given as well (set kl_to 'ref' to use it)")
+        if rollout_logprobs is None:
+            raise ValueError("kl_to 'rollout' takes the KL term to μ, so rollout_logprobs is required")
+        ref_logprobs = rollout_logprobs
     if cfg.kl_coef > 0 and ref_logprobs is None:
-        raise ValueError(f"kl_coef={cfg.kl_coef} needs ref_logprobs=")
+        raise ValueError(f"kl_coef={cfg.kl_coef} needs ref_logprobs= (or kl_to 'rollout' for a KL to μ)")
     if corr_cfg is not None and rollout_logprobs is None:
         raise ValueError("config.correction is set, so rollout_logprobs (log μ from the inference engine) is required")
     if corr_cfg is not None and corr_cfg.anchor == "old" and old_logprobs is None:

@@ -183,13 +183,18 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, rollout_logprobs, conf
     per_token = TOKEN_LOSSES[cfg.kind](lp, old, adv, cfg, loss_mask, metrics)
     if weights is not None:
         per_token = per_token * weights  # after clipping and the dual clip (SPEC §3)
-    if ref_logprobs is not None:
-        ref = torch.where(loss_mask, ref_logprobs.float(), zero)
-        kl = kl_penalty(lp, ref, cfg.kl_kind)
-        metrics.mean("kl_ref", kl.detach(), loss_mask)
-        if cfg.kl_coef > 0:
-            per_token = per_token + cfg.kl_coef * (kl if kl_weights is None else kl * kl_weights)
     per_token = torch.where(loss_mask, per_token, zero)
+    if ref_logprobs is not None:
+        # the KL term's own tokens: the kept ones, or (prime-rl's kl_tau) every valid token or only
+        # the rejected ones, which need π_θ where the policy term had it selected away
+        kl_mask = {"kept": loss_mask, "valid": valid, "rejected": valid & ~loss_mask}[cfg.kl_mask]
+        lp_kl = lp if cfg.kl_mask == "kept" else torch.where(kl_mask, lp_in, zero)
+        ref = torch.where(kl_mask, ref_logprobs.float(), zero)
+        kl = kl_penalty(lp_kl, ref, cfg.kl_kind)
+        metrics.mean("kl_ref", kl.detach(), kl_mask)
+        if cfg.kl_coef > 0:
+            term = cfg.kl_coef * (kl if kl_weights is None else kl * kl_weights)
+            per_token = per_token + torch.where(kl_mask, term, zero)
     if old is not None:
         log_r = (lp - old).detach().clamp(-RATIO_LOG_CLAMP, RATIO_LOG_CLAMP)
         metrics.mean("approx_kl", torch.exp(log_r) - 1.0 - log_r, loss_mask)  # k3 of π_θ vs π_old

@@ -125,6 +125,13 @@ class TrainConfig(_Strict):
                 "Fix: pick a correction (preset=recommended, preset=areal:token_mask, loss.correction=...), "
                 "or say preset=none to train uncorrected on purpose"
             )
+        loss = self.loss_config()
+        if loss.kl_coef > 0 and loss.kl_to != "rollout":
+            raise ValueError(
+                f"loss.kl_coef={loss.kl_coef} with kl_to 'ref': offpolicy train keeps no reference model, so there "
+                "are no reference log-probs. Fix: loss.kl_to=rollout (a KL to the sampler μ, as prime-rl's kl_tau), "
+                "or loss.kl_coef=0"
+            )
         return self
 
     def loss_config(self) -> LossConfig:
