@@ -7,6 +7,12 @@ on the engine's logits, and staleness (rollouts sampled s policy versions ago).
     python benchmarks/mismatch_sweep.py                       # the table in the README
     python benchmarks/mismatch_sweep.py --steps 40 --seeds 0 --methods none,token_tis
 
+At real lengths (issue #12) the sweep is staged and resumable, in ``sweep_long.py``; ``--task``
+runs it for one task, screen → final → report, with one command:
+
+    python benchmarks/mismatch_sweep.py --task walk            # the long-response table in the README
+    python benchmarks/mismatch_sweep.py --task walk --quick    # CI: < 3 min, asserts runs finish finite
+
 Prints a table (final reward = mean of the last 10 steps, reward AUC = mean reward over all
 steps, mismatch KL k3, masked fraction and ESS averaged over steps) and saves
 ``sweep.json`` and ``sweep.png`` into ``--out``.
@@ -75,7 +81,32 @@ def run_one(method: str, condition: str, seed: int, steps: int, out: Path) -> di
     }
 
 
+def long_sweep(argv: list[str]) -> bool:
+    """``--task T [--quick] [sweep_long options]``: the staged sweep of ``sweep_long.py`` for task T
+    (screen, final with its finalists, report); returns False when ``--task`` is absent."""
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--task")
+    parser.add_argument("--quick", action="store_true")
+    known, rest = parser.parse_known_args(argv)
+    if known.task is None:
+        if known.quick:
+            raise SystemExit("--quick needs --task (e.g. --task walk --quick)")
+        return False
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import sweep_long
+
+    stage = ["--quick"] if known.quick else ["--stage", "all", "--markdown"]
+    sweep_long.main([*stage, "--tasks", known.task, *rest])
+    return True
+
+
 def main() -> None:
+    import sys
+
+    if long_sweep(sys.argv[1:]):
+        return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--seeds", default="0")

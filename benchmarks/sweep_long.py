@@ -52,6 +52,7 @@ class Method:
     summary: str
     correction: str | dict | None = None
     loss: dict | None = None
+    train: dict | None = None  # TrainConfig fields that differ from TASK_RUNS (minibatches, prox_logp)
 
 
 # Geo-RS: the geometric mean of ρ is length-normalised, so its band does not need to widen with
@@ -66,7 +67,10 @@ METHODS: dict[str, Method] = {
                      {"anchor": "old", "reject": [{"stat": "ratio", "level": "geometric", **GEO_BAND}]}),
     "veto": Method("any-token veto: reject rows with a token ρ_t < 1e-4",
                    {"anchor": "old", "reject": [{"stat": "ratio", "level": "any_token", "low": 1e-4}]}),
-    "recommended": Method("seq TIS 2 + any-token veto (the current default)", "recommended"),
+    "seq_tis_veto": Method("seq TIS 2 + any-token veto (`recommended` until this sweep)",
+                           {"anchor": "old", "weight": {"level": "sequence", "mode": "truncate", "high": 2.0},
+                            "reject": [{"stat": "ratio", "level": "any_token", "low": 1e-4}]}),
+    "recommended": Method("the `recommended` preset as it is now", "recommended"),
     "decoupled": Method("AReaL decoupled PPO: ratio to π_prox, behaviour weight ρ_t masked above 5",
                         "areal:token_mask"),
     "bypass": Method("bypass: PPO's ratio is π_θ/μ (two policies)", "verl:bypass_ppo_clip"),
@@ -80,6 +84,14 @@ METHODS: dict[str, Method] = {
                              {"anchor": "old", "weight": {"level": "token", "mode": "truncate",
                                                           "high": {"rule": "quantile", "q": 0.99}}}),
     "m2po": Method("M2PO: drop the largest (log ρ)² until their mean is < 0.04", "areal:m2po"),
+    # two optimizer steps per batch, so that π_old ≠ π_θ on the second and PPO's clip, CISPO and the
+    # proximal policy matter (issue #14: AReaL's log-linear π_prox against the π_old forward)
+    "none_mb2": Method("as none, 2 mini-batches per batch", train={"minibatches": 2}),
+    "decoupled_mb2": Method("decoupled (areal:token_mask), 2 mini-batches, π_old by a forward pass",
+                            "areal:token_mask", train={"minibatches": 2}),
+    "loglinear_mb2": Method("decoupled, 2 mini-batches, π_old = AReaL's log-linear π_prox (no forward)",
+                            "areal:token_mask", train={"minibatches": 2, "prox_logp": "loglinear"}),
+    "bypass_mb2": Method("bypass, 2 mini-batches", "verl:bypass_ppo_clip", train={"minibatches": 2}),
 }
 
 
@@ -97,6 +109,8 @@ TASK_RUNS: dict[str, dict[str, Any]] = {
 }
 STALENESS = (0, 2, 4, 8)
 DTYPES = ("bf16", "fp16")
+# the no-mismatch reference: an fp32 engine at staleness 0 samples from exactly the trainer's policy
+REFERENCE = ("none", 0, "fp32")
 
 
 @dataclass(frozen=True)
@@ -187,7 +201,7 @@ def _fmt(value) -> str:
 
 # ----------------------------------------------------------------------------- one training run
 
-def train_config(job: Job, out: Path, steps: int | None = None):
+def train_config(job: Job, out: Path, steps: int | None = None, overrides: dict | None = None):
     from offpolicy.train.config import TrainConfig
 
     method = METHODS[job.method]
@@ -198,7 +212,7 @@ def train_config(job: Job, out: Path, steps: int | None = None):
     else:
         correction = method.correction or {}  # {} = CorrectionConfig(): measure only
     loss = {**BASE_LOSS, **(method.loss or {}), "correction": correction}
-    run = {**TASK_RUNS[job.task]}
+    run = {**TASK_RUNS[job.task], **(method.train or {}), **(overrides or {})}
     if steps is not None:
         run["steps"] = steps
     return TrainConfig(engine="hf", task=job.task, engine_dtype=job.dtype, max_staleness=job.staleness,
@@ -231,13 +245,14 @@ class TrainRunner:
 
     out: str
     steps: int | None = None
+    overrides: dict | None = None  # TrainConfig fields for every run (--quick shrinks the runs)
 
     def __call__(self, job: Job) -> dict:
         from rich.console import Console
 
         from offpolicy.train.loop import train
 
-        cfg = train_config(job, Path(self.out), self.steps)
+        cfg = train_config(job, Path(self.out), self.steps, self.overrides)
         shutil.rmtree(cfg.out_dir, ignore_errors=True)  # a run cut short last time starts over
         start = time.perf_counter()
         result = train(cfg, progress=False, console=Console(quiet=True))
@@ -267,9 +282,49 @@ def finalists(results: list[dict], task: str, spec: str) -> list[str]:
 
 
 def final_jobs(results: list[dict], tasks: list[str], spec: str, seeds: list[int],
-               staleness: Iterable[int] = STALENESS, dtypes: Iterable[str] = DTYPES) -> list[Job]:
-    return [Job("final", t, m, s, d, seed) for t in tasks for m in finalists(results, t, spec)
-            for s in staleness for d in dtypes for seed in seeds]
+               staleness: Iterable[int] = STALENESS, dtypes: Iterable[str] = DTYPES,
+               reference: bool = True) -> list[Job]:
+    """The finalists at every level; with ``reference``, first the no-mismatch runs (``REFERENCE``:
+    none, staleness 0, fp32 engine) that the goal is measured against."""
+    ref = [Job("final", t, *REFERENCE, seed) for t in tasks for seed in seeds] if reference else []
+    return ref + [Job("final", t, m, s, d, seed) for t in tasks for m in finalists(results, t, spec)
+                  for s in staleness for d in dtypes for seed in seeds]
+
+
+# ----------------------------------------------------------------------------- quick (CI)
+
+# --quick: every stage of the machinery at a size CI affords (< 3 minutes on 2 cores, warm start
+# included): a 10-step warm start, 3 RL steps of 4 prompts × 4, staleness 0 and 2.
+QUICK_METHODS = ("none", "recommended")
+QUICK_STALENESS = (0, 2)
+QUICK_OVERRIDES: dict[str, Any] = {
+    "steps": 3, "prompts_per_step": 4, "group_size": 4,
+    "warm_start": {"max_steps": 10, "eval_every": 5, "eval_problems": 16},
+}
+QUICK_FINITE = ("final_reward", "reward_auc", "kl_k3", "abs_logp_diff_mean", "ess", "masked_fraction",
+                "response_length")
+
+
+def quick_jobs(tasks: list[str], methods: Iterable[str] = QUICK_METHODS) -> list[Job]:
+    return [Job("quick", t, m, s, "bf16", 0) for t in tasks for m in methods for s in QUICK_STALENESS]
+
+
+def check_quick(jobs: list[Job], results: list[dict]) -> list[str]:
+    """What must hold after a quick sweep: every run finished, with finite numbers and a reward
+    per step. (Nothing about which correction wins: 3 steps cannot say.)"""
+    by_key = {r["key"]: r for r in results}
+    problems = []
+    for job in jobs:
+        r = by_key.get(job.key)
+        if r is None:
+            problems.append(f"{job.name}: no result")
+            continue
+        bad = [k for k in QUICK_FINITE if not isinstance(r.get(k), (int, float)) or not math.isfinite(r[k])]
+        if bad:
+            problems.append(f"{job.name}: non-finite {', '.join(bad)}")
+        if len(r.get("rewards", [])) != r.get("steps"):
+            problems.append(f"{job.name}: {len(r.get('rewards', []))} rewards for {r.get('steps')} steps")
+    return problems
 
 
 # ----------------------------------------------------------------------------- report
@@ -364,40 +419,60 @@ def plot(results: list[dict], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--stage", choices=["screen", "final"], default=None)
+    parser.add_argument("--stage", choices=["screen", "final", "all"], default=None,
+                        help="all = screen, then final with --finalists, then the report")
+    parser.add_argument("--quick", action="store_true",
+                        help="CI: none and recommended at staleness 0 and 2, 3 tiny steps each, fresh results in "
+                             "--out (default runs/sweep_quick); exits 1 unless every run finished with finite metrics")
     parser.add_argument("--tasks", default="reverse,walk")
     parser.add_argument("--methods", default=",".join(METHODS), help="screen: the methods to screen")
     parser.add_argument("--finalists", default="auto:4", help="final: auto:K (top K of the screen + none) or a list")
     parser.add_argument("--seeds", default="0,1,2", help="final: seeds")
     parser.add_argument("--staleness", default=",".join(map(str, STALENESS)), help="final: staleness levels")
     parser.add_argument("--dtypes", default=",".join(DTYPES), help="final: engine dtypes")
+    parser.add_argument("--no-reference", action="store_true",
+                        help="final: skip the no-mismatch runs (none, staleness 0, fp32 engine)")
     parser.add_argument("--screen-staleness", type=int, default=4)
     parser.add_argument("--steps", type=int, default=None, help="override the per-task steps (TASK_RUNS)")
     parser.add_argument("--workers", type=int, default=1, help="parallel runs, one process and one thread each")
-    parser.add_argument("--out", default="runs/sweep_long")
+    parser.add_argument("--out", default=None, help="results folder (default runs/sweep_long, --quick: "
+                        "runs/sweep_quick)")
     parser.add_argument("--report", action="store_true", help="only print the table and write the plot")
     parser.add_argument("--markdown", action="store_true", help="also print the table as Markdown")
     args = parser.parse_args(argv)
     from rich.console import Console
 
     console = Console()
-    out = Path(args.out)
+    out = Path(args.out or ("runs/sweep_quick" if args.quick else "runs/sweep_long"))
     path = out / "results.json"
     tasks = args.tasks.split(",")
     unknown = [m for m in args.methods.split(",") if m not in METHODS]
     if unknown:
         raise SystemExit(f"unknown methods {unknown}; known: {', '.join(METHODS)}")
-    if args.stage == "screen":
-        jobs = screen_jobs(tasks, args.methods.split(","), staleness=args.screen_staleness)
-    elif args.stage == "final":
+    if args.workers > 1:
+        os.environ["OMP_NUM_THREADS"] = "1"
+    if args.quick:
+        if path.exists():
+            path.unlink()  # a quick run checks this code, not an older run's results
+        jobs = quick_jobs(tasks)
+        run_sweep(jobs, TrainRunner(str(out), overrides=QUICK_OVERRIDES), path, workers=args.workers,
+                  log=console.print)
+        console.print(table(load_results(path)))
+        problems = check_quick(jobs, load_results(path))
+        if problems:
+            console.print("[red]quick sweep failed:[/red]\n  " + "\n  ".join(problems))
+            raise SystemExit(1)
+        console.print(f"quick sweep: {len(jobs)} runs finished, every metric finite ({path})")
+        return
+    runner = TrainRunner(str(out), args.steps)
+    if args.stage in ("screen", "all"):
+        run_sweep(screen_jobs(tasks, args.methods.split(","), staleness=args.screen_staleness), runner, path,
+                  workers=args.workers, log=console.print)
+    if args.stage in ("final", "all"):
         jobs = final_jobs(load_results(path), tasks, args.finalists, [int(s) for s in args.seeds.split(",")],
-                          [int(s) for s in args.staleness.split(",")], args.dtypes.split(","))
-    else:
-        jobs = []
-    if jobs:
-        if args.workers > 1:
-            os.environ["OMP_NUM_THREADS"] = "1"
-        run_sweep(jobs, TrainRunner(str(out), args.steps), path, workers=args.workers, log=console.print)
+                          [int(s) for s in args.staleness.split(",")], args.dtypes.split(","),
+                          reference=not args.no_reference)
+        run_sweep(jobs, runner, path, workers=args.workers, log=console.print)
     results = load_results(path)
     if not results:
         console.print(f"no results in {path} yet: run --stage screen")

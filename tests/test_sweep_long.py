@@ -74,7 +74,11 @@ def test_final_stage_takes_the_screens_best_plus_none(sweep, tmp_path):
     assert sweep.finalists(results, "walk", "auto:2") == ["none", "token_tis", "seq_tis"]
     assert sweep.finalists(results, "walk", "none,veto") == ["none", "veto"]
     jobs = sweep.final_jobs(results, ["walk"], "auto:2", seeds=[0, 1, 2])
-    assert len(jobs) == 3 * 4 * 2 * 3  # methods × staleness {0,2,4,8} × {bf16, fp16} × seeds
+    # the no-mismatch reference per seed (none, staleness 0, fp32 engine), then
+    # methods × staleness {0,2,4,8} × {bf16, fp16} × seeds
+    assert [(j.method, j.staleness, j.dtype) for j in jobs[:3]] == [("none", 0, "fp32")] * 3
+    assert len(jobs) == 3 + 3 * 4 * 2 * 3
+    assert len(sweep.final_jobs(results, ["walk"], "auto:2", seeds=[0, 1, 2], reference=False)) == 3 * 4 * 2 * 3
     sweep.run_sweep(jobs, FakeRunner(), path, log=lambda _: None)
     assert len(sweep.load_results(path)) == 4 + len(jobs)  # screen results kept, final ones added
     with pytest.raises(SystemExit, match="no screen results"):
@@ -110,7 +114,7 @@ def test_report_table_and_plot(sweep, tmp_path):
     text = console.export_text()
     assert "±" in text and "seq_tis" in text
     md = sweep.markdown(results).splitlines()
-    assert len(md) == 2 + 2 * 2 and "±" in md[2]  # header + (method × staleness) rows
+    assert len(md) == 2 + 1 + 2 * 2 and "±" in md[2]  # header + reference + (method × staleness) rows
     sweep.plot(results, tmp_path / "plot.png")
     assert (tmp_path / "plot.png").stat().st_size > 5_000
 
@@ -129,3 +133,37 @@ class _PicklableRunner:
         import torch
 
         return {**FakeRunner()(job), "threads": torch.get_num_threads()}
+
+
+def test_quick_check_names_what_did_not_hold(sweep):
+    jobs = sweep.quick_jobs(["walk"])
+    assert {(j.method, j.staleness) for j in jobs} == {(m, s) for m in ("none", "recommended") for s in (0, 2)}
+    fake = FakeRunner()
+    results = [{**job.__dict__, "key": job.key, **fake(job), "steps": 2} for job in jobs]
+    assert sweep.check_quick(jobs, results) == []
+    results[0]["kl_k3"] = float("nan")
+    results[1]["rewards"] = [0.1]
+    problems = sweep.check_quick(jobs, results[:-1])
+    assert len(problems) == 3
+    assert "non-finite kl_k3" in problems[0] and "1 rewards for 2 steps" in problems[1] and "no result" in problems[2]
+
+
+@pytest.mark.slow
+def test_quick_long_sweep_as_a_user_types_it(offpolicy_cache, tmp_path):
+    # the CI mode: one command, the long task, every run finishes with finite metrics (< 3 min)
+    import os
+    import subprocess
+
+    out = tmp_path / "quick"
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "mismatch_sweep.py"), "--task", "walk", "--quick",
+                          "--out", str(out)], capture_output=True, text=True, timeout=600, cwd=tmp_path,
+                         env={**os.environ, "OFFPOLICY_CACHE": str(offpolicy_cache), "COLUMNS": "200"})
+    assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
+    assert "4 runs finished, every metric finite" in run.stdout
+    results = json.loads((out / "results.json").read_text())
+    assert sorted((r["method"], r["staleness"]) for r in results) == [
+        ("none", 0), ("none", 2), ("recommended", 0), ("recommended", 2)]
+    assert all(r["task"] == "walk" and len(r["rewards"]) == 3 for r in results)
+    no_task = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "mismatch_sweep.py"), "--quick"],
+                             capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert no_task.returncode != 0 and "--quick needs --task" in no_task.stderr

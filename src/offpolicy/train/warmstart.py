@@ -123,7 +123,11 @@ def default_model(cfg: TrainConfig, progress=None) -> Path:
                 progress(step, ws.max_steps, loss.item(), accuracy)
             if accuracy >= ws.target_accuracy:
                 break
-    if accuracy == 0:
+    if accuracy == 0 and getattr(task, "partial_credit", False):
+        # a partial-credit reward (walk) still ranks the group's completions: RL has a signal
+        log.warning("warm start reached 0%% sampled exact-match accuracy in %d steps; task %r rewards partial "
+                    "answers, so RL proceeds on partial credit alone", step, cfg.task)
+    elif accuracy == 0:
         # exact-match RL from a policy that never succeeds sees no reward at all: refuse, with the fix
         raise RuntimeError(
             f"the warm start of task {cfg.task!r} reached 0% sampled accuracy in {step} steps (warm_start.seed="
