@@ -376,6 +376,72 @@ def markdown(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def kept_share(results: list[dict], stage: str = "final") -> str:
+    """The issue's goal as a Markdown table: per task, engine dtype and staleness, each method's mean
+    final reward as a share of the no-mismatch reference (``REFERENCE``: none, staleness 0, fp32
+    engine, same seeds), and whether ``none`` lost ≥ 30 % there (where a correction must keep ≥ 95 %)."""
+    rows = [r for r in results if r["stage"] == stage]
+    methods = [m for m in METHODS if any(r["method"] == m for r in rows)]
+    lines = ["| task | dtype | staleness | reference | " + " | ".join(methods) + " |",
+             "|---|---|---:|---:|" + "---:|" * len(methods)]
+    for task in sorted({r["task"] for r in rows}):
+        ref = [r["final_reward"] for r in rows if (r["task"], r["method"], r["staleness"], r["dtype"])
+               == (task, *REFERENCE)]
+        if not ref:
+            continue
+        base = statistics.fmean(ref)
+        for dtype in [d for d in DTYPES if any(r["task"] == task and r["dtype"] == d for r in rows)]:
+            for st in sorted({r["staleness"] for r in rows if r["task"] == task and r["dtype"] == dtype}):
+                cells = []
+                for m in methods:
+                    vals = [r["final_reward"] for r in rows
+                            if (r["task"], r["dtype"], r["staleness"], r["method"]) == (task, dtype, st, m)]
+                    share = statistics.fmean(vals) / base if vals and base > 0 else math.nan
+                    mark = "**" if m == "none" and share <= 0.7 else ""
+                    cells.append("" if not vals else f"{mark}{100 * share:.0f} %{mark}")
+                lines.append(f"| {task} | {dtype} | {st} | {base:.3f} (n={len(ref)}) | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _shares(results: list[dict], stage: str = "final") -> dict[tuple, dict[str, float]]:
+    """(task, dtype, staleness) → method → mean final reward / the task's no-mismatch reference."""
+    rows = [r for r in results if r["stage"] == stage]
+    out: dict[tuple, dict[str, float]] = {}
+    for task in sorted({r["task"] for r in rows}):
+        ref = [r["final_reward"] for r in rows if (r["task"], r["method"], r["staleness"], r["dtype"])
+               == (task, *REFERENCE)]
+        if not ref or statistics.fmean(ref) <= 0:
+            continue
+        base = statistics.fmean(ref)
+        for r in rows:
+            if r["task"] != task or (r["method"], r["staleness"], r["dtype"]) == REFERENCE:
+                continue
+            cell = out.setdefault((task, r["dtype"], r["staleness"]), {})
+            cell.setdefault(r["method"], []).append(r["final_reward"] / base)
+    return {k: {m: statistics.fmean(v) for m, v in cell.items()} for k, cell in out.items()}
+
+
+def ranking(results: list[dict], stage: str = "final") -> str:
+    """How `recommended` is chosen: over the cells where uncorrected GRPO keeps ≤ 70 % of the
+    no-mismatch reward (the issue's goal cells), each method's worst and mean share of that reward,
+    and its mean share over every cell; best worst case first (a default must not fail anywhere)."""
+    shares = _shares(results, stage)
+    goal = [k for k, cell in shares.items() if cell.get("none", math.inf) <= 0.7]
+    methods = sorted({m for cell in shares.values() for m in cell if m != "none"})
+    scored = []
+    for m in methods:
+        in_goal = [shares[k][m] for k in goal if m in shares[k]]
+        every = [cell[m] for cell in shares.values() if m in cell]
+        if in_goal:
+            scored.append((min(in_goal), statistics.fmean(in_goal), statistics.fmean(every), len(in_goal), m))
+    lines = [f"goal cells (none ≤ 70 % of the reference): {len(goal)} of {len(shares)}",
+             "| method | worst share in goal cells | mean share in goal cells | mean share, every cell | cells |",
+             "|---|---:|---:|---:|---:|"]
+    for worst, mean_goal, mean_all, n, m in sorted(scored, reverse=True):
+        lines.append(f"| {m} | {100 * worst:.0f} % | {100 * mean_goal:.0f} % | {100 * mean_all:.0f} % | {n} |")
+    return "\n".join(lines)
+
+
 def plot(results: list[dict], path: Path) -> None:
     """Reward curves per method; one row per (stage, task, dtype), one panel per staleness."""
     import matplotlib
@@ -480,6 +546,10 @@ def main(argv: list[str] | None = None) -> None:
     console.print(table(results))
     if args.markdown:
         print(markdown(results))
+        print()
+        print(kept_share(results))
+        print()
+        print(ranking(results))
     plot(results, out / "sweep_long.png")
     console.print(f"results: {path}  plot: {out / 'sweep_long.png'}")
 

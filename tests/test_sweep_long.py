@@ -167,3 +167,20 @@ def test_quick_long_sweep_as_a_user_types_it(offpolicy_cache, tmp_path):
     no_task = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "mismatch_sweep.py"), "--quick"],
                              capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert no_task.returncode != 0 and "--quick needs --task" in no_task.stderr
+
+
+def test_kept_share_and_ranking_against_the_no_mismatch_reference(sweep):
+    def row(method, st, dtype, reward, seed=0):
+        return {"stage": "final", "task": "walk", "method": method, "staleness": st, "dtype": dtype, "seed": seed,
+                "final_reward": reward}
+
+    results = [row("none", 0, "fp32", 0.18, 0), row("none", 0, "fp32", 0.22, 1),  # reference: mean 0.2
+               row("none", 0, "bf16", 0.2), row("bypass", 0, "bf16", 0.2), row("seq_tis", 0, "bf16", 0.21),
+               row("none", 4, "bf16", 0.1), row("bypass", 4, "bf16", 0.19), row("seq_tis", 4, "bf16", 0.15)]
+    table = sweep.kept_share(results)
+    assert "| walk | bf16 | 4 | 0.200 (n=2) | **50 %** | 75 % | 95 % |" in table  # METHODS order: none, seq_tis, bypass
+    assert "| walk | bf16 | 0 | 0.200 (n=2) | 100 % | 105 % | 100 % |" in table
+    ranked = sweep.ranking(results).splitlines()
+    assert ranked[0] == "goal cells (none ≤ 70 % of the reference): 1 of 2"
+    # best worst case first: bypass keeps 95 % where none fell to 50 %, seq TIS 75 %
+    assert ranked[3].startswith("| bypass | 95 % | 95 % | 98 % |") and ranked[4].startswith("| seq_tis | 75 % |")
