@@ -442,32 +442,45 @@ def ranking(results: list[dict], stage: str = "final") -> str:
     return "\n".join(lines)
 
 
-def plot(results: list[dict], path: Path) -> None:
-    """Reward curves per method; one row per (stage, task, dtype), one panel per staleness."""
+def _mean_curve(curves: list[list[float]]) -> list[float]:
+    n = min(len(c) for c in curves)
+    mean = [statistics.fmean(c[k] for c in curves) for k in range(n)]
+    return [statistics.fmean(mean[max(0, k - 4): k + 1]) for k in range(n)]  # 5-step trailing mean
+
+
+def plot(results: list[dict], path: Path, stages: Iterable[str] = ("screen", "final")) -> None:
+    """Reward curves per method (mean over seeds, 5-step mean): one row per (stage, task, dtype),
+    one panel per staleness. The no-mismatch reference (``REFERENCE``) is the dashed black curve in
+    every panel of its task; methods with their own training settings (``*_mb2``) are left to the
+    table."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = sorted({(r["stage"], r["task"], r["dtype"]) for r in results}, key=lambda k: (k[0] != "screen", k[1:]))
+    results = [r for r in results if r["stage"] in stages]
+    ref_dtype = REFERENCE[2]
+    rows = sorted({(r["stage"], r["task"], r["dtype"]) for r in results if r["dtype"] != ref_dtype},
+                  key=lambda k: (k[0] != "screen", k[1:]))
     cols = sorted({r["staleness"] for r in results})
     if not rows:
         return
     fig, axes = plt.subplots(len(rows), len(cols), figsize=(4.2 * len(cols), 3.2 * len(rows)), squeeze=False,
                              constrained_layout=True)
     colors = {m: plt.cm.tab20(i % 20) for i, m in enumerate(METHODS)}
+    plain = [m for m in METHODS if METHODS[m].train is None]
     for i, (stage, task, dtype) in enumerate(rows):
+        reference = [r["rewards"] for r in results if (r["stage"], r["task"], r["method"], r["staleness"],
+                                                        r["dtype"]) == (stage, task, *REFERENCE)]
         for j, st in enumerate(cols):
             ax = axes[i][j]
-            for method in METHODS:
+            if reference:
+                ax.plot(_mean_curve(reference), "k--", lw=1.2, label="no mismatch (none, fp32, staleness 0)")
+            for method in plain:
                 curves = [r["rewards"] for r in results if (r["stage"], r["task"], r["dtype"], r["staleness"],
                                                             r["method"]) == (stage, task, dtype, st, method)]
-                if not curves:
-                    continue
-                n = min(len(c) for c in curves)
-                mean = [statistics.fmean(c[k] for c in curves) for k in range(n)]
-                smooth = [statistics.fmean(mean[max(0, k - 4): k + 1]) for k in range(n)]
-                ax.plot(smooth, label=method, lw=1.4, color=colors[method])
+                if curves:
+                    ax.plot(_mean_curve(curves), label=method, lw=1.4, color=colors[method])
             ax.set_title(f"{stage} · {task} · {dtype} · staleness {st}", fontsize=9)
             ax.grid(alpha=0.3)
             ax.set_xlabel("step")
@@ -478,7 +491,7 @@ def plot(results: list[dict], path: Path) -> None:
             if lab not in labels:
                 handles.append(h)
                 labels.append(lab)
-    axes[0][-1].legend(handles, labels, fontsize=7, loc="lower right")
+    axes[0][-1].legend(handles, labels, fontsize=7, loc="upper right")
     fig.savefig(path, dpi=100)
     plt.close(fig)
 
@@ -550,8 +563,12 @@ def main(argv: list[str] | None = None) -> None:
         print(kept_share(results))
         print()
         print(ranking(results))
-    plot(results, out / "sweep_long.png")
-    console.print(f"results: {path}  plot: {out / 'sweep_long.png'}")
+    plots = []
+    for stage, name in (("screen", "sweep_long_screen.png"), ("final", "sweep_long.png")):
+        if any(r["stage"] == stage for r in results):
+            plot(results, out / name, stages=(stage,))
+            plots.append(str(out / name))
+    console.print(f"results: {path}  plots: {', '.join(plots)}")
 
 
 if __name__ == "__main__":

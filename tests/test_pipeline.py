@@ -180,6 +180,31 @@ def _records(run_dir: Path) -> list[dict]:
 
 
 @pytest.mark.slow
+def test_bypass_never_runs_the_pi_old_forward(offpolicy_cache, tmp_path):
+    # anchor 'rollout' puts μ where π_old would go: with two mini-batches (π_old ≠ π_θ on the second)
+    # the forward would still be wasted, so it is skipped — and the run is the one that computes it
+    bypass = ("steps=2", "minibatches=2", "preset=verl:bypass_ppo_clip")
+    skipped = _records(_run(tmp_path, "bypass", *bypass).run_dir)
+    computed = _records(_run(tmp_path, "bypass-recompute", *bypass, "recompute_old=true").run_dir)
+    assert all(r["time/pi_old"] < 1e-3 for r in skipped) and all(r["time/pi_old"] > 0 for r in computed)
+    for ra, rb in zip(skipped, computed, strict=True):
+        for key in ra:
+            if not key.startswith("time/") and key not in ("step_seconds", "tokens_per_s"):
+                assert ra[key] == rb[key], (ra["step"], key, ra[key], rb[key])
+
+
+def test_which_losses_read_pi_old():
+    from offpolicy.train.loop import uses_old
+
+    assert uses_old(op.presets.loss("recommended").model_copy(update={"correction": op.CorrectionConfig()}))
+    assert not uses_old(op.presets.loss("verl:bypass_ppo_clip"))
+    assert not uses_old(op.presets.loss("slime:current"))  # REINFORCE, weight sg(π_θ)/μ
+    assert not uses_old(op.LossConfig(kind="reinforce"))
+    assert uses_old(op.LossConfig(kind="reinforce", correction={"anchor": "old", "weight": {
+        "level": "token", "mode": "truncate", "high": 2.0}}))  # the weight is π_old/μ
+
+
+@pytest.mark.slow
 def test_pi_old_skip_is_identical_to_recomputing_it(offpolicy_cache, tmp_path):
     skipped = _run(tmp_path, "skip", "steps=3")
     recomputed = _run(tmp_path, "recompute", "steps=3", "recompute_old=true")

@@ -91,6 +91,15 @@ def single_update(cfg: TrainConfig, policy) -> bool:
     return cfg.ppo_epochs == 1 and cfg.minibatches == 1 and not dropout and not cfg.recompute_old
 
 
+def uses_old(loss_cfg: op.LossConfig) -> bool:
+    """Whether the loss reads π_old at all: not under anchor 'rollout' (bypass: policy_loss puts μ in
+    its place), nor for REINFORCE without a correction or with anchor 'current' (no ratio to π_old)."""
+    corr = loss_cfg.correction
+    if corr is not None and corr.anchor == "rollout":
+        return False
+    return not (loss_cfg.kind == "reinforce" and (corr is None or corr.anchor == "current"))
+
+
 def train(cfg: TrainConfig, resume: Path | None = None, console: Console | None = None,
           progress: bool = True) -> RunResult:
     """Run (or resume) ``cfg``; returns the run directory and the summary numbers.
@@ -126,7 +135,8 @@ def train(cfg: TrainConfig, resume: Path | None = None, console: Console | None 
         engine = make_engine(cfg.engine, str(load_from), tokenizer, engine_dtype, seed=cfg.seed,
                              logit_noise=cfg.engine_logit_noise, log_path=run_dir / "engine.log")
         engine.sync_weights(engine_weights(policy, cfg, version, snapshot=False))
-        skip_old = single_update(cfg, policy)
+        # no π_old forward where it equals sg(π_θ) exactly, or where the loss never reads it
+        skip_old = single_update(cfg, policy) or (not uses_old(loss_cfg) and not cfg.recompute_old)
         pipeline = RolloutPipeline(engine, task, tokenizer, sampling, cfg.prompts_per_step, cfg.group_size,
                                    cfg.max_staleness, cfg.seed, pending=state["pending"])
         eval_set = problems(task, cfg.eval_problems, seed=cfg.seed + 20_000)
