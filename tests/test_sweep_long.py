@@ -172,7 +172,7 @@ def test_quick_long_sweep_as_a_user_types_it(offpolicy_cache, tmp_path):
 def test_kept_share_and_ranking_against_the_no_mismatch_reference(sweep):
     def row(method, st, dtype, reward, seed=0):
         return {"stage": "final", "task": "walk", "method": method, "staleness": st, "dtype": dtype, "seed": seed,
-                "final_reward": reward}
+                "final_reward": reward, "eval_accuracy": 2 * reward}
 
     results = [row("none", 0, "fp32", 0.18, 0), row("none", 0, "fp32", 0.22, 1),  # reference: mean 0.2
                row("none", 0, "bf16", 0.2), row("bypass", 0, "bf16", 0.2), row("seq_tis", 0, "bf16", 0.21),
@@ -181,6 +181,10 @@ def test_kept_share_and_ranking_against_the_no_mismatch_reference(sweep):
     assert "| walk | bf16 | 4 | 0.200 (n=2) | **50 %** | 75 % | 95 % |" in table  # METHODS order: none, seq_tis, bypass
     assert "| walk | bf16 | 0 | 0.200 (n=2) | 100 % | 105 % | 100 % |" in table
     ranked = sweep.ranking(results).splitlines()
-    assert ranked[0] == "goal cells (none ≤ 70 % of the reference): 1 of 2"
+    assert ranked[0] == "final_reward: goal cells (none ≤ 70 % of the reference's final reward): 1 of 2"
     # best worst case first: bypass keeps 95 % where none fell to 50 %, seq TIS 75 %
     assert ranked[3].startswith("| bypass | 95 % | 95 % | 98 % |") and ranked[4].startswith("| seq_tis | 75 % |")
+    # accuracy of the trained policy, against the reference's accuracy (0.4); goal cells still by reward
+    results[6]["eval_accuracy"] = 0.5  # bypass at staleness 4: 125 %
+    assert "| walk | bf16 | 4 | 0.400 (n=2) | **50 %** | 75 % | 125 % |" in sweep.kept_share(results, key="eval_accuracy")
+    assert sweep.ranking(results, key="eval_accuracy").splitlines()[3].startswith("| bypass | 125 % |")
