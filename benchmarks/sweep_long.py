@@ -404,6 +404,27 @@ def kept_share(results: list[dict], stage: str = "final", key: str = "final_rewa
     return "\n".join(lines)
 
 
+def matrix(results: list[dict], stage: str = "final", key: str = "final_reward") -> str:
+    """``key`` as mean ± std over seeds, one row per (task, method), one column per (dtype,
+    staleness) — the final stage at a glance (the no-mismatch reference is its own row)."""
+    rows = [r for r in results if r["stage"] == stage]
+    cols = sorted({(r["dtype"], r["staleness"]) for r in rows if r["dtype"] != REFERENCE[2]},
+                  key=lambda c: (DTYPES.index(c[0]) if c[0] in DTYPES else 9, c[1]))
+    lines = ["| task | method | " + " | ".join(f"{d} s={st}" for d, st in cols) + " |",
+             "|---|---|" + "---:|" * len(cols)]
+    for task in sorted({r["task"] for r in rows}):
+        ref = [r[key] for r in rows if (r["task"], r["method"], r["staleness"], r["dtype"]) == (task, *REFERENCE)]
+        if ref:
+            lines.append(f"| {task} | reference (none, {REFERENCE[2]} engine, s=0): {_mean_std(ref)} |"
+                         + " |" * len(cols))
+        for m in [m for m in METHODS if any(r["task"] == task and r["method"] == m for r in rows)]:
+            cells = [_mean_std([r[key] for r in rows if (r["task"], r["method"], r["dtype"], r["staleness"])
+                                == (task, m, d, st)]) for d, st in cols]
+            if any(c != "n/a" for c in cells):
+                lines.append(f"| {task} | {m} | " + " | ".join("" if c == "n/a" else c for c in cells) + " |")
+    return "\n".join(lines)
+
+
 def _shares(results: list[dict], stage: str = "final", key: str = "final_reward") -> dict[tuple, dict[str, float]]:
     """(task, dtype, staleness) → method → mean ``key`` / the task's no-mismatch reference."""
     rows = [r for r in results if r["stage"] == stage]
@@ -564,6 +585,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.markdown:
         print(markdown(results))
         for key in ("final_reward", "eval_accuracy"):
+            print(f"\n{key}, mean ± std over seeds\n")
+            print(matrix(results, key=key))
             print(f"\n{key}, share of the no-mismatch reference\n")
             print(kept_share(results, key=key))
             print()

@@ -184,6 +184,10 @@ def test_kept_share_and_ranking_against_the_no_mismatch_reference(sweep):
     assert ranked[0] == "final_reward: goal cells (none ≤ 70 % of the reference's final reward): 1 of 2"
     # best worst case first: bypass keeps 95 % where none fell to 50 %, seq TIS 75 %
     assert ranked[3].startswith("| bypass | 95 % | 95 % | 98 % |") and ranked[4].startswith("| seq_tis | 75 % |")
+    grid = sweep.matrix(results).splitlines()
+    assert grid[0] == "| task | method | bf16 s=0 | bf16 s=4 |"
+    assert grid[2].startswith("| walk | reference (none, fp32 engine, s=0): 0.200 ± 0.028 |")
+    assert "| walk | bypass | 0.200 | 0.190 |" in grid
     # accuracy of the trained policy, against the reference's accuracy (0.4); goal cells still by reward
     results[6]["eval_accuracy"] = 0.5  # bypass at staleness 4: 125 %
     assert "| walk | bf16 | 4 | 0.400 (n=2) | **50 %** | 75 % | 125 % |" in sweep.kept_share(results, key="eval_accuracy")
