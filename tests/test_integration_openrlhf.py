@@ -62,8 +62,12 @@ CONFIGS = {
     "seq_mis": op.presets.loss("openrlhf:seq-mask-tis"),
     "veto": op.LossConfig(correction=op.CorrectionConfig(
         reject=[{"stat": "ratio", "level": "any_token", "low": 0.5, "high": 2.0}], denominator="fixed")),
-    # recommended = sequence TIS + any-token veto; the host fixes the denominator (renormalize is refused)
+    # recommended = bypass (anchor rollout: PPO on π_θ/μ); the host fixes the denominator (renormalize is refused)
     "recommended": _fixed(op.presets.loss("recommended")),
+    # the default before the long-response sweep: a sequence weight and a row veto through the host
+    "seq_tis_veto": _fixed(op.presets.loss("recommended").model_copy(update={"correction": op.CorrectionConfig(
+        anchor="old", weight={"level": "sequence", "mode": "truncate", "high": 2.0},
+        reject=[{"stat": "ratio", "level": "any_token", "low": 1e-4}])})),
 }
 
 
