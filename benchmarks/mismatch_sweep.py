@@ -24,6 +24,7 @@ import argparse
 import json
 import math
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -92,8 +93,6 @@ def long_sweep(argv: list[str]) -> bool:
         if known.quick:
             raise SystemExit("--quick needs --task (e.g. --task walk --quick)")
         return False
-    import sys
-
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import sweep_long
 
@@ -103,8 +102,6 @@ def long_sweep(argv: list[str]) -> bool:
 
 
 def main() -> None:
-    import sys
-
     if long_sweep(sys.argv[1:]):
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

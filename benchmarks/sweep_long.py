@@ -376,6 +376,11 @@ def markdown(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _reference(rows: list[dict], task: str, key: str) -> list[float]:
+    """``key`` of the task's no-mismatch runs (``REFERENCE``), one value per seed."""
+    return [r[key] for r in rows if (r["task"], r["method"], r["staleness"], r["dtype"]) == (task, *REFERENCE)]
+
+
 def kept_share(results: list[dict], stage: str = "final", key: str = "final_reward") -> str:
     """The issue's goal as a Markdown table: per task, engine dtype and staleness, each method's mean
     ``key`` (final reward — of the rollouts, so of μ, up to s versions old — or ``eval_accuracy``,
@@ -386,8 +391,7 @@ def kept_share(results: list[dict], stage: str = "final", key: str = "final_rewa
     lines = ["| task | dtype | staleness | reference | " + " | ".join(methods) + " |",
              "|---|---|---:|---:|" + "---:|" * len(methods)]
     for task in sorted({r["task"] for r in rows}):
-        ref = [r[key] for r in rows if (r["task"], r["method"], r["staleness"], r["dtype"])
-               == (task, *REFERENCE)]
+        ref = _reference(rows, task, key)
         if not ref:
             continue
         base = statistics.fmean(ref)
@@ -413,7 +417,7 @@ def matrix(results: list[dict], stage: str = "final", key: str = "final_reward")
     lines = ["| task | method | " + " | ".join(f"{d} s={st}" for d, st in cols) + " |",
              "|---|---|" + "---:|" * len(cols)]
     for task in sorted({r["task"] for r in rows}):
-        ref = [r[key] for r in rows if (r["task"], r["method"], r["staleness"], r["dtype"]) == (task, *REFERENCE)]
+        ref = _reference(rows, task, key)
         if ref:
             lines.append(f"| {task} | reference (none, {REFERENCE[2]} engine, s=0): {_mean_std(ref)} |"
                          + " |" * len(cols))
@@ -430,8 +434,7 @@ def _shares(results: list[dict], stage: str = "final", key: str = "final_reward"
     rows = [r for r in results if r["stage"] == stage]
     out: dict[tuple, dict[str, float]] = {}
     for task in sorted({r["task"] for r in rows}):
-        ref = [r[key] for r in rows if (r["task"], r["method"], r["staleness"], r["dtype"])
-               == (task, *REFERENCE)]
+        ref = _reference(rows, task, key)
         if not ref or statistics.fmean(ref) <= 0:
             continue
         base = statistics.fmean(ref)
@@ -495,8 +498,7 @@ def plot(results: list[dict], path: Path, stages: Iterable[str] = ("screen", "fi
     colors = {m: plt.cm.tab20(i % 20) for i, m in enumerate(METHODS)}
     plain = [m for m in METHODS if METHODS[m].train is None]
     for i, (stage, task, dtype) in enumerate(rows):
-        reference = [r["rewards"] for r in results if (r["stage"], r["task"], r["method"], r["staleness"],
-                                                        r["dtype"]) == (stage, task, *REFERENCE)]
+        reference = _reference([r for r in results if r["stage"] == stage], task, "rewards")
         for j, st in enumerate(cols):
             ax = axes[i][j]
             if reference:
@@ -561,8 +563,9 @@ def main(argv: list[str] | None = None) -> None:
         jobs = quick_jobs(tasks)
         run_sweep(jobs, TrainRunner(str(out), overrides=QUICK_OVERRIDES), path, workers=args.workers,
                   log=console.print)
-        console.print(table(load_results(path)))
-        problems = check_quick(jobs, load_results(path))
+        results = load_results(path)
+        console.print(table(results))
+        problems = check_quick(jobs, results)
         if problems:
             console.print("[red]quick sweep failed:[/red]\n  " + "\n  ".join(problems))
             raise SystemExit(1)

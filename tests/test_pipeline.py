@@ -179,6 +179,14 @@ def _records(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+def _assert_same_run(a: list[dict], b: list[dict]) -> None:
+    """Every logged number equal, step by step, except wall-clock times."""
+    for ra, rb in zip(a, b, strict=True):
+        for key in ra:
+            if not key.startswith("time/") and key not in ("step_seconds", "tokens_per_s"):
+                assert ra[key] == rb[key], (ra["step"], key, ra[key], rb[key])
+
+
 @pytest.mark.slow
 def test_bypass_never_runs_the_pi_old_forward(offpolicy_cache, tmp_path):
     # anchor 'rollout' puts μ where π_old would go: with two mini-batches (π_old ≠ π_θ on the second)
@@ -187,10 +195,7 @@ def test_bypass_never_runs_the_pi_old_forward(offpolicy_cache, tmp_path):
     skipped = _records(_run(tmp_path, "bypass", *bypass).run_dir)
     computed = _records(_run(tmp_path, "bypass-recompute", *bypass, "recompute_old=true").run_dir)
     assert all(r["time/pi_old"] < 1e-3 for r in skipped) and all(r["time/pi_old"] > 0 for r in computed)
-    for ra, rb in zip(skipped, computed, strict=True):
-        for key in ra:
-            if not key.startswith("time/") and key not in ("step_seconds", "tokens_per_s"):
-                assert ra[key] == rb[key], (ra["step"], key, ra[key], rb[key])
+    _assert_same_run(skipped, computed)
 
 
 def test_which_losses_read_pi_old():
@@ -211,10 +216,7 @@ def test_pi_old_skip_is_identical_to_recomputing_it(offpolicy_cache, tmp_path):
     a, b = _records(skipped.run_dir), _records(recomputed.run_dir)
     assert all(r["time/pi_old"] < 1e-3 for r in a)  # the skip happened (no forward takes under 1 ms)
     assert all(r["time/pi_old"] > 0 for r in b)
-    for ra, rb in zip(a, b, strict=True):
-        for key in ra:
-            if not key.startswith("time/") and key not in ("step_seconds", "tokens_per_s"):
-                assert ra[key] == rb[key], (ra["step"], key, ra[key], rb[key])
+    _assert_same_run(a, b)
     from safetensors.torch import load_file
 
     wa = load_file(skipped.run_dir / "checkpoints" / "step-3" / "model.safetensors")
