@@ -74,6 +74,14 @@ METHODS: dict[str, Method] = {
     "decoupled": Method("AReaL decoupled PPO: ratio to π_prox, behaviour weight ρ_t masked above 5",
                         "areal:token_mask"),
     "bypass": Method("bypass: PPO's ratio is π_θ/μ (two policies)", "verl:bypass_ppo_clip"),
+    # bypass's trust region is where reverse loses its last points at staleness 8 (clip fraction 6.7 %):
+    # DAPO's clip-higher (ε_high 0.28) and a wider symmetric clip keep more of the stale tokens
+    "bypass_clip_higher": Method("bypass with PPO clip [1 − 0.2, 1 + 0.28] (DAPO's clip-higher)",
+                                 "verl:bypass_ppo_clip", {"clip_low": 0.2, "clip_high": 0.28}),
+    "bypass_0.4": Method("bypass with PPO clip [1 − 0.4, 1 + 0.4]", "verl:bypass_ppo_clip",
+                         {"clip_low": 0.4, "clip_high": 0.4}),
+    "bypass_0.6": Method("bypass with PPO clip [1 − 0.6, 1 + 0.6]", "verl:bypass_ppo_clip",
+                         {"clip_low": 0.6, "clip_high": 0.6}),
     "cispo": Method("CISPO on π_θ/μ: −sg(min(π_θ/μ, 2))·A·log π_θ", {"anchor": "rollout"},
                     {"kind": "cispo", "clip_low": None, "clip_high": 1.0}),
     # bounds chosen from each batch (issue #12 item 2) and AReaL's adaptive mask (issue #14)
@@ -234,6 +242,8 @@ def summarize(rows: list[dict]) -> dict:
         "abs_logp_diff_mean": mean("offpolicy/abs_logp_diff_mean"), "ess": mean("offpolicy/ess"),
         "masked_fraction": mean("offpolicy/masked_fraction"),
         "fraction_above_high": mean("offpolicy/fraction_above_high"),
+        # tokens PPO's clip left without gradient (ratio out of [1-ε, 1+ε] in the direction of A)
+        "clip_fraction": mean("offpolicy/clip_fraction"),
         "response_length": mean("response_length"), "step_seconds": mean("step_seconds"),
         "rewards": [r["reward"] for r in rows],
     }
@@ -376,9 +386,14 @@ def markdown(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _reference_runs(rows: list[dict], task: str) -> list[dict]:
+    """The task's no-mismatch runs (``REFERENCE``), one per seed."""
+    return [r for r in rows if (r["task"], r["method"], r["staleness"], r["dtype"]) == (task, *REFERENCE)]
+
+
 def _reference(rows: list[dict], task: str, key: str) -> list[float]:
-    """``key`` of the task's no-mismatch runs (``REFERENCE``), one value per seed."""
-    return [r[key] for r in rows if (r["task"], r["method"], r["staleness"], r["dtype"]) == (task, *REFERENCE)]
+    """``key`` of the task's no-mismatch runs, one value per seed."""
+    return [r[key] for r in _reference_runs(rows, task)]
 
 
 def kept_share(results: list[dict], stage: str = "final", key: str = "final_reward") -> str:
@@ -408,24 +423,42 @@ def kept_share(results: list[dict], stage: str = "final", key: str = "final_rewa
     return "\n".join(lines)
 
 
-def matrix(results: list[dict], stage: str = "final", key: str = "final_reward") -> str:
-    """``key`` as mean ± std over seeds, one row per (task, method), one column per (dtype,
-    staleness) — the final stage at a glance (the no-mismatch reference is its own row)."""
+def _fmean(rows: list[dict], key: str) -> float:
+    """Mean of ``key`` over the runs that have it (older results lack newer keys): NaN if none."""
+    values = [r[key] for r in rows if isinstance(r.get(key), (int, float)) and not math.isnan(r[key])]
+    return statistics.fmean(values) if values else math.nan
+
+
+def mismatch_cell(rows: list[dict]) -> str:
+    """The engine/trainer mismatch a cell's runs saw: mean KL k3(μ‖π_θ) / mean normalised ESS."""
+    return f"{_fmean(rows, 'kl_k3'):.1e} / {_fmean(rows, 'ess'):.2f}"
+
+
+def dropped_cell(rows: list[dict]) -> str:
+    """Share of tokens without gradient, in %: masked by the correction / clipped by PPO."""
+    return f"{100 * _fmean(rows, 'masked_fraction'):.1f} / {100 * _fmean(rows, 'clip_fraction'):.1f}"
+
+
+def matrix(results: list[dict], stage: str = "final", key: str = "final_reward",
+           cell: Callable[[list[dict]], str] | None = None) -> str:
+    """``key`` as mean ± std over seeds (or ``cell(runs)``), one row per (task, method), one column
+    per (dtype, staleness) — the final stage at a glance (the no-mismatch reference is its own row)."""
+    cell = cell or (lambda rs: _mean_std([r[key] for r in rs]))
     rows = [r for r in results if r["stage"] == stage]
     cols = sorted({(r["dtype"], r["staleness"]) for r in rows if r["dtype"] != REFERENCE[2]},
                   key=lambda c: (DTYPES.index(c[0]) if c[0] in DTYPES else 9, c[1]))
     lines = ["| task | method | " + " | ".join(f"{d} s={st}" for d, st in cols) + " |",
              "|---|---|" + "---:|" * len(cols)]
     for task in sorted({r["task"] for r in rows}):
-        ref = _reference(rows, task, key)
+        ref = _reference_runs(rows, task)
         if ref:
-            lines.append(f"| {task} | reference (none, {REFERENCE[2]} engine, s=0): {_mean_std(ref)} |"
+            lines.append(f"| {task} | reference (none, {REFERENCE[2]} engine, s=0): {cell(ref)} |"
                          + " |" * len(cols))
         for m in [m for m in METHODS if any(r["task"] == task and r["method"] == m for r in rows)]:
-            cells = [_mean_std([r[key] for r in rows if (r["task"], r["method"], r["dtype"], r["staleness"])
-                                == (task, m, d, st)]) for d, st in cols]
-            if any(c != "n/a" for c in cells):
-                lines.append(f"| {task} | {m} | " + " | ".join("" if c == "n/a" else c for c in cells) + " |")
+            runs = [[r for r in rows if (r["task"], r["method"], r["dtype"], r["staleness"]) == (task, m, d, st)]
+                    for d, st in cols]
+            if any(runs):
+                lines.append(f"| {task} | {m} | " + " | ".join(cell(rs) if rs else "" for rs in runs) + " |")
     return "\n".join(lines)
 
 
@@ -549,6 +582,8 @@ def main(argv: list[str] | None = None) -> None:
     from rich.console import Console
 
     console = Console()
+    if not console.is_terminal:  # piped or logged: rich would assume 80 columns and cut the numbers
+        console = Console(width=200)
     out = Path(args.out or ("runs/sweep_quick" if args.quick else "runs/sweep_long"))
     path = out / "results.json"
     tasks = args.tasks.split(",")
@@ -594,6 +629,10 @@ def main(argv: list[str] | None = None) -> None:
             print(kept_share(results, key=key))
             print()
             print(ranking(results, key=key))
+        print("\nmismatch each cell's runs saw: KL k3(μ‖π_θ) / normalised ESS, mean over seeds and steps\n")
+        print(matrix(results, cell=mismatch_cell))
+        print("\ntokens without gradient, %: masked by the correction / clipped by PPO, mean over seeds and steps\n")
+        print(matrix(results, cell=dropped_cell))
     plots = []
     for stage, name in (("screen", "sweep_long_screen.png"), ("final", "sweep_long.png")):
         if any(r["stage"] == stage for r in results):

@@ -192,3 +192,25 @@ def test_kept_share_and_ranking_against_the_no_mismatch_reference(sweep):
     results[6]["eval_accuracy"] = 0.5  # bypass at staleness 4: 125 %
     assert "| walk | bf16 | 4 | 0.400 (n=2) | **50 %** | 75 % | 125 % |" in sweep.kept_share(results, key="eval_accuracy")
     assert sweep.ranking(results, key="eval_accuracy").splitlines()[3].startswith("| bypass | 125 % |")
+
+
+def test_mismatch_and_dropped_tokens_per_cell(sweep):
+    rows = [{"reward": 0.1, "offpolicy/kl_k3": 0.02, "offpolicy/ess": 0.9,
+             "offpolicy/masked_fraction": 0.1, "offpolicy/clip_fraction": 0.03},
+            {"reward": 0.3, "offpolicy/kl_k3": 0.04, "offpolicy/ess": 0.7,
+             "offpolicy/masked_fraction": 0.3, "offpolicy/clip_fraction": 0.05}]
+    run = sweep.summarize(rows)
+    assert run["clip_fraction"] == pytest.approx(0.04) and run["masked_fraction"] == pytest.approx(0.2)
+
+    def cell(method, st, seed, kl, ess, masked, clip):
+        return {"stage": "final", "task": "walk", "method": method, "staleness": st, "dtype": "bf16", "seed": seed,
+                "kl_k3": kl, "ess": ess, "masked_fraction": masked, "clip_fraction": clip}
+
+    results = [cell("none", 4, 0, 0.1, 0.7, 0.0, 0.0), cell("none", 4, 1, 0.3, 0.5, 0.0, 0.0),
+               cell("seq_mis", 4, 0, 0.03, 0.9, 0.6, 0.01), cell("bypass", 4, 0, 0.01, 0.98, 0.0, 0.035)]
+    kl = sweep.matrix(results, cell=sweep.mismatch_cell).splitlines()
+    assert "| walk | none | 2.0e-01 / 0.60 |" in kl  # means over the two seeds
+    dropped = sweep.matrix(results, cell=sweep.dropped_cell).splitlines()
+    assert "| walk | seq_mis | 60.0 / 1.0 |" in dropped and "| walk | bypass | 0.0 / 3.5 |" in dropped
+    del results[3]["clip_fraction"]  # results written before the key existed: shown as unknown, not 0
+    assert "| walk | bypass | 0.0 / nan |" in sweep.matrix(results, cell=sweep.dropped_cell).splitlines()
