@@ -254,7 +254,8 @@ def test_property_host_aggregation_equals_offpolicy(seed: int, b: int, t: int, t
     info = {}
     if global_counts:
         info = {"batch_num_tokens": x["mask"].sum(), "global_batch_size": float(x["mask"].shape[0])}
-    fn = adapter.OffpolicyPolicyLoss(token_level_loss=token_level, loss_config=cfg)
+    fn = adapter.OffpolicyPolicyLoss(clip_eps_low=cfg.clip_low, clip_eps_high=cfg.clip_high,  # as a user must
+                                     token_level_loss=token_level, loss_config=cfg)
     (loss, *_), grad = _host_call(fn, x, **info)
     logp = x["logp"].clone().requires_grad_(True)
     ref, _ = op.policy_loss(logp, x["old"], x["adv"], x["mask"], x["mu"], cfg, implementation="reference")
