@@ -528,8 +528,9 @@ def plot(results: list[dict], path: Path, stages: Iterable[str] = ("screen", "fi
         return
     fig, axes = plt.subplots(len(rows), len(cols), figsize=(4.2 * len(cols), 3.2 * len(rows)), squeeze=False,
                              constrained_layout=True)
-    colors = {m: plt.cm.tab20(i % 20) for i, m in enumerate(METHODS)}
-    plain = [m for m in METHODS if METHODS[m].train is None]
+    plain = [m for m in METHODS if METHODS[m].train is None and any(r["method"] == m for r in results)]
+    palette = plt.cm.tab10 if len(plain) <= 10 else plt.cm.tab20  # distinct colours for the methods shown
+    colors = {m: palette(i % palette.N) for i, m in enumerate(plain)}
     for i, (stage, task, dtype) in enumerate(rows):
         reference = _reference([r for r in results if r["stage"] == stage], task, "rewards")
         for j, st in enumerate(cols):
@@ -551,7 +552,10 @@ def plot(results: list[dict], path: Path, stages: Iterable[str] = ("screen", "fi
             if lab not in labels:
                 handles.append(h)
                 labels.append(lab)
-    axes[0][-1].legend(handles, labels, fontsize=7, loc="upper right")
+    if len(cols) == 1:  # one panel wide (the screen): the legend beside it, not cut off below it
+        fig.legend(handles, labels, fontsize=8, loc="outside right upper")
+    else:
+        fig.legend(handles, labels, fontsize=8, loc="outside lower center", ncol=min(len(labels), 5))
     fig.savefig(path, dpi=100)
     plt.close(fig)
 
