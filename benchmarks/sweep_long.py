@@ -485,7 +485,8 @@ def ranking(results: list[dict], stage: str = "final", key: str = "final_reward"
     and its mean share over every cell; best worst case first (a default must not fail anywhere)."""
     shares = _shares(results, stage, key)
     # goal cells are where none lost ≥ 30 % of its final reward, whichever number is ranked
-    goal = [k for k, cell in _shares(results, stage).items() if cell.get("none", math.inf) <= 0.7]
+    by_reward = shares if key == "final_reward" else _shares(results, stage)
+    goal = [k for k, cell in by_reward.items() if cell.get("none", math.inf) <= 0.7]
     methods = sorted({m for cell in shares.values() for m in cell if m != "none"})
     scored = []
     for m in methods:

@@ -23,6 +23,22 @@ LN2 = math.log(2.0)
 BASE = -3.0  # log μ of every golden token: low enough that log μ + log ρ stays ≤ 0 for ρ ≤ 8
 
 
+def fixed_denominator(cfg):
+    """``cfg`` with ``denominator: fixed``: OpenRLHF and SkyRL fix their token count before the loss."""
+    return cfg.model_copy(update={"correction": cfg.correction.model_copy(update={"denominator": "fixed"})})
+
+
+def previous_recommended():
+    """``recommended`` before the long-response sweep (issue #12): PPO ε = 0.2, token-mean, sequence
+    TIS w = min(Π ρ_t, 2) + the any-token veto at 1e-4 — a sequence weight and a row veto through a
+    host — with the denominator fixed."""
+    import offpolicy as op
+
+    return fixed_denominator(op.LossConfig(correction=op.CorrectionConfig(
+        anchor="old", weight={"level": "sequence", "mode": "truncate", "high": 2.0},
+        reject=[{"stat": "ratio", "level": "any_token", "low": 1e-4}])))
+
+
 def golden_batch() -> dict[str, torch.Tensor]:
     """Four rows, T = 3, with ratios ρ = π_old/μ chosen to be easy on paper:
 

@@ -22,6 +22,8 @@ import torch
 
 openrlhf = pytest.importorskip("openrlhf", reason="OpenRLHF not installed (pip install offpolicy[openrlhf])")
 
+from conftest import fixed_denominator, previous_recommended  # noqa: E402
+
 import offpolicy as op  # noqa: E402
 from offpolicy.config import ConfigError  # noqa: E402
 
@@ -53,21 +55,14 @@ except ImportError as err:  # a dependency of openrlhf/models/{loss,utils}.py mi
     pytest.skip(f"OpenRLHF's openrlhf.models.loss does not import here: {err}", allow_module_level=True)
 from offpolicy.integrations import openrlhf as adapter  # noqa: E402
 
-def _fixed(cfg: op.LossConfig) -> op.LossConfig:
-    return cfg.model_copy(update={"correction": cfg.correction.model_copy(update={"denominator": "fixed"})})
-
-
 CONFIGS = {
     "token_tis": op.presets.loss("openrlhf:tis"),
     "seq_mis": op.presets.loss("openrlhf:seq-mask-tis"),
     "veto": op.LossConfig(correction=op.CorrectionConfig(
         reject=[{"stat": "ratio", "level": "any_token", "low": 0.5, "high": 2.0}], denominator="fixed")),
     # recommended = bypass (anchor rollout: PPO on π_θ/μ); the host fixes the denominator (renormalize is refused)
-    "recommended": _fixed(op.presets.loss("recommended")),
-    # the default before the long-response sweep: a sequence weight and a row veto through the host
-    "seq_tis_veto": _fixed(op.presets.loss("recommended").model_copy(update={"correction": op.CorrectionConfig(
-        anchor="old", weight={"level": "sequence", "mode": "truncate", "high": 2.0},
-        reject=[{"stat": "ratio", "level": "any_token", "low": 1e-4}])})),
+    "recommended": fixed_denominator(op.presets.loss("recommended")),
+    "seq_tis_veto": previous_recommended(),  # the default before the long-response sweep
 }
 
 

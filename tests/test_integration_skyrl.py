@@ -44,13 +44,11 @@ except ImportError as err:  # a SkyRL dependency missing (ray, jaxtyping, skyrl-
 
 from skyrl.train.config.config import AlgorithmConfig, OffPolicyCorrectionConfig, SamplingParams  # noqa: E402
 
+from conftest import fixed_denominator, previous_recommended  # noqa: E402
+
 import offpolicy as op  # noqa: E402
 from offpolicy.config import ConfigError  # noqa: E402
 from offpolicy.integrations import skyrl as adapter  # noqa: E402
-
-def _fixed(cfg: op.LossConfig) -> op.LossConfig:
-    return cfg.model_copy(update={"correction": cfg.correction.model_copy(update={"denominator": "fixed"})})
-
 
 CONFIGS = {
     "token_tis": op.presets.loss("skyrl:token_tis"),
@@ -59,11 +57,8 @@ CONFIGS = {
     "veto": op.presets.loss("skyrl:outlier_mask").model_copy(update={"correction": op.CorrectionConfig(
         reject=[{"stat": "ratio", "level": "any_token", "low": 0.5, "high": 2.0}], denominator="fixed")}),
     # recommended = bypass (anchor rollout: PPO on π_θ/μ); the host fixes the denominator (renormalize is refused)
-    "recommended": _fixed(op.presets.loss("recommended")),
-    # the default before the long-response sweep: a sequence weight and a row veto through the host
-    "seq_tis_veto": _fixed(op.presets.loss("recommended").model_copy(update={"correction": op.CorrectionConfig(
-        anchor="old", weight={"level": "sequence", "mode": "truncate", "high": 2.0},
-        reject=[{"stat": "ratio", "level": "any_token", "low": 1e-4}])})),
+    "recommended": fixed_denominator(op.presets.loss("recommended")),
+    "seq_tis_veto": previous_recommended(),  # the default before the long-response sweep
 }
 
 
