@@ -189,7 +189,10 @@ def test_ctrl_c_saves_a_checkpoint_and_resume_continues(offpolicy_cache, tmp_pat
     env = {**os.environ, "OFFPOLICY_CACHE": str(offpolicy_cache)}
     proc = subprocess.Popen([sys.executable, "-m", "offpolicy", "train", *FAST, "steps=400", f"out_dir={out}", "--no-progress"],
                             stdout=(tmp_path / "stdout").open("w"), stderr=(tmp_path / "stderr").open("w"), text=True,
-                            env=env)  # files, not pipes: a full pipe buffer would block the run before step 3
+                            env=env,  # files, not pipes: a full pipe buffer would block the run before step 3
+                            # a shell starts background jobs with SIGINT ignored, and Python then installs no
+                            # KeyboardInterrupt handler: under `pytest &` the run would ignore the signal and finish
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     # Deterministic (issue #9 item 11): the signal is sent only once the run has provably finished
     # 3 steps (3 lines in metrics.jsonl) and is still running — never on a timer, which sent it
     # during start-up on a slow box (rc 0 instead of 130). The deadline only fails the test.
