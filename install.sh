@@ -24,21 +24,36 @@ install_hosts() {
   "${PIP[@]}" --no-deps trl==1.16.0 verl==0.9.1
   "${PIP[@]}" --no-deps accelerate==1.15.0 tensordict==0.15.3   # both declare torch; torch is already here
   # datasets/pandas/pyarrow: `from trl import GRPOTrainer`; ray, pyvers (tensordict), hydra-core, codetiming:
-  # `import verl` and its actor config. tensordict 0.15.3 (pure Python) though verl declares <=0.10.0: the
-  # compiled 0.8-0.10 wheels are built against older torch releases.
-  "${PIP[@]}" -c "$pins" datasets pandas pyarrow ray "pyvers>=0.2,<0.3" hydra-core codetiming
-  rm -f "$pins"
+  # `import verl` and its actor config; orjson: verl.utils.tracking, which verl's tensordict_utils imports.
+  # tensordict 0.15.3 (pure Python) though verl declares <=0.10.0: the compiled 0.8-0.10 wheels are built
+  # against older torch releases.
+  "${PIP[@]}" -c "$pins" datasets pandas pyarrow ray "pyvers>=0.2,<0.3" hydra-core codetiming orjson
   # OpenRLHF 0.11.2 and SkyRL 0.4.0 for tests/test_integration_{openrlhf,skyrl}.py. --no-deps: both pull GPU
   # stacks (deepspeed, flash-attn, pinned vllm/transformers); peft: `import openrlhf.models`. SkyRL 0.4.0
   # declares Python>=3.12; its loss code imports on 3.11 (the test loads it around skyrl.backends), hence
   # --ignore-requires-python.
   "${PIP[@]}" --no-deps openrlhf==0.11.2 peft==0.18.1
   "${PIP[@]}" --no-deps --ignore-requires-python skyrl==0.4.0
-  # AReaL 1.0.4 for tests/test_areal_parity.py: its loss module needs only these small packages
+  # AReaL 1.0.4 for tests/test_areal_parity.py: its loss module needs only these small packages, and flask
+  # (areal/__init__ imports its inference server); flask with its dependencies, constrained like the rest
   "${PIP[@]}" --no-deps areal==1.0.4 colorlog==6.12.0 tenacity==9.2.1 torchdata==0.11.0 aiofiles==25.1.0
+  "${PIP[@]}" -c "$pins" flask
   "${PIP[@]}" --no-deps skyrl-gym==0.4.0 cloudpathlib==0.26.0 jaxtyping==0.3.11 wadler-lindig==0.1.8 loguru==0.7.3
-  python3 -c "import trl, verl; from trl import GRPOTrainer; print('install.sh: trl', trl.__version__, 'verl', verl.__version__)" 2>/dev/null \
-    || echo "install.sh: trl/verl failed to import; their integration tests will skip"
+  rm -f "$pins"
+  # every host module the suite imports; one that fails makes its tests skip, so say it here, loudly
+  python3 - <<'PY'
+import importlib
+mods = ["trl", "verl.utils.tensordict_utils", "verl.workers.utils.losses", "areal.utils.functional.functional",
+        "areal.api.cli_args", "openrlhf", "skyrl"]
+bad = []
+for m in mods:
+    try:
+        importlib.import_module(m)
+    except Exception as err:  # noqa: BLE001
+        bad.append(f"{m} ({type(err).__name__}: {err})")
+print("install.sh: host frameworks import" if not bad else "install.sh: WARNING, these host modules fail to import "
+      "and their tests will skip: " + "; ".join(bad))
+PY
 }
 if [[ " $* " != *" --no-hosts "* ]]; then install_hosts; fi
 # Triton: the GPU rung's kernels run on the CPU under TRITON_INTERPRET=1, so the tests check them here too

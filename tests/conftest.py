@@ -19,6 +19,26 @@ settings.register_profile(
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
+def require_host(*modules: str, why: str):
+    """Import a host framework's modules, or skip the calling test module with the reason.
+
+    ``pytest.importorskip`` on the top package alone is not enough: a host's package can import while
+    the submodule a test needs fails on a dependency the environment lacks (verl's tensordict_utils
+    needs orjson), which was a collection error, not a skip. Any exception from the *host's* import
+    skips, with its type and message; offpolicy's own adapter is imported after this, unguarded, so a
+    defect of ours still fails.
+    """
+    import importlib
+
+    loaded = []
+    for name in modules:
+        try:
+            loaded.append(importlib.import_module(name))
+        except Exception as err:  # noqa: BLE001 - any failure of the host's own import is a skip
+            pytest.skip(f"{why}: `import {name}` failed with {type(err).__name__}: {err}", allow_module_level=True)
+    return loaded[0] if len(loaded) == 1 else tuple(loaded)
+
+
 LN2 = math.log(2.0)
 BASE = -3.0  # log μ of every golden token: low enough that log μ + log ρ stays ≤ 0 for ρ ≤ 8
 

@@ -18,11 +18,11 @@ import torch
 
 import offpolicy as op
 
-functional = pytest.importorskip(
-    "areal.utils.functional.functional",
-    reason="AReaL 1.0.4 not installed: pip install --no-deps areal==1.0.4 colorlog tenacity torchdata aiofiles",
-)
-cli_args = pytest.importorskip("areal.api.cli_args", reason="AReaL 1.0.4 not installed")
+from conftest import require_host  # noqa: E402
+
+functional, cli_args = require_host(
+    "areal.utils.functional.functional", "areal.api.cli_args",
+    why="AReaL 1.0.4 is not importable (install.sh installs it with colorlog tenacity torchdata aiofiles flask)")
 
 # preset -> AReaL rejection_sampling (None = use_decoupled_loss without it)
 CASES = {

@@ -10,7 +10,9 @@ os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is "exper
 
 import pytest
 
-pytest.importorskip("trl", reason="TRL not installed (install.sh installs trl==1.16.0; pip install offpolicy[trl])")
+from conftest import require_host  # noqa: E402
+
+require_host("trl", "datasets", why="TRL 1.16.0 is not importable (install.sh installs it; pip install offpolicy[trl])")
 
 import torch  # noqa: E402
 from datasets import Dataset  # noqa: E402

@@ -8,7 +8,10 @@ import sys
 
 import pytest
 
-pytest.importorskip("verl", reason="verl not installed (install.sh installs verl==0.9.1; pip install offpolicy[verl])")
+from conftest import require_host
+
+require_host("verl.utils.tensordict_utils", "verl.workers.config", "verl.workers.utils.losses",
+             why="verl 0.9.1 is not importable (install.sh installs it; pip install offpolicy[verl])")
 
 import torch  # noqa: E402
 from verl.utils import tensordict_utils as tu  # noqa: E402
