@@ -296,3 +296,10 @@ def test_readme_stays_a_front_door():
     # issue #24: the README is ≤ ~250 lines; depth goes to docs/ (room left for a few more lines)
     lines = len(_text(README).splitlines())
     assert lines <= 300, f"README.md has {lines} lines; move the depth into docs/*.md"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=[p.name for p in PAGES])
+def test_code_fences_are_balanced(page):
+    # an unclosed ``` swallows the rest of the page, and every check above with it
+    fences = [line for line in _text(page).splitlines() if line.startswith("```")]
+    assert len(fences) % 2 == 0, f"{page.name}: {len(fences)} ``` lines — one is not closed"
