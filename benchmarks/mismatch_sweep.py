@@ -4,13 +4,13 @@ Same seeds, same task, same loss (PPO, ε = 0.2, token-mean); only the correctio
 Mismatch is dialled in on the engine side: a bf16 engine copy, additive logit noise N(0, σ²)
 on the engine's logits, and staleness (rollouts sampled s policy versions ago).
 
-    python benchmarks/mismatch_sweep.py                       # the table in the README
+    python benchmarks/mismatch_sweep.py                       # the table in docs/science.md
     python benchmarks/mismatch_sweep.py --steps 40 --seeds 0 --methods none,token_tis
 
 At real lengths (issue #12) the sweep is staged and resumable, in ``sweep_long.py``; ``--task``
 runs it for one task, screen → final → report, with one command:
 
-    python benchmarks/mismatch_sweep.py --task walk            # the long-response table in the README
+    python benchmarks/mismatch_sweep.py --task walk            # the long-response table in docs/science.md
     python benchmarks/mismatch_sweep.py --task walk --quick    # CI: < 3 min, asserts runs finish finite
 
 Prints a table (final reward = mean of the last 10 steps, reward AUC = mean reward over all

@@ -56,7 +56,7 @@ class Method:
 
 
 # Geo-RS: the geometric mean of ρ is length-normalised, so its band does not need to widen with
-# length — but verl's ±0.1 % rejected 53–99 % of the short-task batches (README), so ±2 % here.
+# length — but verl's ±0.1 % rejected 53–99 % of the short-task batches (docs/science.md), so ±2 % here.
 GEO_BAND = {"low": 0.98, "high": 1.02}
 METHODS: dict[str, Method] = {
     "none": Method("PPO against π_old, no correction (ratios measured only)"),
@@ -375,7 +375,7 @@ def table(results: list[dict]):
 
 
 def markdown(results: list[dict]) -> str:
-    """The table as Markdown (for the README): one row per (stage, task, staleness, dtype, method)."""
+    """The table as Markdown (for docs/science.md): one row per (stage, task, staleness, dtype, method)."""
     lines = ["| stage | task | staleness | dtype | method | seeds | final reward | accuracy | KL k3 | ESS | masked |",
              "|---|---|---:|---|---|---:|---:|---:|---:|---:|---:|"]
     for (stage, task, st, dtype, method), rs in groups(results).items():

@@ -11,7 +11,7 @@ from offpolicy.losses import policy_loss, with_global_normalizer
 from offpolicy.metrics import Metrics
 from offpolicy.proximal import loglinear_proximal
 from offpolicy.sampling import outside_mass_metrics, renormalize_logprobs
-from offpolicy.thresholds import resolve_thresholds
+from offpolicy.step import resolve_thresholds
 
 __version__ = "0.1.0"
 

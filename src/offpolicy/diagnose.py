@@ -27,6 +27,7 @@ import offpolicy as op
 from offpolicy import presets
 from offpolicy.config import ConfigError
 from offpolicy.engines import SamplingConfig, make_engine
+from offpolicy.integrations.dump import load_batch
 from offpolicy.train.batch import Batch, to_batch, trainer_logprobs
 
 POSITION_EDGES = [0, 4, 8, 16, 32, 64, 128, 256, 1 << 30]
@@ -101,8 +102,6 @@ def from_dump(path: Path) -> tuple[Sample, dict[str, Any]]:
     """A ``Sample`` from a host framework's batch dump (``offpolicy.integrations.dump``): the trainer
     view is the dump's ``old_logprobs`` (log π_old), the engine's its ``rollout_logprobs`` (log μ).
     Returns the sample and a description of its source (files, hosts, steps) for the report."""
-    from offpolicy.integrations.dump import load_batch
-
     data = load_batch(path)
     mask = data["mask"]
     rows, t = mask.shape

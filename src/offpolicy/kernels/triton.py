@@ -46,6 +46,7 @@ import torch
 
 from offpolicy import ops
 from offpolicy.config import DivergenceRule, LossConfig, RatioRule, rule_name
+from offpolicy.correction import validate_inputs
 from offpolicy.kernels.common import RATIO_LOG_CLAMP, CoefLoss, CoefTokens
 from offpolicy.metrics import Metrics
 
@@ -727,8 +728,6 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, rollout_logprobs, conf
     the batch holds something the reference must refuse (CPU only — on a GPU that refusal is
     raised by ``Metrics.to_dict``), or when anchor 'old' comes without ``old_logprobs``.
     """
-    from offpolicy.correction import validate_inputs
-
     if triton is None or (not mask.is_cuda and not _interpreted()):
         return None
     corr = config.correction

@@ -12,7 +12,9 @@ from typing import Any, Literal
 import yaml
 from pydantic import Field, model_validator
 
+from offpolicy import presets
 from offpolicy.config import ConfigError, LossConfig, _read_yaml, _Strict
+from offpolicy.tasks import TASKS, make_task
 
 
 NO_CORRECTION = "none"  # preset value that turns the correction off explicitly (async guard)
@@ -84,15 +86,11 @@ class TrainConfig(_Strict):
     def _task_defaults(self) -> TrainConfig:
         """Unset ``max_new_tokens`` and warm-start fields take the task's values."""
         if self.max_new_tokens is None:  # the task's own limit (a frozen model: set once, here)
-            from offpolicy.tasks import make_task
-
             try:
                 limit = make_task(self.task, **self.task_params).max_new_tokens
             except TypeError as err:
                 raise ValueError(f"task_params {self.task_params} do not fit task {self.task!r}: {err}") from None
             object.__setattr__(self, "max_new_tokens", limit)
-        from offpolicy.tasks import TASKS
-
         task_ws = {k: v for k, v in getattr(TASKS[self.task], "warm_start_defaults", {}).items()
                    if k not in self.warm_start.model_fields_set}  # the task's warm start, unless set
         if task_ws:
@@ -107,8 +105,6 @@ class TrainConfig(_Strict):
         if self.engine_logit_noise > 0 and self.engine != "hf":
             raise ValueError("engine_logit_noise is implemented by the hf engine; with vllm use engine_weight_noise")
         if self.preset is not None and self.preset != NO_CORRECTION:
-            from offpolicy import presets
-
             presets.get(self.preset)  # unknown names fail here, with suggestions
         if self.max_staleness > 0 and self.preset is None and self.loss.correction is None:
             # Async guard (issue #14). Under staleness μ is up to s versions behind π_θ; without a
@@ -138,8 +134,6 @@ class TrainConfig(_Strict):
         """``loss``, with the preset's correction when ``loss.correction`` is unset."""
         if self.loss.correction is not None or self.preset in (None, NO_CORRECTION):
             return self.loss
-        from offpolicy import presets
-
         return self.loss.model_copy(update={"correction": presets.correction(self.preset)})
 
 
