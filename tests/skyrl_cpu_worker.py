@@ -89,7 +89,7 @@ def main(path_in: str, path_out: str) -> None:
                                    micro_train_batch_size_per_gpu=tc.micro_train_batch_size_per_gpu)
     worker.strategy.world_size = 1
     worker.device_mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("dp",))
-    worker.mesh_rank = MeshRank(dp=0, sp=0, tp=0, pp=0, world_size=1, dp_size=1)
+    worker.mesh_rank = MeshRank(dp=0, sp=0, tp=0, pp=0, world_size=1, dp_size=1, pp_size=1)
     worker.model = HFModelWrapper(model, bf16=False, temperature=tc.algorithm.temperature)
     worker.optimizer = torch.optim.SGD(worker.model.parameters(), lr=inp["lr"])
     worker.scheduler = torch.optim.lr_scheduler.LambdaLR(worker.optimizer, lambda _: 1.0)

@@ -120,3 +120,23 @@ def test_readme_launch_script_dry_run() -> None:
     got = json.loads(ok.stdout.strip().splitlines()[-1])
     assert got == {"policy_loss": "OffpolicyPolicyLoss", "clip": [0.4, 0.4], "token_level_loss": True,
                    "worker": {"models": "OffpolicyPolicyLoss", "ppo_actor": "OffpolicyPolicyLoss"}}
+
+
+@pytest.mark.skipif(importlib_util.find_spec("flash_attn") is not None and importlib_util.find_spec("deepspeed") is not None,
+                    reason="OpenRLHF's GPU dependencies are installed: openrlhf.models imports as it is")
+def test_adapter_imports_without_openrlhf_s_gpu_dependencies() -> None:
+    # A fresh process without flash-attn/DeepSpeed (this machine): the driver-side API works, and the
+    # loss refuses with the reason instead of failing at `import offpolicy.integrations.openrlhf`.
+    code = ("import json\nfrom offpolicy.integrations import openrlhf as a\n"
+            "env = a.runtime_env('recommended')\n"
+            "try:\n    a.OffpolicyPolicyLoss(loss_config='openrlhf:tis')\n    err = ''\n"
+            "except ImportError as e:\n    err = str(e)\n"
+            "print(json.dumps({'hook': env['worker_process_setup_hook'], 'err': err}))\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600,
+                          check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["hook"] == "offpolicy.integrations.openrlhf.setup_worker"
+    assert "GPU dependencies" in got["err"] and ("flash_attn" in got["err"] or "deepspeed" in got["err"])

@@ -35,9 +35,11 @@ import offpolicy as op  # noqa: E402
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
-# SkyRL's defaults for what matters here: loss_reduction token_mean, temperature 1.0, max_grad_norm 1.0.
+# Explicit where it matters here: token_mean reduction, the grad clip, and SkyRL's own KL term off (on by
+# default, coefficient 1e-3: offpolicy's loss is compared alone); console logger (wandb needs an API key).
 OVERRIDES = ["trainer.logger=console", "trainer.micro_train_batch_size_per_gpu=2", "trainer.algorithm.loss_reduction=token_mean",
-             f"trainer.policy.optimizer_config.max_grad_norm={MAX_NORM}"]
+             f"trainer.policy.optimizer_config.max_grad_norm={MAX_NORM}", "trainer.algorithm.use_kl_loss=false",
+             "trainer.algorithm.use_entropy_loss=false"]
 CFG = fixed_denominator(op.presets.loss("recommended")).model_copy(update={"agg": "token-mean"})
 PLAIN = op.LossConfig(clip_low=CFG.clip_low, clip_high=CFG.clip_high, agg="token-mean")  # no correction
 

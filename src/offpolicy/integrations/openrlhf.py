@@ -24,6 +24,10 @@ Installing it (every Ray worker, plus the driver):
     op_openrlhf.setup_worker()                                      # the driver: vLLM logprobs_mode
     runpy.run_module("openrlhf.cli.train_ppo_ray", run_name="__main__")   # argv as usual
 
+A driver without OpenRLHF's GPU dependencies (``openrlhf.models`` imports flash-attn and
+DeepSpeed at module level in 0.11.2) can still import this module and call ``runtime_env`` /
+``resolve_config``; the loss and :func:`install` then raise an ImportError naming what is missing.
+
 ``runtime_env`` names :func:`setup_worker` as Ray's ``worker_process_setup_hook`` and carries the
 loss config in ``OFFPOLICY_OPENRLHF_LOSS``; in each worker process :func:`setup_worker` replaces
 ``PolicyLoss`` where ``ppo_actor`` imports it from (``openrlhf.models``), forces rollout
