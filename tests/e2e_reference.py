@@ -14,7 +14,7 @@ from offpolicy.tasks.tokenizer import build_char_tokenizer
 MODEL = {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "num_kv_heads": 1, "intermediate_size": 64,
          "max_positions": 32}
 LR = 0.5
-MAX_NORM = 1.0  # both hosts clip the global grad norm at 1.0 by default (OpenRLHF --actor.max_norm, SkyRL max_grad_norm)
+MAX_NORM = 1.0  # both hosts clip the global grad norm at 1.0 by default (--actor.max_norm; SkyRL's max_grad_norm)
 
 
 def response_logprobs(model: torch.nn.Module, b: dict[str, torch.Tensor]) -> torch.Tensor:

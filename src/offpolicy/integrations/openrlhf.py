@@ -68,7 +68,8 @@ try:
 except ImportError as _err:
     if importlib.util.find_spec("openrlhf") is None:  # pragma: no cover - exercised only without OpenRLHF
         raise ImportError(
-            f"offpolicy.integrations.openrlhf needs OpenRLHF ({_err}); install it with `pip install offpolicy[openrlhf]`"
+            f"offpolicy.integrations.openrlhf needs OpenRLHF ({_err}); "
+            "install it with `pip install offpolicy[openrlhf]`"
         ) from _err
     # OpenRLHF is installed but ``openrlhf.models`` imports its GPU stack at module level (flash-attn,
     # DeepSpeed; 0.11.2). A Ray driver on such a machine still needs runtime_env()/resolve_config();
