@@ -33,6 +33,9 @@ install_hosts() {
   # declares Python>=3.12; its loss code imports on 3.11 (the test loads it around skyrl.backends), hence
   # --ignore-requires-python.
   "${PIP[@]}" --no-deps openrlhf==0.11.2 peft==0.18.1
+  # pylatexenc (pure Python, an OpenRLHF requirement): openrlhf.utils imports it, so ppo_actor's training step
+  # in tests/test_e2e_openrlhf.py needs it
+  "${PIP[@]}" --no-deps pylatexenc==2.10
   "${PIP[@]}" --no-deps --ignore-requires-python skyrl==0.4.0
   # AReaL 1.0.4 for tests/test_areal_parity.py: its loss module needs only these small packages, and flask
   # (areal/__init__ imports its inference server); flask with its dependencies, constrained like the rest

@@ -24,6 +24,10 @@ Installing it (every Ray worker, plus the driver):
     op_openrlhf.setup_worker()                                      # the driver: vLLM logprobs_mode
     runpy.run_module("openrlhf.cli.train_ppo_ray", run_name="__main__")   # argv as usual
 
+A driver without OpenRLHF's GPU dependencies (``openrlhf.models`` imports flash-attn and
+DeepSpeed at module level in 0.11.2) can still import this module and call ``runtime_env`` /
+``resolve_config``; the loss and :func:`install` then raise an ImportError naming what is missing.
+
 ``runtime_env`` names :func:`setup_worker` as Ray's ``worker_process_setup_hook`` and carries the
 loss config in ``OFFPOLICY_OPENRLHF_LOSS``; in each worker process :func:`setup_worker` replaces
 ``PolicyLoss`` where ``ppo_actor`` imports it from (``openrlhf.models``), forces rollout
@@ -45,6 +49,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.util
 import inspect
 import os
 import sys
@@ -57,12 +62,21 @@ import offpolicy as op
 from offpolicy.config import ConfigError, CorrectionConfig, LossConfig
 from offpolicy.integrations.dump import BatchDumper
 
+_HOST_IMPORT_ERROR: ImportError | None = None
 try:
     from openrlhf.models.loss import PolicyLoss, aggregate_loss
-except ImportError as _err:  # pragma: no cover - exercised only without OpenRLHF
-    raise ImportError(
-        f"offpolicy.integrations.openrlhf needs OpenRLHF ({_err}); install it with `pip install offpolicy[openrlhf]`"
-    ) from _err
+except ImportError as _err:
+    if importlib.util.find_spec("openrlhf") is None:  # pragma: no cover - exercised only without OpenRLHF
+        raise ImportError(
+            f"offpolicy.integrations.openrlhf needs OpenRLHF ({_err}); "
+            "install it with `pip install offpolicy[openrlhf]`"
+        ) from _err
+    # OpenRLHF is installed but ``openrlhf.models`` imports its GPU stack at module level (flash-attn,
+    # DeepSpeed; 0.11.2). A Ray driver on such a machine still needs runtime_env()/resolve_config();
+    # the loss itself and install() raise _HOST_IMPORT_ERROR's reason when used.
+    _HOST_IMPORT_ERROR = _err
+    PolicyLoss = torch.nn.Module  # type: ignore[misc,assignment]
+    aggregate_loss = None  # type: ignore[assignment]
 
 TESTED_VERSIONS = ("0.11.2",)
 ENV_LOSS = "OFFPOLICY_OPENRLHF_LOSS"
@@ -78,7 +92,17 @@ def host_version() -> str:
         return "unknown"
 
 
+def _require_host() -> None:
+    if _HOST_IMPORT_ERROR is not None:
+        raise ImportError(
+            f"OpenRLHF's openrlhf.models does not import in this process ({_HOST_IMPORT_ERROR}): it needs OpenRLHF's "
+            "GPU dependencies (flash-attn, DeepSpeed). Run the loss where they are installed (the Ray workers); "
+            "runtime_env() and resolve_config() work without them"
+        ) from _HOST_IMPORT_ERROR
+
+
 def _check_version() -> None:
+    _require_host()
     v = host_version()
     if v not in TESTED_VERSIONS and os.environ.get("OFFPOLICY_OPENRLHF_ANY_VERSION") != "1":
         raise RuntimeError(
@@ -132,6 +156,7 @@ class OffpolicyPolicyLoss(PolicyLoss):
                  is_correction_threshold: Any = (0.5, 5.0), *,
                  loss_config: LossConfig | CorrectionConfig | str | None = None,
                  dumper: BatchDumper | None = None) -> None:
+        _require_host()
         super().__init__(clip_eps_low, clip_eps_high, dual_clip, token_level_loss, policy_loss_type,
                          is_correction_level, is_correction_mode, is_correction_gating, is_correction_threshold)
         if is_correction_level != "off":

@@ -1,0 +1,118 @@
+"""Run by tests/test_e2e_skyrl.py in a fresh process: SkyRL 0.4.0's policy worker takes optimizer
+steps with offpolicy's loss, as SkyRL's trainer drives it (``RayPPOTrainer._execute_training_step``:
+advantages pre-scaled by ``apply_loss_reduction_to_advantages_minibatch``, then the worker's
+``forward_backward`` over its micro-batches and ``optim_step``).
+
+SkyRL's own: the config (``SkyRLTrainConfig.from_cli_overrides``, ``validate_cfg``), the loss
+registry and the loss looked up by ``policy_loss_type``, ``PolicyWorkerBase.forward_backward`` /
+``_forward_backward_micro`` / ``optim_step``, ``HFModelWrapper`` around a tiny Qwen2,
+``FSDPStrategy.backward`` / ``optimizer_step`` (grad clip, step, zero), the metric reductions.
+CPU stand-ins, each for a GPU-only piece: the worker object is made without its Ray-actor
+``__init__`` (which asks Ray for its GPU id) and given what ``FSDPPolicyWorker.init_model`` would
+set, minus the FSDP wrapping and with SGD; a gloo process group and a CPU ``dp`` device mesh of
+size 1 (``setup_distributed`` builds a CUDA mesh); ``torch.cuda.current_device()`` → "cpu" (the
+micro-batch's ``to_device`` and the metric all-reduce); import placeholders for flash-attn
+(tests/gpu_placeholders, which ``model_wrapper`` imports at module level and this path never
+calls); ``skyrl.backends`` loaded without its ``__init__`` (the Tinker backend, Python ≥ 3.12).
+
+Usage: python tests/skyrl_cpu_worker.py IN.pt OUT.pt
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.machinery
+import socket
+import sys
+import types
+
+import torch
+import torch.distributed as dist
+
+
+def _skyrl_backends_without_init() -> None:
+    try:
+        importlib.import_module("skyrl.backends")
+        return
+    except Exception:  # noqa: BLE001 - on 3.11 a pydantic error from the Tinker backend
+        pass
+    import skyrl
+
+    for k in [k for k in sys.modules if k.startswith("skyrl.backends")]:
+        del sys.modules[k]
+    pkg = types.ModuleType("skyrl.backends")
+    pkg.__path__ = [skyrl.__path__[0] + "/backends"]
+    pkg.__spec__ = importlib.machinery.ModuleSpec("skyrl.backends", None, is_package=True)
+    sys.modules["skyrl.backends"] = pkg
+
+
+def main(path_in: str, path_out: str) -> None:
+    torch.set_num_threads(1)
+    inp = torch.load(path_in, weights_only=False)
+    _skyrl_backends_without_init()
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from skyrl.backends.skyrl_train.distributed.dispatch import MeshRank
+    from skyrl.backends.skyrl_train.distributed.fsdp_strategy import FSDPStrategy
+    from skyrl.backends.skyrl_train.training_batch import TrainingInputBatch
+    from skyrl.backends.skyrl_train.utils.ppo_utils import (
+        PolicyLossRegistry,
+        apply_loss_reduction_to_advantages_minibatch,
+    )
+    from skyrl.backends.skyrl_train.workers.model_wrapper import HFModelWrapper
+    from skyrl.backends.skyrl_train.workers.worker import PolicyWorkerBase
+    from skyrl.train.config import SkyRLTrainConfig
+
+    from offpolicy.integrations import skyrl as op_skyrl
+    from offpolicy.tasks.model import build_tiny_qwen2
+    from offpolicy.tasks.tokenizer import build_char_tokenizer
+
+    op_skyrl.register(inp["loss_config"])  # the README's order: register, then configure the SkyRL config
+    cfg = op_skyrl.configure(SkyRLTrainConfig.from_cli_overrides(inp["overrides"]))
+    tc = cfg.trainer
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    torch.cuda.current_device = lambda: "cpu"
+
+    model = build_tiny_qwen2(build_char_tokenizer(), **inp["model"])
+    model.load_state_dict(inp["state"])
+    worker = PolicyWorkerBase.__new__(PolicyWorkerBase)
+    worker.cfg = tc
+    worker.profiler = None
+    worker.record_memory = False
+    worker.policy_loss_fn = PolicyLossRegistry.get(tc.algorithm.policy_loss_type)  # as PolicyWorkerBase.__init__
+    worker.strategy = FSDPStrategy(fsdp_config=tc.policy.fsdp_config, optimizer_config=tc.policy.optimizer_config,
+                                   model_config=tc.policy.model, fsdp_strategy=tc.strategy, seed=tc.seed,
+                                   micro_train_batch_size_per_gpu=tc.micro_train_batch_size_per_gpu)
+    worker.strategy.world_size = 1
+    worker.device_mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("dp",))
+    worker.mesh_rank = MeshRank(dp=0, sp=0, tp=0, pp=0, world_size=1, dp_size=1, pp_size=1)
+    worker.model = HFModelWrapper(model, bf16=False, temperature=tc.algorithm.temperature)
+    worker.optimizer = torch.optim.SGD(worker.model.parameters(), lr=inp["lr"])
+    worker.scheduler = torch.optim.lr_scheduler.LambdaLR(worker.optimizer, lambda _: 1.0)
+
+    statuses = []
+    for b in inp["batches"]:
+        # RayPPOTrainer._normalize_advantages, one mini-batch = the whole batch
+        adv = apply_loss_reduction_to_advantages_minibatch(
+            advantages=b["adv"], loss_mask=b["loss_mask"], loss_reduction=tc.algorithm.loss_reduction,
+            micro_batch_size=tc.micro_train_batch_size_per_gpu, max_seq_len=tc.algorithm.max_seq_len)
+        data = TrainingInputBatch({
+            "sequences": b["sequences"], "attention_mask": b["attention_mask"], "loss_mask": b["loss_mask"],
+            "response_mask": torch.ones_like(b["loss_mask"], dtype=torch.long), "action_log_probs": b["old"],
+            "base_action_log_probs": b["old"], "advantages": adv, "rollout_logprobs": b["mu"]})
+        data.metadata = {"response_length": b["loss_mask"].shape[1]}
+        out = worker.forward_backward(data)
+        grad_norm = worker.optim_step()
+        statuses.append({**out.metrics, "grad_norm": grad_norm})
+    torch.save({"loss_fn": type(worker.policy_loss_fn).__qualname__, "policy_loss_type": tc.algorithm.policy_loss_type,
+                "logprobs": cfg.generator.sampling_params.logprobs,
+                "state": {k: v.detach().clone() for k, v in model.state_dict().items()}, "status": statuses}, path_out)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
