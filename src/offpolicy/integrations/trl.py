@@ -63,6 +63,7 @@ from trl import GRPOTrainer
 
 import offpolicy as op
 from offpolicy.config import ConfigError
+from offpolicy.integrations import host
 from offpolicy.integrations.dump import BatchDumper
 
 logger = logging.getLogger(__name__)
@@ -132,16 +133,6 @@ def _check_kl(config: op.LossConfig, beta: float, bias_correction: bool) -> bool
     return beta != 0.0
 
 
-def _host_nonfinite_default(config: op.LossConfig) -> op.LossConfig:
-    """``nonfinite: neutral`` where the config leaves it at the library default (module docstring)."""
-    corr = config.correction
-    if corr is None or "nonfinite" in corr.model_fields_set:
-        return config
-    logger.info("offpolicy: correction.nonfinite left unset: using 'neutral' as TRL does (a NaN sampling log-prob, "
-                "vLLM's None, gets ρ = 1); counted as offpolicy/nonfinite_tokens")
-    return config.model_copy(update={"correction": corr.model_copy(update={"nonfinite": "neutral"})})
-
-
 class OffpolicyGRPOTrainer(GRPOTrainer):
     """``trl.GRPOTrainer`` whose policy loss is offpolicy's ``policy_loss`` (module docstring).
 
@@ -177,7 +168,7 @@ class OffpolicyGRPOTrainer(GRPOTrainer):
             raise ConfigError("GRPOConfig entropy bonus (entropy_coef / adaptive entropy): not carried over by the "
                               "offpolicy adapter; set entropy_coef=0")
         self.offpolicy_trl_kl = _check_kl(config, float(self.beta), a.use_bias_correction_kl)
-        config = _host_nonfinite_default(config)
+        config = host.host_nonfinite_default(config, "trl")
         if self.vllm_importance_sampling_correction:
             if self.use_vllm:
                 logger.warning("offpolicy: GRPOConfig.vllm_importance_sampling_correction=True is switched off; "
@@ -254,14 +245,11 @@ class OffpolicyGRPOTrainer(GRPOTrainer):
         wants_ref = (self.offpolicy_trl_kl or cfg.kl_coef > 0) and cfg.kl_to == "ref"
         ref = inputs.get("ref_per_token_logps") if wants_ref else None
         mode = "train" if self.model.training else "eval"
-        all_masked = not bool(mask.any())
+        all_masked = not host.has_valid_token(mask)
         kl = None
-        if all_masked:
-            # every completion masked (mask_truncated_completions, tools): TRL's own loss is 0 there, while
-            # offpolicy refuses a batch with nothing to train on; the zero stays on the graph (DDP)
-            zero = torch.zeros((), dtype=torch.float32, device=logprobs.device)
-            loss = torch.where(mask > 0, logprobs.float(), zero).sum()
-            loss_mask, metrics = mask, op.Metrics()
+        if all_masked:  # mask_truncated_completions, tools: TRL's own loss is 0 there (host.empty_loss)
+            loss, metrics = host.empty_loss(logprobs, mask)
+            loss_mask = mask
         else:
             per_token, loss_mask, metrics = self.offpolicy_loss(logprobs, old, advantages, mask, rollout, ref)
             if self.top_entropy_quantile < 1.0:  # TRL's entropy mask multiplies the per-token loss, as in 1.16.0
@@ -270,7 +258,7 @@ class OffpolicyGRPOTrainer(GRPOTrainer):
                 kl = self._trl_kl_term(logprobs, ref, old, loss_mask)
                 per_token = per_token + self.beta * kl  # after the entropy mask, as TRL adds it
             loss = self._aggregate(per_token, loss_mask, inputs, mode)
-        metrics.sum("all_masked_micro_batch", float(all_masked))
+            host.micro_batch_metrics(metrics)
         if self.aux_loss_enabled:
             loss = loss + self.router_aux_loss_coef * aux_loss / (self.current_gradient_accumulation_steps
                                                                    if mode == "train" else 1.0)
