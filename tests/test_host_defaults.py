@@ -247,3 +247,165 @@ def test_trl_kl_to_rollout_preset(trl_env):
         _trl_trainer(trl_env, config, beta=0.002)
     with pytest.raises(ConfigError, match="set GRPOConfig.beta to the KL coefficient"):
         _trl_trainer(trl_env, op.LossConfig(kl_coef=0.1), beta=0.04)
+
+
+# =========================================================================== verl, OpenRLHF, SkyRL
+# Each host's loss entry, called the way the host calls it; ``call(cfg, lp, old, adv, mask, mu)``
+# returns (loss, metrics dict with the offpolicy/ prefix).
+def _verl():
+    pytest.importorskip("verl", reason="verl not installed (install.sh installs verl==0.9.1)")
+    from offpolicy.integrations import verl as adapter
+
+    def call(cfg, lp, old, adv, mask, mu):
+        # bypass mode: verl hands the policy loss μ as old_log_prob (adapter docstring)
+        adapter.configure(cfg)
+        try:
+            return adapter.offpolicy_policy_loss(mu, lp, adv, mask, "token-mean", None, None)
+        finally:
+            adapter.configure(None)
+
+    return call
+
+
+def _openrlhf():
+    import importlib
+    import importlib.machinery
+    import sys
+    import types
+
+    openrlhf = pytest.importorskip("openrlhf", reason="OpenRLHF not installed (install.sh installs openrlhf==0.11.2)")
+    try:  # without DeepSpeed/flash-attn: OpenRLHF's real loss.py under a bare package (test_integration_openrlhf)
+        importlib.import_module("openrlhf.models.loss")
+    except ImportError:
+        for k in [k for k in sys.modules if k.startswith("openrlhf.models")]:
+            del sys.modules[k]
+        pkg = types.ModuleType("openrlhf.models")
+        pkg.__path__ = [openrlhf.__path__[0] + "/models"]
+        pkg.__spec__ = importlib.machinery.ModuleSpec("openrlhf.models", None, is_package=True)
+        sys.modules["openrlhf.models"] = pkg
+        added = "deepspeed" not in sys.modules and importlib.util.find_spec("deepspeed") is None
+        if added:
+            sys.modules["deepspeed"] = types.ModuleType("deepspeed")
+        try:
+            importlib.import_module("openrlhf.models.loss")
+        except ImportError as err:
+            pytest.skip(f"OpenRLHF's openrlhf.models.loss does not import here: {err}")
+        finally:
+            if added:
+                del sys.modules["deepspeed"]
+    from offpolicy.integrations import openrlhf as adapter
+
+    def call(cfg, lp, old, adv, mask, mu):
+        fn = adapter.OffpolicyPolicyLoss(clip_eps_low=cfg.clip_low, clip_eps_high=cfg.clip_high,
+                                         dual_clip=cfg.dual_clip, loss_config=cfg)
+        loss, _, ppo_kl, vllm_kl, _ = fn(lp, old, adv, action_mask=mask, rollout_log_probs=mu,
+                                         batch_num_tokens=float(max(mask.sum(), 1)))
+        assert torch.isfinite(ppo_kl) and torch.isfinite(vllm_kl)  # the host's own logged means
+        return loss, fn.pop_metrics()
+
+    return call
+
+
+def _skyrl():
+    import importlib
+    import importlib.machinery
+    import sys
+    import types
+
+    skyrl = pytest.importorskip("skyrl", reason="SkyRL not installed (Python >= 3.12; pip install offpolicy[skyrl])")
+    try:
+        importlib.import_module("skyrl.backends.skyrl_train.utils.ppo_utils")
+    except Exception:  # on 3.11 a pydantic error from skyrl.backends.backend (test_integration_skyrl)
+        for k in [k for k in sys.modules if k.startswith("skyrl.backends")]:
+            del sys.modules[k]
+        pkg = types.ModuleType("skyrl.backends")
+        pkg.__path__ = [skyrl.__path__[0] + "/backends"]
+        pkg.__spec__ = importlib.machinery.ModuleSpec("skyrl.backends", None, is_package=True)
+        sys.modules["skyrl.backends"] = pkg
+        try:
+            importlib.import_module("skyrl.backends.skyrl_train.utils.ppo_utils")
+        except ImportError as err:
+            pytest.skip(f"SkyRL's ppo_utils does not import here: {err}")
+    from skyrl.train.config.config import AlgorithmConfig
+
+    from offpolicy.integrations import skyrl as adapter
+
+    def call(cfg, lp, old, adv, mask, mu):
+        return adapter.OffpolicyLoss(cfg)(lp, old, adv, config=AlgorithmConfig(), loss_mask=mask, rollout_logprobs=mu)
+
+    return call
+
+
+HOSTS = {"verl": _verl, "openrlhf": _openrlhf, "skyrl": _skyrl}
+
+
+def _fixed(cfg: op.LossConfig) -> op.LossConfig:
+    # OpenRLHF and SkyRL fix their token count before the loss (renormalize is refused there)
+    return cfg.model_copy(update={"correction": cfg.correction.model_copy(update={"denominator": "fixed"})})
+
+
+def _host_batch(seed=0, b=4, t=5):
+    g = torch.Generator().manual_seed(seed)
+    lp = -torch.rand(b, t, generator=g) * 2 - 0.05
+    old = (lp + 0.05 * torch.randn(b, t, generator=g)).clamp(max=-1e-3)
+    mu = (old + 0.3 * torch.randn(b, t, generator=g)).clamp(max=-1e-3)
+    adv = torch.randn(b, 1, generator=g).expand(b, t).contiguous()
+    mask = torch.ones(b, t)
+    mask[1, 3:] = 0
+    return lp, old, adv, mask, mu
+
+
+@pytest.mark.parametrize("name", list(HOSTS))
+def test_host_all_masked_micro_batch_is_a_zero_loss(name):
+    """A micro-batch without a valid token: every host's own masked sum is 0 there; the adapters
+    raised ``mask … has no valid token``. Now 0 on the graph, zero gradient, reported."""
+    call = HOSTS[name]()
+    cfg = _fixed(op.presets.loss("recommended"))
+    lp, old, adv, mask, mu = _host_batch()
+    lp = lp.clone().requires_grad_(True)
+    loss, metrics = call(cfg, lp, old, adv, torch.zeros_like(mask), mu)
+    loss.backward()
+    assert loss.item() == 0.0 and lp.grad is not None and bool((lp.grad == 0).all())
+    assert metrics["offpolicy/all_masked_micro_batch"] == 1.0
+    _, metrics = call(cfg, lp.detach(), old, adv, mask, mu)
+    assert metrics["offpolicy/all_masked_micro_batch"] == 0.0
+
+
+@pytest.mark.parametrize("name", list(HOSTS))
+def test_host_nan_sampling_logprob_is_neutral_by_default(name):
+    """A NaN μ on a valid token under a preset that leaves nonfinite unset: no crash; the loss and
+    gradient equal those with μ_t := sg(π_θ)_t (bypass's trainer side: ρ_t = 1); counted."""
+    call = HOSTS[name]()
+    cfg = _fixed(op.presets.loss("recommended"))
+    lp, old, adv, mask, mu = _host_batch()
+    bad, same = mu.clone(), mu.clone()
+    bad[2, 1], same[2, 1] = NAN, lp[2, 1]
+    bad[1, 4] = NAN  # on padding too: never read
+    results = []
+    for m in (bad, same):
+        x = lp.clone().requires_grad_(True)
+        loss, metrics = call(cfg, x, old, adv, mask, m)
+        loss.backward()
+        results.append((loss.detach(), x.grad, metrics))
+    torch.testing.assert_close(results[0][0], results[1][0])
+    torch.testing.assert_close(results[0][1], results[1][1])
+    assert torch.isfinite(results[0][0]) and results[0][2]["offpolicy/nonfinite_tokens"] == 1.0
+
+
+@pytest.mark.parametrize("name", list(HOSTS))
+def test_host_kl_to_rollout_runs_and_kl_to_ref_is_refused(name):
+    """prime-rl:dppo's KL is to μ (kl_to rollout), which every host hands the loss: it runs and
+    equals op.policy_loss; a KL to a reference model (the host's own term) is still refused."""
+    call = HOSTS[name]()
+    cfg = op.LossConfig.from_preset("prime-rl:dppo")
+    lp, old, adv, mask, mu = _host_batch()
+    if name == "verl":
+        old = mu  # bypass mode: π_old := μ
+    loss, metrics = call(cfg, lp, old, adv, mask, mu)
+    per_token, agg_mask, _ = op.policy_loss(lp, old, adv, mask, mu, cfg, reduce=False)
+    total = (per_token * agg_mask).sum()
+    want = total if name == "skyrl" else total / mask.sum()  # SkyRL: Σ over pre-scaled A; the others token-mean
+    torch.testing.assert_close(loss.detach(), want)
+    assert "offpolicy/kl_ref" in metrics and metrics["offpolicy/kl_ref"] > 0  # the KL to μ was computed
+    with pytest.raises(ConfigError, match="kl_to 'ref'"):
+        call(op.LossConfig(kl_coef=0.1, correction=cfg.correction), lp, old, adv, mask, mu)
