@@ -409,3 +409,20 @@ def test_host_kl_to_rollout_runs_and_kl_to_ref_is_refused(name):
     assert "offpolicy/kl_ref" in metrics and metrics["offpolicy/kl_ref"] > 0  # the KL to μ was computed
     with pytest.raises(ConfigError, match="kl_to 'ref'"):
         call(op.LossConfig(kl_coef=0.1, correction=cfg.correction), lp, old, adv, mask, mu)
+
+
+def test_openrlhf_runtime_env_keeps_nonfinite_unset():
+    """The config travels to OpenRLHF's Ray workers as JSON: a nonfinite left unset must arrive
+    unset (then neutral in the worker), an explicit one as given."""
+    _openrlhf()
+    from offpolicy.integrations import openrlhf as adapter
+
+    cfg = _fixed(op.presets.loss("recommended"))
+    sent = adapter.resolve_config(adapter.runtime_env(cfg)["env_vars"][adapter.ENV_LOSS])
+    assert sent == cfg and adapter.OffpolicyPolicyLoss(clip_eps_low=0.4, clip_eps_high=0.4, loss_config=sent
+                                                       ).config.correction.nonfinite == "neutral"
+    strict = cfg.model_copy(update={"correction": cfg.correction.model_copy(update={"nonfinite": "error"})})
+    sent = adapter.resolve_config(adapter.runtime_env(strict)["env_vars"][adapter.ENV_LOSS])
+    assert sent.correction.nonfinite == "error"
+    assert adapter.OffpolicyPolicyLoss(clip_eps_low=0.4, clip_eps_high=0.4, loss_config=sent
+                                       ).config.correction.nonfinite == "error"

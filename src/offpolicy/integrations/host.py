@@ -28,14 +28,27 @@ from offpolicy.config import ConfigError
 logger = logging.getLogger(__name__)
 
 
+_RESOLVED: dict[int, tuple[op.LossConfig, op.LossConfig]] = {}
+
+
 def host_nonfinite_default(config: op.LossConfig, host: str) -> op.LossConfig:
-    """``config`` with ``correction.nonfinite = 'neutral'`` where the field was left unset (module docstring)."""
+    """``config`` with ``correction.nonfinite = 'neutral'`` where the field was left unset (module docstring).
+
+    The same input object gives the same output object (verl resolves its config on every call, and
+    the kernels cache what they support per config object)."""
     corr = config.correction
     if corr is None or "nonfinite" in corr.model_fields_set:
         return config
+    cached = _RESOLVED.get(id(config))
+    if cached is not None and cached[0] is config:
+        return cached[1]
     logger.info("offpolicy (%s): correction.nonfinite left unset: 'neutral' (ρ = 1 on a non-finite log-prob, "
                 "as TRL does for vLLM's None); counted as offpolicy/nonfinite_tokens", host)
-    return config.model_copy(update={"correction": corr.model_copy(update={"nonfinite": "neutral"})})
+    resolved = config.model_copy(update={"correction": corr.model_copy(update={"nonfinite": "neutral"})})
+    if len(_RESOLVED) > 64:
+        _RESOLVED.clear()
+    _RESOLVED[id(config)] = (config, resolved)  # holding the input keeps its id from being reused
+    return resolved
 
 
 def has_valid_token(mask: torch.Tensor) -> bool:

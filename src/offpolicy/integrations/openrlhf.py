@@ -354,7 +354,9 @@ def setup_worker() -> None:
 def runtime_env(config: LossConfig | CorrectionConfig | str, base: dict[str, Any] | None = None) -> dict[str, Any]:
     """A Ray ``runtime_env`` that installs offpolicy in every worker: the setup hook, and the config
     in ``$OFFPOLICY_OPENRLHF_LOSS`` (a preset name or YAML path as given, a config object as JSON)."""
-    cfg_spec = config if isinstance(config, str) else resolve_config(config).model_dump_json()
+    # exclude_unset: a field left unset must stay unset in the workers (an unset correction.nonfinite
+    # becomes the host default 'neutral' there; dumping the default would pin 'error')
+    cfg_spec = config if isinstance(config, str) else resolve_config(config).model_dump_json(exclude_unset=True)
     env = dict(base or {})
     env_vars = {**env.get("env_vars", {}), ENV_LOSS: cfg_spec}
     for key in (ENV_DUMP_DIR, ENV_DUMP_EVERY):
