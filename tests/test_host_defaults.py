@@ -17,6 +17,8 @@ os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is "exper
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import offpolicy as op
 from offpolicy.config import ConfigError
@@ -426,3 +428,18 @@ def test_openrlhf_runtime_env_keeps_nonfinite_unset():
     assert sent.correction.nonfinite == "error"
     assert adapter.OffpolicyPolicyLoss(clip_eps_low=0.4, clip_eps_high=0.4, loss_config=sent
                                        ).config.correction.nonfinite == "error"
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.sampled_from([-1.0, -0.2, NAN, float("inf"), -float("inf")]), min_size=1, max_size=12),
+       st.integers(1, 4))
+def test_empty_loss_is_zero_with_a_zero_gradient_whatever_the_masked_values(values, rows):
+    """host.empty_loss: 0 and a zero, finite gradient for any log-probs under an all-zero mask
+    (a padded micro-batch may hold NaN/inf where nothing counts)."""
+    from offpolicy.integrations.host import empty_loss
+
+    lp = torch.tensor(values * rows).reshape(rows, len(values)).requires_grad_(True)
+    loss, metrics = empty_loss(lp, torch.zeros(rows, len(values)))
+    loss.backward()
+    assert loss.item() == 0.0 and bool((lp.grad == 0).all())
+    assert metrics.to_dict() == {"offpolicy/all_masked_micro_batch": 1.0}
