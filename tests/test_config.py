@@ -123,3 +123,41 @@ def test_every_example_config_loads():
             load_train_config(path)
         else:
             op.LossConfig.from_yaml(path)
+
+
+NAN, INF = float("nan"), float("inf")
+# (model, data, the key the message names) — issue #27 items 6–7: each was accepted before, and did
+# harm: k2 high NaN rejected every token silently (masked_fraction 1, loss 0), OPSM with NaN was off,
+# a truncate low of inf gave a NaN loss and gradient on finite inputs
+NONFINITE = [
+    (op.CorrectionConfig, {"reject": [{"stat": "k2", "level": "token", "high": NAN}]}, "reject.0.k2: high"),
+    (op.CorrectionConfig, {"reject": [{"stat": "k3", "level": "seq_mean", "high": INF}]}, "reject.0.k3: high"),
+    (op.CorrectionConfig, {"reject": [{"stat": "k1", "level": "token", "low": NAN, "high": 1.0}]}, "reject.0.k1: low"),
+    (op.CorrectionConfig, {"reject": [{"stat": "k1", "level": "token", "low": -INF, "high": 1.0}]}, "k1: low"),
+    (op.CorrectionConfig, {"reject": [{"stat": "opsm", "delta": NAN}]}, "reject.0.opsm: delta"),
+    (op.CorrectionConfig, {"weight": {"level": "token", "mode": "truncate", "low": INF}}, "weight: low"),
+    (op.CorrectionConfig, {"weight": {"level": "token", "mode": "truncate", "high": INF}}, "weight: high"),
+    (op.CorrectionConfig, {"weight": {"level": "sequence", "mode": "mask", "low": 0.5, "high": "nan"}}, "weight: high"),
+    (op.CorrectionConfig, {"reject": [{"stat": "ratio", "level": "token", "low": INF}]}, "ratio: low"),
+    (op.CorrectionConfig, {"reject": [{"stat": "m2", "high": INF}]}, "m2: high"),
+    (op.CorrectionConfig, {"reject": [{"stat": "prob_diff", "high": INF}]}, "prob_diff: high"),
+    (op.CorrectionConfig, {"log_clamp": INF}, "log_clamp"),
+    (op.LossConfig, {"kl_coef": INF}, "kl_coef"),
+    (op.LossConfig, {"clip_high": INF}, "clip_high"),
+    (op.LossConfig, {"global_tokens": INF}, "global_tokens"),
+]
+
+
+@pytest.mark.parametrize("cls,data,where", NONFINITE, ids=[w for _, _, w in NONFINITE])
+def test_nonfinite_numbers_are_refused_at_config_time(cls, data, where):
+    message = error_of(cls, **data)
+    assert where in message and "not a finite number" in message and "null" in message
+
+
+def test_nonfinite_bound_in_yaml_is_refused(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("correction:\n  reject:\n    - {stat: k2, level: token, high: .nan}\n")
+    with pytest.raises(ConfigError, match=r"reject\.0\.k2: high: got nan"):
+        op.CorrectionConfig.from_yaml(path)
+    # null stays the open bound, and large finite bounds stay legal
+    assert op.CorrectionConfig(weight={"level": "token", "mode": "truncate", "low": None, "high": 1e30}).weight.high == 1e30

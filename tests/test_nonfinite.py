@@ -142,3 +142,25 @@ def test_half_precision_inputs_are_computed_in_fp32():
     assert loss.dtype == torch.float32
     loss.backward()
     assert lp.grad.dtype == torch.bfloat16 and torch.isfinite(lp.grad.float()).all()
+
+
+RUNGS = ["reference", "eager", "compiled", "triton", "auto"]
+
+
+@pytest.mark.parametrize("shape", [(2, 0), (0, 3)])
+@pytest.mark.parametrize("implementation", RUNGS)
+def test_empty_batch_gives_the_documented_error_on_every_rung(shape, implementation):
+    """Issue #27 item 8: an empty batch raised aminmax's RuntimeError on the eager rung (and so
+    under auto); every rung now raises the reference's ValueError."""
+    if implementation == "triton":
+        pytest.importorskip("triton", reason="the triton rung needs triton (CPU: its interpreter)")
+    z = torch.zeros(shape)
+    with pytest.raises(ValueError, match=rf"mask \({shape[0]}, {shape[1]}\) has no valid token"):
+        op.policy_loss(z.clone().requires_grad_(True), z, z, z, z, "recommended", implementation=implementation)
+
+
+def test_loglinear_proximal_refuses_a_trailing_dimension():
+    """Issue #27 item 9: versions [B, T, 1] broadcast into expand's RuntimeError; the docstring's ValueError now."""
+    lp = torch.full((2, 3), -1.0)
+    with pytest.raises(ValueError, match=r"versions \(2, 3, 1\) must be a scalar, \[B\] or \(2, 3\)"):
+        op.loglinear_proximal(lp, lp, torch.zeros(2, 3, 1, dtype=torch.long), 2)

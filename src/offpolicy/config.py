@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import contextvars
 import difflib
+import math
+import numbers
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal, Union
 
@@ -55,6 +57,24 @@ class _Strict(BaseModel):
                     close = difflib.get_close_matches(str(key), allowed, n=1)
                     hints.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
                 raise ValueError(f"unknown key {', '.join(hints)}; allowed keys: {', '.join(allowed)}")
+        return data
+
+    @model_validator(mode="before")
+    @classmethod
+    def _numbers_are_finite(cls, data: Any) -> Any:
+        # NaN passes every `ge`/`le` comparison-free path and ±inf every one-sided bound: a k2
+        # `high: NaN` rejected every token, a truncate `low: inf` made the loss NaN (issue #27
+        # items 6–7). No option of this package means anything at ±inf/NaN; open is null.
+        if isinstance(data, dict):
+            for key, value in data.items():
+                if isinstance(value, str):
+                    try:
+                        value = float(value)  # pydantic's lax float reads "nan" / "inf" strings
+                    except ValueError:
+                        continue
+                if isinstance(value, numbers.Real) and not isinstance(value, bool) and not math.isfinite(value):
+                    raise ValueError(f"{key}: got {value}, which is not a finite number; every number here must be "
+                                     "finite (a bound left open is written null, or left out)")
         return data
 
     def __init__(self, **data: Any) -> None:

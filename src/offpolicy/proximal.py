@@ -58,7 +58,8 @@ def loglinear_proximal(
         if v.shape[0] != logprobs.shape[0]:
             raise ValueError(f"versions has {v.shape[0]} rows but logprobs has {logprobs.shape[0]}")
         v = v.unsqueeze(-1)
-    elif v.dim() == 2 and v.shape != logprobs.shape:
+    elif v.dim() > 2 or (v.dim() == 2 and v.shape != logprobs.shape):
+        # [B, T, 1] would broadcast into expand's RuntimeError; say which shapes are meant instead
         raise ValueError(f"versions {tuple(v.shape)} must be a scalar, [B] or {tuple(logprobs.shape)}")
     alpha = loglinear_alpha(v, current_version).expand(logprobs.shape)
     mu = rollout_logprobs.detach().float()

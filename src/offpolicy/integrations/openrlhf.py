@@ -36,9 +36,14 @@ log-probs on (``SamplingParams(logprobs=1)`` in ``samples_generator``, ``logprob
 own ``--algo.advantage.is_correction_level`` is on), and adds offpolicy's metrics to
 ``training_step``'s status dict. Everything is guarded by the OpenRLHF version.
 
+Host defaults (``offpolicy.integrations.host``): an unset ``nonfinite`` is ``neutral``; a
+micro-batch without a valid token gives OpenRLHF's zero loss and ``all_masked_micro_batch`` = 1;
+``ppo_kl``/``vllm_kl`` average over valid tokens with finite inputs (never NaN from one bad μ).
+
 Refused: OpenRLHF's own correction (``is_correction_level`` ≠ off) together with offpolicy's —
-the ratio π_old/μ would be applied twice; ``kl_coef`` > 0 (OpenRLHF adds its own KL term from
-``--algo.kl.*``; ``PolicyLoss`` never sees the reference log-probs); ``correction.denominator:
+the ratio π_old/μ would be applied twice; ``kl_coef`` > 0 with ``kl_to: ref`` (OpenRLHF adds its
+own KL term from ``--algo.kl.*``; ``PolicyLoss`` never sees the reference log-probs; a KL to μ,
+``kl_to: rollout``, is computed by offpolicy); ``correction.denominator:
 renormalize`` (OpenRLHF's global token/sample counts are fixed before the loss); clip/dual-clip/
 loss-type arguments that disagree with the LossConfig (the LossConfig governs; the host's values
 must match so its logs do not lie). The aggregation is OpenRLHF's (``--actor.loss_agg_mode``);
@@ -60,6 +65,7 @@ import torch
 
 import offpolicy as op
 from offpolicy.config import ConfigError, CorrectionConfig, LossConfig
+from offpolicy.integrations import host
 from offpolicy.integrations.dump import BatchDumper
 
 _HOST_IMPORT_ERROR: ImportError | None = None
@@ -166,6 +172,7 @@ class OffpolicyPolicyLoss(PolicyLoss):
                 "(offpolicy's setup_worker still requests the rollout log-probs), or do not install offpolicy's loss."
             )
         cfg = resolve_config(loss_config if loss_config is not None else type(self).loss_config)
+        cfg = host.host_nonfinite_default(cfg, "OpenRLHF")
         self._check_agrees(cfg)
         self.config = cfg
         self.dump = dumper if dumper is not None else (type(self).dumper or _dumper_from_env())
@@ -184,12 +191,7 @@ class OffpolicyPolicyLoss(PolicyLoss):
                 "denominator; set correction.denominator 'fixed' (e.g. op.presets.loss('recommended') with "
                 "correction.denominator='fixed')"
             )
-        if cfg.kl_coef > 0:
-            raise ConfigError(
-                f"loss.kl_coef={cfg.kl_coef}: OpenRLHF adds its KL term itself "
-                "(--algo.kl.use_loss, --algo.kl.init_coef) "
-                "and PolicyLoss never receives reference log-probs; set loss.kl_coef 0 and use OpenRLHF's"
-            )
+        host.check_kl(cfg, "OpenRLHF", "--algo.kl.use_loss, --algo.kl.init_coef")
         want_type = "gspo" if cfg.kind == "gspo" else "ppo"
         if self.policy_loss_type != want_type:
             raise ConfigError(
@@ -198,11 +200,11 @@ class OffpolicyPolicyLoss(PolicyLoss):
                 "picks its aggregation)"
             )
         if cfg.kind in ("ppo", "gspo"):
-            host = (self.clip_eps_low, self.clip_eps_high, self.dual_clip)
+            host_clip = (self.clip_eps_low, self.clip_eps_high, self.dual_clip)
             ours = (cfg.clip_low, cfg.clip_high, cfg.dual_clip)
-            if host != ours:
+            if host_clip != ours:
                 raise ConfigError(
-                    f"OpenRLHF --actor.eps_clip_low_high/--actor.dual_clip = {host} but the LossConfig has "
+                    f"OpenRLHF --actor.eps_clip_low_high/--actor.dual_clip = {host_clip} but the LossConfig has "
                     f"(clip_low, clip_high, dual_clip) = {ours}; offpolicy's values are the ones applied — "
                     "set both alike"
                 )
@@ -219,19 +221,27 @@ class OffpolicyPolicyLoss(PolicyLoss):
                 "runtime_env(config))) — OpenRLHF 0.11.2 requests them only when its own correction is on"
             )
         mask = action_mask if action_mask is not None else torch.ones_like(log_probs)
-        per_token, agg_mask, metrics = op.policy_loss(
-            log_probs, old_log_probs, advantages, mask, rollout_log_probs, cfg, reduce=False)
-        loss = aggregate_loss(per_token, agg_mask.to(per_token.dtype), token_level_loss=self.token_level_loss,
-                              dp_size=dp_size, batch_num_tokens=batch_num_tokens, global_batch_size=global_batch_size)
-        m = mask.to(torch.float32)
-        n = m.sum().clamp(min=1.0)  # masked means below; an all-padding micro-batch reports 0, not NaN
+        has_tokens = host.has_valid_token(mask)
+        if has_tokens:
+            per_token, agg_mask, metrics = op.policy_loss(
+                log_probs, old_log_probs, advantages, mask, rollout_log_probs, cfg, reduce=False)
+            loss = aggregate_loss(per_token, agg_mask.to(per_token.dtype), token_level_loss=self.token_level_loss,
+                                  dp_size=dp_size, batch_num_tokens=batch_num_tokens,
+                                  global_batch_size=global_batch_size)
+            host.micro_batch_metrics(metrics)
+        else:  # OpenRLHF's own masked sum is 0 here; offpolicy refuses a batch without a token
+            loss, metrics = host.empty_loss(log_probs, mask)
         dev = log_probs.device
         clip_ratio = torch.tensor(metrics["clip_fraction"] if "clip_fraction" in metrics else 0.0,
                                   device=dev, dtype=torch.float32)
-        ppo_kl = ((old_log_probs.detach().float() - log_probs.detach().float()) * m).sum() / n
+        # the host's logged means, over valid tokens whose inputs are finite: a NaN μ that the nonfinite policy
+        # neutralised in the loss must not turn vllm_kl into NaN (nor NaN padding, NaN · 0 = NaN)
+        ok = (mask != 0) & torch.isfinite(old_log_probs.detach()) & torch.isfinite(log_probs.detach())
+        ppo_kl = _masked_mean(old_log_probs.detach().float() - log_probs.detach().float(), ok)
         vllm_kl = is_filter_ratio = None
         if rollout_log_probs is not None:
-            vllm_kl = ((rollout_log_probs.float() - old_log_probs.detach().float()) * m).sum() / n
+            ok_mu = ok & torch.isfinite(rollout_log_probs)
+            vllm_kl = _masked_mean(rollout_log_probs.float() - old_log_probs.detach().float(), ok_mu)
             # OpenRLHF's is_filter_ratio counts tokens its gate dropped (mask) or clamped (clip): here the
             # rejected fraction plus the fractions outside the weight's band (a token both rejected and
             # outside the band counts twice; capped at 1).
@@ -239,7 +249,7 @@ class OffpolicyPolicyLoss(PolicyLoss):
                            if k in metrics)
             is_filter_ratio = torch.tensor(min(filtered, 1.0), device=dev, dtype=torch.float32)
         self.last_metrics = metrics if self.last_metrics is None else self.last_metrics.merge(metrics)
-        if self.dump is not None and rollout_log_probs is not None:
+        if self.dump is not None and rollout_log_probs is not None and has_tokens:
             self.dump.maybe_dump(self.calls, old_logprobs=old_log_probs, rollout_logprobs=rollout_log_probs,
                                  mask=mask, advantages=advantages.expand_as(mask), logprobs=log_probs,
                                  meta={"step_unit": "PolicyLoss.forward call (micro-batch)"})
@@ -251,6 +261,12 @@ class OffpolicyPolicyLoss(PolicyLoss):
         out = {} if self.last_metrics is None else self.last_metrics.to_dict(prefix=prefix)
         self.last_metrics = None
         return out
+
+
+def _masked_mean(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """Σ x over ``keep`` / max(Σ keep, 1), selecting before summing (0 where nothing is kept)."""
+    zero = torch.zeros((), dtype=x.dtype, device=x.device)
+    return torch.where(keep, x, zero).sum() / keep.sum().clamp(min=1)
 
 
 def _dumper_from_env() -> BatchDumper | None:
@@ -363,7 +379,9 @@ def setup_worker() -> None:
 def runtime_env(config: LossConfig | CorrectionConfig | str, base: dict[str, Any] | None = None) -> dict[str, Any]:
     """A Ray ``runtime_env`` that installs offpolicy in every worker: the setup hook, and the config
     in ``$OFFPOLICY_OPENRLHF_LOSS`` (a preset name or YAML path as given, a config object as JSON)."""
-    cfg_spec = config if isinstance(config, str) else resolve_config(config).model_dump_json()
+    # exclude_unset: a field left unset must stay unset in the workers (an unset correction.nonfinite
+    # becomes the host default 'neutral' there; dumping the default would pin 'error')
+    cfg_spec = config if isinstance(config, str) else resolve_config(config).model_dump_json(exclude_unset=True)
     env = dict(base or {})
     env_vars = {**env.get("env_vars", {}), ENV_LOSS: cfg_spec}
     for key in (ENV_DUMP_DIR, ENV_DUMP_EVERY):

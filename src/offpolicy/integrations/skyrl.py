@@ -29,10 +29,13 @@ losses to the workers through its Ray registry actor):
                                                # rollout log-probs on, SkyRL's own correction refused
 
 Refused: SkyRL's ``algorithm.off_policy_correction`` enabled together with offpolicy's (the ratio
-π_old/μ would be applied twice); ``loss.kl_coef`` > 0 (SkyRL adds its KL itself via
-``use_kl_loss``; the loss never sees reference log-probs); ``correction.denominator:
+π_old/μ would be applied twice); ``loss.kl_coef`` > 0 with ``kl_to: ref`` (SkyRL adds its KL
+itself via ``use_kl_loss``; the loss never sees reference log-probs; a KL to μ, ``kl_to: rollout``,
+is computed by offpolicy); ``correction.denominator:
 renormalize`` (SkyRL's normaliser is fixed before the loss runs); a surrogate that is not
 positively homogeneous in A (``sapo``).
+Host defaults (``offpolicy.integrations.host``): an unset ``nonfinite`` is ``neutral``; a
+micro-batch without a valid token gives SkyRL's zero sum and ``all_masked_micro_batch`` = 1.
 SkyRL's ``eps_clip_*`` / ``clip_ratio_c`` are not read: the LossConfig's clip applies. The
 aggregation is SkyRL's ``loss_reduction`` (any of them); the LossConfig's ``agg`` is not used.
 """
@@ -47,6 +50,7 @@ import torch
 
 import offpolicy as op
 from offpolicy.config import ConfigError, CorrectionConfig, LossConfig
+from offpolicy.integrations import host
 from offpolicy.integrations.dump import BatchDumper
 
 try:
@@ -88,11 +92,7 @@ class OffpolicyLoss:
     the LossConfig to every worker with it."""
 
     def __init__(self, config: LossConfig, dumper: BatchDumper | None = None) -> None:
-        if config.kl_coef > 0:
-            raise ConfigError(
-                f"loss.kl_coef={config.kl_coef}: SkyRL adds its own KL term (trainer.algorithm.use_kl_loss, "
-                "kl_loss_coef) and the loss never receives reference log-probs; set loss.kl_coef 0"
-            )
+        host.check_kl(config, "SkyRL", "trainer.algorithm.use_kl_loss, kl_loss_coef")
         if config.correction is not None and config.correction.denominator == "renormalize":
             raise ConfigError(
                 "loss.correction.denominator='renormalize': SkyRL divides the advantages by its token/sequence "
@@ -105,7 +105,7 @@ class OffpolicyLoss:
                 "loss.kind='sapo': SkyRL's loss_reduction rescales A before the loss, which is exact only for "
                 "surrogates linear in A (ppo, gspo, cispo, reinforce); use SkyRL's own policy_loss_type sapo"
             )
-        self.config = config
+        self.config = host.host_nonfinite_default(config, "SkyRL")
         self.dumper = dumper
         self.calls = 0
 
@@ -130,9 +130,14 @@ class OffpolicyLoss:
                 "(offpolicy.integrations.skyrl.configure(cfg) does)"
             )
         mask = loss_mask if loss_mask is not None else torch.ones_like(log_probs)
+        if not host.has_valid_token(mask):  # SkyRL's own Σ_t ℓ_t m_t is 0 here; offpolicy refuses the batch
+            loss, metrics = host.empty_loss(log_probs, mask)
+            self.calls += 1
+            return loss, metrics.to_dict(prefix=METRIC_PREFIX)
         per_token, agg_mask, metrics = op.policy_loss(
             log_probs, old_log_probs, advantages, mask, rollout_logprobs, cfg, reduce=False)
         loss = (per_token * agg_mask.to(per_token.dtype)).sum()  # SkyRL's reduce_loss: Σ over pre-scaled A
+        host.micro_batch_metrics(metrics)
         if self.dumper is not None and rollout_logprobs is not None:
             self.dumper.maybe_dump(self.calls, old_logprobs=old_log_probs, rollout_logprobs=rollout_logprobs,
                                    mask=mask, logprobs=log_probs,

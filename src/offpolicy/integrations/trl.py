@@ -29,7 +29,20 @@ What the subclass changes (read from trl 1.16.0, trl/trainer/grpo_trainer.py):
   (``off_policy_mask_threshold``) and its ``vespo`` loss (which reads TRL's IS ratio) are refused
   next to an offpolicy correction. A batch that still carries TRL's ``importance_sampling_ratio``
   is refused at the loss.
-* ``beta > 0``: the KL term is offpolicy's (``kl_coef = beta``, ``kl_kind = "k3"``, TRL's estimator).
+* ``beta > 0`` (offpolicy ``kl_coef`` 0): the KL term is TRL's own, reproduced by ``trl_kl`` for both
+  ``use_bias_correction_kl`` settings (True is trl 1.16.0's default) and added after the policy term
+  and TRL's entropy mask, as TRL adds it; it covers the tokens the loss aggregates over (every valid
+  token under ``denominator: fixed``, the kept ones under ``renormalize``), and is logged as TRL's
+  ``kl``. An offpolicy config with its own ``kl_coef`` > 0 keeps offpolicy's estimator (``kl_kind``)
+  and needs ``beta == kl_coef``; one with ``kl_to: rollout`` (a KL to μ, prime-rl presets) needs
+  ``beta = 0`` (no reference model). Anything else is refused at construction, saying what to set.
+* A micro-batch without a valid token (``mask_truncated_completions=True`` masks every truncated
+  completion) gives TRL's zero loss, connected to the graph, and ``offpolicy/all_masked_micro_batch``
+  = 1 (0 on the others, so TRL's average is the fraction of such micro-batches).
+* Non-finite μ (trl 1.16.0 turns vLLM's ``None`` log-prob into NaN, and its own IS ratio takes 1
+  there): the correction's ``nonfinite`` policy applies; left at its library default (``error``),
+  the adapter sets ``neutral`` — TRL's own choice (ρ = 1 on that token), so one bad token does not
+  end a run — and logs the count as ``offpolicy/nonfinite_tokens``. An explicit ``nonfinite`` wins.
 * Metrics: ``Metrics.all_reduce`` across ranks, then every ``offpolicy/*`` value is appended to
   ``self._metrics[mode]``, which TRL averages into its logs.
 * ``dump_dir`` + ``dump_steps``/``dump_every``: the tensors offpolicy saw, for
@@ -50,12 +63,14 @@ from trl import GRPOTrainer
 
 import offpolicy as op
 from offpolicy.config import ConfigError
+from offpolicy.integrations import host
 from offpolicy.integrations.dump import BatchDumper
 
 logger = logging.getLogger(__name__)
 
 TESTED_VERSION = "1.16.0"
 SUPPORTED_LOSS_TYPES = ("grpo", "sapo", "bnpo", "dr_grpo", "dapo", "cispo", "luspo")
+_LOG_CLAMP = 20.0  # SPEC §2: every log-ratio is clamped before exp
 # forward kwargs TRL passes to _get_per_token_logps_and_entropies in 1.16.0 (multimodal models)
 _FORWARD_KEYS = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes",
                  "num_tiles", "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids")
@@ -69,6 +84,53 @@ def _loss_config(config: op.LossConfig | str | dict) -> op.LossConfig:
     if isinstance(config, dict):
         return op.LossConfig(**config)
     raise ConfigError(f"offpolicy_config: expected a preset name, a dict or an op.LossConfig, got {type(config).__name__}")
+
+
+def trl_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, old_logprobs: torch.Tensor,
+           bias_correction: bool) -> torch.Tensor:
+    """TRL's per-token KL term (trl 1.16.0 ``GRPOTrainer._compute_loss``), ``[B, T]`` fp32, gradient
+    through ``logprobs`` only:
+
+        k3_t = exp(log π_ref − log π_θ) − (log π_ref − log π_θ) − 1
+        use_bias_correction_kl=True:   k3_t · r_t,   r_t = exp(log π_θ − sg(log π_old))
+
+    r_t is differentiable (DeepSeek-V3.2's unbiased KL): it changes the gradient even where r_t = 1,
+    d(k3·r)/dlog π_θ = (1 − π_ref/π_θ)·r + k3·r. Unlike ``offpolicy.kl_penalty`` the k3 value is
+    not clamped to [−10, 10] (TRL's is not; issue #27 item 3). Only the log-ratios are clamped to
+    ±20 before ``exp`` (the package's rule), so this equals TRL wherever |log π_ref − log π_θ| ≤ 20
+    and |log π_θ − log π_old| ≤ 20, where TRL's own value already exceeds e^20 ≈ 4.9e8.
+    """
+    x = (ref_logprobs.float().detach() - logprobs.float()).clamp(-_LOG_CLAMP, _LOG_CLAMP)  # [B, T]
+    kl = torch.exp(x) - x - 1.0
+    if bias_correction:
+        log_r = (logprobs.float() - old_logprobs.float().detach()).clamp(-_LOG_CLAMP, _LOG_CLAMP)
+        kl = kl * torch.exp(log_r)
+    return kl
+
+
+def _check_kl(config: op.LossConfig, beta: float, bias_correction: bool) -> bool:
+    """Whether the adapter adds TRL's own KL term (``trl_kl``); refuse what would differ from TRL silently.
+
+    Raises:
+        ConfigError: a KL setting of the offpolicy config that GRPOConfig.beta cannot carry (names the fix).
+    """
+    if config.kl_coef > 0 and config.kl_to == "rollout":
+        if beta != 0.0:
+            raise ConfigError(
+                f"offpolicy kl_to='rollout' (a KL to the sampling log-probs μ, kl_coef={config.kl_coef}) with "
+                f"GRPOConfig.beta={beta}: TRL would load a reference model and add its own KL to it as well. Set "
+                "GRPOConfig.beta=0 (the KL to μ needs no reference model), or loss.kl_coef=0 for TRL's KL instead")
+        return False
+    if config.kl_coef > 0:
+        if config.kl_coef != beta:
+            raise ConfigError(f"offpolicy kl_coef={config.kl_coef} but GRPOConfig.beta={beta}: TRL computes the "
+                              "reference log-probs only when beta > 0; set GRPOConfig.beta to the KL coefficient, or "
+                              "loss.kl_coef=0 to use TRL's own KL term with coefficient beta")
+        logger.warning("offpolicy: the KL term is offpolicy's kl_kind=%r with kl_coef=%s, not TRL's k3%s; set the "
+                       "offpolicy loss.kl_coef=0 to get TRL's own term", config.kl_kind, config.kl_coef,
+                       " times π_θ/π_old (use_bias_correction_kl)" if bias_correction else "")
+        return False
+    return beta != 0.0
 
 
 class OffpolicyGRPOTrainer(GRPOTrainer):
@@ -105,12 +167,8 @@ class OffpolicyGRPOTrainer(GRPOTrainer):
         if getattr(self, "_entropy_bonus_enabled", False):
             raise ConfigError("GRPOConfig entropy bonus (entropy_coef / adaptive entropy): not carried over by the "
                               "offpolicy adapter; set entropy_coef=0")
-        beta = float(self.beta)
-        if beta != 0.0 and config.kl_coef == 0.0:
-            config = config.model_copy(update={"kl_coef": beta, "kl_kind": "k3"})  # TRL's estimator and weight
-        elif config.kl_coef != beta:
-            raise ConfigError(f"offpolicy kl_coef={config.kl_coef} but GRPOConfig.beta={beta}: TRL computes the "
-                              "reference log-probs only when beta > 0; set GRPOConfig.beta to the KL coefficient")
+        self.offpolicy_trl_kl = _check_kl(config, float(self.beta), a.use_bias_correction_kl)
+        config = host.host_nonfinite_default(config, "trl")
         if self.vllm_importance_sampling_correction:
             if self.use_vllm:
                 logger.warning("offpolicy: GRPOConfig.vllm_importance_sampling_correction=True is switched off; "
@@ -147,6 +205,18 @@ class OffpolicyGRPOTrainer(GRPOTrainer):
             return masked.sum() / normalizer
         return masked.sum(-1).mean() / accum  # luspo
 
+    def _trl_kl_term(self, logprobs: torch.Tensor, ref: torch.Tensor, old: torch.Tensor,
+                     loss_mask: torch.Tensor) -> torch.Tensor:
+        """``trl_kl`` on the tokens the loss aggregates over, 0 elsewhere, ``[B, T]`` fp32."""
+        kept = loss_mask > 0
+        zero = torch.zeros((), dtype=torch.float32, device=logprobs.device)
+        # off the mask the inputs may be NaN (the nonfinite policy removed those tokens): select them away
+        # before any arithmetic; a bad π_old on a kept token (neutral) takes the bias ratio 1, as ρ did
+        old = torch.where(kept & torch.isfinite(old), old.float(), logprobs.detach().float())
+        kl = trl_kl(torch.where(kept, logprobs.float(), zero), torch.where(kept, ref.float(), zero),
+                    torch.where(kept, old, zero), self.args.use_bias_correction_kl)
+        return torch.where(kept, kl, zero)
+
     def _compute_loss(self, model, inputs):
         completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
         input_ids = torch.cat([inputs["prompt_ids"], completion_ids], dim=1)
@@ -169,16 +239,34 @@ class OffpolicyGRPOTrainer(GRPOTrainer):
         if self.offpolicy_config.correction is not None and rollout is None:
             raise RuntimeError("offpolicy: the correction needs the sampling log-probs μ, and this batch has none: use "
                                "use_vllm=True, or a rollout_func that returns per-token 'logprobs'")
-        ref = inputs.get("ref_per_token_logps") if self.offpolicy_config.kl_coef > 0 else None
-        per_token, loss_mask, metrics = self.offpolicy_loss(logprobs, old, advantages, mask, rollout, ref)
-        if self.top_entropy_quantile < 1.0:  # TRL's entropy mask multiplies the per-token loss, as in 1.16.0
-            per_token = per_token * self.get_high_entropy_mask(entropies, mask, 1 - self.top_entropy_quantile)
+        # TRL's reference log-probs go through offpolicy even when the adapter adds TRL's KL itself, so
+        # that a non-finite one follows the correction's nonfinite policy (never NaN in the loss)
+        cfg = self.offpolicy_config
+        wants_ref = (self.offpolicy_trl_kl or cfg.kl_coef > 0) and cfg.kl_to == "ref"
+        ref = inputs.get("ref_per_token_logps") if wants_ref else None
         mode = "train" if self.model.training else "eval"
-        loss = self._aggregate(per_token, loss_mask, inputs, mode)
+        all_masked = not host.has_valid_token(mask)
+        kl = None
+        if all_masked:  # mask_truncated_completions, tools: TRL's own loss is 0 there (host.empty_loss)
+            loss, metrics = host.empty_loss(logprobs, mask)
+            loss_mask = mask
+        else:
+            per_token, loss_mask, metrics = self.offpolicy_loss(logprobs, old, advantages, mask, rollout, ref)
+            if self.top_entropy_quantile < 1.0:  # TRL's entropy mask multiplies the per-token loss, as in 1.16.0
+                per_token = per_token * self.get_high_entropy_mask(entropies, mask, 1 - self.top_entropy_quantile)
+            if self.offpolicy_trl_kl:
+                kl = self._trl_kl_term(logprobs, ref, old, loss_mask)
+                per_token = per_token + self.beta * kl  # after the entropy mask, as TRL adds it
+            loss = self._aggregate(per_token, loss_mask, inputs, mode)
+            host.micro_batch_metrics(metrics)
         if self.aux_loss_enabled:
             loss = loss + self.router_aux_loss_coef * aux_loss / (self.current_gradient_accumulation_steps
                                                                    if mode == "train" else 1.0)
-        if self.offpolicy_dumper is not None and rollout is not None:
+        if self.offpolicy_trl_kl:  # TRL's "kl" log; a collective, so every rank runs it on every micro-batch
+            kl_sum = torch.zeros((), dtype=torch.float32, device=logprobs.device) if kl is None else kl.detach().sum()
+            totals = self.accelerator.reduce(torch.stack([kl_sum, loss_mask.float().sum()]), reduction="sum")
+            self._metrics[mode]["kl"].append((totals[0] / totals[1].clamp(min=1.0)).item())
+        if self.offpolicy_dumper is not None and rollout is not None and not all_masked:
             self.offpolicy_dumper.maybe_dump(self.state.global_step, old_logprobs=old, rollout_logprobs=rollout,
                                              mask=mask, advantages=advantages, logprobs=logprobs,
                                              meta={"loss_type": self.loss_type})

@@ -35,7 +35,10 @@ verl aggregates it with its own ``agg_loss`` over offpolicy's mask, with verl's 
 info (``dp_size``, ``batch_num_tokens``, ``global_batch_size``), so verl's ``loss_agg_mode`` and
 its micro-batch/data-parallel normalisation decide the reduction (when verl sets a global token
 count, the denominator is verl's valid-token count: ``denominator: fixed`` in effect).
-offpolicy's ``agg`` is not used. The KL term stays verl's (``actor.use_kl_loss``). Metrics come
+offpolicy's ``agg`` is not used. The KL term to a reference model stays verl's
+(``actor.use_kl_loss``); a KL to μ (``kl_to: rollout``) is offpolicy's, on the μ of bypass mode.
+Host defaults (``offpolicy.integrations.host``): an unset ``nonfinite`` is ``neutral``; a
+micro-batch without a valid token gives a zero loss and ``all_masked_micro_batch`` = 1. Metrics come
 back as floats under ``offpolicy/``; verl averages them over micro-batches and ranks
 (``AggregationType.MEAN``), so ``*_min``/``*_max`` are means of per-micro-batch extremes.
 
@@ -61,6 +64,7 @@ from verl.trainer.ppo import core_algos
 
 import offpolicy as op
 from offpolicy.config import ConfigError
+from offpolicy.integrations import host
 from offpolicy.integrations.dump import BatchDumper
 
 TESTED_VERSION = "0.9.1"
@@ -99,6 +103,10 @@ def loss_config() -> op.LossConfig:
 def _check(cfg: op.LossConfig, rollout_is_weights: torch.Tensor | None) -> None:
     corr = cfg.correction
     if corr is None:
+        if cfg.kl_coef > 0:  # kl_to 'rollout': μ reaches the loss only in bypass mode, with a correction
+            raise ConfigError(f"{ENV}: kl_to 'rollout' takes the KL to μ, which verl passes to a policy loss only in "
+                              "bypass mode (old_log_prob := μ) with an offpolicy correction; add a two-policy "
+                              "correction (anchor 'rollout'), or set kl_coef 0 and use verl's actor.use_kl_loss")
         return
     if rollout_is_weights is not None:
         raise ConfigError("verl passed rollout_is_weights (algorithm.rollout_correction.rollout_is is set) and the "
@@ -109,9 +117,7 @@ def _check(cfg: op.LossConfig, rollout_is_weights: torch.Tensor | None) -> None:
                           f"π_old, and verl {TESTED_VERSION} does not pass them to a policy loss. Use anchor 'rollout' "
                           "or 'current' with algorithm.rollout_correction.bypass_mode=True (e.g. verl:bypass_ppo_clip, "
                           "verl:bypass_pg_is), or verl's own algorithm.rollout_correction for decoupled corrections")
-    if cfg.kl_coef > 0:
-        raise ConfigError(f"{ENV}: kl_coef={cfg.kl_coef}; in verl the KL term is verl's: set actor.use_kl_loss and "
-                          "kl_loss_coef, and kl_coef 0 in the offpolicy config")
+    host.check_kl(cfg, "verl", "actor.use_kl_loss, actor.kl_loss_coef")
 
 
 @core_algos.register_policy_loss(LOSS_NAME)
@@ -126,16 +132,21 @@ def offpolicy_policy_loss(
 ) -> tuple[torch.Tensor, dict[str, Any]]:
     """verl policy loss: ``agg_loss(ℓ, m, loss_agg_mode)`` with ``(ℓ, m) = op.policy_loss(log π_θ, π_old, A,
     mask, μ, cfg, reduce=False)``; in bypass mode π_old = μ = ``old_log_prob`` (module docstring)."""
-    cfg = loss_config()
+    cfg = host.host_nonfinite_default(loss_config(), "verl")
     _check(cfg, rollout_is_weights)
     mask = response_mask.to(log_prob.dtype)
+    if not host.has_valid_token(mask):
+        # verl's agg_loss gives 0 here with its global counts and 0/0 = NaN without; offpolicy refuses the
+        # batch. The zero (host.empty_loss) is what a micro-batch without a token contributes to the sum.
+        loss, metrics = host.empty_loss(log_prob, mask)
+        return loss, metrics.to_dict()
     # Bypass mode: verl put μ in old_log_prob. Without a correction μ is not used at all.
     rollout = old_log_prob if cfg.correction is not None else None
     per_token, loss_mask, metrics = op.policy_loss(log_prob, old_log_prob, advantages, mask, rollout, cfg, reduce=False)
     batch_info = dict(getattr(config, "global_batch_info", None) or {}) if config is not None else {}
     loss = core_algos.agg_loss(loss_mat=per_token, loss_mask=loss_mask, loss_agg_mode=loss_agg_mode, **batch_info)
     _maybe_dump(log_prob, old_log_prob, response_mask, advantages, cfg)
-    return loss, metrics.to_dict()
+    return loss, host.micro_batch_metrics(metrics).to_dict()
 
 
 def _maybe_dump(log_prob, old_log_prob, response_mask, advantages, cfg: op.LossConfig) -> None:

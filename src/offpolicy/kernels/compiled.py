@@ -236,8 +236,9 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, rollout_logprobs, conf
     corr = config.correction
     tensors = {"logprobs": logprobs, "old_logprobs": old_logprobs, "rollout_logprobs": rollout_logprobs,
                "advantages": advantages}
-    if mask.dim() != 2 or any(t is not None and (t.shape != mask.shape or not t.is_floating_point())
-                              for t in tensors.values()):
+    # an empty batch ([2, 0]) has no valid token: refuse it before compiling a graph for it
+    if mask.dim() != 2 or mask.numel() == 0 or any(
+            t is not None and (t.shape != mask.shape or not t.is_floating_point()) for t in tensors.values()):
         validate_inputs(mask, **tensors)
     spec = core_spec(config, old_logprobs is not None, reduce)
     if spec is None or (spec.kind != "reinforce" and not spec.has_old):

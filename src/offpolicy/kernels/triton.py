@@ -738,8 +738,9 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, rollout_logprobs, conf
     global_count = config.global_tokens if config.agg == "token-mean" else config.global_seqs
     tensors = {"logprobs": logprobs, "old_logprobs": old_logprobs, "rollout_logprobs": rollout_logprobs,
                "advantages": advantages}
-    if mask.dim() != 2 or any(t is not None and (t.shape != mask.shape or not t.is_floating_point())
-                              for t in tensors.values()):
+    # an empty batch ([2, 0]) has no valid token (and no block to launch): the reference's message
+    if mask.dim() != 2 or mask.numel() == 0 or any(
+            t is not None and (t.shape != mask.shape or not t.is_floating_point()) for t in tensors.values()):
         validate_inputs(mask, **tensors)  # raises the reference's message (shapes and dtypes: no sync)
     device = logprobs.device
     B, T = mask.shape

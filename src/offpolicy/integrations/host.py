@@ -1,0 +1,85 @@
+"""What every adapter does the same way under its host's defaults (issue #27).
+
+* ``host_nonfinite_default``: a correction whose ``nonfinite`` is left unset runs with
+  ``neutral`` inside a host (ρ = 1 on a token whose log-prob is NaN/±inf; π_θ, A or π_ref bad:
+  the token is masked). TRL does exactly this for vLLM's ``None`` log-probs; verl, OpenRLHF and
+  SkyRL have no rule and would carry the NaN into their loss. The library default ``error``
+  would end a multi-day run on one bad token. An explicit ``nonfinite`` is kept. Counted as
+  ``offpolicy/nonfinite_tokens``.
+* ``empty_loss``: a micro-batch without a valid token (TRL ``mask_truncated_completions``, a
+  multi-turn batch of tool output only, a padded micro-batch) gives the zero every host gives
+  there (a masked sum over no token), connected to π_θ's graph so that data-parallel gradient
+  hooks still fire; ``op.policy_loss`` itself refuses such a batch (nothing to train on).
+  Reported as ``offpolicy/all_masked_micro_batch`` (1 there, 0 on every other micro-batch).
+* ``check_kl``: the hosts verl / OpenRLHF / SkyRL add their own KL to a reference model and never
+  hand the loss reference log-probs; a KL to μ (``kl_to: rollout``, prime-rl's presets) needs no
+  reference model, so offpolicy computes it on the μ the host passes.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+import offpolicy as op
+from offpolicy.config import ConfigError
+
+logger = logging.getLogger(__name__)
+
+
+_RESOLVED: dict[int, tuple[op.LossConfig, op.LossConfig]] = {}
+
+
+def host_nonfinite_default(config: op.LossConfig, host: str) -> op.LossConfig:
+    """``config`` with ``correction.nonfinite = 'neutral'`` where the field was left unset (module docstring).
+
+    The same input object gives the same output object (verl resolves its config on every call, and
+    the kernels cache what they support per config object)."""
+    corr = config.correction
+    if corr is None or "nonfinite" in corr.model_fields_set:
+        return config
+    cached = _RESOLVED.get(id(config))
+    if cached is not None and cached[0] is config:
+        return cached[1]
+    logger.info("offpolicy (%s): correction.nonfinite left unset: 'neutral' (ρ = 1 on a non-finite log-prob, "
+                "as TRL does for vLLM's None); counted as offpolicy/nonfinite_tokens", host)
+    resolved = config.model_copy(update={"correction": corr.model_copy(update={"nonfinite": "neutral"})})
+    if len(_RESOLVED) > 64:
+        _RESOLVED.clear()
+    _RESOLVED[id(config)] = (config, resolved)  # holding the input keeps its id from being reused
+    return resolved
+
+
+def has_valid_token(mask: torch.Tensor) -> bool:
+    """Whether ``mask`` ``[B, T]`` holds a token that counts (one host synchronisation)."""
+    return mask.numel() > 0 and bool(mask.any())
+
+
+def empty_loss(logprobs: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, op.Metrics]:
+    """(0 on π_θ's graph with a zero gradient, metrics saying so) for a micro-batch without a valid token.
+
+    ``where`` (not ``0 · log π``) so that a NaN log-prob on a masked position cannot make it NaN."""
+    zero = torch.zeros((), dtype=torch.float32, device=logprobs.device)
+    loss = torch.where(mask != 0, logprobs.float(), zero).sum()
+    return loss, micro_batch_metrics(op.Metrics(), empty=True)
+
+
+def micro_batch_metrics(metrics: op.Metrics, empty: bool = False) -> op.Metrics:
+    """Record ``all_masked_micro_batch`` on every micro-batch, so the key set is the same on all of them."""
+    metrics.sum("all_masked_micro_batch", float(empty))
+    return metrics
+
+
+def check_kl(config: op.LossConfig, host: str, host_kl: str) -> None:
+    """Refuse a KL to a reference model inside a host that owns that term (``host_kl`` names its options).
+
+    Raises:
+        ConfigError: ``kl_coef`` > 0 with ``kl_to: ref``.
+    """
+    if config.kl_coef > 0 and config.kl_to == "ref":
+        raise ConfigError(
+            f"loss.kl_coef={config.kl_coef} with kl_to 'ref': {host} adds the KL to a reference model itself "
+            f"({host_kl}) and never passes reference log-probs to the loss; set loss.kl_coef 0 and use {host}'s. "
+            "(A KL to the sampling log-probs μ, kl_to 'rollout', is computed here.)"
+        )
