@@ -98,11 +98,13 @@ class RolloutPipeline:
         ``step`` trains."""
         depth = self.max_staleness + (2 if self.policy == "drop" else 1)  # batches queued after the request
         waited, dropped = 0.0, 0
+        fill = True  # once per request (and again only if drops emptied the queue): the engine's pace
         while True:
-            while len(self.pending) < depth:
+            while fill and len(self.pending) < depth or not self.pending:
                 target = step if self._last is None else self._last + 1
                 self.pending.append(self._submit(self._generate, target, version))
                 self._last = target
+            fill = False
             start = time.perf_counter()
             head = self.pending[0]
             item = head.result() if isinstance(head, Future) else head
