@@ -46,7 +46,7 @@ from offpolicy.train.warmstart import prompt_ids
 
 @dataclass
 class Pending:
-    step: int
+    step: int  # the batch's index (its seed): the step it is trained at under wait; ahead of it after drops
     problems: list[Problem]
     rollouts: Rollouts
     seconds: float  # engine time generating it (in the worker thread when overlapped)
