@@ -110,5 +110,16 @@ def test_fail_above_as_a_user_types_it_exit_0_3_and_2(tmp_path):
     assert len(lines) == 2 and "kl_k3" in lines[0] and "mult_prob_error" in lines[1]
     usage = _diagnose(*args, "--fail-above", "kl=1", cwd=tmp_path)
     assert usage.returncode == 2 and "Allowed: kl_k1, kl_k3, mean_abs_log_ratio" in usage.stderr
-    no_logits = _diagnose(*args, "--fail-above", "kl_over_entropy=0.1", cwd=tmp_path)
-    assert no_logits.returncode == 2 and "no trainer logits" in no_logits.stderr
+
+
+
+def test_a_bound_the_dump_cannot_hold_is_a_usage_error(tmp_path, capsys, monkeypatch):
+    from offpolicy.cli import main
+
+    g = torch.Generator().manual_seed(1)
+    old = -torch.rand(2, 4, generator=g)
+    BatchDumper(tmp_path / "dump", every=1).maybe_dump(0, old_logprobs=old, rollout_logprobs=old - 0.01,
+                                                       mask=torch.ones(2, 4))
+    monkeypatch.chdir(tmp_path)  # log ρ = 0.01 on every token: the histogram must still draw
+    assert main(["diagnose", "--batch", "dump", "--out", "report", "--fail-above", "kl_over_entropy=0.1"]) == 2
+    assert "no trainer logits" in capsys.readouterr().err  # never a silent pass

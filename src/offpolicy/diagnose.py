@@ -293,7 +293,10 @@ def plot(s: Sample, out_dir: Path, title: str) -> list[Path]:
     paths = []
 
     fig, ax = plt.subplots(figsize=(6, 4), constrained_layout=True)
-    ax.hist(log_ratio.numpy(), bins=80, color="#3a6ea5", log=True)
+    lo, hi = (float(log_ratio.min()), float(log_ratio.max())) if log_ratio.numel() else (0.0, 0.0)
+    # a (near-)constant log ρ — e.g. every token shifted alike — has no 80 finite bins inside [lo, hi]
+    span = (lo, hi) if hi - lo > 1e-6 * max(1.0, abs(lo)) else (lo - 0.5, hi + 0.5)
+    ax.hist(log_ratio.numpy(), bins=80, range=span, color="#3a6ea5", log=True)
     ax.set_xlabel("log ρ = log π_train − log μ_engine")
     ax.set_ylabel("tokens (log scale)")
     ax.set_title(f"{title}: log-ratio histogram", fontsize=10)
