@@ -88,12 +88,19 @@ def test_cli_report_and_plots(tiny_model, tmp_path):
 
 @pytest.mark.slow
 def test_cli_compare_fp32_has_no_mismatch(tiny_model, tmp_path):
+    # the gate (issue #25) applies to every setting: bf16 fails this bound, fp32 holds it → exit 3, one line
     result = diag("--model", str(tiny_model), "--engine", "hf", "--n", "16", "--max-tokens", "6",
-                  "--compare", "engine_dtype=bf16,fp32", "--out", str(tmp_path / "c"))
-    assert result.returncode == 0, result.stderr[-2000:]
+                  "--compare", "engine_dtype=bf16,fp32", "--out", str(tmp_path / "c"),
+                  "--fail-above", "max_abs_log_ratio=1e-4")
+    assert result.returncode == 3, result.stderr[-2000:]
+    failed = [line for line in result.stderr.splitlines() if "FAIL" in line]
+    assert len(failed) == 1 and "bf16" in failed[0] and "max_abs_log_ratio" in failed[0]
     runs = json.loads((tmp_path / "c" / "report.json").read_text())["runs"]
     by = {r["setting"]["engine_dtype"]: r["mismatch"] for r in runs}
     assert by["fp32"]["abs_logp_diff_max"] < 1e-4 < by["bf16"]["abs_logp_diff_max"]
+    for r in runs:  # the engine path has the trainer's logits: prime-rl's KL over entropy is there
+        s = r["summary"]
+        assert s["entropy"] > 0 and s["kl_over_entropy"] == pytest.approx(s["kl_k3"] / s["entropy"])
 
 
 @pytest.mark.parametrize("content, message", [

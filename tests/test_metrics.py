@@ -108,7 +108,8 @@ def test_every_spec_metric_is_reported():
     _, m = op.policy_loss(b["logprobs"], b["old"], b["adv"], b["mask"], rollout_logprobs=b["rollout"],
                           config=op.LossConfig(correction=FULL_CORRECTION, dual_clip=3.0))
     spec = ["kl_k1", "kl_k3", "ppl_train", "ppl_rollout", "log_ppl_diff", "ppl_ratio", "chi2_token", "chi2_seq",
-            "abs_logp_diff_mean", "abs_logp_diff_max", "prob_diff_mean", "prob_diff_max", "ess", "is_mean", "is_std",
+            "abs_logp_diff_mean", "abs_logp_diff_max", "mult_prob_error", "prob_diff_mean", "prob_diff_max", "ess",
+            "is_mean", "is_std",
             "is_min", "is_max", "fraction_above_high", "fraction_below_low", "masked_fraction", "clip_fraction",
             "dual_clip_fraction", "approx_kl", "loss"]
     d = m.to_dict()

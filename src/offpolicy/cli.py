@@ -77,7 +77,7 @@ def _cmd_train(args: argparse.Namespace, console: Console) -> int:
 
 
 DIAGNOSE_HEADLINE = ["kl_k1", "kl_k3", "ppl_ratio", "chi2_token", "chi2_seq", "abs_logp_diff_mean",
-                     "abs_logp_diff_max", "prob_diff_max", "ess"]
+                     "abs_logp_diff_max", "mult_prob_error", "prob_diff_max", "ess"]
 
 
 def _diagnose_settings(args: argparse.Namespace) -> list[dict]:
@@ -108,8 +108,9 @@ def _cmd_diagnose(args: argparse.Namespace, console: Console) -> int:
     from offpolicy.train.loop import resolve_model
     from offpolicy.train.warmstart import prompt_ids
 
+    bounds = _diagnose_bounds(args)  # a mistyped gate fails now, not after sampling
     if args.batch:
-        return _diagnose_batch(args, console)
+        return _diagnose_batch(args, console, bounds)
     if args.n <= 0 or args.max_tokens <= 0:
         raise ConfigError("--n and --max-tokens must be positive")
     settings = _diagnose_settings(args)
@@ -140,10 +141,35 @@ def _cmd_diagnose(args: argparse.Namespace, console: Console) -> int:
     (out / "report.json").write_text(json.dumps(body, indent=1))
     _print_diagnosis(console, reports)
     console.print(f"report: {out / 'report.json'}  plots: {', '.join(p for r in reports for p in r.get('plots', []))}")
-    return 0
+    return _diagnose_gate(reports, bounds)
 
 
-def _diagnose_batch(args: argparse.Namespace, console: Console) -> int:
+def _diagnose_bounds(args: argparse.Namespace) -> tuple[list, list]:
+    from offpolicy.diagnose import parse_bounds
+
+    return parse_bounds(args.fail_above, "--fail-above"), parse_bounds(args.fail_below, "--fail-below")
+
+
+def _diagnose_gate(reports: list[dict], bounds: tuple[list, list]) -> int:
+    """Exit 0 when every ``--fail-above``/``--fail-below`` bound holds on every setting, else 3 with
+    one line per failed bound on stderr (2, a usage error, is raised as ConfigError before)."""
+    from offpolicy.diagnose import gate
+
+    above, below = bounds
+    if not above and not below:
+        return 0
+    failed = []
+    for r in reports:
+        prefix = f"{r['setting']['name']}: " if len(reports) > 1 else ""
+        failed += [prefix + line for line in gate(r["summary"], above, below, r["summary_notes"])]
+    for line in failed:
+        print(f"offpolicy diagnose: {line}", file=sys.stderr)
+    if not failed:
+        print(f"offpolicy diagnose: gate passed ({len(above) + len(below)} bound(s))", file=sys.stderr)
+    return 3 if failed else 0
+
+
+def _diagnose_batch(args: argparse.Namespace, console: Console, bounds: tuple[list, list] = ([], [])) -> int:
     """``diagnose --batch FILE_OR_DIR``: the same report on tensors a host framework dumped."""
     import json
     from pathlib import Path
@@ -162,7 +188,7 @@ def _diagnose_batch(args: argparse.Namespace, console: Console) -> int:
     (out / "report.json").write_text(json.dumps(result, indent=1))
     _print_diagnosis(console, [result])
     console.print(f"report: {out / 'report.json'}  plots: {', '.join(result.get('plots', []))}")
-    return 0
+    return _diagnose_gate([result], bounds)
 
 
 def _print_diagnosis(console: Console, reports: list[dict]) -> None:
@@ -175,6 +201,8 @@ def _print_diagnosis(console: Console, reports: list[dict]) -> None:
     for key in ("log1.1", "log2"):
         table.add_row(f"|log ρ| > {key}", *(f"{r['breakdowns']['fraction_abs_log_ratio_above'][key]:.4f}"
                                              for r in reports))
+    table.add_row("kl_over_entropy", *(f"{r['summary']['kl_over_entropy']:.4g}" if "kl_over_entropy" in r["summary"]
+                                       else "–" for r in reports))
     table.add_row("tokens", *(f"{r['tokens']:.0f}" for r in reports))
     table.add_row("engine tokens/s", *("–" if r["engine_tokens_per_s"] is None else f"{r['engine_tokens_per_s']:.0f}"
                                        for r in reports))
@@ -234,6 +262,11 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--compare", metavar="KEY=V1,V2", help="several settings side by side, e.g. engine_dtype=bf16,fp16,fp32")
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--out", default="diagnose", help="output directory (report.json, PNG plots)")
+    d.add_argument("--fail-above", action="append", metavar="STAT=VALUE",
+                   help="CI gate: exit 3 if report.json's summary STAT exceeds VALUE (repeatable), e.g. kl_k3=5e-4, "
+                   "mean_abs_log_ratio=0.1, mult_prob_error=1.05, kl_over_entropy=0.01, masked_fraction@recommended=0.05")
+    d.add_argument("--fail-below", action="append", metavar="STAT=VALUE",
+                   help="CI gate: exit 3 if the summary STAT is below VALUE (repeatable), e.g. ess=0.9")
     d.set_defaults(func=_cmd_diagnose)
     p = sub.add_parser("presets", help="list the correction presets, or show one")
     p.add_argument("name", nargs="?", help="a preset name, e.g. verl:decoupled_token_is")

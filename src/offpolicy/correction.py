@@ -484,7 +484,11 @@ def mismatch_metrics(
     kl_k1 = mean(log μ − log π_train); kl_k3 = mean(ρ − 1 − log ρ); chi2_token = mean(ρ²) − 1;
     chi2_seq = mean_rows(Π ρ_t²) − 1; ppl_* = mean_rows exp(−mean_t log p); log_ppl_diff =
     mean_rows(mean_t log μ − mean_t log π_train); ppl_ratio = mean_rows(ppl_train / ppl_rollout);
-    abs_logp_diff = |log ρ|; prob_diff = |π_train − μ|; ess = (mean ρ)² / mean(ρ²).
+    abs_logp_diff = |log ρ|; prob_diff = |π_train − μ|; ess = (mean ρ)² / mean(ρ²);
+    mult_prob_error = mean_t exp(|log ρ_t|) = mean_t max(ρ_t, 1/ρ_t) ≥ 1 — NeMo-RL's
+    ``token_mult_prob_error`` (nemo_rl/algorithms/loss_functions.py, ClippedPGLossFn:
+    masked_mean(exp(|generation_logprobs − prev_logprobs|)); docs/adding-new-models.md),
+    here on the clamped log ρ. Under anchor old, abs_logp_diff_mean is mean |log π_old − log μ|.
     """
     ratio = ops.safe_exp(log_ratio, clamp)
     rows = valid.any(dim=-1)
@@ -505,6 +509,7 @@ def mismatch_metrics(
     abs_diff = log_ratio.abs()
     metrics.mean("abs_logp_diff_mean", abs_diff, valid)
     metrics.max("abs_logp_diff_max", abs_diff, valid)
+    metrics.mean("mult_prob_error", ops.safe_exp(abs_diff, clamp), valid)
     prob_diff = (torch.exp(trainer) - torch.exp(rollout)).abs()
     metrics.mean("prob_diff_mean", prob_diff, valid)
     metrics.max("prob_diff_max", prob_diff, valid)

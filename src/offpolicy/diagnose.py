@@ -10,7 +10,9 @@ engine's top-k/top-p support, SPEC §6), and reports:
 * a what-if table: every preset applied to this very batch (rejected tokens and sequences,
   weight mean/min/max, ESS of the weights);
 * PNG plots (histogram of log ρ, log ρ against token probability, mismatch KL per position)
-  and ``report.json``.
+  and ``report.json``;
+* a flat ``summary`` of the numbers a CI gate reads (``--fail-above STAT=V``, ``--fail-below
+  STAT=V``; ``gate``): exit 3 when a bound fails (issue #25, docs/ci-gate.md).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from offpolicy import presets
 from offpolicy.config import ConfigError
 from offpolicy.engines import SamplingConfig, make_engine
 from offpolicy.integrations.dump import load_batch
+from offpolicy.metrics import Metrics
 from offpolicy.train.batch import Batch, to_batch, trainer_logprobs
 
 POSITION_EDGES = [0, 4, 8, 16, 32, 64, 128, 256, 1 << 30]
@@ -42,6 +45,7 @@ class Sample:
     batch: Batch
     trainer: torch.Tensor  # log π_train(y_t)
     seconds: float | None  # engine time; None for a batch read from a dump (``--batch``)
+    entropy: float | None = None  # the trainer's mean token entropy; None where no logits are at hand
 
 
 def read_prompts(path: Path, tokenizer) -> list[list[int]]:
@@ -92,10 +96,11 @@ def sample(model_path: Path, tokenizer, prompts: list[list[int]], engine: str, e
     batch = to_batch(rollouts, tokenizer.pad_token_id)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[trainer_dtype]
     trainer = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).eval()
+    seen = Metrics()  # the trainer's token entropy, from its logits (the denominator of kl_over_entropy)
     with torch.no_grad():
-        lp = torch.cat([trainer_logprobs(trainer, batch.select(rows), sampling)
+        lp = torch.cat([trainer_logprobs(trainer, batch.select(rows), sampling, seen)
                         for rows in torch.arange(len(rollouts)).split(64)])
-    return Sample(batch, lp.float(), seconds)
+    return Sample(batch, lp.float(), seconds, entropy=seen["entropy"])
 
 
 def from_dump(path: Path) -> tuple[Sample, dict[str, Any]]:
@@ -177,9 +182,102 @@ def what_if(s: Sample, names: list[str] | None = None) -> list[dict[str, Any]]:
 def mismatch(s: Sample) -> dict[str, float]:
     out = op.correct(s.trainer, s.batch.rollout_logprobs, s.batch.mask)  # measure only
     keys = ["kl_k1", "kl_k3", "ppl_train", "ppl_rollout", "log_ppl_diff", "ppl_ratio", "chi2_token", "chi2_seq",
-            "abs_logp_diff_mean", "abs_logp_diff_max", "prob_diff_mean", "prob_diff_max", "ess", "valid_tokens"]
+            "abs_logp_diff_mean", "abs_logp_diff_max", "prob_diff_mean", "prob_diff_max", "mult_prob_error", "ess",
+            "valid_tokens"]
     values = out.metrics.to_dict(prefix="")
     return {k: values[k] for k in keys}
+
+
+# ============================================================================ CI gate (issue #25)
+# summary name → (where it comes from, what it is); the names a --fail-above/--fail-below may bound
+SUMMARY_STATS = {
+    "kl_k1": "mean(log μ − log π_train)",
+    "kl_k3": "mean(ρ − 1 − log ρ), the mismatch KL (prime-rl's mismatch_kl; its nightly gate: ≤ 5e-4)",
+    "mean_abs_log_ratio": "mean |log π_train − log μ| (slime's CI: ≤ 0.1)",
+    "max_abs_log_ratio": "max |log π_train − log μ|",
+    "mult_prob_error": "mean exp(|log π_train − log μ|) ≥ 1, NeMo-RL's token_mult_prob_error",
+    "kl_over_entropy": "kl_k3 / the trainer's mean token entropy (prime-rl's kl_ent_ratio)",
+    "entropy": "the trainer's mean token entropy −Σ p log p",
+    "chi2": "mean(ρ²) − 1 per token", "chi2_seq": "mean_rows(Π ρ²) − 1",
+    "ess": "(mean ρ)² / mean(ρ²) of the raw token ratios", "ppl_ratio": "mean_rows ppl_train / ppl_rollout",
+    "prob_diff_max": "max |π_train − μ|",
+    "fraction_above_log2": "fraction of tokens with |log ρ| > log 2",
+}
+# per preset, "STAT@PRESET": what that preset's correct() does to this batch (the what-if table)
+PRESET_STATS = {"masked_fraction": "token_rejected", "seq_masked_fraction": "seq_rejected", "weight_ess": "ess"}
+NO_ENTROPY = ("kl_over_entropy: left out, no trainer logits are at hand (a --batch dump holds log-probs only); "
+              "the engine path measures it")
+
+
+def summary(result: dict[str, Any], entropy: float | None) -> tuple[dict[str, float], list[str]]:
+    """The flat numbers a gate reads (``SUMMARY_STATS``, then ``STAT@PRESET``) and notes on what is left out."""
+    m = result["mismatch"]
+    out = {"kl_k1": m["kl_k1"], "kl_k3": m["kl_k3"], "mean_abs_log_ratio": m["abs_logp_diff_mean"],
+           "max_abs_log_ratio": m["abs_logp_diff_max"], "mult_prob_error": m["mult_prob_error"],
+           "chi2": m["chi2_token"], "chi2_seq": m["chi2_seq"], "ess": m["ess"], "ppl_ratio": m["ppl_ratio"],
+           "prob_diff_max": m["prob_diff_max"],
+           "fraction_above_log2": result["breakdowns"]["fraction_abs_log_ratio_above"]["log2"]}
+    notes = []
+    if entropy is None:
+        notes.append(NO_ENTROPY)
+    else:
+        out["entropy"] = entropy
+        if entropy > 0:  # prime-rl sets kl_ent_ratio only when the entropy is positive
+            out["kl_over_entropy"] = m["kl_k3"] / entropy
+        else:
+            notes.append("kl_over_entropy: left out, the trainer's entropy is 0 (a deterministic policy)")
+    for row in result["what_if"]:
+        for stat, column in PRESET_STATS.items():
+            out[f"{stat}@{row['preset']}"] = row[column]
+    return out, notes
+
+
+def parse_bounds(items: list[str] | None, flag: str) -> list[tuple[str, float]]:
+    """``["kl_k3=5e-4", "masked_fraction@recommended=0.05"]`` → [(stat, value)], checked before any work.
+
+    Raises:
+        ConfigError: not STAT=VALUE, a value that is not a number, or an unknown STAT (the message
+            lists the allowed names).
+    """
+    bounds = []
+    for item in items or []:
+        stat, sep, raw = item.rpartition("=")
+        stat = stat.strip()
+        try:
+            value = float(raw)
+        except ValueError:
+            value = math.nan
+        if not sep or not stat or math.isnan(value):
+            raise ConfigError(f"{flag} {item!r}: expected STAT=VALUE with a number, e.g. {flag} kl_k3=5e-4")
+        name, at, preset = stat.partition("@")
+        known = (name in PRESET_STATS and preset in presets.names()) if at else name in SUMMARY_STATS
+        if not known:
+            raise ConfigError(
+                f"{flag} {item!r}: unknown STAT {stat!r}. Allowed: {', '.join(SUMMARY_STATS)}; per preset "
+                f"{', '.join(s + '@PRESET' for s in PRESET_STATS)} with PRESET one of {', '.join(presets.names())}")
+        bounds.append((stat, value))
+    return bounds
+
+
+def gate(values: dict[str, float], above: list[tuple[str, float]], below: list[tuple[str, float]],
+         notes: list[str] = ()) -> list[str]:
+    """One line per failed bound: a value above its ``--fail-above`` bound or below its ``--fail-below``
+    bound, or not a number (NaN never passes a gate).
+
+    Raises:
+        ConfigError: a bounded STAT this report does not hold (e.g. kl_over_entropy on a dump).
+    """
+    failed = []
+    for flag, bounds, worse in (("--fail-above", above, lambda v, b: v > b), ("--fail-below", below, lambda v, b: v < b)):
+        for stat, bound in bounds:
+            if stat not in values:
+                why = next((n for n in notes if n.startswith(stat.split("@")[0] + ":")), "not in this report")
+                raise ConfigError(f"{flag} {stat}: {why}")
+            value = values[stat]
+            if math.isnan(value) or worse(value, bound):
+                side = "above" if flag == "--fail-above" else "below"
+                failed.append(f"FAIL {stat} = {value:.6g} is {side} the bound {bound:g} ({flag} {stat}={bound:g})")
+    return failed
 
 
 def plot(s: Sample, out_dir: Path, title: str) -> list[Path]:
@@ -194,7 +292,10 @@ def plot(s: Sample, out_dir: Path, title: str) -> list[Path]:
     paths = []
 
     fig, ax = plt.subplots(figsize=(6, 4), constrained_layout=True)
-    ax.hist(log_ratio.numpy(), bins=80, color="#3a6ea5", log=True)
+    lo, hi = (float(log_ratio.min()), float(log_ratio.max())) if log_ratio.numel() else (0.0, 0.0)
+    # a (near-)constant log ρ — e.g. every token shifted alike — has no 80 finite bins inside [lo, hi]
+    span = (lo, hi) if hi - lo > 1e-6 * max(1.0, abs(lo)) else (lo - 0.5, hi + 0.5)
+    ax.hist(log_ratio.numpy(), bins=80, range=span, color="#3a6ea5", log=True)
     ax.set_xlabel("log ρ = log π_train − log μ_engine")
     ax.set_ylabel("tokens (log scale)")
     ax.set_title(f"{title}: log-ratio histogram", fontsize=10)
@@ -242,6 +343,7 @@ def report(s: Sample, setting: dict[str, Any], out_dir: Path, plots: bool = True
         "breakdowns": breakdowns(s),
         "what_if": what_if(s),
     }
+    result["summary"], result["summary_notes"] = summary(result, s.entropy)
     if plots:
         label = setting.get("label") or f"{setting['engine']} {setting['engine_dtype']} vs trainer {setting['trainer_dtype']}"
         result["plots"] = [str(p) for p in plot(s, out_dir, label)]

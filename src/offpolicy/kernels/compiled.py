@@ -111,6 +111,7 @@ def _core(lp, old, roll, adv, m, spec: CoreSpec):
             kl_k1=-lr_m.sum(dtype=f64), kl_k3=(em1_m - lr_m).sum(dtype=f64),
             chi2=(em1_m.double() * (em1.double() + 2.0)).sum(), rho=(ratio * m).sum(dtype=f64),
             rho2=(ratio.double() * ratio.double() * m.double()).sum(), abs_lr=lr_m.abs().sum(dtype=f64),
+            mult_err=(torch.exp(lr.abs()) * m).sum(dtype=f64),
             prob_diff=(torch.exp(tm) - torch.exp(rm)).abs().sum(dtype=f64),
         )
         maxima.update(trainer_max=tm.amax(), rollout_max=rm.amax(), abs_lr_max=lr_m.abs().amax(),
@@ -317,6 +318,7 @@ def _assemble_correction_metrics(metrics, corr, spec, S, M, out, n, n_keep, keep
     metrics.ratio("ppl_ratio", torch.where(rows, torch.exp(diff.clamp(-cap, cap)), 0.0).sum(), n_rows)
     metrics.ratio("abs_logp_diff_mean", S["abs_lr"], n)
     metrics._put("abs_logp_diff_max", "max", torch.tensor([M["abs_lr_max"], n], dtype=torch.float64, device=dev))
+    metrics.ratio("mult_prob_error", S["mult_err"], n)
     metrics.ratio("prob_diff_mean", S["prob_diff"], n)
     metrics._put("prob_diff_max", "max", torch.tensor([M["prob_diff_max"], n], dtype=torch.float64, device=dev))
     if out["removed"] is not None:

@@ -238,6 +238,8 @@ def _mismatch_metrics(metrics, trainer_m, rollout_m, log_ratio, ratio, em1, m, v
     abs_lr = lr_m.abs_()  # 0 off the mask and ≥ 0: its max is the max over the mask
     metrics.ratio("abs_logp_diff_mean", abs_lr.sum(), n)
     metrics._put("abs_logp_diff_max", "max", torch.stack([abs_lr.amax(), n]).double())
+    # NeMo-RL's token_mult_prob_error: Σ exp(|log ρ|) over valid tokens (exp(0) = 1 off the mask is removed by m)
+    metrics.ratio("mult_prob_error", (torch.exp(abs_lr) * m).sum(dtype=torch.float64), n)
     prob_diff = (torch.exp(trainer_m) - torch.exp(rollout_m)).abs_()  # exp(0) − exp(0) = 0 off the mask
     metrics.ratio("prob_diff_mean", prob_diff.sum(), n)
     metrics._put("prob_diff_max", "max", torch.stack([prob_diff.amax(), n]).double())

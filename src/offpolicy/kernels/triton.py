@@ -83,6 +83,7 @@ _TOKEN_SLOTS = (
     "below", "units", "loss", "den", "clip", "dual", "approx_kl",
     # deferred input checks
     "bad_mask", "pos_lp", "pos_old", "pos_roll", "nf_lp", "nf_old", "nf_roll", "nf_adv",
+    "mult_err",  # Σ exp(|log ρ|), NeMo-RL's token_mult_prob_error (added last: the slots above keep their numbers)
 )
 S = {name: i for i, name in enumerate(_TOKEN_SLOTS)}
 _S_RULES = len(_TOKEN_SLOTS)
@@ -485,6 +486,7 @@ if triton is not None:
         tl.store(p + 33 * plane, tl.sum(tl.where(nf_old, 1.0, 0.0), axis=0))
         tl.store(p + 34 * plane, tl.sum(tl.where(nf_roll, 1.0, 0.0), axis=0))
         tl.store(p + 35 * plane, tl.sum(tl.where(m_in & ~_isfinite(adv), 1.0, 0.0), axis=0))
+        tl.store(p + 36 * plane, tl.sum(tl.where(valid, tl.exp(abs_lr), 0.0), axis=0))
 
     @triton.jit
     def _tile(p_ptr, slot, rows, rmask, B, C, CP: tl.constexpr):
@@ -530,7 +532,7 @@ if triton is not None:
             for s in tl.static_range(0, 28):  # plain sums over rows and chunks → raw[2 + s]
                 if s != 13 and s != 14 and s != 18 and s != 19:
                     acc = _put(acc, idx, 2 + s, tl.sum(_tile(p2_ptr, s, rows, rmask, B, C, CP), axis=0))
-            for s in tl.static_range(28, 36):  # deferred checks → raw[2 + s]
+            for s in tl.static_range(28, 37):  # deferred checks and mult_err → raw[2 + s]
                 acc = _put(acc, idx, 2 + s, tl.sum(_tile(p2_ptr, s, rows, rmask, B, C, CP), axis=0))
             hi = tl.maximum(hi, tl.where(idx == 15, _tile_extreme(p2_ptr, 13, rows, rmask, B, C, CP, True), -float("inf")))
             hi = tl.maximum(hi, tl.where(idx == 16, _tile_extreme(p2_ptr, 14, rows, rmask, B, C, CP, True), -float("inf")))
@@ -543,16 +545,16 @@ if triton is not None:
             mean_tr = _tile(p2_ptr, 4, rows, rmask, B, C, CP) / safe_n
             mean_ro = _tile(p2_ptr, 5, rows, rmask, B, C, CP) / safe_n
             diff = _tile(p2_ptr, 6, rows, rmask, B, C, CP) / safe_n
-            acc = _put(acc, idx, 38, tl.sum(tl.where(has, 1.0, 0.0), axis=0))
-            acc = _put(acc, idx, 39, tl.sum(tl.where(has, tl.exp(2.0 * seq) - 1.0, 0.0), axis=0))
-            acc = _put(acc, idx, 40, tl.sum(tl.where(has, tl.exp(_clamp(-mean_tr, _EXP_LIMIT)), 0.0), axis=0))
-            acc = _put(acc, idx, 41, tl.sum(tl.where(has, tl.exp(_clamp(-mean_ro, _EXP_LIMIT)), 0.0), axis=0))
-            acc = _put(acc, idx, 42, tl.sum(tl.where(has, diff, 0.0), axis=0))
-            acc = _put(acc, idx, 43, tl.sum(tl.where(has, tl.exp(_clamp(diff, _EXP_LIMIT)), 0.0), axis=0))
+            acc = _put(acc, idx, 39, tl.sum(tl.where(has, 1.0, 0.0), axis=0))
+            acc = _put(acc, idx, 40, tl.sum(tl.where(has, tl.exp(2.0 * seq) - 1.0, 0.0), axis=0))
+            acc = _put(acc, idx, 41, tl.sum(tl.where(has, tl.exp(_clamp(-mean_tr, _EXP_LIMIT)), 0.0), axis=0))
+            acc = _put(acc, idx, 42, tl.sum(tl.where(has, tl.exp(_clamp(-mean_ro, _EXP_LIMIT)), 0.0), axis=0))
+            acc = _put(acc, idx, 43, tl.sum(tl.where(has, diff, 0.0), axis=0))
+            acc = _put(acc, idx, 44, tl.sum(tl.where(has, tl.exp(_clamp(diff, _EXP_LIMIT)), 0.0), axis=0))
             in_rows = rmask & (n_in > 0.0)
-            acc = _put(acc, idx, 44, tl.sum(tl.where(in_rows, 1.0, 0.0), axis=0))
-            acc = _put(acc, idx, 45, tl.sum(tl.where(in_rows & (n_in - n_keep > 0.0), 1.0, 0.0), axis=0))
-            acc = _put(acc, idx, 46, tl.sum(n_in - n_keep, axis=0))
+            acc = _put(acc, idx, 45, tl.sum(tl.where(in_rows, 1.0, 0.0), axis=0))
+            acc = _put(acc, idx, 46, tl.sum(tl.where(in_rows & (n_in - n_keep > 0.0), 1.0, 0.0), axis=0))
+            acc = _put(acc, idx, 47, tl.sum(n_in - n_keep, axis=0))
             # the aggregation's numerator and count (SPEC §5)
             if AGG == 1:
                 num = tl.sum(tl.where(rmask, loss_r / tl.maximum(den_r, 1.0), 0.0), axis=0)
@@ -564,25 +566,25 @@ if triton is not None:
                 cnt = tl.sum(den_r, axis=0)
             else:
                 cnt = tl.sum(tl.where(rmask & (den_r > 0.0), 1.0, 0.0), axis=0)
-            acc = _put(acc, idx, 47, num)
-            acc = _put(acc, idx, 48, cnt)
+            acc = _put(acc, idx, 48, num)
+            acc = _put(acc, idx, 49, cnt)
             for i in tl.static_range(N_RULES):
-                removed = _tile(p2_ptr, 36 + i, rows, rmask, B, C, CP)
-                acc = _put(acc, idx, 51 + 2 * i, tl.sum(removed, axis=0))
-                acc = _put(acc, idx, 52 + 2 * i, tl.sum(tl.where(removed > 0.0, 1.0, 0.0), axis=0))
-        count = tl.sum(tl.where(idx == 48, acc, 0.0), axis=0)
+                removed = _tile(p2_ptr, 37 + i, rows, rmask, B, C, CP)
+                acc = _put(acc, idx, 52 + 2 * i, tl.sum(removed, axis=0))
+                acc = _put(acc, idx, 53 + 2 * i, tl.sum(tl.where(removed > 0.0, 1.0, 0.0), axis=0))
+        count = tl.sum(tl.where(idx == 49, acc, 0.0), axis=0)
         if HAS_GLOBAL:
             count = count * 0.0 + global_count
-        acc = tl.where(idx == 50, -tl.sum(tl.where(idx == 5, acc, 0.0), axis=0), acc)
+        acc = tl.where(idx == 51, -tl.sum(tl.where(idx == 5, acc, 0.0), axis=0), acc)
         # Σw = Σ(w − 1) + n and Σw² = Σ(w − 1)² + 2Σ(w − 1) + n, in fp64 (see _tokens)
         n_keep_all = tl.sum(tl.where(idx == 17, acc, 0.0), axis=0)
         sum_d = tl.sum(tl.where(idx == 18, acc, 0.0), axis=0)
         sum_d2 = tl.sum(tl.where(idx == 19, acc, 0.0), axis=0)
         acc = tl.where(idx == 18, sum_d + n_keep_all, acc)
         acc = tl.where(idx == 19, sum_d2 + 2.0 * sum_d + n_keep_all, acc)
-        acc = tl.where(idx == 48, count, acc)
-        loss = tl.sum(tl.where(idx == 47, acc, 0.0), axis=0) / tl.maximum(count, 1.0)
-        acc = _put(acc, idx, 49, loss)
+        acc = tl.where(idx == 49, count, acc)
+        loss = tl.sum(tl.where(idx == 48, acc, 0.0), axis=0) / tl.maximum(count, 1.0)
+        acc = _put(acc, idx, 50, loss)
         acc = tl.where(idx == 1, 1.0, acc)  # raw[0] = 0, raw[1] = 1: constants for the layout
         acc = tl.where((idx == 15) | (idx == 16) | (idx == 20), hi, acc)
         acc = tl.where(idx == 21, -hi, acc)
@@ -607,10 +609,10 @@ if triton is not None:
 # raw vector written by _finish: raw[2 + s] is token slot s summed over the batch (maxima and the
 # minimum for slots 13, 14, 18, 19), then row statistics, the aggregation, and two per rule
 _R = {"zero": 0, "one": 1, **{name: 2 + i for i, name in enumerate(_TOKEN_SLOTS)},
-      "n_rows": 38, "chi2_seq": 39, "ppl_train": 40, "ppl_rollout": 41, "log_ppl_diff": 42, "ppl_ratio": 43,
-      "n_input_rows": 44, "masked_rows": 45, "masked_tokens": 46, "loss_num": 47, "loss_count": 48,
-      "loss_value": 49, "neg_sum_lr": 50}
-_R_RULES = 51
+      "n_rows": 39, "chi2_seq": 40, "ppl_train": 41, "ppl_rollout": 42, "log_ppl_diff": 43, "ppl_ratio": 44,
+      "n_input_rows": 45, "masked_rows": 46, "masked_tokens": 47, "loss_num": 48, "loss_count": 49,
+      "loss_value": 50, "neg_sum_lr": 51}
+_R_RULES = 52
 _CHECKS = ("n_input", "bad_mask", "pos_lp", "pos_old", "pos_roll", "nf_lp", "nf_old", "nf_roll", "nf_adv")
 
 
@@ -627,6 +629,7 @@ def _layout(spec: Spec, rule_names: tuple[str, ...], has_global: bool) -> tuple[
             ("ppl_train", "mean", (r["ppl_train"], rows)), ("ppl_rollout", "mean", (r["ppl_rollout"], rows)),
             ("log_ppl_diff", "mean", (r["log_ppl_diff"], rows)), ("ppl_ratio", "mean", (r["ppl_ratio"], rows)),
             ("abs_logp_diff_mean", "mean", (r["abs_lr"], n)), ("abs_logp_diff_max", "max", (r["max_abs_lr"], n)),
+            ("mult_prob_error", "mean", (r["mult_err"], n)),
             ("prob_diff_mean", "mean", (r["prob_diff"], n)), ("prob_diff_max", "max", (r["max_prob_diff"], n)),
             ("ess", "ess", (r["rho"], r["rho2"], n)),
         ]

@@ -58,7 +58,9 @@ def trainer_logprobs(model, batch: Batch, sampling: SamplingConfig, metrics: Met
     """log π(y_t) ``[B, T]`` fp32 under ``model`` on the engine's sampling support.
 
     With top-k/top-p and ``metrics`` given, the mass the sampler truncated away is recorded
-    there (``outside_mass``, ``outside_mass_max``; see ``outside_mass_metrics``).
+    there (``outside_mass``, ``outside_mass_max``; see ``outside_mass_metrics``). With ``metrics``
+    given, the mean token entropy of the sampling distribution is recorded as ``entropy`` too
+    (``token_entropy``; the denominator of prime-rl's mismatch KL / entropy, issue #25).
 
     Without truncation (top_k = -1, top_p = 1) log π(y_t) = z_{y_t} − logsumexp_v z_v with
     z = logits / τ: one gather and one reduction, never the ``[B, T, V]`` log-softmax. With
@@ -70,13 +72,28 @@ def trainer_logprobs(model, batch: Batch, sampling: SamplingConfig, metrics: Met
     if sampling.top_k == -1 and sampling.top_p == 1.0:
         z = response_logits / sampling.temperature if sampling.temperature != 1.0 else response_logits
         token_lp = z.gather(-1, batch.response_ids.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(z, dim=-1)
+        if metrics is not None:
+            metrics.mean("entropy", token_entropy(z.detach().log_softmax(-1)), batch.mask.bool())
     else:
         logprobs, outside = renormalize_logprobs(response_logits, top_p=sampling.top_p, top_k=sampling.top_k,
                                                  temperature=sampling.temperature, return_outside_mass=True)
         token_lp = logprobs.gather(-1, batch.response_ids.unsqueeze(-1)).squeeze(-1)
         if metrics is not None:
             outside_mass_metrics(outside.detach(), batch.mask, metrics)
+            metrics.mean("entropy", token_entropy(logprobs.detach()), batch.mask.bool())
     return torch.where(batch.mask.bool(), token_lp, torch.zeros((), device=token_lp.device))
+
+
+@torch.no_grad()
+def token_entropy(logprobs: torch.Tensor) -> torch.Tensor:
+    """H_t = −Σ_v p_v log p_v of each position's distribution, ``[B, T, V]`` log-probs → ``[B, T]`` fp32.
+
+    prime-rl's ``compute_entropy`` (src/prime_rl/trainer/rl/loss.py) takes the same quantity from the
+    logits as logsumexp(z) − Σ softmax(z)·z; tokens outside a top-k/top-p support have log p = −inf and
+    p = 0, and contribute 0 (not 0 · −inf = NaN).
+    """
+    p = logprobs.float().exp()
+    return -torch.where(p > 0, p * logprobs.float(), torch.zeros((), device=p.device)).sum(-1)
 
 
 def grpo_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) -> torch.Tensor:

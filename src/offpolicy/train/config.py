@@ -65,6 +65,10 @@ class TrainConfig(_Strict):
     max_grad_norm: float = Field(1.0, gt=0)
     max_staleness: int = Field(0, ge=0, description="0 = synchronous; s ≥ 1 = the engine generates the next "
                                "batches in its own thread while the trainer trains, rollouts up to s versions old")
+    staleness_policy: Literal["wait", "drop"] = Field(
+        "wait", description="rollouts older than max_staleness: 'wait' = the engine never runs ahead of the "
+        "bound (nothing is too old); 'drop' = the engine keeps one batch more in flight, too-old batches are "
+        "discarded and counted (dropped_rollouts) and the next, newer one is trained (issue #25)")
     recompute_old: bool = Field(False, description="always run the π_old forward, even when it provably equals "
                                 "π_θ (for checking the skip; costs one forward per step)")
     prox_logp: Literal["forward", "loglinear"] = Field(

@@ -100,6 +100,24 @@ def uses_old(loss_cfg: op.LossConfig) -> bool:
     return not (loss_cfg.kind == "reinforce" and (corr is None or corr.anchor == "current"))
 
 
+def with_kl_over_entropy(values: dict[str, float]) -> dict[str, float]:
+    """Adds prime-rl's mismatch KL over the trainer's mean token entropy, kl_k3 / entropy (left out
+    where either is missing or the entropy is 0 — prime-rl sets kl_ent_ratio only if entropy > 0)."""
+    kl, entropy = values.get("offpolicy/kl_k3"), values.get("offpolicy/entropy")
+    if kl is not None and entropy is not None and entropy > 0:
+        values["offpolicy/kl_over_entropy"] = kl / entropy
+    return values
+
+
+def staleness_metrics(version: int, row_versions: torch.Tensor, pipeline: RolloutPipeline) -> dict[str, float]:
+    """How stale the trained batch was, per rollout: version − the version that sampled it (``[B]``),
+    its mean and max, and the rollouts dropped as too old for this step and over the run (TRL's
+    async GRPO logs sample/staleness_mean/max and dropped_stale_total the same way)."""
+    staleness = (version - row_versions).float()
+    return {"staleness_mean": staleness.mean().item(), "staleness_max": staleness.max().item(),
+            "dropped_rollouts": float(pipeline.last_dropped), "dropped_rollouts_total": float(pipeline.dropped)}
+
+
 def train(cfg: TrainConfig, resume: Path | None = None, console: Console | None = None,
           progress: bool = True) -> RunResult:
     """Run (or resume) ``cfg``; returns the run directory and the summary numbers.
@@ -126,6 +144,7 @@ def train(cfg: TrainConfig, resume: Path | None = None, console: Console | None 
         policy = AutoModelForCausalLM.from_pretrained(load_from, dtype=torch.float32).train()
         optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=0.0)
         state = load_trainer_state(checkpoint) if checkpoint else {"step": 0, "version": 0, "pending": []}
+        state.setdefault("pipeline", {})  # staleness policy's queue cursor (issue #25); older checkpoints lack it
         if checkpoint:
             optimizer.load_state_dict(state["optimizer"])
         start_step, version = state["step"], state["version"]
@@ -138,7 +157,8 @@ def train(cfg: TrainConfig, resume: Path | None = None, console: Console | None 
         # no π_old forward where it equals sg(π_θ) exactly, or where the loss never reads it
         skip_old = single_update(cfg, policy) or (not uses_old(loss_cfg) and not cfg.recompute_old)
         pipeline = RolloutPipeline(engine, task, tokenizer, sampling, cfg.prompts_per_step, cfg.group_size,
-                                   cfg.max_staleness, cfg.seed, pending=state["pending"])
+                                   cfg.max_staleness, cfg.seed, pending=state["pending"],
+                                   staleness_policy=cfg.staleness_policy, **state["pipeline"])
         eval_set = problems(task, cfg.eval_problems, seed=cfg.seed + 20_000)
         logger = RunLogger(run_dir, cfg.steps, start_step, console, progress=progress)
     except BaseException:
@@ -194,11 +214,12 @@ def train(cfg: TrainConfig, resume: Path | None = None, console: Console | None 
             with timer("log"):
                 n_tokens = float(batch.mask.sum())
                 values = {
-                    **metrics.to_dict(),
+                    **with_kl_over_entropy(metrics.to_dict()),
                     "reward": rewards.mean().item(),
                     "response_length": n_tokens / len(rewards),
                     "finished_fraction": sum(item.rollouts.finished) / len(rewards),
                     "staleness": float(step - item.rollouts.version),
+                    **staleness_metrics(version - 1, batch.versions, pipeline),
                     "tokens_per_s": n_tokens / max(item.seconds, 1e-9),
                     "policy_version": float(version),
                 }
@@ -213,13 +234,15 @@ def train(cfg: TrainConfig, resume: Path | None = None, console: Console | None 
             completed, updating = step + 1, False
             if completed % cfg.checkpoint_every == 0 or completed == cfg.steps:
                 save_checkpoint(run_dir, completed, policy, tokenizer, optimizer,
-                                {"step": completed, "version": version, "pending": pipeline.state()})
+                                {"step": completed, "version": version, "pending": pipeline.state(),
+                                 "pipeline": {"last": pipeline.last, "dropped": pipeline.dropped}})
     except KeyboardInterrupt:
         interrupted = True
         if not updating and completed > start_step:
             # between updates the weights, optimizer and queued rollouts are consistent: save them
             save_checkpoint(run_dir, completed, policy, tokenizer, optimizer,
-                            {"step": completed, "version": version, "pending": pipeline.state()})
+                            {"step": completed, "version": version, "pending": pipeline.state(),
+                             "pipeline": {"last": pipeline.last, "dropped": pipeline.dropped}})
         where = latest_checkpoint(run_dir).name if (run_dir / "checkpoints" / "latest").exists() else "none yet"
         console.print(f"[yellow]interrupted after {completed} steps; checkpoint: {where}. Continue with "
                       f"offpolicy train --resume {run_dir}[/yellow]")

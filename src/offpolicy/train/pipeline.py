@@ -17,6 +17,16 @@ Batches stay queued until ``commit(step)``; ``state()`` waits for the in-flight 
 the queued batches, so a checkpoint holds every batch generated but not trained on, and a resumed
 run trains on exactly the batches — and generates exactly the ones — an uninterrupted run would.
 Every job is seeded by its step, so timing never changes a sample.
+
+``staleness_policy`` (issue #25) says what happens to a batch older than ``max_staleness`` when
+the trainer reaches it. ``wait`` (the default, above): the engine never runs ahead of the bound,
+it waits for the trainer's weights, so nothing is ever too old. ``drop``: the engine keeps one batch
+more in flight than the bound allows (it does not wait for the newest weights — prime-rl's
+``max_async_level`` above its off-policy bound, TRL's async worker), and a batch that has grown older
+than the bound is discarded, counted in ``dropped``, and the next one — sampled on newer weights —
+is taken (TRL's AsyncGRPO: "drop stale, pull next"). A batch's index (its seed) then runs ahead of
+the step; the queue, the newest index and the drop count are part of the checkpoint, so a resumed
+run drops and trains exactly what an uninterrupted one would.
 """
 
 from __future__ import annotations
@@ -36,7 +46,7 @@ from offpolicy.train.warmstart import prompt_ids
 
 @dataclass
 class Pending:
-    step: int
+    step: int  # the batch's index (its seed): the step it is trained at under wait; ahead of it after drops
     problems: list[Problem]
     rollouts: Rollouts
     seconds: float  # engine time generating it (in the worker thread when overlapped)
@@ -44,12 +54,17 @@ class Pending:
 
 class RolloutPipeline:
     def __init__(self, engine: RolloutEngine, task: Task, tokenizer, sampling: SamplingConfig, prompts_per_step: int,
-                 group_size: int, max_staleness: int, seed: int, pending: list[Pending] | None = None):
+                 group_size: int, max_staleness: int, seed: int, pending: list[Pending] | None = None,
+                 staleness_policy: str = "wait", last: int | None = None, dropped: int = 0):
         self.engine, self.task, self.tokenizer, self.sampling = engine, task, tokenizer, sampling
         self.prompts_per_step, self.group_size = prompts_per_step, group_size
         self.max_staleness, self.seed = max_staleness, seed
+        self.policy = staleness_policy
         self.pending: deque[Pending | Future[Pending]] = deque(pending or [])
-        self._last = self.pending[-1].step if self.pending else None  # newest step requested
+        # newest batch index requested (a checkpoint's, where a drop emptied the queue)
+        self._last = self.pending[-1].step if self.pending else last
+        self.dropped = dropped  # rollouts (rows) discarded as too old, over the whole run
+        self.last_dropped, self._taken = 0, None
         # one worker = one engine user at a time, jobs in submission order
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="offpolicy-engine") if max_staleness > 0 else None
         self._syncing: Future | None = None
@@ -77,20 +92,34 @@ class RolloutPipeline:
         return done
 
     def next(self, step: int, version: int) -> tuple[Pending, float]:
-        """The batch for ``step`` and the seconds this thread waited for it. Requests what the
-        staleness window needs with ``version`` first, so those generate while ``step`` trains."""
-        while self._last is None or self._last < step + self.max_staleness:
-            target = step if self._last is None else self._last + 1
-            self.pending.append(self._submit(self._generate, target, version))
-            self._last = target
-        start = time.perf_counter()
-        head = self.pending[0]
-        item = head.result() if isinstance(head, Future) else head
-        self.pending[0] = item
-        waited = time.perf_counter() - start
-        if item.step != step:
+        """The batch to train at ``step`` (weights at ``version``) and the seconds this thread waited
+        for it; ``last_dropped`` counts the rollouts dropped as too old to get it (``drop`` only).
+        Requests what the staleness window needs with ``version`` first, so those generate while
+        ``step`` trains."""
+        depth = self.max_staleness + (2 if self.policy == "drop" else 1)  # batches queued after the request
+        waited, dropped = 0.0, 0
+        fill = True  # once per request (and again only if drops emptied the queue): the engine's pace
+        while True:
+            while fill and len(self.pending) < depth or not self.pending:
+                target = step if self._last is None else self._last + 1
+                self.pending.append(self._submit(self._generate, target, version))
+                self._last = target
+            fill = False
+            start = time.perf_counter()
+            head = self.pending[0]
+            item = head.result() if isinstance(head, Future) else head
+            self.pending[0] = item
+            waited += time.perf_counter() - start
+            staleness = version - item.rollouts.version
+            if self.policy == "drop" and staleness > self.max_staleness:
+                self.pending.popleft()  # too old: discard it and pull the next, newer one
+                dropped += len(item.rollouts)
+                continue
+            break
+        self.dropped += dropped
+        self.last_dropped, self._taken = dropped, item
+        if self.policy == "wait" and item.step != step:
             raise RuntimeError(f"rollout pipeline out of order: wanted step {step}, have {item.step}")
-        staleness = step - item.rollouts.version
         if not 0 <= staleness <= self.max_staleness:
             raise RuntimeError(f"staleness {staleness} outside [0, {self.max_staleness}] at step {step}")
         return item, waited
@@ -103,9 +132,14 @@ class RolloutPipeline:
         self._syncing = self._submit(self.engine.sync_weights, weights)
 
     def commit(self, step: int) -> None:
-        """The batch of ``step`` has been trained on: drop it."""
-        if self.pending and not isinstance(self.pending[0], Future) and self.pending[0].step == step:
+        """The batch ``next`` gave for ``step`` has been trained on: drop it."""
+        if self.pending and self.pending[0] is self._taken:
             self.pending.popleft()
+
+    @property
+    def last(self) -> int | None:
+        """The newest batch index requested (saved with the queue: see the module doc)."""
+        return self._last
 
     def state(self) -> list[Pending]:
         """The queued batches, oldest first (waits for those still generating)."""

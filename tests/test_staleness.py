@@ -1,0 +1,101 @@
+"""Issue #25, part 3: the trainer's staleness policy. ``wait`` never trains a batch older than
+``max_staleness`` (the engine waits); ``drop`` lets the engine keep one batch more in flight, discards
+what has grown older than the bound (counted) and trains the next, newer one — deterministically, so
+a resumed run drops and trains exactly what an uninterrupted one does. Sync and async, on the fake
+engine of test_pipeline and on the embedded default model."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from conftest import FAST
+from offpolicy.engines import SamplingConfig
+from offpolicy.tasks import make_task
+from offpolicy.tasks.tokenizer import build_char_tokenizer
+from offpolicy.train.config import load_train_config
+from offpolicy.train.loop import train
+from offpolicy.train.pipeline import RolloutPipeline
+from test_pipeline import RecordingEngine
+
+
+def _pipe(engine, staleness, policy, **state) -> RolloutPipeline:
+    return RolloutPipeline(engine, make_task("reverse"), build_char_tokenizer(), SamplingConfig(max_tokens=1), 2, 2,
+                           staleness, seed=0, staleness_policy=policy, **state)
+
+
+def _drive(pipe, steps, version):
+    """(batch index, its version, rollouts dropped to get it) per step, as the trainer's loop sees them."""
+    out = []
+    for step in steps:
+        item, _ = pipe.next(step, version)
+        out.append((item.step, item.rollouts.version, pipe.last_dropped))
+        version += 1
+        pipe.sync([("version", torch.tensor(version))])
+        pipe.commit(step)
+    return out, version
+
+
+@pytest.mark.parametrize("staleness", [0, 1])
+def test_drop_discards_what_grew_too_old_and_wait_never_does(staleness):
+    waited, _ = _drive(_pipe(RecordingEngine(), staleness, "wait"), range(6), 0)
+    assert [(i, v) for i, v, _ in waited] == [(k, max(0, k - staleness)) for k in range(6)]
+    assert all(d == 0 for _, _, d in waited)
+    engine = RecordingEngine()
+    dropped, _ = _drive(_pipe(engine, staleness, "drop"), range(6), 0)
+    # each request tops the queue up to s + 2 batches on the current weights, then drops heads older
+    # than s (4 rollouts each = 2 prompts × group 2). s = 0: step 0 queues 0,1 @v0, trains 0; step 1
+    # queues 2 @v1, drops 1 (1 old), trains 2; step 2 queues 3,4 @v2, trains 3; step 3 queues 5 @v3,
+    # drops 4 ... s = 1: step 0 queues 0,1,2 @v0; step 1 adds 3 @v1, trains 1 (1 old); step 2 adds 4 @v2,
+    # drops 2 (2 old), trains 3 @v1; step 3 adds 5,6 @v3, trains 4 @v2; step 4 adds 7, trains 5; step 5
+    # adds 8, drops 6 @v3, trains 7 @v4
+    want = {0: [(0, 0, 0), (2, 1, 4), (3, 2, 0), (5, 3, 4), (6, 4, 0), (8, 5, 4)],
+            1: [(0, 0, 0), (1, 0, 0), (3, 1, 4), (4, 2, 0), (5, 3, 0), (7, 4, 4)]}[staleness]
+    assert dropped == want
+    assert all(step - v <= staleness for step, (_, v, _) in enumerate(dropped))  # nothing trained too old
+    assert [e[1] for e in engine.events] == list(range(len(engine.events)))  # every index generated once
+
+
+@pytest.mark.parametrize(("staleness", "cut"), [(0, 2), (1, 4), (1, 3)])
+def test_drop_resumes_exactly(staleness, cut):
+    straight, _ = _drive(_pipe(RecordingEngine(), staleness, "drop"), range(7), 0)
+    first = _pipe(RecordingEngine(), staleness, "drop")
+    head, version = _drive(first, range(cut), 0)
+    saved = {"pending": first.state(), "last": first.last, "dropped": first.dropped}  # what the checkpoint holds
+    first.close()
+    engine = RecordingEngine()
+    engine.version = version
+    rest, _ = _drive(_pipe(engine, staleness, "drop", **saved), range(cut, 7), version)
+    assert head + rest == straight
+
+
+def _records(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("staleness", [0, 1])
+def test_train_logs_staleness_and_drops_and_resumes_exactly(offpolicy_cache, tmp_path, staleness):
+    def run(name, steps, resume=False):
+        cfg = load_train_config(None, [*FAST, f"out_dir={tmp_path / name}", f"steps={steps}",
+                                       f"max_staleness={staleness}", "staleness_policy=drop"])
+        return train(cfg, resume=(tmp_path / name) if resume else None, progress=False)
+
+    straight = _records(run("straight", 4).run_dir)
+    # 16 rollouts = 4 prompts × group 4, on the steps the pipeline test works out by hand
+    drops = {0: [0, 16, 0, 16], 1: [0, 0, 16, 0]}[staleness]
+    assert [r["dropped_rollouts"] for r in straight] == drops
+    assert [r["dropped_rollouts_total"] for r in straight] == [sum(drops[: i + 1]) for i in range(4)]
+    assert all(r["staleness_max"] <= staleness and r["staleness_mean"] <= r["staleness_max"] for r in straight)
+    for key in ("offpolicy/mult_prob_error", "offpolicy/abs_logp_diff_mean", "offpolicy/entropy",
+                "offpolicy/kl_over_entropy"):
+        assert key in straight[0], key
+    run("split", 2)
+    run("split", 4, resume=True)
+    split = _records(tmp_path / "split")
+    for a, b in zip(straight, split):
+        for key in {k for k in a if not k.startswith("time/") and k not in ("step_seconds", "tokens_per_s")}:
+            assert (a[key] is None and b[key] is None) or math.isclose(a[key], b[key], rel_tol=1e-6, abs_tol=1e-9), key
