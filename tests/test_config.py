@@ -75,7 +75,7 @@ def test_ratio_rule_needs_a_bound_and_mask_needs_a_band():
 
 
 def test_loss_combinations():
-    assert "dual_clip applies to kind 'ppo' only" in error_of(op.LossConfig, kind="cispo", dual_clip=3.0)
+    assert "dual_clip applies to kinds 'ppo' and 'gspo' only" in error_of(op.LossConfig, kind="cispo", dual_clip=3.0)
     assert "kind 'reinforce' has no clip; remove clip_low" in error_of(op.LossConfig, kind="reinforce", clip_low=0.2)
     assert "max_len is used only by agg 'seq-mean-token-sum-norm'" in error_of(op.LossConfig, max_len=10)
     msg = error_of(op.LossConfig, kind="ppo", correction={"anchor": "current",
