@@ -34,8 +34,10 @@ install_hosts() {
   # --ignore-requires-python.
   "${PIP[@]}" --no-deps openrlhf==0.11.2 peft==0.18.1
   "${PIP[@]}" --no-deps --ignore-requires-python skyrl==0.4.0
-  # AReaL 1.0.4 for tests/test_areal_parity.py: its loss module needs only these small packages
-  "${PIP[@]}" --no-deps areal==1.0.4 colorlog==6.12.0 tenacity==9.2.1 torchdata==0.11.0 aiofiles==25.1.0
+  # AReaL 1.0.4 for tests/test_areal_parity.py: its loss module needs only these small packages (its
+  # package __init__ imports the rollout controller: flask with blinker/itsdangerous, and orjson)
+  "${PIP[@]}" --no-deps areal==1.0.4 colorlog==6.12.0 tenacity==9.2.1 torchdata==0.11.0 aiofiles==25.1.0 \
+    flask==3.1.3 blinker==1.9.0 itsdangerous==2.2.0 orjson==3.13.0
   "${PIP[@]}" --no-deps skyrl-gym==0.4.0 cloudpathlib==0.26.0 jaxtyping==0.3.11 wadler-lindig==0.1.8 loguru==0.7.3
   python3 -c "import trl, verl; from trl import GRPOTrainer; print('install.sh: trl', trl.__version__, 'verl', verl.__version__)" 2>/dev/null \
     || echo "install.sh: trl/verl failed to import; their integration tests will skip"

@@ -8,7 +8,8 @@ accepts it, the reference included) and through AReaL's function on the same ten
 Skips when AReaL is absent. AReaL's package ``__init__`` imports its runtime, so besides
 ``pip install --no-deps areal==1.0.4`` the import needs four small pure-Python packages:
 ``pip install --no-deps colorlog tenacity torchdata aiofiles`` (uvloop, hydra-core, omegaconf,
-einops, numpy, pyyaml are already dependencies of the stack here).
+einops, numpy, pyyaml are already dependencies of the stack here), and the package __init__ needs
+``flask`` and ``orjson`` (install.sh pins them).
 """
 
 from __future__ import annotations
@@ -346,3 +347,24 @@ def test_settings_without_a_meaningful_equivalent_are_refused_with_the_reason(na
         rs = cli_args.RejectionSamplingConfig(**setting["rejection_sampling"])
         with pytest.raises(op.ConfigError, match=why):  # AReaL's dataclass is refused the same way
             areal_map.loss_config(**{**setting, "rejection_sampling": rs})
+
+
+# the issue #26 presets are the translator's output for their AReaL setting (checked above)
+PRESET_SETTINGS = {
+    "areal:token_mask_kl_k3": _rs(metric="kl_k3", upper=0.5),
+    "areal:seq_mask_max": _rs(level="sequence", agg="max", upper=5.0),
+    "areal:gspo": dict(importance_sampling_level="sequence"),
+}
+
+
+@pytest.mark.parametrize("preset", sorted(PRESET_SETTINGS))
+def test_new_presets_match_areal(preset):
+    cfg = op.LossConfig.from_preset(preset)
+    for shape in SHAPES[:4] + SHAPES[-1:]:
+        theta, prox, mu, adv, mask = new_batch(*shape)
+        want_loss, want_grad, _ = areal_truth(theta, prox, mu, adv, mask, PRESET_SETTINGS[preset])
+        theta = theta.clone().requires_grad_(True)
+        loss, _ = op.policy_loss(theta, prox, adv, mask.float(), mu, cfg)
+        loss.backward()
+        torch.testing.assert_close(loss.detach(), want_loss, rtol=2e-5, atol=1e-6, msg=preset)
+        torch.testing.assert_close(theta.grad, want_grad, rtol=2e-5, atol=1e-7, msg=preset)
