@@ -265,7 +265,9 @@ def test_every_areal_mode_matches_its_real_function(name, seed, B, T, extreme):
     setting = SETTINGS[name]
     args = new_batch(seed, B, T, extreme)
     want_loss, want_grad, want_kept = areal_truth(*args, setting)
-    for impl in ("reference", "auto"):
+    # auto only where a fast rung takes the config (gspo / sapo run on the reference either way)
+    fast = any(op.kernels.get(r).supports(areal_map.loss_config(**setting), None) for r in ("eager", "compiled"))
+    for impl in ("reference", "auto") if fast else ("reference",):
         loss, grad, kept = ours_areal(*args, setting, impl)
         torch.testing.assert_close(loss, want_loss, rtol=2e-5, atol=1e-6, msg=f"{name} {impl} loss")
         torch.testing.assert_close(grad, want_grad, rtol=2e-5, atol=1e-7, msg=f"{name} {impl} grad")
