@@ -370,3 +370,19 @@ def test_new_presets_match_areal(preset):
         loss.backward()
         torch.testing.assert_close(loss.detach(), want_loss, rtol=2e-5, atol=1e-6, msg=preset)
         torch.testing.assert_close(theta.grad, want_grad, rtol=2e-5, atol=1e-7, msg=preset)
+
+
+@pytest.mark.parametrize("name", ["ratio_token_mask_band", "ratio_seq_sum_mask_band", "ratio_seq_mean_clamp_band",
+                                  "gspo_seq_token_rs"])
+def test_nonfinite_behaviour_logprobs_with_neutral(name):
+    """AReaL sets a non-finite log ρ to 0 (weight 1, token kept) for the ratio metric; the
+    translator's ``nonfinite='neutral'`` does the same (μ = −inf and NaN on valid tokens)."""
+    theta, prox, mu, adv, mask = new_batch(0, 6, 8)
+    mu[0, 0], mu[3, 2], mask[3, 2] = float("-inf"), float("nan"), True
+    setting = SETTINGS[name]
+    want_loss, want_grad, _ = areal_truth(theta, prox, mu, adv, mask, setting)
+    theta = theta.clone().requires_grad_(True)
+    loss, _ = op.policy_loss(theta, prox, adv, mask.float(), mu, areal_map.loss_config(**setting, nonfinite="neutral"))
+    loss.backward()
+    torch.testing.assert_close(loss.detach(), want_loss, rtol=2e-5, atol=1e-6)
+    torch.testing.assert_close(theta.grad, want_grad, rtol=2e-5, atol=1e-7)
