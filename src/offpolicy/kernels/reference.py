@@ -107,7 +107,7 @@ def gspo_token_loss(logprobs, old, adv, cfg: LossConfig, mask, metrics: Metrics)
         gspo_form token (GSPO-token):  s'_t = sg(s)·π_θ/sg(π_θ),  A' = A_t    ∂ℓ_t/∂log π_θ,t = −A_t·s
         gspo_form sequence (GSPO):     s' = s (grad through the mean), A' = Ā ∂(Σ_t w_t ℓ_t)/∂log π_θ,j = −Ā·s·mean_t w_t
 
-    (unclipped rows). Their values agree; their gradients agree only when A_t = Ā and the IS
+    (unclipped rows). Their values agree where A_t = Ā; their gradients only when also the IS
     weights w_t are equal within the row: the sequence form spreads the row's mean weight (and
     mean advantage) over its tokens, the token form keeps each token's own."""
     if cfg.gspo_form == "sequence":
