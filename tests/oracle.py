@@ -235,6 +235,8 @@ def _rule(rule, seen, log_rho, rho, trainer, rollout, lp, adv, L) -> torch.Tenso
         elif stat in ("k1", "k2", "k3"):
             def k(t):
                 x = float(log_rho[b, t])
+                if getattr(rule, "direction", "mu_pi") == "pi_mu":  # AReaL: estimators of KL(π ‖ μ)
+                    return x if stat == "k1" else (0.5 * x * x if stat == "k2" else math.exp(-x) - 1.0 + x)
                 return -x if stat == "k1" else (0.5 * x * x if stat == "k2" else math.exp(x) - 1.0 - x)
 
             if rule.level == "token":
@@ -352,6 +354,8 @@ def _token_loss(cfg: LossConfig, lp, old, a, keep):
     kind = cfg.kind
     if kind == "reinforce":
         return -a * lp
+    if (kind == "gspo" and cfg.gspo_form == "sequence") or (kind == "sapo" and cfg.sapo_level == "sequence"):
+        return _sequence_form_loss(cfg, lp, old, a, keep)
     r = torch.exp((lp - old).clamp(-RATIO_CLAMP, RATIO_CLAMP))
     if kind == "ppo":
         loss = torch.maximum(-a * r, -a * _clip(r, cfg.clip_low, cfg.clip_high))
@@ -367,7 +371,35 @@ def _token_loss(cfg: LossConfig, lp, old, a, keep):
     n = keep.sum(dim=1).clamp(min=1).to(D)
     seq = (torch.where(keep, lp - old, torch.zeros((), dtype=D)).sum(dim=1) / n).detach()
     s = torch.exp(seq.clamp(-RATIO_CLAMP, RATIO_CLAMP))[:, None] * torch.exp(lp - lp.detach())
-    return torch.maximum(-a * s, -a * _clip(s, cfg.clip_low, cfg.clip_high))
+    loss = torch.maximum(-a * s, -a * _clip(s, cfg.clip_low, cfg.clip_high))
+    if cfg.dual_clip is not None:
+        loss = torch.where(a < 0, torch.minimum(loss, -cfg.dual_clip * a), loss)
+    return loss
+
+
+def _sequence_form_loss(cfg: LossConfig, lp, old, a, keep):
+    """GSPO (sequence form) / SAPO at sequence level, row by row: s = exp(mean_t(log π_θ − log
+    π_old)) with its gradient, Ā = mean_t A over the row's kept tokens; every kept token of the
+    row carries ℓ(s, Ā) (GSPO: −min(s·Ā, clip(s)·Ā), then the dual clip; SAPO: −(4/τ)σ(τ(s−1))·Ā)."""
+    B, T = lp.shape
+    rows = []
+    for b in range(B):
+        idx = [t for t in range(T) if bool(keep[b, t])]
+        if not idx:
+            rows.append(lp[b] * 0.0)  # still on π_θ's graph: an all-rejected batch has a zero gradient
+            continue
+        log_s = sum(lp[b, t] - old[b, t] for t in idx) / len(idx)
+        s = torch.exp(log_s.clamp(-RATIO_CLAMP, RATIO_CLAMP))
+        a_bar = sum(float(a[b, t]) for t in idx) / len(idx)
+        if cfg.kind == "sapo":
+            tau = cfg.sapo_tau_pos if a_bar > 0 else cfg.sapo_tau_neg
+            value = -(4.0 / tau) * torch.sigmoid(tau * (s - 1.0)) * a_bar
+        else:
+            value = torch.maximum(-a_bar * s, -a_bar * _clip(s, cfg.clip_low, cfg.clip_high))
+            if cfg.dual_clip is not None and a_bar < 0:
+                value = torch.minimum(value, torch.tensor(-cfg.dual_clip * a_bar, dtype=D))
+        rows.append(torch.stack([value if t in idx else lp[b, t] * 0.0 for t in range(T)]))
+    return torch.stack(rows)
 
 
 def _kl(lp, ref, kind):

@@ -8,7 +8,8 @@ accepts it, the reference included) and through AReaL's function on the same ten
 Skips when AReaL is absent. AReaL's package ``__init__`` imports its runtime, so besides
 ``pip install --no-deps areal==1.0.4`` the import needs four small pure-Python packages:
 ``pip install --no-deps colorlog tenacity torchdata aiofiles`` (uvloop, hydra-core, omegaconf,
-einops, numpy, pyyaml are already dependencies of the stack here).
+einops, numpy, pyyaml are already dependencies of the stack here), and the package __init__ needs
+``flask`` and ``orjson`` (install.sh pins them).
 """
 
 from __future__ import annotations
@@ -112,3 +113,276 @@ def test_parity_on_random_batches(seed, preset, spread, drift):
     loss, grad, _ = ours(theta, prox, mu, adv, mask, preset, "reference")
     torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(grad, want_grad, rtol=1e-5, atol=1e-7)
+
+
+# =============================================================================== issue #26
+# AReaL's whole loss surface through ``offpolicy.integrations.areal.loss_config``: each setting
+# below is what an AReaL user writes (PPOActorConfig fields); the translator gives our config, and
+# AReaL's real functions (ppo_actor_loss_fn, sapo_loss_fn, grpo_loss_fn's M2PO masking) give the
+# truth. Settings without a meaningful equivalent must be refused (REFUSED, further down).
+from offpolicy.integrations import areal as areal_map  # noqa: E402
+
+
+
+def _m2po_masking():
+    """AReaL's own ``_apply_m2po_masking`` (areal/trainer/ppo/actor.py): importing that module pulls
+    AReaL's whole trainer (swanlab, wandb, ...), so its two M2PO functions are read from the
+    installed file and run as they are."""
+    import ast
+    from pathlib import Path
+
+    import areal
+
+    source = (Path(areal.__file__).parent / "trainer" / "ppo" / "actor.py").read_text()
+    wanted = {"_apply_m2po_masking", "_get_m2po_loss_mask"}
+    tree = ast.parse(source)
+    tree.body = [node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name in wanted]
+    assert {node.name for node in tree.body} == wanted, "AReaL's M2PO functions moved"
+    namespace = {"torch": torch}
+    exec(compile(tree, "areal/trainer/ppo/actor.py", "exec"), namespace)
+    return namespace["_apply_m2po_masking"]
+
+
+apply_m2po_masking = _m2po_masking()
+
+
+def _rs(**kw):
+    return {"rejection_sampling": kw}
+
+
+SETTINGS = {
+    # item 1: KL statistics in AReaL's direction (k1 = log ρ, k3 = 1/ρ − 1 + log ρ)
+    "k1_token_band": _rs(metric="kl_k1", lower=-0.4, upper=0.5),
+    "k1_token_upper": _rs(metric="kl_k1", upper=0.3),
+    "k2_token": _rs(metric="kl_k2", upper=0.08),
+    "k3_token": _rs(metric="kl_k3", upper=0.05),
+    "k3_seq_sum": _rs(metric="kl_k3", level="sequence", agg="sum", upper=1.5),
+    "k3_seq_mean": _rs(metric="kl_k3", level="sequence", agg="mean", upper=0.33),
+    "k3_seq_max": _rs(metric="kl_k3", level="sequence", agg="max", upper=0.2),
+    "k2_seq_max": _rs(metric="kl_k2", level="sequence", agg="max", upper=0.2),
+    "k1_seq_mean_band": _rs(metric="kl_k1", level="sequence", agg="mean", lower=-1.0, upper=0.5),
+    "k1_seq_sum_band": _rs(metric="kl_k1", level="sequence", agg="sum", lower=-1.0, upper=0.5),
+    "k1_seq_max_upper": _rs(metric="kl_k1", level="sequence", agg="max", upper=0.4),
+    # item 3: sequence level, agg max (upper only: every token ρ_t ≤ U)
+    "ratio_seq_max_mask": _rs(level="sequence", agg="max", upper=2.0),
+    "ratio_seq_max_clamp": _rs(level="sequence", agg="max", action="clamp", upper=1.5),
+    "ratio_seq_sum_clamp_band": _rs(level="sequence", agg="sum", action="clamp", lower=0.8, upper=1.3),
+    "ratio_seq_sum_mask_band": _rs(level="sequence", agg="sum", lower=0.5, upper=2.0),
+    "ratio_seq_mean_clamp_band": _rs(level="sequence", agg="mean", action="clamp", lower=0.9, upper=1.1),
+    "ratio_token_mask_band": _rs(lower=0.7, upper=1.5),
+    "ratio_token_clamp_band": _rs(action="clamp", lower=0.7, upper=1.5),
+    # item 4 + 5: GSPO at sequence level (AReaL's sequence form), with clip-higher and the dual clip
+    "gspo_seq": dict(importance_sampling_level="sequence", eps_clip=0.05),
+    "gspo_seq_dual_clip": dict(importance_sampling_level="sequence", eps_clip=0.05, eps_clip_higher=0.08, c_clip=1.5),
+    "gspo_seq_token_rs": dict(importance_sampling_level="sequence", eps_clip=0.1,
+                              rejection_sampling=dict(level="token", upper=2.0)),
+    "gspo_seq_geo_clamp": dict(importance_sampling_level="sequence", eps_clip=0.1, c_clip=2.0,
+                               rejection_sampling=dict(level="sequence", action="clamp", upper=1.2)),
+    "ppo_dual_clip_k3": dict(c_clip=1.5, eps_clip_higher=0.28, rejection_sampling=dict(metric="kl_k3", upper=0.1)),
+    # item 6: SAPO at sequence level (and token level, for contrast); AReaL's SAPO is not decoupled
+    "sapo_seq": dict(use_sapo_loss=True, use_decoupled_loss=False, importance_sampling_level="sequence"),
+    "sapo_seq_taus": dict(use_sapo_loss=True, use_decoupled_loss=False, importance_sampling_level="sequence",
+                          sapo_tau_pos=2.0, sapo_tau_neg=0.5),
+    "sapo_token": dict(use_sapo_loss=True, use_decoupled_loss=False),
+    # M2PO with a clamp (one denominator)
+    "m2po_clamp": dict(m2_threshold=0.05, rejection_sampling=dict(action="clamp", upper=1.5)),
+}
+
+
+def areal_truth(theta, prox, mu, adv, mask, setting):
+    """AReaL's loss, gradient and surviving mask, called as grpo_loss_fn calls them."""
+    s = {"eps_clip": 0.2, **setting}
+    theta = theta.clone().requires_grad_(True)
+    loss_mask = mask.clone()
+    if s.get("m2_threshold") is not None:
+        loss_mask = apply_m2po_masking(mu, prox, loss_mask, s["m2_threshold"])
+    level = s.get("importance_sampling_level", "token")
+    if s.get("use_sapo_loss"):
+        # not decoupled: AReaL's "old" log-probs are the policy the PPO ratio compares with
+        loss, stat = functional.sapo_loss_fn(logprobs=theta, old_logprobs=prox, advantages=adv,
+                                             tau_pos=s.get("sapo_tau_pos", 1.0), tau_neg=s.get("sapo_tau_neg", 1.05),
+                                             loss_mask=loss_mask, importance_sampling_level=level)
+        kept = loss_mask
+    else:
+        rs = s.get("rejection_sampling")
+        cfg = None if rs is None else cli_args.RejectionSamplingConfig(**rs)
+        loss, stat = functional.ppo_actor_loss_fn(
+            logprobs=theta, proximal_logprobs=prox, old_logprobs=mu, advantages=adv, eps_clip=s["eps_clip"],
+            loss_mask=loss_mask, eps_clip_higher=s.get("eps_clip_higher"), c_clip=s.get("c_clip"),
+            rejection_sampling=cfg, importance_sampling_level=level)
+        kept = stat["behave_mask"] if rs is not None else loss_mask
+    loss.backward()
+    return loss.detach(), theta.grad, kept.bool()
+
+
+def ours_areal(theta, prox, mu, adv, mask, setting, implementation="reference"):
+    cfg = areal_map.loss_config(**setting)
+    if setting.get("rejection_sampling") is not None:  # AReaL's own dataclass (clamp: lower := 0.0) maps the same
+        as_object = cli_args.RejectionSamplingConfig(**setting["rejection_sampling"])
+        assert areal_map.loss_config(**{**setting, "rejection_sampling": as_object}) == cfg
+    theta = theta.clone().requires_grad_(True)
+    old = prox
+    rollout = None if cfg.correction is None else mu
+    loss, _ = op.policy_loss(theta, old, adv, mask.float(), rollout, cfg, implementation=implementation)
+    loss.backward()
+    kept = mask if cfg.correction is None else op.correct(prox, mu, mask.float(), cfg.correction).mask.bool()
+    return loss.detach(), theta.grad, kept
+
+
+def new_batch(seed: int, B: int, T: int, extreme: bool | str = False):
+    """Inputs unlike ``batch``: per-token advantages, a fully masked row (B > 2), ragged rows;
+    ``extreme``: behaviour log-ratios of ±25 (ρ = e^±25, no clamp in AReaL or the preset);
+    "skew": row 0 drifts to log ρ ≈ +0.8 and row 2 to ≈ −0.8, where the two KL directions part
+    (k3 = e^0.8 − 1.8 = 0.426 in verl's vs e^−0.8 − 0.2 = 0.249 in AReaL's, and the reverse)."""
+    g = torch.Generator().manual_seed(1000 + seed)
+    prox = -torch.rand(B, T, generator=g) * 3 - 1.0
+    mu = prox + torch.randn(B, T, generator=g) * 0.35
+    if extreme == "skew":
+        mu[0] = prox[0] - 0.8 + torch.randn(T, generator=g) * 0.05
+        mu[2] = prox[2] + 0.8 + torch.randn(T, generator=g) * 0.05
+        extreme = False
+    theta = prox + torch.randn(B, T, generator=g) * 0.1
+    adv = torch.randn(B, T, generator=g)
+    mask = torch.rand(B, T, generator=g) > 0.25
+    mask[:, 0] = True
+    if B > 2:
+        mask[1] = False  # a row with no valid token
+    if extreme:
+        mu[0, 0] = prox[0, 0] - 25.0
+        if T > 1:
+            mu[-1, -1] = prox[-1, -1] + 25.0
+            mask[-1, -1] = True
+    return theta, prox, mu.clamp(max=-1e-3), adv, mask
+
+
+SHAPES = [(0, 6, 8, False), (1, 1, 5, False), (2, 5, 1, False), (3, 4, 7, True), (4, 1, 1, False), (5, 7, 6, False),
+          (6, 5, 6, "skew")]
+
+
+@pytest.mark.parametrize("name", sorted(SETTINGS))
+@pytest.mark.parametrize("seed,B,T,extreme", SHAPES)
+def test_every_areal_mode_matches_its_real_function(name, seed, B, T, extreme):
+    setting = SETTINGS[name]
+    args = new_batch(seed, B, T, extreme)
+    want_loss, want_grad, want_kept = areal_truth(*args, setting)
+    # auto only where a fast rung takes the config (gspo / sapo run on the reference either way)
+    fast = any(op.kernels.get(r).supports(areal_map.loss_config(**setting), None) for r in ("eager", "compiled"))
+    for impl in ("reference", "auto") if fast else ("reference",):
+        loss, grad, kept = ours_areal(*args, setting, impl)
+        torch.testing.assert_close(loss, want_loss, rtol=2e-5, atol=1e-6, msg=f"{name} {impl} loss")
+        torch.testing.assert_close(grad, want_grad, rtol=2e-5, atol=1e-7, msg=f"{name} {impl} grad")
+    if "use_sapo_loss" not in setting:
+        torch.testing.assert_close(kept, want_kept, msg=f"{name} mask")
+
+
+def _variant(cfg: op.LossConfig, **loss_fields) -> op.LossConfig:
+    """``cfg`` with loss fields changed, or with every KL rule's direction flipped to verl's."""
+    data = cfg.model_dump(exclude_none=True)
+    if loss_fields.pop("verl_direction", False):
+        for rule in data["correction"]["reject"]:
+            if rule.get("direction") == "pi_mu":
+                rule["direction"] = "mu_pi"
+    return op.LossConfig(**{**data, **loss_fields})
+
+
+@pytest.mark.parametrize("name", sorted(SETTINGS))
+def test_each_setting_exercises_what_it_claims(name):
+    """Guard against a vacuous parity: on these batches each setting's rule bites (a mask setting
+    drops a token), and the old semantics — verl's KL direction, GSPO-token, token-level SAPO —
+    would NOT have matched AReaL (so the new options are what makes the parity hold)."""
+    setting = SETTINGS[name]
+    cfg = areal_map.loss_config(**setting)
+    old = None
+    if cfg.kind == "gspo":
+        old = _variant(cfg, gspo_form="token")
+    elif cfg.kind == "sapo" and cfg.sapo_level == "sequence":
+        old = _variant(cfg, sapo_level="token")
+    elif cfg.correction is not None and any(getattr(r, "direction", None) == "pi_mu" and r.stat != "k2"
+                                            for r in cfg.correction.reject):
+        old = _variant(cfg, verl_direction=True)
+    bites = old_differs = False
+    for shape in SHAPES:
+        theta, prox, mu, adv, mask = new_batch(*shape)
+        want_loss, want_grad, want_kept = areal_truth(theta, prox, mu, adv, mask, setting)
+        bites |= bool(want_kept.sum() < mask.sum())
+        if cfg.correction is not None and cfg.correction.weight is not None and cfg.correction.weight.high is not None:
+            w = op.correct(prox, mu, mask.float(), cfg.correction).metrics.to_dict()
+            bites |= w["offpolicy/fraction_above_high"] > 0 or w.get("offpolicy/fraction_below_low", 0) > 0
+        if old is not None:
+            theta_g = theta.clone().requires_grad_(True)
+            loss, _ = op.policy_loss(theta_g, prox, adv, mask.float(), None if old.correction is None else mu, old,
+                                     implementation="reference")
+            loss.backward()
+            old_differs |= not torch.allclose(theta_g.grad, want_grad, rtol=1e-3, atol=1e-5)
+    rejects = cfg.correction is not None and (cfg.correction.reject or cfg.correction.weight is not None)
+    assert bites or not rejects, f"{name}: no token rejected or clamped on any batch"
+    assert old_differs or old is None, f"{name}: the old semantics match AReaL too; the setting tests nothing new"
+
+
+REFUSED = {
+    # item 2: a lower bound on a divergence keeps the mismatched tokens, drops the on-policy ones
+    "k2_lower": (_rs(metric="kl_k2", lower=0.001, upper=0.5), "drops the on-policy tokens"),
+    "k3_seq_lower": (_rs(metric="kl_k3", level="sequence", agg="mean", lower=0.01, upper=0.5), "on-policy"),
+    # item 3: a lower bound on the row's maximum
+    "ratio_seq_max_mask_lower": (_rs(level="sequence", agg="max", lower=0.5, upper=2.0), "ONE token"),
+    "ratio_seq_max_clamp_lower": (_rs(level="sequence", agg="max", action="clamp", lower=0.5, upper=2.0), "ONE token"),
+    "k1_seq_max_lower": (_rs(metric="kl_k1", level="sequence", agg="max", lower=-0.5, upper=0.5), "ONE token"),
+    # AReaL quirks: a KL threshold used as a ratio clamp; a non-monotone sequence clamp; two denominators
+    "k2_clamp": (_rs(metric="kl_k2", action="clamp", upper=0.5), "clamps the RATIO"),  # AReaL's config refuses it too
+    "ratio_seq_sum_clamp_lower_above_1": (_rs(level="sequence", agg="sum", action="clamp", lower=1.1, upper=2.0),
+                                          "not monotone"),
+    "m2po_mask": (dict(m2_threshold=0.04, rejection_sampling=dict(upper=2.0)), "two denominators"),
+    "sapo_decoupled": (dict(use_sapo_loss=True), "use_decoupled_loss"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_settings_without_a_meaningful_equivalent_are_refused_with_the_reason(name):
+    setting, why = REFUSED[name]
+    with pytest.raises(op.ConfigError, match=why):
+        areal_map.loss_config(**setting)
+    # and AReaL really accepts the ones it accepts (the refusal is ours, not a typo in the setting)
+    if name == "k2_clamp":
+        with pytest.raises(ValueError, match="only supports metric='ratio'"):
+            cli_args.RejectionSamplingConfig(**setting["rejection_sampling"])
+    elif "use_sapo_loss" not in setting:
+        rs = cli_args.RejectionSamplingConfig(**setting["rejection_sampling"])
+        with pytest.raises(op.ConfigError, match=why):  # AReaL's dataclass is refused the same way
+            areal_map.loss_config(**{**setting, "rejection_sampling": rs})
+
+
+# the issue #26 presets are the translator's output for their AReaL setting (checked above)
+PRESET_SETTINGS = {
+    "areal:token_mask_kl_k3": _rs(metric="kl_k3", upper=0.5),
+    "areal:seq_mask_max": _rs(level="sequence", agg="max", upper=5.0),
+    "areal:gspo": dict(importance_sampling_level="sequence"),
+}
+
+
+@pytest.mark.parametrize("preset", sorted(PRESET_SETTINGS))
+def test_new_presets_match_areal(preset):
+    cfg = op.LossConfig.from_preset(preset)
+    for shape in SHAPES[:4] + SHAPES[-1:]:
+        theta, prox, mu, adv, mask = new_batch(*shape)
+        want_loss, want_grad, _ = areal_truth(theta, prox, mu, adv, mask, PRESET_SETTINGS[preset])
+        theta = theta.clone().requires_grad_(True)
+        loss, _ = op.policy_loss(theta, prox, adv, mask.float(), mu, cfg)
+        loss.backward()
+        torch.testing.assert_close(loss.detach(), want_loss, rtol=2e-5, atol=1e-6, msg=preset)
+        torch.testing.assert_close(theta.grad, want_grad, rtol=2e-5, atol=1e-7, msg=preset)
+
+
+@pytest.mark.parametrize("name", ["ratio_token_mask_band", "ratio_seq_sum_mask_band", "ratio_seq_mean_clamp_band",
+                                  "gspo_seq_token_rs"])
+def test_nonfinite_behaviour_logprobs_with_neutral(name):
+    """AReaL sets a non-finite log ρ to 0 (weight 1, token kept) for the ratio metric; the
+    translator's ``nonfinite='neutral'`` does the same (μ = −inf and NaN on valid tokens)."""
+    theta, prox, mu, adv, mask = new_batch(0, 6, 8)
+    mu[0, 0], mu[3, 2], mask[3, 2] = float("-inf"), float("nan"), True
+    setting = SETTINGS[name]
+    want_loss, want_grad, _ = areal_truth(theta, prox, mu, adv, mask, setting)
+    theta = theta.clone().requires_grad_(True)
+    loss, _ = op.policy_loss(theta, prox, adv, mask.float(), mu, areal_map.loss_config(**setting, nonfinite="neutral"))
+    loss.backward()
+    torch.testing.assert_close(loss.detach(), want_loss, rtol=2e-5, atol=1e-6)
+    torch.testing.assert_close(theta.grad, want_grad, rtol=2e-5, atol=1e-7)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 import offpolicy as op
@@ -49,7 +50,32 @@ def test_low_above_high():
 def test_k2_with_a_band():
     msg = error_of(op.CorrectionConfig, reject=[{"stat": "k2", "level": "token", "low": 0.1, "high": 0.5}])
     assert "reject.0.k2" in msg
-    assert "reject rule 'k2' takes only an upper bound (k2 ≥ 0); got low=0.1. Remove low" in msg
+    # issue #26: AReaL accepts a lower bound on kl_k2; ours says why it is not a correction
+    assert "reject rule 'k2' takes only an upper bound; got low=0.1." in msg
+    assert "drops the on-policy tokens" in msg and "Remove low" in msg
+
+
+def test_kl_rule_direction():
+    """direction pi_mu (AReaL) flips verl's k1 and turns k3 = ρ − 1 − log ρ into 1/ρ − 1 + log ρ.
+    ρ = e^0.8 (log ρ = 0.8): verl k3 = 2.2255 − 1.8 = 0.4255, AReaL k3 = 0.4493 − 0.2 = 0.2493;
+    with high 0.3 verl drops the token and AReaL keeps it; at log ρ = −0.8 it is the other way."""
+    old = torch.log(torch.tensor([[0.2, 0.2]]))
+    rollout = old - torch.tensor([[0.8, -0.8]])  # log ρ = (0.8, −0.8)
+    mask = torch.ones(1, 2)
+    for direction, want in (("mu_pi", [0.0, 1.0]), ("pi_mu", [1.0, 0.0])):
+        rule = {"stat": "k3", "level": "token", "high": 0.3, "direction": direction}
+        assert op.correct(old, rollout, mask, {"reject": [rule]}).mask.tolist() == [want]
+    # k1: verl's −log ρ ≤ −0.5 keeps log ρ = 0.8; AReaL's log ρ ≤ −0.5 keeps log ρ = −0.8
+    for direction, want in (("mu_pi", [1.0, 0.0]), ("pi_mu", [0.0, 1.0])):
+        rule = {"stat": "k1", "level": "token", "high": -0.5, "direction": direction}
+        assert op.correct(old, rollout, mask, {"reject": [rule]}).mask.tolist() == [want]
+    assert "direction" in error_of(op.CorrectionConfig, reject=[{"stat": "k3", "level": "token", "high": 1, "direction": "up"}])
+
+
+def test_gspo_and_sapo_forms_belong_to_their_kind():
+    assert op.LossConfig(kind="gspo", dual_clip=3.0, gspo_form="sequence").dual_clip == 3.0
+    assert "gspo_form 'sequence' applies to kind 'gspo' only" in error_of(op.LossConfig, gspo_form="sequence")
+    assert "sapo_level 'sequence' applies to kind 'sapo' only" in error_of(op.LossConfig, kind="gspo", sapo_level="sequence")
 
 
 def test_k1_seq_max_is_undefined():
@@ -75,7 +101,7 @@ def test_ratio_rule_needs_a_bound_and_mask_needs_a_band():
 
 
 def test_loss_combinations():
-    assert "dual_clip applies to kind 'ppo' only" in error_of(op.LossConfig, kind="cispo", dual_clip=3.0)
+    assert "dual_clip applies to kinds 'ppo' and 'gspo' only" in error_of(op.LossConfig, kind="cispo", dual_clip=3.0)
     assert "kind 'reinforce' has no clip; remove clip_low" in error_of(op.LossConfig, kind="reinforce", clip_low=0.2)
     assert "max_len is used only by agg 'seq-mean-token-sum-norm'" in error_of(op.LossConfig, max_len=10)
     msg = error_of(op.LossConfig, kind="ppo", correction={"anchor": "current",

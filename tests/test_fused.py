@@ -31,6 +31,11 @@ CORRECTIONS = [
                 {"stat": "binary_kl", "high": 0.01}], "denominator": "fixed"},
     {"anchor": "rollout", "reject": [{"stat": "ratio", "level": "geometric", "low": 0.9, "high": 1.1}]},
     {"weight": {"level": "token", "mode": "truncate"}, "log_clamp": None},
+    # AReaL's direction of the KL statistics (issue #26): k1 = log ρ, k3 = 1/ρ − 1 + log ρ
+    {"reject": [{"stat": "k1", "level": "seq_mean", "low": -0.05, "high": 0.3, "direction": "pi_mu"},
+                {"stat": "k3", "level": "seq_max", "high": 0.6, "direction": "pi_mu"},
+                {"stat": "k3", "level": "token", "high": 0.4, "direction": "pi_mu"}],
+     "weight": {"level": "token", "mode": "truncate", "high": 2.0}, "denominator": "fixed"},
 ]
 
 

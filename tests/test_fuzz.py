@@ -95,6 +95,9 @@ def weights(draw):
     return {"level": level, "mode": mode, "low": low, "high": high, "normalize": draw(st.booleans())}
 
 
+directions = st.sampled_from(["mu_pi", "pi_mu"])  # verl's KL estimators, or AReaL's (issue #26)
+
+
 @st.composite
 def rules(draw):
     stat = draw(st.sampled_from(["ratio", "k1", "k2", "k3", "opsm", "binary_kl", "ratio", "m2", "mult_error",
@@ -122,10 +125,11 @@ def rules(draw):
         level = draw(st.sampled_from(["token", "seq_sum", "seq_mean"]))
         low = draw(st.sampled_from([None, -1.0, -0.2]))
         high = draw(st.sampled_from([None, 0.2, 1.0] if low is not None else [0.2, 1.0]))
-        return {"stat": stat, "level": level, "low": low, "high": high}
+        return {"stat": stat, "level": level, "low": low, "high": high, "direction": draw(directions)}
     if stat in ("k2", "k3"):
         level = draw(st.sampled_from(["token", "seq_sum", "seq_mean", "seq_max"]))
-        return {"stat": stat, "level": level, "high": draw(st.sampled_from([0.0, 0.05, 0.5, 3.0]))}
+        return {"stat": stat, "level": level, "high": draw(st.sampled_from([0.0, 0.05, 0.5, 3.0])),
+                "direction": draw(directions)}
     if stat == "opsm":
         return {"stat": stat, "delta": draw(st.sampled_from([-0.1, 0.0, 0.05, 1.0]))}
     return {"stat": stat, "high": draw(st.sampled_from([0.0, 0.01, 0.3]))}
@@ -138,9 +142,12 @@ def configs(draw):
     if kind in ("ppo", "gspo", "cispo"):
         loss["clip_low"] = draw(st.sampled_from([None, 0.1, 0.2, 0.9]))
         loss["clip_high"] = draw(st.sampled_from([None, 0.2, 0.28, 3.0]))
-    if kind == "ppo":
+    if kind in ("ppo", "gspo"):
         loss["dual_clip"] = draw(st.sampled_from([None, None, 3.0, 1.5]))
+    if kind == "gspo":
+        loss["gspo_form"] = draw(st.sampled_from(["token", "sequence"]))
     if kind == "sapo":
+        loss["sapo_level"] = draw(st.sampled_from(["token", "sequence"]))
         loss["sapo_tau_pos"] = draw(st.sampled_from([0.5, 1.0, 2.0]))
         loss["sapo_tau_neg"] = draw(st.sampled_from([1.05, 3.0]))
     agg = draw(st.sampled_from(["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]))

@@ -219,3 +219,53 @@ def test_missing_inputs_are_named():
         op.policy_loss(lp, None, row([1.0]), torch.ones_like(lp), config=op.LossConfig(kind="ppo"))
     with pytest.raises(ValueError, match="ref_logprobs"):
         op.policy_loss(lp, lp, row([1.0]), torch.ones_like(lp), config=op.LossConfig(kl_coef=0.1))
+
+
+def test_gspo_forms_differ_in_gradient_not_where_a_and_w_are_flat():
+    # issue #26. π_θ = π_old (s = 1, inside any clip), A = (1, 3), IS weights w = ρ = (1, 2) from
+    # μ = π_old − (0, ln 2) (anchor old, raw token weight), token-mean over N = 2.
+    old = row([-2.0, -2.0])
+    rollout = old - row([0.0, math.log(2.0)])
+    adv, mask = row([1.0, 3.0]), torch.ones(1, 2)
+    corr = {"weight": {"level": "token", "mode": "truncate"}}
+    token = op.LossConfig(kind="gspo", clip_low=0.2, clip_high=0.2, correction=corr)
+    seq = op.LossConfig(kind="gspo", clip_low=0.2, clip_high=0.2, gspo_form="sequence", correction=corr)
+    # token form: ℓ_t = −A_t·s_t, ∂/∂lp_j = −A_j·s·w_j/N → loss (−1·1 − 3·2)/2 = −3.5, grad (−0.5, −3)
+    (loss, _), grad = run(old, old, adv, mask, token, rollout)
+    assert loss.item() == pytest.approx(-3.5, rel=1e-6)
+    torch.testing.assert_close(grad, row([-0.5, -3.0]))
+    # sequence form: Ā = 2, ℓ_t = −Ā·s; loss Σ_t w_t(−2)/2 = −3; ∂s/∂lp_j = s/n = 1/2, so
+    # ∂/∂lp_j = (−Ā)(1/2)·Σ_t w_t / N = −2·0.5·3/2 = −1.5 on both tokens (the mean weight, spread)
+    (loss, _), grad = run(old, old, adv, mask, seq, rollout)
+    assert loss.item() == pytest.approx(-3.0, rel=1e-6)
+    torch.testing.assert_close(grad, row([-1.5, -1.5]))
+    # A_t = Ā and w_t flat (no correction): both forms give loss −2 and gradient −A·s/N = (−1, −1)
+    flat = row([2.0, 2.0])
+    for cfg in (token.model_copy(update={"correction": None}), seq.model_copy(update={"correction": None})):
+        (loss, _), grad = run(old, old, flat, mask, cfg)
+        assert loss.item() == pytest.approx(-2.0, rel=1e-6)
+        torch.testing.assert_close(grad, row([-1.0, -1.0]))
+
+
+def test_gspo_dual_clip_and_sapo_at_sequence_level():
+    # log r = (ln 4, ln 4) → s = 4; A = −1; ε = 0.2, c = 3: max(−A·s, −A·clip(s)) = max(4, 1.2) = 4,
+    # dual clip min(4, 3) = 3 on both tokens → loss 3, no gradient (the constant branch)
+    old = row([-3.0, -3.0])
+    lp = old + math.log(4.0)
+    adv, mask = row([-1.0, -1.0]), torch.ones(1, 2)
+    for form in ("token", "sequence"):
+        cfg = op.LossConfig(kind="gspo", clip_low=0.2, clip_high=0.2, dual_clip=3.0, gspo_form=form)
+        (loss, m), grad = run(lp, old, adv, mask, cfg)
+        assert loss.item() == pytest.approx(3.0, rel=1e-6) and m["dual_clip_fraction"] == pytest.approx(1.0)
+        torch.testing.assert_close(grad, torch.zeros(1, 2))
+    # SAPO at sequence level, s = 1 (π_θ = π_old), A = (1, 3) → Ā = 2 > 0, τ_pos = 1:
+    # gate = (4/τ)σ(0) = 2 → ℓ_t = −2·2 = −4, loss −4; ∂gate/∂s = 4σ'(0) = 1, ∂s/∂lp_j = 1/2,
+    # so ∂/∂lp_j = Σ_t (−Ā)(1/2)/N = −2·(1/2)·2/2 = −1 on both tokens. Token level for contrast:
+    # ℓ_t = −2·A_t = (−2, −6), loss −4, ∂/∂lp_j = −A_j/N = (−0.5, −1.5).
+    adv = row([1.0, 3.0])
+    (loss, _), grad = run(old, old, adv, mask, op.LossConfig(kind="sapo", sapo_level="sequence"))
+    assert loss.item() == pytest.approx(-4.0, rel=1e-6)
+    torch.testing.assert_close(grad, row([-1.0, -1.0]))
+    (loss, _), grad = run(old, old, adv, mask, op.LossConfig(kind="sapo"))
+    assert loss.item() == pytest.approx(-4.0, rel=1e-6)
+    torch.testing.assert_close(grad, row([-0.5, -1.5]))

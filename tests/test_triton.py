@@ -41,7 +41,11 @@ CORRECTIONS = [
      "reject": [{"stat": "ratio", "level": "token", "low": 0.3, "high": 3.0}, {"stat": "ratio", "level": "sequence", "low": 0.1, "high": 10}],
      "reject_mode": "sequential", "denominator": "fixed"},
     {"reject": [{"stat": "k1", "level": "seq_sum", "low": -0.7, "high": 0.7}, {"stat": "k2", "level": "seq_max", "high": 0.5},
-                {"stat": "k3", "level": "token", "high": 0.4}]},
+                {"stat": "k3", "level": "token", "high": 0.4},
+                # AReaL's direction (issue #26): k1 = log ρ, k3 = 1/ρ − 1 + log ρ, in the same case (no extra run)
+                {"stat": "k1", "level": "token", "low": -0.6, "direction": "pi_mu"},
+                {"stat": "k3", "level": "seq_max", "high": 0.6, "direction": "pi_mu"},
+                {"stat": "k1", "level": "seq_mean", "low": -0.05, "high": 0.3, "direction": "pi_mu"}]},
     {"anchor": "rollout", "reject": [{"stat": "ratio", "level": "geometric", "low": 0.9, "high": 1.1}]},
     {"anchor": "current", "weight": {"level": "token", "mode": "truncate", "low": 0.8, "high": 1.2}},
     {"weight": {"level": "sequence", "mode": "truncate"}, "log_clamp": None},

@@ -268,12 +268,37 @@ class DivergenceRule(_Strict):
 
     A row-level statistic is the sum / mean / max of the per-token values over valid tokens.
     k1 takes a band; k2 and k3 are ≥ 0 and take only an upper bound; seq_max is undefined for k1.
+
+    ``direction`` (issue #26) says which divergence the per-token estimators are written for,
+    with y ~ μ and log ρ = log π_train − log μ:
+
+        mu_pi (verl, default)  KL(μ ‖ π_train):  k1 = −log ρ,  k2 = ½(log ρ)²,  k3 = ρ − 1 − log ρ
+        pi_mu (AReaL)          KL(π_train ‖ μ):  k1 = +log ρ,  k2 = ½(log ρ)²,  k3 = 1/ρ − 1 + log ρ
+
+    (AReaL 1.0.4 calls ``KLEstimator._compute_approx_kl(log_probs=π_prox, log_probs_base=μ)``,
+    areal/utils/data.py.) Under y ~ μ, mu_pi's k1 and k3 are unbiased for their KL; pi_mu's are
+    KL(π ‖ μ)'s estimators written as if y ~ π. k2 is the same in both directions.
     """
 
     stat: Literal["k1", "k2", "k3"]
     level: Literal["token", "seq_sum", "seq_mean", "seq_max"]
     low: float | None = None
     high: float | None = None
+    direction: Literal["mu_pi", "pi_mu"] = Field(
+        "mu_pi", description="mu_pi: estimators of KL(μ‖π_train), k1 = −log ρ, k3 = ρ − 1 − log ρ (verl); pi_mu: "
+        "of KL(π_train‖μ), k1 = log ρ, k3 = 1/ρ − 1 + log ρ (AReaL)")
+
+    @model_validator(mode="after")
+    def _no_lower_bound_on_a_divergence(self) -> DivergenceRule:
+        # issue #26 item 2: AReaL accepts `lower` on kl_k2 / kl_k3; as a correction it is not meaningful
+        if self.stat != "k1" and self.low is not None:
+            raise ValueError(
+                f"reject rule '{self.stat}' takes only an upper bound; got low={self.low}. {self.stat} ≥ 0 is 0 "
+                "exactly where π_train = μ, so a lower bound drops the on-policy tokens (the only ones that need no "
+                "correction) and keeps the mismatched ones. Remove low; for a two-sided band use stat k1 (the signed "
+                "log-ratio) or stat ratio"
+            )
+        return self
 
     @model_validator(mode="after")
     def _bounds_fit_the_statistic(self) -> DivergenceRule:
@@ -474,6 +499,12 @@ class LossConfig(_Loadable):
     correction: CorrectionConfig | None = None
     sapo_tau_pos: float = Field(1.0, gt=0)
     sapo_tau_neg: float = Field(1.05, gt=0)
+    gspo_form: Literal["token", "sequence"] = Field(
+        "token", description="kind gspo: token = GSPO-token, s_t = sg(s)·π_θ/sg(π_θ) with A_t; sequence = GSPO, s with "
+        "its gradient through the row mean and the row-mean advantage Ā (AReaL importance_sampling_level sequence)")
+    sapo_level: Literal["token", "sequence"] = Field(
+        "token", description="kind sapo: token = gates on r_t with A_t; sequence = gates on the row's "
+        "s = exp(mean_t log r_t) with Ā (AReaL importance_sampling_level sequence)")
     kl_coef: float = Field(0.0, ge=0, description="β of the KL-to-reference term; 0 = off")
     kl_kind: Literal["k1", "k2", "k3", "k1+", "k2+", "k3+"] = Field("k3+", description="KL estimator (SPEC §5)")
     kl_to: Literal["ref", "rollout"] = Field(
@@ -501,8 +532,13 @@ class LossConfig(_Loadable):
 
     @model_validator(mode="after")
     def _options_fit_kind(self) -> LossConfig:
-        if self.dual_clip is not None and self.kind != "ppo":
-            raise ValueError(f"dual_clip applies to kind 'ppo' only; got kind '{self.kind}'")
+        if self.dual_clip is not None and self.kind not in ("ppo", "gspo"):
+            raise ValueError(f"dual_clip applies to kinds 'ppo' and 'gspo' only; got kind '{self.kind}'")
+        if self.gspo_form != "token" and self.kind != "gspo":
+            raise ValueError(f"gspo_form '{self.gspo_form}' applies to kind 'gspo' only; got kind '{self.kind}'")
+        if self.sapo_level != "token" and self.kind != "sapo":
+            raise ValueError(f"sapo_level '{self.sapo_level}' applies to kind 'sapo' only; got kind '{self.kind}'; for "
+                             "a sequence ratio with a hard clip use kind gspo")
         if self.max_len is not None and self.agg != "seq-mean-token-sum-norm":
             raise ValueError(f"max_len is used only by agg 'seq-mean-token-sum-norm'; got agg '{self.agg}'")
         if self.global_seqs is not None and self.agg == "token-mean":

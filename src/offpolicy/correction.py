@@ -230,8 +230,11 @@ def reject_ratio(rule: RatioRule, b: RuleInputs, mask: torch.Tensor) -> torch.Te
 
 def reject_divergence(rule: DivergenceRule, b: RuleInputs, mask: torch.Tensor) -> torch.Tensor:
     """Keep-mask of a k1/k2/k3 rule: k1 = −log ρ, k2 = ½(log ρ)², k3 = ρ − 1 − log ρ, per token or
-    summed / averaged / maxed over the row's valid tokens, kept inside [low, high]."""
-    x = b.log_ratio
+    summed / averaged / maxed over the row's valid tokens, kept inside [low, high].
+
+    direction pi_mu (AReaL) writes the estimators with log ρ negated — k1 = log ρ,
+    k3 = 1/ρ − 1 + log ρ — so the same code reads them off −log ρ."""
+    x = b.log_ratio if rule.direction == "mu_pi" else -b.log_ratio
     if rule.stat == "k1":
         per_token = -x
     elif rule.stat == "k2":

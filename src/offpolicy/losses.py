@@ -8,8 +8,11 @@ Per token, with r_t = exp(clamp(log π_θ − log π_old, ±20)) and advantage A
     ppo:       ℓ = −min(r·A, clip(r, 1−ε_low, 1+ε_high)·A);  dual clip c: for A < 0, ℓ = min(ℓ, −c·A)
     gspo:      s = exp(mean_t(log π_θ − log π_old)), s_t = sg(s)·π_θ/sg(π_θ);
                ℓ = −min(s_t·A, clip(s_t, 1−ε_low, 1+ε_high)·A)                (GSPO-token)
+               gspo_form sequence: s with its gradient, Ā = mean_t A;  ℓ = −min(s·Ā, clip(s)·Ā)
+               (+ dual clip for either form)
     cispo:     ℓ = −sg(clip(r, 1−ε_low, 1+ε_high))·A·log π_θ                  (MiniMax-M1)
     sapo:      ℓ = −(4/τ)·σ(τ(r−1))·A,  τ = τ_pos if A > 0 else τ_neg        (soft gate; slope 1 at r = 1)
+               sapo_level sequence: r → s (gradient through the mean), A → Ā
     reinforce: ℓ = −A·log π_θ
 
 then ℓ ← w·ℓ (IS weights, after clipping and the dual clip), rejected and padding tokens give 0,

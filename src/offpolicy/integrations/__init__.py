@@ -5,7 +5,8 @@ imports a host): ``offpolicy.integrations.trl``, ``.verl``, ``.openrlhf``, ``.sk
 adapter hands its host the unreduced per-token loss (``op.policy_loss(..., reduce=False)``) and
 the mask to aggregate over, so the host's own micro-batching and cross-rank aggregation stay as
 they are; ``offpolicy.integrations.dump`` writes the tensors offpolicy saw for
-``offpolicy diagnose --batch``.
+``offpolicy diagnose --batch``. ``offpolicy.integrations.areal`` is no adapter but a translator:
+AReaL's actor-loss settings → the ``LossConfig`` computing the same loss (docs/areal.md).
 """
 
 from __future__ import annotations

@@ -7,8 +7,11 @@ Per token, with r_t = exp(clamp(log π_θ − log π_old, ±20)) and advantage A
     ppo:       ℓ = −min(r·A, clip(r, 1−ε_low, 1+ε_high)·A);  dual clip c: for A < 0, ℓ = min(ℓ, −c·A)
     gspo:      s = exp(mean_t(log π_θ − log π_old)), s_t = sg(s)·π_θ/sg(π_θ);
                ℓ = −min(s_t·A, clip(s_t, 1−ε_low, 1+ε_high)·A)                (GSPO-token)
+               gspo_form sequence: s with its gradient, Ā = mean_t A;  ℓ = −min(s·Ā, clip(s)·Ā)
+               (+ dual clip for either form)
     cispo:     ℓ = −sg(clip(r, 1−ε_low, 1+ε_high))·A·log π_θ                  (MiniMax-M1)
     sapo:      ℓ = −(4/τ)·σ(τ(r−1))·A,  τ = τ_pos if A > 0 else τ_neg        (soft gate; slope 1 at r = 1)
+               sapo_level sequence: r → s (gradient through the mean), A → Ā
     reinforce: ℓ = −A·log π_θ
 
 then ℓ ← w·ℓ (IS weights, after clipping and the dual clip), ℓ ← ℓ + β·KL_t (weighted too
@@ -75,15 +78,48 @@ def ppo_token_loss(logprobs, old, adv, cfg: LossConfig, mask, metrics: Metrics) 
     return loss
 
 
+def sequence_ratio_and_advantage(logprobs, old, adv, mask) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sequence form's ratio and advantage, broadcast to ``[B, T]`` (AReaL
+    ``_compute_sequence_level_ratio_and_advantages``, importance_sampling_level sequence):
+
+        s = exp(clamp(mean_t(log π_θ − log π_old), ±20))   gradient through the mean: ∂s/∂log π_θ,t = s/n
+        Ā = mean_t A_t                                      (over the row's surviving tokens)
+    """
+    seq_log_ratio = ops.masked_mean(logprobs - old, mask, dim=-1).clamp(-RATIO_LOG_CLAMP, RATIO_LOG_CLAMP)  # [B]
+    seq_adv = ops.masked_mean(adv, mask, dim=-1)  # [B]
+    return ops.broadcast_rows(torch.exp(seq_log_ratio), logprobs), ops.broadcast_rows(seq_adv, logprobs)
+
+
+def _dual_clip(loss, adv, cfg: LossConfig, mask, metrics: Metrics) -> torch.Tensor:
+    """For A < 0: ℓ = min(ℓ, −c·A) (records dual_clip_fraction); no-op without ``dual_clip``."""
+    if cfg.dual_clip is None:
+        return loss
+    floor = -adv * cfg.dual_clip
+    negative = adv < 0
+    metrics.mean("dual_clip_fraction", negative & (loss > floor), mask)
+    return torch.where(negative, torch.minimum(loss, floor), loss)
+
+
 def gspo_token_loss(logprobs, old, adv, cfg: LossConfig, mask, metrics: Metrics) -> torch.Tensor:
-    """GSPO-token: a sequence-level ratio with per-token gradients."""
-    seq_log_ratio = ops.masked_mean(logprobs - old, mask, dim=-1).detach()  # [B]
-    seq_ratio = torch.exp(seq_log_ratio.clamp(-RATIO_LOG_CLAMP, RATIO_LOG_CLAMP))
-    ratio = ops.broadcast_rows(seq_ratio, logprobs) * torch.exp(logprobs - logprobs.detach())  # [B, T]
+    """GSPO, with s = exp(mean_t(log π_θ − log π_old)) per row; ℓ = −min(s'·A', clip(s')·A'),
+    then the dual clip, where
+
+        gspo_form token (GSPO-token):  s'_t = sg(s)·π_θ/sg(π_θ),  A' = A_t    ∂ℓ_t/∂log π_θ,t = −A_t·s
+        gspo_form sequence (GSPO):     s' = s (grad through the mean), A' = Ā ∂(Σ_t w_t ℓ_t)/∂log π_θ,j = −Ā·s·mean_t w_t
+
+    (unclipped rows). Their values agree where A_t = Ā; their gradients only when also the IS
+    weights w_t are equal within the row: the sequence form spreads the row's mean weight (and
+    mean advantage) over its tokens, the token form keeps each token's own."""
+    if cfg.gspo_form == "sequence":
+        ratio, adv = sequence_ratio_and_advantage(logprobs, old, adv, mask)
+    else:
+        seq_log_ratio = ops.masked_mean(logprobs - old, mask, dim=-1).detach()  # [B]
+        seq_ratio = torch.exp(seq_log_ratio.clamp(-RATIO_LOG_CLAMP, RATIO_LOG_CLAMP))
+        ratio = ops.broadcast_rows(seq_ratio, logprobs) * torch.exp(logprobs - logprobs.detach())  # [B, T]
     unclipped = -adv * ratio
     clipped = -adv * _clip(ratio, cfg.clip_low, cfg.clip_high)
     metrics.mean("clip_fraction", clipped > unclipped, mask)
-    return torch.maximum(unclipped, clipped)
+    return _dual_clip(torch.maximum(unclipped, clipped), adv, cfg, mask, metrics)
 
 
 def cispo_token_loss(logprobs, old, adv, cfg: LossConfig, mask, metrics: Metrics) -> torch.Tensor:
@@ -95,8 +131,13 @@ def cispo_token_loss(logprobs, old, adv, cfg: LossConfig, mask, metrics: Metrics
 
 
 def sapo_token_loss(logprobs, old, adv, cfg: LossConfig, mask, metrics: Metrics) -> torch.Tensor:
-    """SAPO: a sigmoid gate replaces the hard clip; the gate's slope in r is 1 at r = 1."""
-    ratio = _ratio(logprobs, old)
+    """SAPO: a sigmoid gate replaces the hard clip; the gate's slope in r is 1 at r = 1.
+    ``sapo_level`` sequence gates the row's s = exp(mean_t log r_t) (gradient through the mean)
+    with Ā, like GSPO's sequence form (``sequence_ratio_and_advantage``)."""
+    if cfg.sapo_level == "sequence":
+        ratio, adv = sequence_ratio_and_advantage(logprobs, old, adv, mask)
+    else:
+        ratio = _ratio(logprobs, old)
     tau = torch.where(adv > 0, cfg.sapo_tau_pos, cfg.sapo_tau_neg).to(ratio.dtype)
     gate = torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)
     return -gate * adv

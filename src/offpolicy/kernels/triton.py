@@ -70,6 +70,7 @@ _INF = math.inf
 
 # rule encodings (constexpr): (stat, level, low, high) with ±inf for an open bound
 _STAT = {"ratio": 0, "k1": 1, "k2": 2, "k3": 3}
+_PI_MU_STAT = {"k1": 4, "k2": 2, "k3": 5}  # direction pi_mu (AReaL): k1, k3 of −log ρ; k2 is symmetric
 _LEVEL = {"token": 0, "sequence": 1, "geometric": 2, "any_token": 3, "seq_sum": 4, "seq_mean": 5, "seq_max": 6}
 _ANCHOR = {"old": 0, "rollout": 1, "current": 2}
 _KIND = {"ppo": 0, "cispo": 1, "reinforce": 2}
@@ -139,7 +140,8 @@ def spec_of(config: LossConfig, has_old: bool) -> Spec | None:
     for rule in corr.reject:
         if not isinstance(rule, (RatioRule, DivergenceRule)):
             return None
-        rules.append((_STAT[rule.stat], _LEVEL[rule.level], -_INF if rule.low is None else float(rule.low),
+        stat = _PI_MU_STAT[rule.stat] if getattr(rule, "direction", "mu_pi") == "pi_mu" else _STAT[rule.stat]
+        rules.append((stat, _LEVEL[rule.level], -_INF if rule.low is None else float(rule.low),
                       _INF if rule.high is None else float(rule.high)))
     weight = None
     if corr.weight is not None and corr.anchor != "rollout":
@@ -189,11 +191,16 @@ if triton is not None:
 
     @triton.jit
     def _k_stat(STAT: tl.constexpr, lr, L: tl.constexpr):
-        """k1 = −log ρ, k2 = ½(log ρ)², k3 = ρ − 1 − log ρ (verl rollout_rs; SPEC §4)."""
+        """k1 = −log ρ, k2 = ½(log ρ)², k3 = ρ − 1 − log ρ (verl rollout_rs; SPEC §4); direction
+        pi_mu (AReaL): 4 = k1 = log ρ, 5 = k3 = 1/ρ − 1 + log ρ."""
         if STAT == 1:
             v = -lr
         elif STAT == 2:
             v = 0.5 * lr * lr
+        elif STAT == 4:
+            v = lr
+        elif STAT == 5:
+            v = tl.exp(_clamp(-lr, L)) - 1.0 + lr
         else:
             v = tl.exp(_clamp(lr, L)) - 1.0 - lr
         return v
