@@ -101,12 +101,12 @@ def _wrap(operand: str) -> str:
 def normalize_latex(text: str) -> str:
     """Light LaTeX normalisation for comparing final answers (not a CAS):
 
-    drop ``$``, ``\\left``/``\\right``, spacing commands (``\\,`` ``\\!`` ``\\;`` ``\\quad``), ``^\\circ``,
+    drop ``$`` and ``\\$``, ``\\left``/``\\right``, spacing commands (``\\,`` ``\\!`` ``\\;`` ``\\quad``), ``^\\circ``,
     ``\\%``/``%``, ``\\text{…}``/``\\mathrm{…}`` wrappers (their content stays), a trailing period and all
     whitespace; ``\\dfrac``/``\\tfrac`` → ``\\frac`` → ``a/b``; ``{,}`` → ``,``; ``\\sqrt3`` → ``\\sqrt{3}``;
     ``0.50`` and ``1/2`` stay as written (the caller compares numbers as numbers).
     """
-    text = text.strip().strip("$")
+    text = text.replace("\\$", "").replace("$", "").strip()  # math delimiters and escaped dollar signs
     text = re.sub(r"\\(?:text|textbf|mathrm|mathbf|mbox)\s*\{([^{}]*)\}", r"\1", text)
     text = re.sub(r"\\left|\\right|\\[,!;: ]|\\quad|\\qquad|\^\s*\{?\\circ\}?|\\%|%|\\displaystyle", "", text)
     text = text.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac").replace("{,}", ",")
