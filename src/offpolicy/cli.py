@@ -237,7 +237,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="report on a batch dumped by a host integration (offpolicy.integrations.dump) instead of sampling")
     d.add_argument("--prompt-field", default="question", help="--data: the prompt column (train's data.prompt_field)")
     d.add_argument("--system-prompt", default=None, help="--data: a system message (train's data.system_prompt)")
-    d.add_argument("--chat-template", choices=["auto", "none"], default="auto", help="--data: train's data.chat_template")
+    d.add_argument("--chat-template", choices=["auto", "none"], default="auto",
+                   help="--data: train's data.chat_template")
     d.add_argument("--max-prompt-tokens", type=int, default=512, help="--data: longer prompts are refused")
     d.add_argument("--n", type=int, default=512, help="number of samples")
     d.add_argument("--max-tokens", type=int, default=64)

@@ -111,7 +111,8 @@ class TrainConfig(_Strict):
     # task: dataset (issue #21): a real data file, a verifiable reward, prompt limits for a real model
     data: DataConfig = Field(default_factory=DataConfig)
     reward: str | None = Field(None, description="task=dataset: exact | number | boxed | package.module:function "
-                               "(called as function(completion, reference) → number); synthetic tasks score themselves")
+                               "(called as function(completion, reference) → number); synthetic tasks score "
+                               "themselves")
     max_prompt_tokens: int | None = Field(None, gt=0, description="task=dataset: longest prompt (chat template "
                                           "included); longer ones are refused (or dropped: data.drop_long_prompts). "
                                           "Unset = 512")
@@ -156,7 +157,8 @@ class TrainConfig(_Strict):
             raise ValueError("task=dataset needs a reward: reward=exact | number | boxed | package.module:function")
         if self.model == "default":
             raise ValueError("task=dataset needs model=DIR (a local Hugging Face model directory with its tokenizer): "
-                             "the embedded default model is a character-level model warm-started on the synthetic tasks")
+                             "the embedded default model is a character-level model warm-started on the synthetic "
+                             "tasks")
         from offpolicy.tasks.rewards import resolve_reward
 
         resolve_reward(self.reward)  # raises with the fix
