@@ -105,6 +105,26 @@ def test_dataset_on_vllm_checkpoint_and_resume(tiny_qwen2_dir, tmp_path):
         assert r["offpolicy/kl_k3"] < 1e-4 and r["offpolicy/abs_logp_diff_max"] < 1e-2
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_other_model_families_train(family, tmp_path):
+    """Qwen3's architecture; and Llama 3's layout — a BOS its chat template writes, no pad token."""
+    from offpolicy.tasks.dataset import load_dataset_task
+    from offpolicy.tasks.tokenizer import ensure_pad_token, load_tokenizer
+    from offpolicy.train.config import DataConfig
+
+    model = save_tiny_qwen2(tmp_path / family, family=family)
+    tok = load_tokenizer(model)
+    if family == "llama":
+        assert tok.pad_token_id is None and "pad = eos" in ensure_pad_token(tok)
+        ids = load_dataset_task(DataConfig(path=str(DATA)), tok, "number", 512, 8).train[0].prompt_ids
+        assert ids[0] == tok.bos_token_id and ids.count(tok.bos_token_id) == 1  # the template's BOS, once
+    cfg = load_train_config(None, [*SMALL, f"model={model}", f"out_dir={tmp_path / 'run'}", "steps=2"])
+    train(cfg, progress=False)
+    rows = records(tmp_path / "run")
+    assert [r["step"] for r in rows] == [0, 1] and all(r["offpolicy/kl_k3"] < 1e-6 for r in rows)
+
+
 # ------------------------------------------------------------------------------ diagnose --data
 def test_diagnose_with_prompts_from_a_dataset(tiny_qwen2_dir, tmp_path, capsys):
     out = tmp_path / "diag"
