@@ -86,6 +86,15 @@ def test_jsonl_csv_and_parquet_read_the_same_rows(tmp_path):
         assert load_rows(path, ["question", "answer"]) == rows, path
 
 
+def test_a_dataset_directory_reads_its_split(tmp_path):
+    rows = [json.loads(line) for line in DATA.read_text().splitlines()]
+    (tmp_path / "d").mkdir()
+    write_jsonl(tmp_path / "d" / "train.jsonl", rows[:5])
+    write_jsonl(tmp_path / "d" / "test.jsonl", rows[5:8])
+    assert load_rows(str(tmp_path / "d"), ["question", "answer"]) == rows[:5]
+    assert load_rows(str(tmp_path / "d"), ["question", "answer"], split="test") == rows[5:8]
+
+
 @pytest.mark.parametrize("content, message", [
     ("", "is empty: it holds no rows"),
     ('{"prompt": "2+2?", "answer": "4"}\n', "has no field 'question' (data.prompt_field='question'); its fields are: "

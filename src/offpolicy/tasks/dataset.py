@@ -48,7 +48,8 @@ def _datasets():
     return datasets
 
 
-def load_rows(path: str, fields: list[str], split: str = "train", what: str = "data.path") -> list[dict[str, Any]]:
+def load_rows(path: str, fields: list[str], split: str = "train", what: str = "data.path",
+              subset: str | None = None) -> list[dict[str, Any]]:
     """The rows of ``path`` (only ``fields``), as dicts.
 
     Raises:
@@ -67,7 +68,7 @@ def load_rows(path: str, fields: list[str], split: str = "train", what: str = "d
                 raise ConfigError(f"{what}={path!r} is empty: it holds no rows")
             ds = datasets.load_dataset(builder, data_files=str(local), split="train")
         elif local.is_dir() or not local.suffix:
-            ds = datasets.load_dataset(str(local) if local.is_dir() else path, split=split)
+            ds = datasets.load_dataset(str(local) if local.is_dir() else path, subset, split=split)
         else:
             raise ConfigError(f"{what}={path!r}: file not found")
     except ConfigError:
@@ -150,11 +151,11 @@ def load_dataset_task(data, tokenizer, reward: str, max_prompt_tokens: int, max_
         leaves no training row; a reward function that fails or returns a non-number on the first row.
     """
     fields = [data.prompt_field, data.answer_field]
-    rows, dropped = _problems(load_rows(data.path, fields, data.split), data, tokenizer, max_prompt_tokens,
-                              "data.path", data.path)
+    rows, dropped = _problems(load_rows(data.path, fields, data.split, subset=data.subset), data, tokenizer,
+                              max_prompt_tokens, "data.path", data.path)
     if data.eval_path is not None:
-        held_out, more = _problems(load_rows(data.eval_path, fields, data.split, "data.eval_path"), data, tokenizer,
-                                   max_prompt_tokens, "data.eval_path", data.eval_path)
+        rows_eval = load_rows(data.eval_path, fields, data.eval_split, "data.eval_path", data.subset)
+        held_out, more = _problems(rows_eval, data, tokenizer, max_prompt_tokens, "data.eval_path", data.eval_path)
         train, dropped = rows, dropped + more
     else:
         order = list(range(len(rows)))
@@ -181,7 +182,7 @@ def load_dataset_task(data, tokenizer, reward: str, max_prompt_tokens: int, max_
 
 def dataset_prompts(data, tokenizer, max_prompt_tokens: int) -> list[list[int]]:
     """Only the rendered prompt ids of ``data.path`` (``offpolicy diagnose --data``: no reward, no split)."""
-    rows = load_rows(data.path, [data.prompt_field], data.split)
+    rows = load_rows(data.path, [data.prompt_field], data.split, subset=data.subset)
     data = data.model_copy(update={"answer_field": data.prompt_field})  # nothing to score: reuse the prompt column
     problems, _ = _problems(rows, data, tokenizer, max_prompt_tokens, "--data", data.path)
     return [list(p.prompt_ids) for p in problems]

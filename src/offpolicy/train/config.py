@@ -41,6 +41,8 @@ class DataConfig(_Strict):
     answer_field: str = Field("answer", description="column holding the reference the reward compares against "
                               "(GSM8K: answer, ending in '#### N')")
     split: str = Field("train", description="split to read from a dataset directory or hub name")
+    subset: str | None = Field(None, description="a hub dataset's configuration name (openai/gsm8k: main)")
+    eval_split: str = Field("test", description="split of data.eval_path when it is a dataset directory or hub name")
     eval_path: str | None = Field(None, description="held-out file for eval/accuracy; unset = hold out eval_fraction")
     eval_fraction: float = Field(0.1, ge=0, lt=1, description="share of data.path's rows held out for eval when "
                                  "eval_path is unset (shuffled with data.seed); 0 = no eval")
