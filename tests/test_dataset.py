@@ -168,6 +168,22 @@ def test_a_fraction_that_leaves_no_training_row(tok, tmp_path):
         load_dataset_task(data(path=path, eval_fraction=0.5), tok, "number", 512, 8)
 
 
+@pytest.mark.parametrize("overrides", [
+    [],  # a synthetic task: its saved config holds data.*'s defaults, which must not count as set
+    ["task=dataset", "model=/m", f"data.path={DATA}", f"data.eval_path={EVAL_DATA}", "reward=boxed"],
+    ["task=dataset", "model=/m", f"data.path={DATA}", "data.eval_fraction=0.2", "reward=number"],
+])
+def test_the_saved_config_loads_again(tmp_path, overrides):
+    """--resume reads config.yaml, where every field is written out: it must load to the same config."""
+    import yaml
+
+    from offpolicy.train.config import load_train_config
+
+    cfg = load_train_config(None, overrides)
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump({"train": cfg.model_dump(mode="json")}))
+    assert load_train_config(tmp_path / "c.yaml") == cfg
+
+
 # ----------------------------------------------------------------------------- the user's reward
 @pytest.mark.parametrize("body, message", [
     ("return 'correct'", r"returned str 'correct'; it must return a number"),

@@ -160,10 +160,10 @@ def load_dataset_task(data, tokenizer, reward: str, max_prompt_tokens: int, max_
     else:
         order = list(range(len(rows)))
         random.Random(data.seed).shuffle(order)
-        n_eval = round(data.eval_fraction * len(rows)) if data.eval_fraction > 0 else 0
-        n_eval = max(n_eval, 1) if data.eval_fraction > 0 else 0
+        fraction = 0.1 if data.eval_fraction is None else data.eval_fraction
+        n_eval = max(round(fraction * len(rows)), 1) if fraction > 0 else 0
         if n_eval >= len(rows):
-            raise ConfigError(f"data.eval_fraction={data.eval_fraction} of {len(rows)} rows leaves no training row; "
+            raise ConfigError(f"data.eval_fraction={fraction} of {len(rows)} rows leaves no training row; "
                               "use a larger file, data.eval_fraction=0 or data.eval_path")
         held_out = [rows[i] for i in sorted(order[:n_eval])]
         train = [rows[i] for i in sorted(order[n_eval:])]

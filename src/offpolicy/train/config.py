@@ -44,8 +44,8 @@ class DataConfig(_Strict):
     subset: str | None = Field(None, description="a hub dataset's configuration name (openai/gsm8k: main)")
     eval_split: str = Field("test", description="split of data.eval_path when it is a dataset directory or hub name")
     eval_path: str | None = Field(None, description="held-out file for eval/accuracy; unset = hold out eval_fraction")
-    eval_fraction: float = Field(0.1, ge=0, lt=1, description="share of data.path's rows held out for eval when "
-                                 "eval_path is unset (shuffled with data.seed); 0 = no eval")
+    eval_fraction: float | None = Field(None, ge=0, lt=1, description="share of data.path's rows held out for eval "
+                                        "(shuffled with data.seed); unset = 0.1 without eval_path; 0 = no eval")
     seed: int = Field(0, description="the held-out split's shuffle: fixed across RL seeds")
     system_prompt: str | None = Field(None, description="a system message (chat template) or a first paragraph")
     chat_template: Literal["auto", "none"] = Field(
@@ -55,7 +55,7 @@ class DataConfig(_Strict):
 
     @model_validator(mode="after")
     def _one_eval_source(self) -> DataConfig:
-        if self.eval_path is not None and "eval_fraction" in self.model_fields_set and self.eval_fraction > 0:
+        if self.eval_path is not None and self.eval_fraction:
             raise ValueError(f"data.eval_path={self.eval_path!r} and data.eval_fraction={self.eval_fraction}: "
                              "pick one held-out source (unset eval_fraction, or drop eval_path)")
         return self
@@ -148,7 +148,7 @@ class TrainConfig(_Strict):
         """task=dataset needs a data file, a reward and a model with its own tokenizer; the reward's
         function is imported here, so a typo fails before any model loads."""
         if self.task != "dataset":
-            if self.reward is not None or self.data.model_fields_set:
+            if self.reward is not None or self.data != DataConfig():  # (a saved config holds the defaults)
                 raise ValueError(f"reward / data.* are read with task=dataset only (task is {self.task!r}, which "
                                  "scores with its own exact match). Fix: task=dataset, or drop reward and data.*")
             return self
