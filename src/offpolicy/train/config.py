@@ -148,10 +148,13 @@ class TrainConfig(_Strict):
         """task=dataset needs a data file, a reward and a model with its own tokenizer; the reward's
         function is imported here, so a typo fails before any model loads."""
         if self.task != "dataset":
-            if self.reward is not None or self.data != DataConfig():  # (a saved config holds the defaults)
-                raise ValueError(f"reward / data.* are read with task=dataset only (task is {self.task!r}, which "
-                                 "scores with its own exact match). Fix: task=dataset, or drop reward and data.*")
+            if self.reward is not None or self.max_prompt_tokens is not None or self.data != DataConfig():
+                # (compared with the defaults: a saved config.yaml writes every data.* field out)
+                raise ValueError(f"reward / max_prompt_tokens / data.* are read with task=dataset only (task is "
+                                 f"{self.task!r}, which scores with its own exact match). Fix: task=dataset, or drop them")
             return self
+        if self.task_params:
+            raise ValueError(f"task_params {self.task_params} are for the synthetic tasks; task=dataset reads data.*")
         if self.data.path is None:
             raise ValueError("task=dataset needs data.path (a .jsonl/.parquet/.csv file), e.g. "
                              "data.path=examples/data/arith_word_problems.jsonl")
