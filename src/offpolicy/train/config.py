@@ -13,6 +13,7 @@ import yaml
 from pydantic import Field, model_validator
 
 from offpolicy.config import ConfigError, LossConfig, _read_yaml, _Strict
+from offpolicy.tasks.rewards import resolve_reward
 
 
 NO_CORRECTION = "none"  # preset value that turns the correction off explicitly (async guard)
@@ -164,8 +165,6 @@ class TrainConfig(_Strict):
             raise ValueError("task=dataset needs model=DIR (a local Hugging Face model directory with its tokenizer): "
                              "the embedded default model is a character-level model warm-started on the synthetic "
                              "tasks")
-        from offpolicy.tasks.rewards import resolve_reward
-
         resolve_reward(self.reward)  # raises with the fix
         return self
 

@@ -32,6 +32,7 @@ from offpolicy.config import ConfigError
 from offpolicy.engines import SamplingConfig, make_engine, perturb
 from offpolicy.metrics import Metrics
 from offpolicy.tasks import make_task, problems
+from offpolicy.tasks.dataset import load_dataset_task
 from offpolicy.tasks.tokenizer import ensure_pad_token, load_tokenizer
 from offpolicy.train.batch import grpo_advantages, to_batch, trainer_logprobs
 from offpolicy.train.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint
@@ -75,8 +76,6 @@ def make_train_task(cfg: TrainConfig, tokenizer):
     """The task to train on: a synthetic one, or (task=dataset) the data file, rendered with ``tokenizer``."""
     if cfg.task != "dataset":
         return make_task(cfg.task, **cfg.task_params)
-    from offpolicy.tasks.dataset import load_dataset_task
-
     return load_dataset_task(cfg.data, tokenizer, cfg.reward, cfg.max_prompt_tokens, cfg.max_new_tokens)
 
 
