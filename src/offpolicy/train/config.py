@@ -13,7 +13,6 @@ import yaml
 from pydantic import Field, model_validator
 
 from offpolicy.config import ConfigError, LossConfig, _read_yaml, _Strict
-from offpolicy.tasks.rewards import resolve_reward
 
 
 NO_CORRECTION = "none"  # preset value that turns the correction off explicitly (async guard)
@@ -165,6 +164,8 @@ class TrainConfig(_Strict):
             raise ValueError("task=dataset needs model=DIR (a local Hugging Face model directory with its tokenizer): "
                              "the embedded default model is a character-level model warm-started on the synthetic "
                              "tasks")
+        from offpolicy.tasks.rewards import resolve_reward  # here, as tasks is imported here (no merge clash)
+
         resolve_reward(self.reward)  # raises with the fix
         return self
 

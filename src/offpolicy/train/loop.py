@@ -79,13 +79,6 @@ def make_train_task(cfg: TrainConfig, tokenizer):
     return load_dataset_task(cfg.data, tokenizer, cfg.reward, cfg.max_prompt_tokens, cfg.max_new_tokens)
 
 
-def eval_problems(cfg: TrainConfig, task) -> list:
-    """The eval set: the data's held-out rows (task=dataset), else seeded synthetic problems."""
-    if cfg.task == "dataset":
-        return list(task.held_out[: cfg.eval_problems])
-    return problems(task, cfg.eval_problems, seed=cfg.seed + 20_000)
-
-
 def new_run_dir(cfg: TrainConfig, resolved: dict[str, str]) -> Path:
     """A fresh run directory with ``config.yaml``: the config under ``train`` (what ``--resume``
     reads) and the choices made at run time (engine dtype and why) under ``resolved``."""
@@ -166,8 +159,9 @@ def train(cfg: TrainConfig, resume: Path | None = None, console: Console | None 
         skip_old = single_update(cfg, policy) or (not uses_old(loss_cfg) and not cfg.recompute_old)
         pipeline = RolloutPipeline(engine, task, tokenizer, sampling, cfg.prompts_per_step, cfg.group_size,
                                    cfg.max_staleness, cfg.seed, pending=state["pending"])
-        eval_set = eval_problems(cfg, task)
-        score = task.reward if cfg.task == "dataset" else None  # eval/accuracy: mean reward, greedy
+        eval_set = problems(task, cfg.eval_problems, seed=cfg.seed + 20_000)
+        if cfg.task == "dataset":  # the held-out rows, scored by the reward: eval/accuracy = mean reward, greedy
+            eval_set = list(task.held_out[: cfg.eval_problems])
         logger = RunLogger(run_dir, cfg.steps, start_step, console, progress=progress)
     except BaseException:
         if created:
@@ -234,7 +228,8 @@ def train(cfg: TrainConfig, resume: Path | None = None, console: Console | None 
                 }
                 if eval_set and (step % cfg.eval_every == 0 or step == cfg.steps - 1):
                     values["eval/accuracy"] = exact_match_accuracy(policy, tokenizer, task, eval_set,
-                                                                   cfg.max_new_tokens, sample_seed=None, score=score)
+                                                                   cfg.max_new_tokens, sample_seed=None,
+                                                                   score=task.reward if cfg.task == "dataset" else None)
             values.update({"time/generate": item.seconds, "time/wait": waited,
                            **{f"time/{k}": v for k, v in timer.seconds.items()},
                            "step_seconds": time.perf_counter() - t0})
