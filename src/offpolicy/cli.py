@@ -103,7 +103,7 @@ def _cmd_diagnose(args: argparse.Namespace, console: Console) -> int:
     from offpolicy import diagnose
     from offpolicy.engines import SamplingConfig
     from offpolicy.tasks import make_task, problems
-    from offpolicy.tasks.tokenizer import load_tokenizer
+    from offpolicy.tasks.tokenizer import ensure_pad_token, load_tokenizer
     from offpolicy.train.config import TrainConfig
     from offpolicy.train.loop import resolve_model
     from offpolicy.train.warmstart import prompt_ids
@@ -119,7 +119,15 @@ def _cmd_diagnose(args: argparse.Namespace, console: Console) -> int:
                               top_k=args.top_k)
     model_path = resolve_model(TrainConfig(model=args.model, task=args.task, engine="hf"), console)
     tokenizer = load_tokenizer(model_path)
-    if args.prompts:
+    ensure_pad_token(tokenizer)
+    if args.data:  # the same data.* fields, chat template and prompt limit as task=dataset
+        from offpolicy.tasks.dataset import dataset_prompts
+        from offpolicy.train.config import DataConfig
+
+        data = DataConfig(path=args.data, prompt_field=args.prompt_field, system_prompt=args.system_prompt,
+                          chat_template=args.chat_template)
+        prompts = dataset_prompts(data, tokenizer, args.max_prompt_tokens)
+    elif args.prompts:
         prompts = diagnose.read_prompts(Path(args.prompts), tokenizer)
     else:
         prompts = [prompt_ids(tokenizer, p) for p in problems(make_task(args.task), args.n, seed=args.seed)]
@@ -133,7 +141,7 @@ def _cmd_diagnose(args: argparse.Namespace, console: Console) -> int:
         console.print(f"diagnose: {name} on {len(prompts)} samples ...")
         s = diagnose.sample(model_path, tokenizer, prompts, setting["engine"], setting["engine_dtype"],
                             setting["trainer_dtype"], sampling, seed=args.seed, logit_noise=setting["logit_noise"],
-                            log_path=out / "engine.log")
+                            log_path=out / "engine.log", max_model_len=max(map(len, prompts)) + args.max_tokens)
         reports.append(diagnose.report(s, {**setting, "name": name, "model": str(model_path),
                                            "sampling": sampling.__dict__}, out / name if len(settings) > 1 else out))
     out.mkdir(parents=True, exist_ok=True)
@@ -251,8 +259,15 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompts", metavar="FILE.jsonl", help="one JSON object per line with a 'prompt' field")
     src.add_argument("--task", choices=["reverse", "addition", "walk"], default="reverse",
                      help="synthetic prompts (walk answers run to 150 tokens: add --max-tokens 160)")
+    src.add_argument("--data", metavar="FILE", help="prompts from a dataset file (.jsonl/.parquet/.csv, as train's "
+                     "data.path), rendered with the tokenizer's chat template as task=dataset renders them")
     src.add_argument("--batch", metavar="FILE_OR_DIR",
                      help="report on a batch dumped by a host integration (offpolicy.integrations.dump) instead of sampling")
+    d.add_argument("--prompt-field", default="question", help="--data: the prompt column (train's data.prompt_field)")
+    d.add_argument("--system-prompt", default=None, help="--data: a system message (train's data.system_prompt)")
+    d.add_argument("--chat-template", choices=["auto", "none"], default="auto",
+                   help="--data: train's data.chat_template")
+    d.add_argument("--max-prompt-tokens", type=int, default=512, help="--data: longer prompts are refused")
     d.add_argument("--n", type=int, default=512, help="number of samples")
     d.add_argument("--max-tokens", type=int, default=64)
     d.add_argument("--temperature", type=float, default=1.0)

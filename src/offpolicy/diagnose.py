@@ -75,7 +75,7 @@ def read_prompts(path: Path, tokenizer) -> list[list[int]]:
 
 def sample(model_path: Path, tokenizer, prompts: list[list[int]], engine: str, engine_dtype: str,
            trainer_dtype: str, sampling: SamplingConfig, seed: int = 0, logit_noise: float = 0.0,
-           log_path: Path | None = None) -> Sample:
+           log_path: Path | None = None, max_model_len: int = 1024) -> Sample:
     """Generate with the engine, then recompute the sampled tokens' log-probs with the trainer.
     The engine's start-up output goes to ``log_path`` when given (see ``engines.output_to``)."""
     import time
@@ -83,7 +83,7 @@ def sample(model_path: Path, tokenizer, prompts: list[list[int]], engine: str, e
     from transformers import AutoModelForCausalLM
 
     eng = make_engine(engine, str(model_path), tokenizer, engine_dtype, seed=seed, logit_noise=logit_noise,
-                      log_path=log_path)
+                      max_model_len=max(max_model_len, 1024), log_path=log_path)
     try:
         start = time.perf_counter()
         rollouts = eng.generate(prompts, sampling, seed=seed, version=0)

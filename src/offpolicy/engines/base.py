@@ -68,6 +68,15 @@ class RolloutEngine(Protocol):
     def close(self) -> None: ...
 
 
+def stop_token_ids(tokenizer, model=None) -> list[int]:
+    """Tokens that end a response: the tokenizer's EOS and the model's ``generation_config.eos_token_id``
+    (an int or a list: Qwen2.5-Instruct stops on both ``<|im_end|>`` and ``<|endoftext|>``). Sorted."""
+    ids = set() if tokenizer.eos_token_id is None else {tokenizer.eos_token_id}
+    extra = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids.update([extra] if isinstance(extra, int) else (extra or []))
+    return sorted(ids)
+
+
 def left_pad(prompt_ids: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Left-padded ``[B, L]`` input ids and attention mask, the layout ``generate`` expects."""
     width = max(len(p) for p in prompt_ids)

@@ -12,7 +12,7 @@ from collections.abc import Iterable
 import torch
 from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList, PreTrainedTokenizerBase
 
-from offpolicy.engines.base import Rollouts, SamplingConfig, left_pad
+from offpolicy.engines.base import Rollouts, SamplingConfig, left_pad, stop_token_ids
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -36,6 +36,7 @@ class HFEngine:
         self.dtype = DTYPES[dtype]
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype).eval()
         self.logit_noise = logit_noise
+        self.stop = stop_token_ids(tokenizer, self.model)  # EOS and the model's other end-of-turn ids
 
     @torch.no_grad()
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingConfig, seed: int, version: int) -> Rollouts:
@@ -58,18 +59,18 @@ class HFEngine:
             output_scores=True,
             return_dict_in_generate=True,
             pad_token_id=pad,
-            eos_token_id=self.tokenizer.eos_token_id,
+            eos_token_id=self.stop,
         )
         new_tokens = out.sequences[:, width:]  # [B, steps]
         scores = torch.stack(out.scores, dim=1).float().log_softmax(-1)  # [B, steps, V] processed
         token_logprobs = scores.gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)
         responses, logprobs, finished = [], [], []
-        eos = self.tokenizer.eos_token_id
         for row_ids, row_lps in zip(new_tokens.tolist(), token_logprobs.tolist()):
-            stop = row_ids.index(eos) + 1 if eos in row_ids else len(row_ids)
+            ends = [t for t, token in enumerate(row_ids) if token in self.stop]
+            stop = ends[0] + 1 if ends else len(row_ids)  # the first stop token ends it (padding may repeat it)
             responses.append(row_ids[:stop])
             logprobs.append(row_lps[:stop])
-            finished.append(eos in row_ids)
+            finished.append(bool(ends))
         return Rollouts(prompt_ids=[list(p) for p in prompt_ids], response_ids=responses, logprobs=logprobs,
                         finished=finished, version=version)
 

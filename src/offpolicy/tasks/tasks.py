@@ -22,6 +22,7 @@ from typing import Any, ClassVar, Protocol
 class Problem:
     prompt: str
     answer: str
+    prompt_ids: tuple[int, ...] | None = None  # rendered once (chat template, BOS) by task=dataset; else None
 
 
 class Task(Protocol):

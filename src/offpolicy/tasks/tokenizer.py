@@ -47,3 +47,19 @@ def load_tokenizer(path) -> PreTrainedTokenizerFast:
         if data.get("model", {}).get("type") == "WordLevel" and all(tok in vocab for tok in SPECIAL):
             return PreTrainedTokenizerFast.from_pretrained(path)
     return AutoTokenizer.from_pretrained(path)
+
+
+def ensure_pad_token(tokenizer) -> str | None:
+    """Give a tokenizer without a pad token (Llama's) its EOS as pad — padding is masked everywhere it
+    is read, so its id never matters; returns what was done (for the run's config.yaml), or None.
+
+    Raises:
+        ValueError: the tokenizer has neither a pad nor an EOS token (responses could never end).
+    """
+    if tokenizer.pad_token_id is not None:
+        return None
+    if tokenizer.eos_token is None:
+        raise ValueError("the tokenizer has neither a pad token nor an EOS token; responses could never end. "
+                         "Fix: set eos_token (and pad_token) in the model directory's tokenizer_config.json")
+    tokenizer.pad_token = tokenizer.eos_token
+    return f"pad = eos ({tokenizer.eos_token!r}): the tokenizer has no pad token"

@@ -18,6 +18,7 @@ from offpolicy.tasks import TASKS, make_task
 
 
 NO_CORRECTION = "none"  # preset value that turns the correction off explicitly (async guard)
+DATASET_MAX_NEW_TOKENS, DATASET_MAX_PROMPT = 256, 512  # task=dataset limits when unset
 
 
 class WarmStartConfig(_Strict):
@@ -33,13 +34,43 @@ class WarmStartConfig(_Strict):
     eval_problems: int = Field(128, gt=0)
 
 
+class DataConfig(_Strict):
+    """``task: dataset``: where the prompts and reference answers come from, and how prompts are rendered."""
+
+    path: str | None = Field(None, description="a local .jsonl/.json/.parquet/.csv file (or a dataset directory, or "
+                             "a hub name where the hub is reachable), read through the `datasets` library")
+    prompt_field: str = Field("question", description="column holding the prompt text (GSM8K: question)")
+    answer_field: str = Field("answer", description="column holding the reference the reward compares against "
+                              "(GSM8K: answer, ending in '#### N')")
+    split: str = Field("train", description="split to read from a dataset directory or hub name")
+    subset: str | None = Field(None, description="a hub dataset's configuration name (openai/gsm8k: main)")
+    eval_split: str = Field("test", description="split of data.eval_path when it is a dataset directory or hub name")
+    eval_path: str | None = Field(None, description="held-out file for eval/accuracy; unset = hold out eval_fraction")
+    eval_fraction: float | None = Field(None, ge=0, lt=1, description="share of data.path's rows held out for eval "
+                                        "(shuffled with data.seed); unset = 0.1 without eval_path; 0 = no eval")
+    seed: int = Field(0, description="the held-out split's shuffle: fixed across RL seeds")
+    system_prompt: str | None = Field(None, description="a system message (chat template) or a first paragraph")
+    chat_template: Literal["auto", "none"] = Field(
+        "auto", description="auto: render prompts with the tokenizer's chat template when it has one; none: raw text")
+    drop_long_prompts: bool = Field(False, description="rows whose prompt exceeds max_prompt_tokens: false = refuse "
+                                    "the file before training (the default), true = drop those rows and say how many")
+
+    @model_validator(mode="after")
+    def _one_eval_source(self) -> DataConfig:
+        if self.eval_path is not None and self.eval_fraction:
+            raise ValueError(f"data.eval_path={self.eval_path!r} and data.eval_fraction={self.eval_fraction}: "
+                             "pick one held-out source (unset eval_fraction, or drop eval_path)")
+        return self
+
+
 class TrainConfig(_Strict):
     """GRPO/PPO from verifiable rewards with a real rollout engine and a corrected loss."""
 
     # what is trained, on what
     model: str = Field("default", description="'default' (embedded tiny Qwen2, warm-started) or a local HF model path")
-    task: Literal["addition", "reverse", "walk"] = Field(
-        "reverse", description="reverse/addition: answers of ≤ 5 tokens; walk: 50–150 tokens (long responses)")
+    task: Literal["addition", "reverse", "walk", "dataset"] = Field(
+        "reverse", description="reverse/addition: answers of ≤ 5 tokens; walk: 50–150 tokens (long responses); "
+        "dataset: prompts and references from data.path, scored by `reward`")
     task_params: dict[str, Any] = Field(default_factory=dict, description="e.g. {digits: 2} or {min_len: 3, max_len: 6}")
     # the rollout engine and the mismatch it brings
     engine: Literal["vllm", "hf"] = "vllm"
@@ -85,10 +116,23 @@ class TrainConfig(_Strict):
     checkpoint_every: int = Field(20, gt=0)
     out_dir: str | None = Field(None, description="run directory; default runs/<task>-<time>")
     warm_start: WarmStartConfig = Field(default_factory=WarmStartConfig)
+    # task: dataset (issue #21): a real data file, a verifiable reward, prompt limits for a real model
+    data: DataConfig = Field(default_factory=DataConfig)
+    reward: str | None = Field(None, description="task=dataset: exact | number | boxed | package.module:function "
+                               "(called as function(completion, reference) → number); synthetic tasks score "
+                               "themselves")
+    max_prompt_tokens: int | None = Field(None, gt=0, description="task=dataset: longest prompt (chat template "
+                                          "included); longer ones are refused (or dropped: data.drop_long_prompts). "
+                                          "Unset = 512")
 
     @model_validator(mode="after")
     def _task_defaults(self) -> TrainConfig:
         """Unset ``max_new_tokens`` and warm-start fields take the task's values."""
+        if self.task == "dataset":  # no warm start (model=DIR); GSM8K-style reasoning needs room
+            for key, default in (("max_new_tokens", DATASET_MAX_NEW_TOKENS), ("max_prompt_tokens", DATASET_MAX_PROMPT)):
+                if getattr(self, key) is None:
+                    object.__setattr__(self, key, default)
+            return self
         if self.max_new_tokens is None:  # the task's own limit (a frozen model: set once, here)
             try:
                 limit = make_task(self.task, **self.task_params).max_new_tokens
@@ -99,6 +143,32 @@ class TrainConfig(_Strict):
                    if k not in self.warm_start.model_fields_set}  # the task's warm start, unless set
         if task_ws:
             object.__setattr__(self, "warm_start", self.warm_start.model_copy(update=task_ws))
+        return self
+
+    @model_validator(mode="after")
+    def _dataset_task(self) -> TrainConfig:
+        """task=dataset needs a data file, a reward and a model with its own tokenizer; the reward's
+        function is imported here, so a typo fails before any model loads."""
+        if self.task != "dataset":
+            if self.reward is not None or self.max_prompt_tokens is not None or self.data != DataConfig():
+                # (compared with the defaults: a saved config.yaml writes every data.* field out)
+                raise ValueError(f"reward / max_prompt_tokens / data.* are read with task=dataset only (task is "
+                                 f"{self.task!r}, which scores with its own exact match). Fix: task=dataset, or drop them")
+            return self
+        if self.task_params:
+            raise ValueError(f"task_params {self.task_params} are for the synthetic tasks; task=dataset reads data.*")
+        if self.data.path is None:
+            raise ValueError("task=dataset needs data.path (a .jsonl/.parquet/.csv file), e.g. "
+                             "data.path=examples/data/arith_word_problems.jsonl")
+        if self.reward is None:
+            raise ValueError("task=dataset needs a reward: reward=exact | number | boxed | package.module:function")
+        if self.model == "default":
+            raise ValueError("task=dataset needs model=DIR (a local Hugging Face model directory with its tokenizer): "
+                             "the embedded default model is a character-level model warm-started on the synthetic "
+                             "tasks")
+        from offpolicy.tasks.rewards import resolve_reward  # here, as tasks is imported here (no merge clash)
+
+        resolve_reward(self.reward)  # raises with the fix
         return self
 
     @model_validator(mode="after")

@@ -82,6 +82,8 @@ class RunLogger:
         status = f"reward {values.get('reward', math.nan):.3f}  kl {values.get('offpolicy/kl_k3', math.nan):.2e}"
         if "eval/accuracy" in values:
             status += f"  acc {values['eval/accuracy']:.2f}"
+        if values.get("truncated_share"):  # responses cut by max_new_tokens: a limit set too low, or rambling
+            status += f"  truncated {values['truncated_share']:.0%}"
         self.progress.update(self.task, completed=step + 1, status=status)
         self.write_seconds.append(time.perf_counter() - start)  # this call's own cost: the "write" stage
 
@@ -123,7 +125,7 @@ class RunLogger:
             return sum(part) / len(part)
 
         keys = ["reward", "eval/accuracy", "offpolicy/kl_k3", "offpolicy/masked_fraction", "offpolicy/ess",
-                "staleness", "tokens_per_s"]
+                "staleness", "tokens_per_s", "truncated_share"]
         table = Table(title=f"run summary — {self.run_dir}")
         table.add_column("metric")
         table.add_column("start", justify="right")

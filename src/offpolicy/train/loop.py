@@ -14,6 +14,7 @@ is the engine's time in its own thread and ``time/wait`` what the trainer waited
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 import time
@@ -31,7 +32,8 @@ from offpolicy.config import ConfigError
 from offpolicy.engines import SamplingConfig, make_engine, perturb
 from offpolicy.metrics import Metrics
 from offpolicy.tasks import make_task, problems
-from offpolicy.tasks.tokenizer import load_tokenizer
+from offpolicy.tasks.dataset import load_dataset_task
+from offpolicy.tasks.tokenizer import ensure_pad_token, load_tokenizer
 from offpolicy.train.batch import grpo_advantages, to_batch, trainer_logprobs
 from offpolicy.train.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint
 from offpolicy.train.config import TrainConfig, resolve_engine_dtype
@@ -61,7 +63,20 @@ def resolve_model(cfg: TrainConfig, console: Console) -> Path:
                           "use model=default for the embedded tiny model")
     if not any((path / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "vocab.json")):
         raise ConfigError(f"model: {cfg.model!r} has no tokenizer files; save the tokenizer next to the model")
+    if cfg.task == "dataset":  # prompt + response must fit the model's context (RoPE past it is untrained)
+        context = json.loads((path / "config.json").read_text()).get("max_position_embeddings")
+        if context is not None and cfg.max_prompt_tokens + cfg.max_new_tokens > context:
+            raise ConfigError(f"max_prompt_tokens={cfg.max_prompt_tokens} + max_new_tokens={cfg.max_new_tokens} "
+                              f"exceeds the model's context ({context} positions, {path / 'config.json'}). "
+                              "Fix: lower max_prompt_tokens or max_new_tokens")
     return path
+
+
+def make_train_task(cfg: TrainConfig, tokenizer):
+    """The task to train on: a synthetic one, or (task=dataset) the data file, rendered with ``tokenizer``."""
+    if cfg.task != "dataset":
+        return make_task(cfg.task, **cfg.task_params)
+    return load_dataset_task(cfg.data, tokenizer, cfg.reward, cfg.max_prompt_tokens, cfg.max_new_tokens)
 
 
 def new_run_dir(cfg: TrainConfig, resolved: dict[str, str]) -> Path:
@@ -127,7 +142,6 @@ def train(cfg: TrainConfig, resume: Path | None = None, console: Console | None 
     """
     console = console or Console()
     torch.manual_seed(cfg.seed)
-    task = make_task(cfg.task, **cfg.task_params)
     loss_cfg = cfg.loss_config()
     sampling = SamplingConfig(max_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
                               top_k=cfg.top_k)
@@ -141,6 +155,11 @@ def train(cfg: TrainConfig, resume: Path | None = None, console: Console | None 
         model_path = resolve_model(cfg, console)
         load_from = checkpoint or model_path
         tokenizer = load_tokenizer(load_from)
+        padded = ensure_pad_token(tokenizer)
+        task = make_train_task(cfg, tokenizer)  # every data error surfaces here, before any weight loads
+        dropped = getattr(task, "dropped", 0) and f"{task.dropped} prompts over max_prompt_tokens dropped"
+        for note in filter(None, (padded, dropped)):
+            console.print(f"  data: {note}")
         policy = AutoModelForCausalLM.from_pretrained(load_from, dtype=torch.float32).train()
         optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=0.0)
         state = load_trainer_state(checkpoint) if checkpoint else {"step": 0, "version": 0, "pending": []}
@@ -151,8 +170,9 @@ def train(cfg: TrainConfig, resume: Path | None = None, console: Console | None 
         console.print(f"offpolicy train: {cfg.task} · engine {cfg.engine} ({engine_dtype}) · "
                       f"preset {cfg.preset if cfg.loss.correction is None else 'custom'} · staleness ≤ "
                       f"{cfg.max_staleness} · run {run_dir}")
+        context = cfg.max_prompt_tokens + cfg.max_new_tokens if cfg.task == "dataset" else 1024
         engine = make_engine(cfg.engine, str(load_from), tokenizer, engine_dtype, seed=cfg.seed,
-                             logit_noise=cfg.engine_logit_noise, log_path=run_dir / "engine.log")
+                             logit_noise=cfg.engine_logit_noise, max_model_len=context, log_path=run_dir / "engine.log")
         engine.sync_weights(engine_weights(policy, cfg, version, snapshot=False))
         # no π_old forward where it equals sg(π_θ) exactly, or where the loss never reads it
         skip_old = single_update(cfg, policy) or (not uses_old(loss_cfg) and not cfg.recompute_old)
@@ -160,6 +180,8 @@ def train(cfg: TrainConfig, resume: Path | None = None, console: Console | None 
                                    cfg.max_staleness, cfg.seed, pending=state["pending"],
                                    staleness_policy=cfg.staleness_policy, **state["pipeline"])
         eval_set = problems(task, cfg.eval_problems, seed=cfg.seed + 20_000)
+        if cfg.task == "dataset":  # the held-out rows, scored by the reward: eval/accuracy = mean reward, greedy
+            eval_set = list(task.held_out[: cfg.eval_problems])
         logger = RunLogger(run_dir, cfg.steps, start_step, console, progress=progress)
     except BaseException:
         if created:
@@ -218,14 +240,17 @@ def train(cfg: TrainConfig, resume: Path | None = None, console: Console | None 
                     "reward": rewards.mean().item(),
                     "response_length": n_tokens / len(rewards),
                     "finished_fraction": sum(item.rollouts.finished) / len(rewards),
+                    # responses cut by max_new_tokens (or the context) before their stop token
+                    "truncated_share": 1.0 - sum(item.rollouts.finished) / len(rewards),
                     "staleness": float(step - item.rollouts.version),
                     **staleness_metrics(version - 1, batch.versions, pipeline),
                     "tokens_per_s": n_tokens / max(item.seconds, 1e-9),
                     "policy_version": float(version),
                 }
-                if step % cfg.eval_every == 0 or step == cfg.steps - 1:
+                if eval_set and (step % cfg.eval_every == 0 or step == cfg.steps - 1):
                     values["eval/accuracy"] = exact_match_accuracy(policy, tokenizer, task, eval_set,
-                                                                   cfg.max_new_tokens, sample_seed=None)
+                                                                   cfg.max_new_tokens, sample_seed=None,
+                                                                   score=task.reward if cfg.task == "dataset" else None)
             values.update({"time/generate": item.seconds, "time/wait": waited,
                            **{f"time/{k}": v for k, v in timer.seconds.items()},
                            "step_seconds": time.perf_counter() - t0})

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from offpolicy.engines.base import left_pad
+from offpolicy.engines.base import left_pad, stop_token_ids
 from offpolicy.tasks import Problem, Task, make_task, problems
 from offpolicy.tasks.tasks import exact_match
 from offpolicy.tasks.model import build_tiny_qwen2
@@ -37,6 +37,8 @@ def cache_root() -> Path:
 
 
 def prompt_ids(tokenizer: PreTrainedTokenizerBase, problem: Problem) -> list[int]:
+    if problem.prompt_ids is not None:  # task=dataset rendered it (chat template, BOS) when it loaded
+        return list(problem.prompt_ids)
     bos = [] if tokenizer.bos_token_id is None else [tokenizer.bos_token_id]
     return [*bos, *tokenizer(problem.prompt, add_special_tokens=False).input_ids]
 
@@ -62,9 +64,10 @@ def sft_batch(tokenizer, batch: list[Problem]) -> tuple[torch.Tensor, torch.Tens
 
 @torch.no_grad()
 def exact_match_accuracy(model, tokenizer, task: Task, batch: list[Problem], max_new_tokens: int,
-                         sample_seed: int | None) -> float:
+                         sample_seed: int | None, score=None) -> float:
     """Exact-match accuracy of one completion per problem: a temperature-1 sample seeded with
-    ``sample_seed`` (what RL sees), or greedy decoding when it is None (the eval metric)."""
+    ``sample_seed`` (what RL sees), or greedy decoding when it is None (the eval metric).
+    ``score(problem, completion)`` replaces exact match (task=dataset: its reward; mean over the batch)."""
     input_ids, attention = left_pad([prompt_ids(tokenizer, p) for p in batch], tokenizer.pad_token_id)
     if sample_seed is None:
         sampling = {"do_sample": False}
@@ -74,10 +77,12 @@ def exact_match_accuracy(model, tokenizer, task: Task, batch: list[Problem], max
     was_training = model.training
     model.eval()
     out = model.generate(input_ids=input_ids, attention_mask=attention, max_new_tokens=max_new_tokens,
-                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, **sampling)
+                         pad_token_id=tokenizer.pad_token_id, eos_token_id=stop_token_ids(tokenizer, model),
+                         **sampling)
     model.train(was_training)
     texts = tokenizer.batch_decode(out[:, input_ids.shape[1]:], skip_special_tokens=True)
-    return sum(exact_match(p, t) for p, t in zip(batch, texts)) / len(batch)  # not task.reward: no partial credit
+    score = score or exact_match  # not task.reward for synthetic tasks: no partial credit
+    return sum(score(p, t) for p, t in zip(batch, texts)) / len(batch)
 
 
 def context_length(max_new_tokens: int) -> int:

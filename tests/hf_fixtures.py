@@ -1,0 +1,72 @@
+"""A real-model stand-in for CI: a tiny Qwen2 with a byte-level BPE tokenizer trained here, on the
+shipped word problems, with a ChatML chat template — saved with ``save_pretrained`` into a directory
+laid out as a downloaded Qwen2-Instruct checkpoint is (config.json, generation_config.json,
+model.safetensors, tokenizer.json, tokenizer_config.json). No download.
+
+Like Qwen2-Instruct: EOS is ``<|im_end|>``, pad is ``<|endoftext|>``, there is no BOS, and
+generation_config lists both end tokens, so a response ends on either. ``family="qwen3"`` builds the
+same with Qwen3's architecture (q/k norms); ``family="llama"`` is laid out as Llama 3 is: a BOS token
+that its chat template writes itself (``{{ bos_token }}``), no pad token, one end token.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+DATA = REPO / "examples" / "data" / "arith_word_problems.jsonl"
+EVAL_DATA = REPO / "examples" / "data" / "arith_word_problems_eval.jsonl"
+SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|begin_of_text|>"]
+# ChatML, as Qwen2's template renders it (without its default system message)
+CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
+          "'<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+LLAMA = "{{ bos_token }}" + CHATML  # Llama 3's template starts with the BOS it wants
+
+
+def train_bpe(vocab_size: int = 384, family: str = "qwen2"):
+    """A byte-level BPE (``tokenizers``) trained on the shipped questions and answers, as a
+    ``PreTrainedTokenizerFast`` with Qwen2-Instruct's special tokens and ChatML template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    rows = [json.loads(line) for line in DATA.read_text().splitlines()]
+    core = Tokenizer(models.BPE())
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    core.train_from_iterator((t for r in rows for t in (r["question"], r["answer"])), trainer=trainer)
+    if family == "llama":
+        return PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<|begin_of_text|>", eos_token="<|im_end|>",
+                                       additional_special_tokens=["<|im_start|>"], chat_template=LLAMA,
+                                       model_max_length=1024, clean_up_tokenization_spaces=False)
+    return PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                   additional_special_tokens=["<|im_start|>"], chat_template=CHATML,
+                                   model_max_length=1024, clean_up_tokenization_spaces=False)
+
+
+def save_tiny_qwen2(directory: Path, hidden_size: int = 64, num_layers: int = 2, seed: int = 0,
+                    with_tokenizer: bool = True, family: str = "qwen2") -> Path:
+    """Build, initialise (seeded) and save the tiny model (+ its tokenizer) into ``directory``. Heads of
+    width 32: vLLM's CPU attention supports head sizes 32, 64, 80, 96, 112, 128 ..., not 16."""
+    import torch
+    from transformers import (GenerationConfig, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM,
+                              Qwen3Config, Qwen3ForCausalLM)
+
+    tokenizer = train_bpe(family=family)
+    config_cls, model_cls = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+                             "llama": (LlamaConfig, LlamaForCausalLM)}[family]
+    config = config_cls(vocab_size=64 * -(-len(tokenizer) // 64), hidden_size=hidden_size,
+                        intermediate_size=2 * hidden_size, num_hidden_layers=num_layers, num_attention_heads=2, head_dim=hidden_size // 2,
+                        num_key_value_heads=1, max_position_embeddings=1024, tie_word_embeddings=True,
+                        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                        pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(seed)
+    model = model_cls(config)
+    ends = [tokenizer.eos_token_id] if family == "llama" else [tokenizer.eos_token_id, tokenizer.pad_token_id]
+    model.generation_config = GenerationConfig(eos_token_id=ends, pad_token_id=tokenizer.pad_token_id)
+    model.save_pretrained(directory)
+    if with_tokenizer:
+        tokenizer.save_pretrained(directory)
+    return directory

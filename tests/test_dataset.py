@@ -1,0 +1,220 @@
+"""task=dataset without training: the shipped file and its generator, loading JSONL/CSV/Parquet
+through `datasets`, the chat template, the prompt limit, the held-out split, stop tokens and pad,
+and every bad input answered with one clear error before any model loads."""
+
+from __future__ import annotations
+
+import csv
+import json
+import random
+import sys
+
+import pytest
+
+pytest.importorskip("datasets", reason="task=dataset reads files through `datasets` (install.sh installs it)")
+
+from hf_fixtures import DATA, EVAL_DATA, REPO  # noqa: E402
+from offpolicy.config import ConfigError  # noqa: E402
+from offpolicy.engines.base import stop_token_ids  # noqa: E402
+from offpolicy.tasks.dataset import load_dataset_task, load_rows, render_prompts  # noqa: E402
+from offpolicy.tasks.rewards import number_reward  # noqa: E402
+from offpolicy.tasks.tokenizer import ensure_pad_token, load_tokenizer  # noqa: E402
+from offpolicy.train.config import DataConfig  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_qwen2_dir):
+    return load_tokenizer(tiny_qwen2_dir)
+
+
+def data(**kw) -> DataConfig:
+    return DataConfig(**{"path": str(DATA), **kw})
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+# ------------------------------------------------------------------------------ the shipped data
+def test_generator_reproduces_the_committed_files_byte_for_byte(tmp_path):
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        import make_arith_word_problems as gen
+    finally:
+        sys.path.pop(0)
+    gen.main(["--out-dir", str(tmp_path)])
+    for shipped in (DATA, EVAL_DATA):
+        assert (tmp_path / shipped.name).read_bytes() == shipped.read_bytes(), shipped.name
+
+
+def test_shipped_data_is_gsm8k_format_and_self_consistent():
+    train = [json.loads(line) for line in DATA.read_text().splitlines()]
+    held_out = [json.loads(line) for line in EVAL_DATA.read_text().splitlines()]
+    assert (len(train), len(held_out)) == (400, 100)
+    assert not {r["question"] for r in train} & {r["question"] for r in held_out}  # a real held-out set
+    for row in train + held_out:
+        assert set(row) == {"question", "answer"} and "\n#### " in row["answer"]
+        # every worked step's annotation <<a op b=c>> is right, and the final answer is the last result
+        steps = [(expr, int(value)) for expr, value in
+                 __import__("re").findall(r"<<([-\d+*/ ]+)=(-?\d+)>>", row["answer"])]
+        assert steps, row
+        for expr, value in steps:
+            assert eval(expr) == value, (expr, value)  # noqa: S307 — digits and + - * / only (regex above)
+        assert number_reward(f"so {steps[-1][1]:,}", row["answer"]) == 1.0
+    finals = [int(r["answer"].rsplit("#### ", 1)[1]) for r in train]
+    assert min(finals) < 0 and max(finals) >= 1000  # negatives and thousands are both represented
+
+
+# ---------------------------------------------------------------------------------- loading
+def test_jsonl_csv_and_parquet_read_the_same_rows(tmp_path):
+    rows = [json.loads(line) for line in DATA.read_text().splitlines()][:20]
+    with (tmp_path / "d.csv").open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=["question", "answer"])
+        writer.writeheader()
+        writer.writerows(rows)
+    paths = [write_jsonl(tmp_path / "d.jsonl", rows), str(tmp_path / "d.csv")]
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.Table.from_pylist(rows), tmp_path / "d.parquet")
+        paths.append(str(tmp_path / "d.parquet"))
+    except ImportError:
+        pass  # parquet needs pyarrow, which `datasets` itself requires: present wherever datasets is
+    for path in paths:
+        assert load_rows(path, ["question", "answer"]) == rows, path
+
+
+def test_a_dataset_directory_reads_its_split(tmp_path):
+    rows = [json.loads(line) for line in DATA.read_text().splitlines()]
+    (tmp_path / "d").mkdir()
+    write_jsonl(tmp_path / "d" / "train.jsonl", rows[:5])
+    write_jsonl(tmp_path / "d" / "test.jsonl", rows[5:8])
+    assert load_rows(str(tmp_path / "d"), ["question", "answer"]) == rows[:5]
+    assert load_rows(str(tmp_path / "d"), ["question", "answer"], split="test") == rows[5:8]
+
+
+@pytest.mark.parametrize("content, message", [
+    ("", "is empty: it holds no rows"),
+    ('{"prompt": "2+2?", "answer": "4"}\n', "has no field 'question' (data.prompt_field='question'); its fields are: "
+     "prompt, answer"),
+    ('{"question": "2+2?", "solution": "4"}\n', "has no field 'answer' (data.answer_field='answer')"),
+])
+def test_bad_files_are_one_clear_error(tmp_path, content, message):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(content)
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        load_rows(str(path), ["question", "answer"])
+
+
+def test_missing_and_unsupported_files(tmp_path):
+    with pytest.raises(ConfigError, match="file not found"):
+        load_rows(str(tmp_path / "nope.jsonl"), ["question"])
+    (tmp_path / "d.txt").write_text("hello")
+    with pytest.raises(ConfigError, match=r"unsupported file type '.txt'; use one of .jsonl, .json, .parquet, .csv"):
+        load_rows(str(tmp_path / "d.txt"), ["question"])
+
+
+# --------------------------------------------------------------------- rendering and the prompt limit
+def test_chat_template_renders_prompts_as_the_model_expects(tok):
+    ids = render_prompts(tok, ["What is 2+3?"], "Answer with a number.", "auto")[0]
+    assert tok.decode(ids) == ("<|im_start|>system\nAnswer with a number.<|im_end|>\n"
+                               "<|im_start|>user\nWhat is 2+3?<|im_end|>\n<|im_start|>assistant\n")
+    raw = render_prompts(tok, ["What is 2+3?"], "Answer with a number.", "none")[0]
+    assert tok.bos_token_id is None and tok.decode(raw) == "Answer with a number.\n\nWhat is 2+3?"
+
+
+def test_without_a_template_the_bos_leads(tok):
+    from offpolicy.tasks.tokenizer import build_char_tokenizer
+
+    char = build_char_tokenizer()  # has a BOS and no chat template: 'auto' falls back to raw text
+    ids = render_prompts(char, ["1+2="], None, "auto")[0]
+    assert ids[0] == char.bos_token_id and char.decode(ids[1:]) == "1+2="
+
+
+def test_long_prompts_are_refused_or_dropped(tok, tmp_path):
+    rows = [{"question": "Ava has 3 apples.", "answer": "#### 3"},
+            {"question": "Ava has 3 apples. " * 30, "answer": "#### 3"}]
+    path = write_jsonl(tmp_path / "d.jsonl", rows)
+    short = len(render_prompts(tok, [rows[0]["question"]], None, "auto")[0])
+    with pytest.raises(ConfigError, match=rf"1 of 2 prompts exceed max_prompt_tokens={short} \(row 2 has"):
+        load_dataset_task(data(path=path, eval_fraction=0), tok, "number", short, 8)
+    task = load_dataset_task(data(path=path, eval_fraction=0, drop_long_prompts=True), tok, "number", short, 8)
+    assert [p.prompt for p in task.train] == [rows[0]["question"]] and task.dropped == 1
+    assert len(task.train[0].prompt_ids) == short  # kept whole, never truncated
+
+
+# ------------------------------------------------------------------------------- splits and sampling
+def test_held_out_fraction_is_deterministic_and_disjoint(tok):
+    task = load_dataset_task(data(eval_fraction=0.1), tok, "number", 512, 8)
+    again = load_dataset_task(data(eval_fraction=0.1), tok, "number", 512, 8)
+    other = load_dataset_task(data(eval_fraction=0.1, seed=1), tok, "number", 512, 8)
+    assert (len(task.train), len(task.held_out)) == (360, 40)  # round(0.1 · 400) held out
+    assert task.held_out == again.held_out and task.held_out != other.held_out
+    assert not {p.prompt for p in task.train} & {p.prompt for p in task.held_out}
+    rng_a, rng_b = random.Random(5), random.Random(5)
+    assert [task.sample(rng_a) for _ in range(8)] == [again.sample(rng_b) for _ in range(8)]
+    separate = load_dataset_task(data(eval_path=str(EVAL_DATA)), tok, "number", 512, 8)
+    assert (len(separate.train), len(separate.held_out)) == (400, 100)
+    problem = separate.held_out[0]
+    assert separate.reward(problem, "the answer: " + problem.answer.rsplit("#### ", 1)[1]) == 1.0
+    assert tok.decode(problem.prompt_ids).endswith(problem.prompt + "<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_a_fraction_that_leaves_no_training_row(tok, tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"question": "q", "answer": "#### 1"}])
+    with pytest.raises(ConfigError, match="leaves no training row"):
+        load_dataset_task(data(path=path, eval_fraction=0.5), tok, "number", 512, 8)
+
+
+@pytest.mark.parametrize("overrides", [
+    [],  # a synthetic task: its saved config holds data.*'s defaults, which must not count as set
+    ["task=dataset", "model=/m", f"data.path={DATA}", f"data.eval_path={EVAL_DATA}", "reward=boxed"],
+    ["task=dataset", "model=/m", f"data.path={DATA}", "data.eval_fraction=0.2", "reward=number"],
+])
+def test_the_saved_config_loads_again(tmp_path, overrides):
+    """--resume reads config.yaml, where every field is written out: it must load to the same config."""
+    import yaml
+
+    from offpolicy.train.config import load_train_config
+
+    cfg = load_train_config(None, overrides)
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump({"train": cfg.model_dump(mode="json")}))
+    assert load_train_config(tmp_path / "c.yaml") == cfg
+
+
+# ----------------------------------------------------------------------------- the user's reward
+@pytest.mark.parametrize("body, message", [
+    ("return 'correct'", r"returned str 'correct'; it must return a number"),
+    ("return float('nan')", "rewards must be finite"),
+    ("raise KeyError('score')", "KeyError: 'score'"),
+])
+def test_user_reward_is_checked_on_a_real_row_before_training(tok, tmp_path, monkeypatch, body, message):
+    module = f"user_reward_{abs(hash(body)) % 10**8}"
+    (tmp_path / f"{module}.py").write_text(f"def score(completion, reference):\n    {body}\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ConfigError, match=rf"reward='{module}:score' on the first training row.*{message}"):
+        load_dataset_task(data(), tok, f"{module}:score", 512, 8)
+
+
+def test_user_reward_that_works(tok, tmp_path, monkeypatch):
+    (tmp_path / "length_reward.py").write_text(
+        "def score(completion, reference):\n    return min(len(completion), 10) / 10\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    task = load_dataset_task(data(), tok, "length_reward:score", 512, 8)
+    assert task.reward(task.train[0], "abcde") == 0.5
+
+
+# --------------------------------------------------------------------------------- tokens that end
+def test_stop_tokens_and_pad(tiny_qwen2_dir, tok):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_qwen2_dir)
+    # generation_config lists <|im_end|> and <|endoftext|>, as Qwen2.5-Instruct's does
+    assert stop_token_ids(tok, model) == sorted({tok.eos_token_id, tok.pad_token_id})
+    assert stop_token_ids(tok) == [tok.eos_token_id]
+    assert ensure_pad_token(tok) is None  # it has one
+    no_pad = load_tokenizer(tiny_qwen2_dir)
+    no_pad.pad_token = None
+    assert "pad = eos" in ensure_pad_token(no_pad) and no_pad.pad_token_id == no_pad.eos_token_id
