@@ -154,3 +154,20 @@ def test_verl_actor_update_moves_weights_as_policy_loss(verl_runs, name):
     other = _hand_loop(model_dir, batch, op.LossConfig(clip_low=0.4, clip_high=0.4) if name == "veto"
                        else CONFIGS["veto"])
     assert max((other[k] - run["params"][k]).abs().max().item() for k in want) > 1e-3
+
+
+def test_readme_launch_dry_run_in_a_fresh_process():
+    """examples/verl_main_ppo.py --dry-run: verl's Hydra config + its dataclass schema accept the launch,
+    and a bare `import verl` in a new interpreter registers loss_mode offpolicy (main_ppo needs GPUs)."""
+    import json
+
+    r = subprocess.run([sys.executable, str(ROOT / "examples" / "verl_main_ppo.py"), "--dry-run",
+                        "actor_rollout_ref.actor.ppo_mini_batch_size=8", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2"],
+                       capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "VERL_USE_EXTERNAL_PLUGINS": "auto", "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got == {"actor_config": "FSDPActorConfig", "loss_mode": "offpolicy",
+                   "registered": "offpolicy.integrations.verl.offpolicy_policy_loss", "use_v1": True,
+                   "bypass_mode": True, "rollout_is": None, "OFFPOLICY_VERL_LOSS": "verl:bypass_ppo_clip",
+                   "anchor": "rollout"}
