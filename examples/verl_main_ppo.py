@@ -8,7 +8,8 @@ the only way a registered verl loss sees μ), ``loss_mode=offpolicy``, and the o
 Ray worker through its environment (``OFFPOLICY_VERL_LOSS``: a preset name or a LossConfig YAML path).
 
 ``--dry-run`` composes verl's own Hydra config with these overrides, builds verl's typed configs from it
-(``omega_conf_to_dataclass``: ``ActorConfig``, ``AlgoConfig`` — verl's schema and its validation), then,
+(``omega_conf_to_dataclass``: ``ActorConfig``, ``AlgoConfig``, ``RolloutCorrectionConfig`` — verl's schema
+and its validation), then,
 in this process, checks that a bare ``import verl`` registered loss_mode ``offpolicy`` (the ``verl.plugins``
 entry point, as in a Ray worker) and that the worker's ``OFFPOLICY_VERL_LOSS`` is a loss the adapter
 accepts in bypass mode. It prints the result as JSON. main_ppo itself needs GPUs (see
@@ -46,7 +47,10 @@ def dry_run(user_overrides: list[str]) -> dict:
     with initialize_config_dir(config_dir=config_dir, version_base=None):
         cfg = compose("ppo_trainer", overrides=[*OVERRIDES, *user_overrides])
     actor = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)  # verl's ActorConfig, validated
-    algorithm = omega_conf_to_dataclass(cfg.algorithm)  # verl's AlgoConfig (rollout_correction included)
+    from verl.trainer.config.algorithm import RolloutCorrectionConfig
+
+    omega_conf_to_dataclass(cfg.algorithm)  # verl's AlgoConfig (it keeps rollout_correction a dict, as verl reads it)
+    correction = omega_conf_to_dataclass(cfg.algorithm.rollout_correction, dataclass_type=RolloutCorrectionConfig)
     env = dict(cfg.ray_kwargs.ray_init.runtime_env.env_vars)
     loss_fn = get_policy_loss_fn(actor.policy_loss.loss_mode)
     assert loss_fn.__module__ == "offpolicy.integrations.verl", f"loss_mode offpolicy is {loss_fn.__module__}"
@@ -57,8 +61,7 @@ def dry_run(user_overrides: list[str]) -> dict:
     adapter._check(loss, rollout_is_weights=None)  # what the loss refuses at its first call (anchor old, KL)
     return {"actor_config": type(actor).__name__, "loss_mode": actor.policy_loss.loss_mode,
             "registered": f"{loss_fn.__module__}.{loss_fn.__name__}", "use_v1": bool(cfg.trainer.use_v1),
-            "bypass_mode": bool(algorithm.rollout_correction.bypass_mode),
-            "rollout_is": algorithm.rollout_correction.rollout_is, adapter.ENV: env[adapter.ENV],
+            "bypass_mode": bool(correction.bypass_mode), "rollout_is": correction.rollout_is, adapter.ENV: env[adapter.ENV],
             "anchor": loss.correction.anchor if loss.correction is not None else None}
 
 
