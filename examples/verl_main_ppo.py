@@ -61,7 +61,8 @@ def dry_run(user_overrides: list[str]) -> dict:
     adapter._check(loss, rollout_is_weights=None)  # what the loss refuses at its first call (anchor old, KL)
     return {"actor_config": type(actor).__name__, "loss_mode": actor.policy_loss.loss_mode,
             "registered": f"{loss_fn.__module__}.{loss_fn.__name__}", "use_v1": bool(cfg.trainer.use_v1),
-            "bypass_mode": bool(correction.bypass_mode), "rollout_is": correction.rollout_is, adapter.ENV: env[adapter.ENV],
+            "bypass_mode": bool(correction.bypass_mode), "rollout_is": correction.rollout_is,
+            adapter.ENV: env[adapter.ENV],
             "anchor": loss.correction.anchor if loss.correction is not None else None}
 
 

@@ -34,7 +34,8 @@ import types
 import torch
 
 os.environ["VERL_ENGINE_DEVICE"] = "cuda"
-for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "0"}.items():  # read by verl's Worker
+# read by verl's Worker.__init__ (a Ray worker gets them from the worker group)
+for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "0"}.items():
     os.environ.setdefault(key, value)
 
 from verl.plugin.platform.platform_base import PlatformBase  # noqa: E402
