@@ -47,7 +47,7 @@ from offpolicy.engines.base import left_pad  # noqa: E402
 from offpolicy.integrations.trl import OffpolicyGRPOTrainer  # noqa: E402
 from offpolicy.tasks import Problem, make_task, problems  # noqa: E402
 from offpolicy.train.config import TrainConfig  # noqa: E402
-from offpolicy.train.warmstart import default_model, prompt_ids  # noqa: E402
+from offpolicy.train.warmstart import default_model, exact_match_accuracy, prompt_ids  # noqa: E402
 
 
 def lagged_bf16_sampler(trainer_model, tokenizer, sync_every: int, max_new_tokens: int, seed: int):
@@ -164,6 +164,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output-dir", default=None)
     p.add_argument("--out", default=None, help="write the run (args, per-step logs, summary) as JSON")
+    p.add_argument("--eval", type=int, default=0, help="greedy exact-match accuracy on this many held-out "
+                   "problems before and after training (0 = off)")
     p.add_argument("--quiet", action="store_true")
     args = p.parse_args(argv)
     if args.output_dir is None:
@@ -179,12 +181,23 @@ def main(argv: list[str] | None = None) -> dict:
     random.seed(args.seed)
     start = time.time()
     trainer, rows = build(args)
+    held_out = problems(make_task(args.task), args.eval, seed=10_000 + args.seed) if args.eval else []
+
+    def accuracy() -> float | None:  # greedy decoding: no RNG, so training draws the same samples with or without
+        if not held_out:
+            return None
+        return exact_match_accuracy(trainer.model, trainer.processing_class, make_task(args.task), held_out,
+                                    TrainConfig(task=args.task).max_new_tokens, sample_seed=None)
+
+    accuracy_before = accuracy()
     trainer.train()
+    accuracy_after = accuracy()
     rewards = [r["reward"] for r in rows if "reward" in r]  # TRL logs the reward at each generation
     k = max(1, len(rewards) // 4)
     summary = {"correction": args.correction, "seed": args.seed, "steps": trainer.state.global_step,
                "rewards": [round(r, 4) for r in rewards],
                "reward_first": sum(rewards[:k]) / k, "reward_last": sum(rewards[-k:]) / k,
+               "accuracy_before": accuracy_before, "accuracy_after": accuracy_after,
                "trainer": type(trainer).__name__, "seconds": round(time.time() - start, 1)}
     print(json.dumps(summary), flush=True)
     result = {"args": vars(args), "log": rows, "summary": summary}
