@@ -1,6 +1,6 @@
 """GRPO with TRL 1.16's ``GRPOTrainer`` and offpolicy's correction, on the embedded model and task (CPU).
 
-    python examples/trl_grpo.py                       # offpolicy `recommended`, 32 optimizer steps
+    python examples/trl_grpo.py                       # offpolicy `recommended`, 64 optimizer steps
     python examples/trl_grpo.py --correction none     # TRL's loss, no correction of μ
     python examples/trl_grpo.py --correction trl      # TRL's own IS correction (sequence_mask, C = 3)
 
@@ -153,7 +153,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--correction", choices=["offpolicy", "none", "trl"], default="offpolicy")
     p.add_argument("--preset", default="recommended", help="offpolicy preset (with --correction offpolicy)")
     p.add_argument("--task", default="reverse", choices=["reverse", "addition"])
-    p.add_argument("--steps", type=int, default=32, help="optimizer steps")
+    p.add_argument("--steps", type=int, default=64, help="optimizer steps (32: the reward's rise is within "
+                   "its noise; 64: 0.26 → 0.38, docs/hosts-end-to-end.md)")
     p.add_argument("--steps-per-generation", type=int, default=4)
     p.add_argument("--sync-every", type=int, default=2, help="generations between weight syncs to the sampler")
     p.add_argument("--prompts-per-step", type=int, default=4)
