@@ -1,0 +1,159 @@
+"""verl 0.9.1's own actor update on CPU, in a fresh process (as in a Ray worker): run by tests/test_e2e_verl.py.
+
+    python tests/verl_actor_step.py JOB.pt OUT.pt
+
+JOB.pt holds ``model`` (a local HF model directory), ``batch`` (a padded DataProto's tensors: prompts,
+responses, input_ids, attention_mask, position_ids, response_mask, old_log_probs = μ, advantages),
+``mini_batch_size``, ``micro_batch_size``, ``lr``, ``overrides`` (extra Hydra overrides) and ``losses``
+({name: value of OFFPOLICY_VERL_LOSS}): the loss is chosen as a user chooses it, through the environment.
+
+What runs is verl's: ``ActorRolloutRefWorker(config.actor_rollout_ref, role="actor").init_model()``
+builds the FSDP2 engine, the optimizer and ``partial(ppo_loss, config=ActorConfig)`` exactly as in
+a Ray worker; the batch goes through ``DataProto.to_tensordict`` → ``left_right_2_no_padding`` →
+``update_actor`` as ``RayPPOTrainer._update_actor`` sends it (bypass mode: old_log_probs is μ).
+OUT.pt gets, per loss, the parameters after the update and verl's metrics.
+
+verl 0.9.1 has no CPU path, so four things are set up here, and only here (each is what stops a
+CPU run; docs/hosts-end-to-end.md lists them with file:line):
+* a ``cpu`` platform registered through verl's own plugin registry (``PlatformRegistry`` /
+  ``set_platform``): verl knows cuda/npu/rocm only and falls back to "nvidia";
+* ``VERL_ENGINE_DEVICE=cuda``: the FSDP engine is registered for devices cuda/npu only; the
+  variable is verl's own override of the lookup key, the engine itself runs on the CPU platform;
+* a gloo process group, created before verl's (verl asks for ``cpu:gloo,<device>:nccl``);
+* ``is_trl_available`` answered False in verl's monkey-patch module: with trl 1.16 installed
+  next to verl 0.9.1, verl imports ``AutoModelForCausalLMWithValueHead``, which trl 1.16 removed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import types
+
+import torch
+
+os.environ["VERL_ENGINE_DEVICE"] = "cuda"
+# read by verl's Worker.__init__ (a Ray worker gets them from the worker group)
+for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "0"}.items():
+    os.environ.setdefault(key, value)
+
+from verl.plugin.platform.platform_base import PlatformBase  # noqa: E402
+from verl.plugin.platform.platform_manager import PlatformRegistry, set_platform  # noqa: E402
+
+
+def _cpu_device_module() -> types.SimpleNamespace:
+    """What verl calls on ``get_torch_device()`` during an actor update, answered for a CPU."""
+    def nothing(*args, **kwargs):
+        return None
+
+    def zero(*args, **kwargs):
+        return 0
+
+    return types.SimpleNamespace(
+        is_available=lambda: True, is_initialized=lambda: True, current_device=lambda: "cpu", device_count=lambda: 1,
+        get_device_name=lambda *a: "CPU", set_device=nothing, synchronize=nothing, empty_cache=nothing,
+        reset_peak_memory_stats=nothing, manual_seed=torch.manual_seed, manual_seed_all=torch.manual_seed,
+        get_rng_state=torch.get_rng_state, set_rng_state=torch.set_rng_state, max_memory_allocated=zero,
+        max_memory_reserved=zero, memory_allocated=zero, memory_reserved=zero, mem_get_info=lambda *a: (0, 0))
+
+
+@PlatformRegistry.register(platform="cpu")
+class PlatformCPU(PlatformBase):
+    """The CPU as a verl platform. ``current_device`` is "cpu" because verl moves modules with
+    ``.to(get_device_id())``, where an integer would name an accelerator."""
+
+    device_name = "cpu"
+    vendor_name = "cpu"
+    device_module = _cpu_device_module()
+
+    def is_available(self): return True
+    def is_platform_available(self, use_smi_check=False): return True
+    def current_device(self): return "cpu"
+    def device_count(self): return 1
+    def set_device(self, device_index): return None
+    def synchronize(self, device_index=None): return None
+    def manual_seed(self, seed): torch.manual_seed(seed)
+    def manual_seed_all(self, seed): torch.manual_seed(seed)
+    def set_allocator_settings(self, settings): return None
+    def empty_cache(self): return None
+    def get_device_capability(self, device_index=0): return (None, None)
+    def communication_backend_name(self): return "gloo"
+    def visible_devices_envvar(self): return "CUDA_VISIBLE_DEVICES"
+    @contextlib.contextmanager
+    def nvtx_range(self, msg): yield
+    def profiler_start(self): return None
+    def profiler_stop(self): return None
+    def ray_resource_name(self): return "CPU"
+    def ray_noset_envvars(self): return []
+    def is_ipc_supported(self): return False
+    def cudart(self): return None
+
+
+def compose(model_dir: str, job: dict):
+    from hydra import compose as hydra_compose, initialize_config_dir
+    import verl
+
+    overrides = [
+        f"actor_rollout_ref.model.path={model_dir}",
+        "+actor_rollout_ref.model.override_config.attn_implementation=eager",  # no flash-attn on CPU
+        "actor_rollout_ref.actor.strategy=fsdp2",  # FSDP1 needs an accelerator's device_id
+        "actor_rollout_ref.actor.policy_loss.loss_mode=offpolicy",
+        f"actor_rollout_ref.actor.optim.lr={job['lr']}",
+        # SGD and fp32 compute: a parameter then differs from the hand loop's by lr × the gradient's
+        # difference (Adam's first step is lr·sign(g): any g near 0 would flip a whole lr), and the
+        # default bf16 FSDP compute would put bf16 rounding into the loss the test compares
+        "actor_rollout_ref.actor.optim.optimizer=SGD",
+        "+actor_rollout_ref.actor.fsdp_config.mixed_precision={param_dtype:fp32,reduce_dtype:fp32,buffer_dtype:fp32}",
+        f"actor_rollout_ref.actor.ppo_mini_batch_size={job['mini_batch_size']}",
+        f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={job['micro_batch_size']}",
+        f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={job['micro_batch_size']}",
+        "actor_rollout_ref.rollout.n=1",
+        "actor_rollout_ref.actor.use_kl_loss=False",
+        "actor_rollout_ref.actor.shuffle=False",
+        *job.get("overrides", []),
+    ]
+    config_dir = os.path.join(os.path.dirname(verl.__file__), "trainer", "config")
+    with initialize_config_dir(config_dir=config_dir, version_base=None):
+        return hydra_compose("ppo_trainer", overrides=overrides)
+
+
+def main(job_path: str, out_path: str) -> None:
+    job = torch.load(job_path, weights_only=False)
+    set_platform(PlatformCPU())
+    torch.distributed.init_process_group("gloo", rank=0, world_size=1, init_method=f"file://{out_path}.rendezvous")
+    import verl.models.transformers.monkey_patch as verl_patch
+
+    verl_patch.is_trl_available = lambda: False
+    from verl import DataProto
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.engine_workers import ActorRolloutRefWorker
+    from verl.workers.utils.padding import left_right_2_no_padding
+
+    results = {}
+    for name, loss in job["losses"].items():  # one worker per loss, one process for all: verl's import is slow
+        os.environ["OFFPOLICY_VERL_LOSS"] = loss  # how a Ray worker gets it: its environment
+        config = compose(job["model"], job)
+        worker = ActorRolloutRefWorker(config.actor_rollout_ref, role="actor")
+        worker.init_model()
+        actor = config.actor_rollout_ref.actor
+        # RayPPOTrainer._update_actor (verl 0.9.1 trainer/ppo/ray_trainer.py), minus the Ray dispatch
+        batch = DataProto.from_single_dict(dict(job["batch"]), meta_info={"temperature": 1.0})
+        data = left_right_2_no_padding(batch.to_tensordict())
+        tu.assign_non_tensor(data, calculate_entropy=False, distillation_use_topk=False, distillation_only=False,
+                             global_batch_size=actor.ppo_mini_batch_size, mini_batch_size=actor.ppo_mini_batch_size,
+                             epochs=actor.ppo_epochs, seed=actor.data_loader_seed,
+                             dataloader_kwargs={"shuffle": actor.shuffle}, compute_loss=True)
+        output = worker.update_actor(data)
+        module = worker.actor.engine.module
+        params = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+                  for n, p in module.named_parameters()}
+        metrics = {k: [float(x) for x in v] if isinstance(v, list) else float(v)
+                   for k, v in tu.get(output, "metrics").items()}
+        results[name] = {"params": params, "metrics": metrics, "engine": type(worker.actor.engine).__name__}
+    torch.save(results, out_path)
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
