@@ -116,6 +116,9 @@ def _cmd_diagnose(args: argparse.Namespace, console: Console) -> int:
     _quiet_libraries()
     sampling = SamplingConfig(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                               top_k=args.top_k)
+    from offpolicy.train.config import resolve_device
+
+    device = resolve_device(TrainConfig(model=args.model, task=args.task, engine="hf", device=args.device))
     model_path = resolve_model(TrainConfig(model=args.model, task=args.task, engine="hf"), console)
     tokenizer = load_tokenizer(model_path)
     if args.prompts:
@@ -132,7 +135,7 @@ def _cmd_diagnose(args: argparse.Namespace, console: Console) -> int:
         console.print(f"diagnose: {name} on {len(prompts)} samples ...")
         s = diagnose.sample(model_path, tokenizer, prompts, setting["engine"], setting["engine_dtype"],
                             setting["trainer_dtype"], sampling, seed=args.seed, logit_noise=setting["logit_noise"],
-                            log_path=out / "engine.log")
+                            log_path=out / "engine.log", device=device)
         reports.append(diagnose.report(s, {**setting, "name": name, "model": str(model_path),
                                            "sampling": sampling.__dict__}, out / name if len(settings) > 1 else out))
     out.mkdir(parents=True, exist_ok=True)
@@ -219,6 +222,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--engine", choices=["vllm", "hf"], default="vllm")
     d.add_argument("--engine-dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
     d.add_argument("--trainer-dtype", choices=["fp32", "bf16"], default="fp32")
+    d.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N: where the trainer (and the hf "
+                   "engine) run; auto = cuda when available")
     src = d.add_mutually_exclusive_group()
     src.add_argument("--prompts", metavar="FILE.jsonl", help="one JSON object per line with a 'prompt' field")
     src.add_argument("--task", choices=["reverse", "addition", "walk"], default="reverse",

@@ -27,6 +27,7 @@ import offpolicy as op
 from offpolicy import presets
 from offpolicy.config import ConfigError
 from offpolicy.engines import SamplingConfig, make_engine
+from offpolicy.train.update import to_device
 from offpolicy.train.batch import Batch, to_batch, trainer_logprobs
 
 POSITION_EDGES = [0, 4, 8, 16, 32, 64, 128, 256, 1 << 30]
@@ -70,15 +71,16 @@ def read_prompts(path: Path, tokenizer) -> list[list[int]]:
 
 def sample(model_path: Path, tokenizer, prompts: list[list[int]], engine: str, engine_dtype: str,
            trainer_dtype: str, sampling: SamplingConfig, seed: int = 0, logit_noise: float = 0.0,
-           log_path: Path | None = None) -> Sample:
+           log_path: Path | None = None, device: torch.device | None = None) -> Sample:
     """Generate with the engine, then recompute the sampled tokens' log-probs with the trainer.
-    The engine's start-up output goes to ``log_path`` when given (see ``engines.output_to``)."""
+    The engine's start-up output goes to ``log_path`` when given (see ``engines.output_to``).
+    ``device`` (default CPU) is where the trainer and the hf engine run; the sample comes back on the CPU."""
     import time
 
     from transformers import AutoModelForCausalLM
 
     eng = make_engine(engine, str(model_path), tokenizer, engine_dtype, seed=seed, logit_noise=logit_noise,
-                      log_path=log_path)
+                      log_path=log_path, device=device)
     try:
         start = time.perf_counter()
         rollouts = eng.generate(prompts, sampling, seed=seed, version=0)
@@ -90,9 +92,10 @@ def sample(model_path: Path, tokenizer, prompts: list[list[int]], engine: str, e
         raise RuntimeError("the engine returned only empty responses: nothing to compare")
     batch = to_batch(rollouts, tokenizer.pad_token_id)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[trainer_dtype]
-    trainer = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).eval()
+    device = torch.device(device or "cpu")
+    trainer = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device).eval()
     with torch.no_grad():
-        lp = torch.cat([trainer_logprobs(trainer, batch.select(rows), sampling)
+        lp = torch.cat([trainer_logprobs(trainer, to_device(batch.select(rows), device), sampling).cpu()
                         for rows in torch.arange(len(rollouts)).split(64)])
     return Sample(batch, lp.float(), seconds)
 
