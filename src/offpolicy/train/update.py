@@ -86,7 +86,7 @@ def forward(policy, mb: Batch, sampling: SamplingConfig, device: torch.device, t
     """log π(y_t) ``[b, T']`` fp32 of a device micro-batch under the configured precision."""
     with precision(device, trainer_dtype):
         logprobs = trainer_logprobs(policy, mb, sampling, metrics)
-    return logprobs.float()
+    return logprobs.to(torch.promote_types(logprobs.dtype, torch.float32))
 
 
 @torch.no_grad()
@@ -94,10 +94,13 @@ def old_logprobs(policy, batch: Batch, sampling: SamplingConfig, device: torch.d
                  micro_batch_tokens: int | None) -> torch.Tensor:
     """log π_old ``[B, T]`` fp32 on ``device`` for the whole CPU ``batch``, in micro-batches; the
     columns past a micro-batch's longest response stay 0 (masked everywhere)."""
-    out = torch.zeros(batch.mask.shape, dtype=torch.float32, device=device)
+    out = None
     for rows in micro_batches(batch, torch.arange(len(batch.mask)), micro_batch_tokens):
         mb = to_device(trim(batch.select(rows)), device)
-        out[rows.to(device), : mb.mask.shape[1]] = forward(policy, mb, sampling, device, trainer_dtype)
+        logprobs = forward(policy, mb, sampling, device, trainer_dtype)  # [b, T'] fp32 (fp64 for a fp64 model)
+        if out is None:
+            out = torch.zeros(batch.mask.shape, dtype=logprobs.dtype, device=logprobs.device)
+        out[rows.to(device), : mb.mask.shape[1]] = logprobs
     return out
 
 
