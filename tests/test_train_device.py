@@ -218,8 +218,8 @@ def test_throughput_numbers_per_step():
     values = {"step_seconds": 2.0, "time/generate": 0.5, "time/wait": 0.1, "time/train": 1.2}
     sync = throughput(values, 100.0, torch.device("cpu"), overlapped=False)
     # 100 tokens / 2 s = 50 tok/s; generate 0.5 / 2 = 0.25; train 1.2 / 2 = 0.6; no GPU memory on CPU
-    assert sync == {"step_tokens_per_s": 50.0, "share/generate": 0.25, "share/train": 0.6}
-    assert throughput(values, 100.0, torch.device("cpu"), overlapped=True)["share/generate"] == 0.05  # 0.1 / 2
+    assert sync == {"time/tokens_per_s": 50.0, "time/generate_share": 0.25, "time/train_share": 0.6}
+    assert throughput(values, 100.0, torch.device("cpu"), overlapped=True)["time/generate_share"] == 0.05  # 0.1 / 2
 
 
 def test_micro_batched_checkpointed_run_matches_the_plain_run(offpolicy_cache, tmp_path):
@@ -237,8 +237,8 @@ def test_micro_batched_checkpointed_run_matches_the_plain_run(offpolicy_cache, t
     for key in ("reward", "offpolicy/kl_k3", "offpolicy/grad_norm", "offpolicy/loss"):
         if key in plain:
             assert split[key] == pytest.approx(plain[key], rel=1e-4, abs=1e-7), key
-    assert "memory/peak_gib" not in plain and plain["step_tokens_per_s"] > 0
-    assert 0 < plain["share/generate"] < 1 and 0 < plain["share/train"] < 1
+    assert "memory/peak_gib" not in plain and plain["time/tokens_per_s"] > 0
+    assert 0 < plain["time/generate_share"] < 1 and 0 < plain["time/train_share"] < 1
 
 
 # ---------------------------------------------------------------------- vLLM sleep mode (no GPU needed)

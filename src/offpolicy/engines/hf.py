@@ -32,8 +32,8 @@ class _LogitNoise(LogitsProcessor):
 class HFEngine:
     name = "hf"
 
-    def __init__(self, model_path: str, tokenizer: PreTrainedTokenizerBase, dtype: str = "fp32", logit_noise: float = 0.0,
-                 device: torch.device | str | None = None):
+    def __init__(self, model_path: str, tokenizer: PreTrainedTokenizerBase, dtype: str = "fp32",
+                 logit_noise: float = 0.0, device: torch.device | str | None = None):
         self.tokenizer = tokenizer
         self.dtype = DTYPES[dtype]
         self.device = torch.device(device or "cpu")  # the trainer's device: weight syncs stay on it

@@ -32,7 +32,7 @@ from offpolicy.engines import SamplingConfig, make_engine, perturb
 from offpolicy.metrics import Metrics
 from offpolicy.tasks import make_task, problems
 from offpolicy.tasks.tokenizer import load_tokenizer
-from offpolicy.train.batch import grpo_advantages, to_batch, trainer_logprobs
+from offpolicy.train.batch import grpo_advantages, to_batch
 from offpolicy.train.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint
 from offpolicy.train.config import TrainConfig, resolve_device, resolve_engine_dtype, resolve_trainer_dtype
 from offpolicy.train.logger import RunLogger, StageTimer
@@ -107,8 +107,8 @@ def throughput(values: dict[str, float], n_tokens: float, device: torch.device, 
     GPU memory (absent on CPU, never a NaN)."""
     step = max(values["step_seconds"], 1e-9)
     engine = values["time/wait"] if overlapped else values["time/generate"]  # what held the trainer up
-    out = {"step_tokens_per_s": n_tokens / step, "share/generate": min(1.0, engine / step),
-           "share/train": values.get("time/train", 0.0) / step}
+    out = {"time/tokens_per_s": n_tokens / step, "time/generate_share": min(1.0, engine / step),
+           "time/train_share": values.get("time/train", 0.0) / step}
     if device.type == "cuda":
         out["memory/peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
     return out
@@ -150,7 +150,8 @@ def train(cfg: TrainConfig, resume: Path | None = None, console: Console | None 
         if checkpoint:
             optimizer.load_state_dict(state["optimizer"])
         start_step, version = state["step"], state["version"]
-        console.print(f"offpolicy train: {cfg.task} · {device} ({trainer_dtype}) · engine {cfg.engine} ({engine_dtype}) · "
+        console.print(f"offpolicy train: {cfg.task} · {device} ({trainer_dtype}) · "
+                      f"engine {cfg.engine} ({engine_dtype}) · "
                       f"preset {cfg.preset if cfg.loss.correction is None else 'custom'} · staleness ≤ "
                       f"{cfg.max_staleness} · run {run_dir}")
         engine = make_engine(cfg.engine, str(load_from), tokenizer, engine_dtype, seed=cfg.seed,
