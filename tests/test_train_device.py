@@ -76,6 +76,17 @@ def test_device_cuda_without_cuda_is_refused_before_anything_is_written(tmp_path
         load_train_config(None, ["device=gpu"])  # not auto | cpu | cuda | cuda:N
 
 
+def test_diagnose_device_cuda_without_cuda_is_one_clear_line(tmp_path, capsys):
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available here: the error is for machines without it")
+    from offpolicy.cli import main
+
+    assert main(["diagnose", "--device", "cuda", "--engine", "hf", "--out", str(tmp_path / "d")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("offpolicy diagnose: error: device=cuda: CUDA is not available") and "\n" not in err
+    assert not (tmp_path / "d").exists()
+
+
 def test_seq_sum_norm_micro_batches_need_max_len():
     with pytest.raises(Exception, match=r"loss.max_len=10"):
         load_train_config(None, ["micro_batch_tokens=64", "loss.agg=seq-mean-token-sum-norm"])
