@@ -233,6 +233,7 @@ def test_throughput_numbers_per_step():
     assert throughput(values, 100.0, torch.device("cpu"), overlapped=True)["time/generate_share"] == 0.05  # 0.1 / 2
 
 
+@pytest.mark.slow
 def test_micro_batched_checkpointed_run_matches_the_plain_run(offpolicy_cache, tmp_path):
     """Same samples, same first update: micro-batching and checkpointing change memory, not the step."""
     def first(name, *extra):
