@@ -1,69 +1,119 @@
 """Trainer throughput: ``offpolicy train`` against TRL's GRPOTrainer in the same run.
 
-Same warm-started tiny Qwen2 (src/offpolicy/tasks/model.py), same task (reverse), 64 completions
-per step (8 prompts × 8), one optimizer step per batch, the same response-length limit. Steps/s
-is measured on the steady state: the seconds between consecutive optimizer steps, setup and
-the first step (and offpolicy's eval steps) excluded; the table gives the median of ``--runs``.
+Same model, same task (reverse), the same 64 completions per step (8 prompts × 8), one optimizer
+step per batch, the same response-length limit. For each trainer: steps/s on the steady state
+(the seconds between consecutive optimizer steps; setup, the first step and offpolicy's eval step
+excluded), response tokens/s (generated tokens per second of step), and peak memory (CUDA: peak
+allocated GPU memory; CPU: the process's peak RSS). The table gives the median of ``--runs``.
 
-    nice -n 5 python3 benchmarks/bench_trainer.py --runs 3 --steps 12 --lengths 10 128
+Every measurement runs in its own process (``--worker``), so thread settings, vLLM's process-wide
+patches and peak memory do not leak from one trainer into the next; the trainers of one run go
+back to back, in alternating order from run to run (paired runs on a shared machine).
 
-TRL (1.16, its ``GRPOTrainer`` with HF generate, fp32) runs when it is installed. On a shared
-CPU the numbers are noisy: compare ratios taken in one run, not absolute numbers across runs.
+    python3 benchmarks/bench_trainer.py --device cpu --threads default 1 --runs 5 --steps 12 --lengths 10
+    python3 benchmarks/bench_trainer.py --device cuda --models embedded qwen2-0.5b --lengths 128
+
+``--models``: ``embedded`` (the warm-started tiny Qwen2 of src/offpolicy/tasks/model.py) and
+``qwen2-0.5b`` (Qwen2-0.5B's shapes — 24 layers, width 896, 14 heads / 2 KV heads, MLP 4864,
+vocabulary 151,936, tied embeddings — initialised in code, no download; random weights, so every
+response runs to the length limit). ``--threads default`` leaves OMP_NUM_THREADS unset: torch then
+uses one thread per core, what a user gets. TRL (1.16's ``GRPOTrainer``, HF generate) runs in the
+trainer dtype offpolicy resolves (fp32 on CPU, bf16 on CUDA): GRPOConfig's own default is bf16 even
+on a CPU. On a shared CPU the numbers are noisy: compare ratios taken in one run.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import resource
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 
-from rich.console import Console
-
+PROMPTS, GROUP = 8, 8
 TRAINERS = {
-    # the defaults: engine dtype auto (fp32 here), minibatches=1 → π_old forward skipped
+    # the defaults: engine vllm, engine dtype auto (fp32 on a CPU without bf16), π_old forward skipped
     "offpolicy defaults (vllm)": [],
     "offpolicy hf engine": ["engine=hf"],
-    "offpolicy async s=1 (vllm)": ["max_staleness=1", "preset=verl:decoupled_token_is"],
     "offpolicy async s=1 (hf)": ["engine=hf", "max_staleness=1", "preset=verl:decoupled_token_is"],
-    # the defaults before issue #13: bf16 engine, two optimizer steps per batch, π_old recomputed
-    "offpolicy old defaults (vllm)": ["engine_dtype=bf16", "minibatches=2", "recompute_old=true"],
 }
+TRL = "TRL GRPOTrainer (HF generate)"
 STAGES = ["generate", "wait", "score", "pi_old", "train", "sync", "log"]
 
 
-def offpolicy_run(extra: list[str], steps: int, length: int, out: Path) -> tuple[float, dict[str, float]]:
+# ------------------------------------------------------------------------------------------ worker
+def qwen2_05b_shaped(out: Path) -> Path:
+    """A Qwen2-0.5B-shaped model with random weights and the char tokenizer, saved to ``out``."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from offpolicy.tasks.tokenizer import build_char_tokenizer
+
+    tok = build_char_tokenizer()
+    config = Qwen2Config(vocab_size=151_936, hidden_size=896, intermediate_size=4_864, num_hidden_layers=24,
+                         num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=1024,
+                         tie_word_embeddings=True, rope_theta=1_000_000.0, bos_token_id=tok.bos_token_id,
+                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(config).save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+def model_path(name: str, tmp: Path, length: int) -> Path:
+    if name == "qwen2-0.5b":
+        return qwen2_05b_shaped(tmp / "qwen2-0.5b")
+    from offpolicy.train.config import load_train_config
+    from offpolicy.train.warmstart import default_model
+
+    # the warm start (and the model's context) depends on the response limit
+    return default_model(load_train_config(None, [f"max_new_tokens={length}"]))
+
+
+def peak_memory_gib(device: str) -> float:
+    import torch
+
+    if device == "cuda":
+        return torch.cuda.max_memory_allocated() / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+def offpolicy_worker(extra: list[str], model: Path, device: str, steps: int, length: int, out: Path) -> dict:
+    from rich.console import Console
+
     from offpolicy.train.config import load_train_config
     from offpolicy.train.logger import read_jsonl
     from offpolicy.train.loop import train
 
-    cfg = load_train_config(None, ["prompts_per_step=8", "group_size=8", f"steps={steps}", f"max_new_tokens={length}",
+    cfg = load_train_config(None, [f"model={model}", f"device={device}", f"prompts_per_step={PROMPTS}",
+                                   f"group_size={GROUP}", f"steps={steps}", f"max_new_tokens={length}",
                                    "eval_every=100000", "eval_problems=16", f"checkpoint_every={steps}",
                                    f"out_dir={out}", *extra])
     train(cfg, console=Console(quiet=True), progress=False)
     rows = read_jsonl(out / "metrics.jsonl")[1:-1]  # first step warms up; the last one evaluates
     per_step = statistics.median(r["step_seconds"] for r in rows)
-    stages = {s: statistics.median(r.get(f"time/{s}", 0.0) for r in rows) for s in STAGES}
-    return 1.0 / per_step, stages
+    tokens = statistics.median(r["response_length"] * PROMPTS * GROUP for r in rows)
+    return {"steps_per_s": 1.0 / per_step, "tokens_per_s": tokens / per_step,
+            "stages": {s: statistics.median(r.get(f"time/{s}", 0.0) for r in rows) for s in STAGES}}
 
 
-def trl_run(steps: int, length: int, out: Path) -> tuple[float, dict[str, float]]:
+def trl_worker(model: Path, device: str, steps: int, length: int, out: Path) -> dict:
+    import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
     from offpolicy.tasks import make_task, problems
     from offpolicy.tasks.tokenizer import load_tokenizer
-    from offpolicy.train.config import load_train_config
-    from offpolicy.train.warmstart import default_model
 
-    cfg = load_train_config(None, [])
-    path = default_model(cfg)
-    tokenizer = load_tokenizer(path)
+    tokenizer = load_tokenizer(model)
     task = make_task("reverse")
-    probs = problems(task, 8 * (steps + 2), seed=123)
+    probs = problems(task, PROMPTS * (steps + 2), seed=123)
     answers = {p.prompt: p for p in probs}
     data = Dataset.from_dict({"prompt": [p.prompt for p in probs]})
 
@@ -76,66 +126,121 @@ def trl_run(steps: int, length: int, out: Path) -> tuple[float, dict[str, float]
         def on_step_end(self, args, state, control, **kwargs):
             stamps.append(time.perf_counter())
 
-    args = GRPOConfig(output_dir=str(out), per_device_train_batch_size=64, num_generations=8,
+    bf16 = device == "cuda" and torch.cuda.is_bf16_supported()  # offpolicy's trainer_dtype auto
+    args = GRPOConfig(output_dir=str(out), per_device_train_batch_size=PROMPTS * GROUP, num_generations=GROUP,
                       max_completion_length=length, max_steps=steps, num_iterations=1, beta=0.0, temperature=1.0,
-                      learning_rate=3e-4, use_cpu=True, report_to=[], save_strategy="no", logging_steps=steps,
-                      seed=0, disable_tqdm=True)
-    model = AutoModelForCausalLM.from_pretrained(path)
-    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=data, processing_class=tokenizer,
-                          callbacks=[Clock()])
+                      learning_rate=3e-4, use_cpu=device == "cpu", bf16=bf16, report_to=[], save_strategy="no",
+                      logging_steps=1, seed=0, disable_tqdm=True)
+    trainer = GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(model), reward_funcs=reward, args=args,
+                          train_dataset=data, processing_class=tokenizer, callbacks=[Clock()])
     trainer.train()
     gaps = [b - a for a, b in zip(stamps, stamps[1:])]
-    return 1.0 / statistics.median(gaps), {}
+    lengths = [h["completions/mean_length"] for h in trainer.state.log_history if "completions/mean_length" in h]
+    per_step = statistics.median(gaps)
+    return {"steps_per_s": 1.0 / per_step, "tokens_per_s": statistics.median(lengths[1:]) * PROMPTS * GROUP / per_step,
+            "stages": {}}
+
+
+def worker(args: argparse.Namespace) -> None:
+    import torch
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model = model_path(args.model, Path(tmp), args.length)
+        if args.device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        if args.worker == TRL:
+            result = trl_worker(model, args.device, args.steps, args.length, Path(tmp) / "trl")
+        else:
+            result = offpolicy_worker(TRAINERS[args.worker], model, args.device, args.steps, args.length,
+                                      Path(tmp) / "run")
+        result["peak_gib"] = peak_memory_gib(args.device)
+        result["threads"] = torch.get_num_threads()
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+# ------------------------------------------------------------------------------------------ driver
+def measure(name: str, model: str, device: str, threads: str, steps: int, length: int) -> dict:
+    env = dict(os.environ)
+    env.pop("OMP_NUM_THREADS", None)
+    if threads != "default":
+        env["OMP_NUM_THREADS"] = threads
+    cmd = [sys.executable, __file__, "--worker", name, "--model", model, "--device", device, "--steps", str(steps),
+           "--length", str(length)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
+    if proc.returncode or line is None:
+        raise RuntimeError(f"{name} failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}")
+    return json.loads(line.removeprefix("RESULT "))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    parser.add_argument("--models", nargs="+", choices=["embedded", "qwen2-0.5b"], default=["embedded"])
+    parser.add_argument("--threads", nargs="+", default=["default"], help="'default' (OMP_NUM_THREADS unset) and/or N")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--lengths", type=int, nargs="+", default=[10, 128])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[10])
     parser.add_argument("--only", nargs="*", help="trainer names (substrings) to run")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--model", default="embedded", help=argparse.SUPPRESS)
+    parser.add_argument("--length", type=int, default=10, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    console = Console()
+    if args.worker:
+        return worker(args)
+    import torch
+
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     try:
         import trl  # noqa: F401
 
-        have_trl = True
+        names = [TRL]
     except ImportError:
-        have_trl = False
-        console.print("[yellow]TRL not installed: no TRL baseline in this run[/yellow]")
-    load = os.getloadavg()
-    console.print(f"load average at start: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} on {os.cpu_count()} cores")
-    names = (["TRL GRPOTrainer (HF generate, fp32)"] if have_trl else []) + list(TRAINERS)
+        names = []
+        print("TRL not installed: no TRL baseline in this run")
+    from offpolicy.engines.vllm import vllm_available
+
+    names += [n for n in TRAINERS if "vllm" not in n or vllm_available()]
     if args.only:
         names = [n for n in names if any(o in n for o in args.only)]
-    for length in args.lengths:
-        results: dict[str, list[tuple[float, dict]]] = {n: [] for n in names}
-        for run in range(args.runs):
-            for name in names:
-                with tempfile.TemporaryDirectory() as tmp:
-                    if name.startswith("TRL"):
-                        results[name].append(trl_run(args.steps, length, Path(tmp) / "trl"))
-                    else:
-                        results[name].append(offpolicy_run(TRAINERS[name], args.steps, length, Path(tmp) / "run"))
-                console.print(f"  length {length} run {run}: {name}: {results[name][-1][0]:.2f} steps/s")
-        medians = {n: statistics.median(r[0] for r in results[n]) for n in names}
-        base = next((medians[n] for n in names if n.startswith("TRL")), None)
-        print(f"\nmax_new_tokens={length}, 64 completions/step, median of {args.runs} runs × {args.steps} steps")
-        print("| trainer | steps/s | vs TRL | " + " | ".join(f"{s} ms" for s in STAGES) + " |")
-        print("|---|---|---|" + "---|" * len(STAGES))
-        for n in names:
-            stages = results[n][0][1]
-            times = [statistics.median(r[1].get(s, 0.0) for r in results[n]) for s in STAGES] if stages else []
-            cells = " | ".join(f"{1e3 * t:.0f}" for t in times) if times else " | ".join("–" for _ in STAGES)
-            ratio = f"{medians[n] / base:.2f}×" if base else "–"
-            print(f"| {n} | {medians[n]:.2f} | {ratio} | {cells} |")
-        sync = {k: medians.get(f"offpolicy {k}") for k in ("defaults (vllm)", "hf engine")}
-        asyn = {k: medians.get(f"offpolicy async s=1 ({e})") for k, e in (("defaults (vllm)", "vllm"), ("hf engine", "hf"))}
-        for k in sync:
-            if sync[k] and asyn[k]:
-                print(f"async s=1 vs sync, {k}: {asyn[k] / sync[k]:.2f}×")
     load = os.getloadavg()
-    print(f"load average at end: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} (shared machine: other work ran too)")
+    where = torch.cuda.get_device_name() if device == "cuda" else f"{os.cpu_count()} CPU cores"
+    print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} · {where} · torch {torch.__version__} · "
+          f"load average at start {load[0]:.2f}")
+    for model in args.models:
+        for threads in args.threads:
+            for length in args.lengths:
+                results: dict[str, list[dict]] = {n: [] for n in names}
+                for run in range(args.runs):
+                    for name in names if run % 2 == 0 else names[::-1]:  # paired, alternating order
+                        results[name].append(measure(name, model, device, threads, args.steps, length))
+                        r = results[name][-1]
+                        print(f"  {model} threads={threads} length {length} run {run}: {name}: "
+                              f"{r['steps_per_s']:.2f} steps/s ({r['threads']} threads)", flush=True)
+                report(results, names, model, device, threads, length, args)
+    load = os.getloadavg()
+    print(f"load average at end: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
+
+
+def report(results: dict[str, list[dict]], names: list[str], model: str, device: str, threads: str, length: int,
+           args: argparse.Namespace) -> None:
+    med = {n: {k: statistics.median(r[k] for r in results[n]) for k in ("steps_per_s", "tokens_per_s", "peak_gib")}
+           for n in names}
+    # paired ratios: each run's offpolicy/TRL ratio, then the median (robust to load drifting between runs)
+    ratio = {n: statistics.median(a["steps_per_s"] / b["steps_per_s"] for a, b in zip(results[n], results[TRL]))
+             for n in names} if TRL in results else {}
+    memory = "peak GPU GiB" if device == "cuda" else "peak RSS GiB"
+    print(f"\n{model} on {device}, threads {threads}, max_new_tokens={length}, {PROMPTS * GROUP} completions/step, "
+          f"median of {args.runs} runs × {args.steps} steps")
+    print(f"| trainer | steps/s | tokens/s | {memory} | vs TRL (paired) | "
+          + " | ".join(f"{s} ms" for s in STAGES) + " |")
+    print("|---|---|---|---|---|" + "---|" * len(STAGES))
+    for n in names:
+        stages = [statistics.median(r["stages"].get(s, 0.0) for r in results[n]) for s in STAGES]
+        cells = " | ".join(f"{1e3 * t:.0f}" for t in stages) if results[n][0]["stages"] else " | ".join("–" for _ in STAGES)
+        vs = f"{ratio[n]:.2f}×" if ratio else "–"
+        print(f"| {n} | {med[n]['steps_per_s']:.2f} | {med[n]['tokens_per_s']:.0f} | {med[n]['peak_gib']:.2f} | {vs} | "
+              f"{cells} |")
 
 
 if __name__ == "__main__":

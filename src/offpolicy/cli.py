@@ -104,7 +104,8 @@ def _cmd_diagnose(args: argparse.Namespace, console: Console) -> int:
     from offpolicy.engines import SamplingConfig
     from offpolicy.tasks import make_task, problems
     from offpolicy.tasks.tokenizer import ensure_pad_token, load_tokenizer
-    from offpolicy.train.config import TrainConfig
+    from offpolicy.tasks.dataset import dataset_prompts
+    from offpolicy.train.config import DataConfig, TrainConfig, resolve_device
     from offpolicy.train.loop import resolve_model
     from offpolicy.train.warmstart import prompt_ids
 
@@ -117,13 +118,11 @@ def _cmd_diagnose(args: argparse.Namespace, console: Console) -> int:
     _quiet_libraries()
     sampling = SamplingConfig(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                               top_k=args.top_k)
+    device = resolve_device(TrainConfig(model=args.model, task=args.task, engine="hf", device=args.device))
     model_path = resolve_model(TrainConfig(model=args.model, task=args.task, engine="hf"), console)
     tokenizer = load_tokenizer(model_path)
     ensure_pad_token(tokenizer)
     if args.data:  # the same data.* fields, chat template and prompt limit as task=dataset
-        from offpolicy.tasks.dataset import dataset_prompts
-        from offpolicy.train.config import DataConfig
-
         data = DataConfig(path=args.data, prompt_field=args.prompt_field, system_prompt=args.system_prompt,
                           chat_template=args.chat_template)
         prompts = dataset_prompts(data, tokenizer, args.max_prompt_tokens)
@@ -141,7 +140,8 @@ def _cmd_diagnose(args: argparse.Namespace, console: Console) -> int:
         console.print(f"diagnose: {name} on {len(prompts)} samples ...")
         s = diagnose.sample(model_path, tokenizer, prompts, setting["engine"], setting["engine_dtype"],
                             setting["trainer_dtype"], sampling, seed=args.seed, logit_noise=setting["logit_noise"],
-                            log_path=out / "engine.log", max_model_len=max(map(len, prompts)) + args.max_tokens)
+                            log_path=out / "engine.log", max_model_len=max(map(len, prompts)) + args.max_tokens,
+                            device=device)
         reports.append(diagnose.report(s, {**setting, "name": name, "model": str(model_path),
                                            "sampling": sampling.__dict__}, out / name if len(settings) > 1 else out))
     out.mkdir(parents=True, exist_ok=True)
@@ -255,6 +255,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--engine", choices=["vllm", "hf"], default="vllm")
     d.add_argument("--engine-dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
     d.add_argument("--trainer-dtype", choices=["fp32", "bf16"], default="fp32")
+    d.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N: where the trainer (and the hf "
+                   "engine) run; auto = cuda when available")
     src = d.add_mutually_exclusive_group()
     src.add_argument("--prompts", metavar="FILE.jsonl", help="one JSON object per line with a 'prompt' field")
     src.add_argument("--task", choices=["reverse", "addition", "walk"], default="reverse",

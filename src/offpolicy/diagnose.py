@@ -31,6 +31,7 @@ from offpolicy.config import ConfigError
 from offpolicy.engines import SamplingConfig, make_engine
 from offpolicy.integrations.dump import load_batch
 from offpolicy.metrics import Metrics
+from offpolicy.train.update import to_device
 from offpolicy.train.batch import Batch, to_batch, trainer_logprobs
 
 POSITION_EDGES = [0, 4, 8, 16, 32, 64, 128, 256, 1 << 30]
@@ -75,15 +76,16 @@ def read_prompts(path: Path, tokenizer) -> list[list[int]]:
 
 def sample(model_path: Path, tokenizer, prompts: list[list[int]], engine: str, engine_dtype: str,
            trainer_dtype: str, sampling: SamplingConfig, seed: int = 0, logit_noise: float = 0.0,
-           log_path: Path | None = None, max_model_len: int = 1024) -> Sample:
+           log_path: Path | None = None, max_model_len: int = 1024, device: torch.device | None = None) -> Sample:
     """Generate with the engine, then recompute the sampled tokens' log-probs with the trainer.
-    The engine's start-up output goes to ``log_path`` when given (see ``engines.output_to``)."""
+    The engine's start-up output goes to ``log_path`` when given (see ``engines.output_to``).
+    ``device`` (default CPU) is where the trainer and the hf engine run; the sample comes back on the CPU."""
     import time
 
     from transformers import AutoModelForCausalLM
 
     eng = make_engine(engine, str(model_path), tokenizer, engine_dtype, seed=seed, logit_noise=logit_noise,
-                      max_model_len=max(max_model_len, 1024), log_path=log_path)
+                      max_model_len=max(max_model_len, 1024), log_path=log_path, device=device)
     try:
         start = time.perf_counter()
         rollouts = eng.generate(prompts, sampling, seed=seed, version=0)
@@ -95,10 +97,11 @@ def sample(model_path: Path, tokenizer, prompts: list[list[int]], engine: str, e
         raise RuntimeError("the engine returned only empty responses: nothing to compare")
     batch = to_batch(rollouts, tokenizer.pad_token_id)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[trainer_dtype]
-    trainer = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).eval()
+    device = torch.device(device or "cpu")
+    trainer = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device).eval()
     seen = Metrics()  # the trainer's token entropy, from its logits (the denominator of kl_over_entropy)
     with torch.no_grad():
-        lp = torch.cat([trainer_logprobs(trainer, batch.select(rows), sampling, seen)
+        lp = torch.cat([trainer_logprobs(trainer, to_device(batch.select(rows), device), sampling, seen).cpu()
                         for rows in torch.arange(len(rollouts)).split(64)])
     return Sample(batch, lp.float(), seconds, entropy=seen["entropy"])
 

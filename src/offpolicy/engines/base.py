@@ -91,6 +91,7 @@ def perturb(named_tensors: Iterable[tuple[str, torch.Tensor]], relative_noise: f
     g = torch.Generator().manual_seed(seed)
     for name, tensor in named_tensors:
         if relative_noise > 0 and tensor.is_floating_point() and tensor.numel() > 1:
-            noise = torch.randn(tensor.shape, generator=g, dtype=torch.float32)
+            # drawn on the CPU generator (the same noise on every device), then moved to the weight
+            noise = torch.randn(tensor.shape, generator=g, dtype=torch.float32).to(tensor.device)
             tensor = (tensor.float() + relative_noise * tensor.float().std() * noise).to(tensor.dtype)
         yield name, tensor

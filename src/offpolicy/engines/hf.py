@@ -24,26 +24,29 @@ class _LogitNoise(LogitsProcessor):
         self.sigma, self.generator = sigma, generator
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        noise = torch.randn(scores.shape, generator=self.generator, dtype=torch.float32).to(scores.dtype)
+        # the CPU generator draws the same noise on every device
+        noise = torch.randn(scores.shape, generator=self.generator, dtype=torch.float32).to(scores.device, scores.dtype)
         return torch.where(torch.isfinite(scores), scores + self.sigma * noise, scores)
 
 
 class HFEngine:
     name = "hf"
 
-    def __init__(self, model_path: str, tokenizer: PreTrainedTokenizerBase, dtype: str = "fp32", logit_noise: float = 0.0):
+    def __init__(self, model_path: str, tokenizer: PreTrainedTokenizerBase, dtype: str = "fp32",
+                 logit_noise: float = 0.0, device: torch.device | str | None = None):
         self.tokenizer = tokenizer
         self.dtype = DTYPES[dtype]
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype).eval()
+        self.device = torch.device(device or "cpu")  # the trainer's device: weight syncs stay on it
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype).to(self.device).eval()
         self.logit_noise = logit_noise
         self.stop = stop_token_ids(tokenizer, self.model)  # EOS and the model's other end-of-turn ids
 
     @torch.no_grad()
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingConfig, seed: int, version: int) -> Rollouts:
         pad = self.tokenizer.pad_token_id
-        input_ids, attention = left_pad(prompt_ids, pad)
+        input_ids, attention = (t.to(self.device) for t in left_pad(prompt_ids, pad))
         width = input_ids.shape[1]
-        torch.manual_seed(seed)  # generate() samples from the global generator
+        torch.manual_seed(seed)  # generate() samples from the global generator (seeds CUDA's too)
         processors = LogitsProcessorList()
         if self.logit_noise > 0:
             processors.append(_LogitNoise(self.logit_noise, torch.Generator().manual_seed(seed + 1)))

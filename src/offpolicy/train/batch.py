@@ -68,7 +68,8 @@ def trainer_logprobs(model, batch: Batch, sampling: SamplingConfig, metrics: Met
     """
     logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits  # [B, L, V]
     index = batch.positions.unsqueeze(-1).expand(-1, -1, logits.shape[-1])
-    response_logits = logits.gather(1, index).float()  # [B, T, V]
+    # at least fp32 (bf16/fp16 logits are cast up; a float64 model stays float64, for exactness tests)
+    response_logits = logits.gather(1, index).to(torch.promote_types(logits.dtype, torch.float32))  # [B, T, V]
     if sampling.top_k == -1 and sampling.top_p == 1.0:
         z = response_logits / sampling.temperature if sampling.temperature != 1.0 else response_logits
         token_lp = z.gather(-1, batch.response_ids.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(z, dim=-1)

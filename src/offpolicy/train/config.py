@@ -109,6 +109,24 @@ class TrainConfig(_Strict):
     preset: str | None = Field("recommended", description="correction preset used when loss.correction is unset; "
                                "'none' = no correction on purpose (the only way to train stale rollouts uncorrected)")
     loss: LossConfig = Field(default_factory=LossConfig)
+    # where and how the trainer runs (issue #21): device, precision, memory
+    device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$", description="auto = cuda when CUDA is "
+                        "available, else cpu; policy, optimizer state, batches and the loss live there (so does the "
+                        "hf engine; vLLM picks its GPU itself)")
+    trainer_dtype: Literal["auto", "fp32", "bf16"] = Field(
+        "auto", description="auto = bf16 on a CUDA device with bf16, else fp32. bf16 = fp32 master weights and "
+        "optimizer state with bf16 autocast compute (FSDP MixedPrecision's and verl's practice); log-probs and "
+        "every ratio stay fp32")
+    gradient_checkpointing: bool = Field(False, description="recompute activations in the backward: less memory, "
+                                         "about one more forward per update")
+    micro_batch_tokens: int | None = Field(None, gt=0, description="split each optimizer step's rows into "
+                                           "micro-batches of at most this many prompt + response tokens (a longer "
+                                           "row goes alone); exact: the loss is divided by the step's global count")
+    engine_gpu_memory_utilization: float = Field(0.3, gt=0, le=1, description="vLLM on CUDA: share of the GPU's "
+                                                 "memory vLLM may take (weights + KV cache); the trainer uses the rest")
+    engine_sleep: bool = Field(True, description="vLLM on CUDA, max_staleness=0: sleep(level=1) after generating "
+                               "(KV cache freed, weights to host) and wake before the weight sync, so training has "
+                               "the GPU's memory; with staleness ≥ 1 both run at once and the fixed share applies")
     # bookkeeping
     seed: int = 0
     eval_every: int = Field(15, gt=0)
@@ -204,6 +222,16 @@ class TrainConfig(_Strict):
             )
         return self
 
+    @model_validator(mode="after")
+    def _micro_batches_exact(self) -> TrainConfig:
+        loss = self.loss_config()
+        if self.micro_batch_tokens is not None and loss.agg == "seq-mean-token-sum-norm" and loss.max_len is None:
+            raise ValueError(
+                f"micro_batch_tokens={self.micro_batch_tokens} with loss.agg 'seq-mean-token-sum-norm' and no "
+                "loss.max_len: each micro-batch would divide by its own padded length, so they would not add up to "
+                f"the whole batch's loss. Fix: loss.max_len={self.max_new_tokens} (the response limit)")
+        return self
+
     def loss_config(self) -> LossConfig:
         """``loss``, with the preset's correction when ``loss.correction`` is unset."""
         if self.loss.correction is not None or self.preset in (None, NO_CORRECTION):
@@ -233,6 +261,40 @@ def resolve_engine_dtype(cfg: TrainConfig) -> tuple[str, str]:
         return cfg.engine_dtype, "set in the config"
     native, why = _native_bf16()
     return ("bf16" if native else "fp32"), f"auto: {why}"
+
+
+def resolve_device(cfg: TrainConfig):
+    """The ``torch.device`` the trainer runs on (``device``; auto = CUDA when available).
+
+    Raises:
+        ConfigError: CUDA asked for but absent, or a CUDA index past the visible devices.
+    """
+    import torch
+
+    if cfg.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(cfg.device)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            build = f"torch {torch.__version__} " + ("has CUDA " + torch.version.cuda + " but sees no GPU"
+                                                      if torch.version.cuda else "is a CPU-only build")
+            raise ConfigError(f"device={cfg.device}: CUDA is not available ({build}). Fix: device=cpu (or auto), "
+                              "or install a CUDA build of torch on a machine with a GPU")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ConfigError(f"device={cfg.device}: only {torch.cuda.device_count()} CUDA device(s) visible "
+                              f"(cuda:0 … cuda:{torch.cuda.device_count() - 1}). Fix: a visible index, or device=cuda")
+    return device
+
+
+def resolve_trainer_dtype(cfg: TrainConfig, device) -> tuple[str, str]:
+    """The trainer's compute dtype and why: ``trainer_dtype`` unless it is ``auto``."""
+    if cfg.trainer_dtype != "auto":
+        return cfg.trainer_dtype, "set in the config"
+    import torch
+
+    if device.type == "cuda" and torch.cuda.is_bf16_supported():
+        return "bf16", "auto: CUDA with bf16: bf16 autocast compute, fp32 master weights"
+    return "fp32", f"auto: {'CUDA without bf16' if device.type == 'cuda' else 'CPU'}: fp32"
 
 
 def _set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:

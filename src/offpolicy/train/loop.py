@@ -34,11 +34,12 @@ from offpolicy.metrics import Metrics
 from offpolicy.tasks import make_task, problems
 from offpolicy.tasks.dataset import load_dataset_task
 from offpolicy.tasks.tokenizer import ensure_pad_token, load_tokenizer
-from offpolicy.train.batch import grpo_advantages, to_batch, trainer_logprobs
+from offpolicy.train.batch import grpo_advantages, to_batch
 from offpolicy.train.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint
-from offpolicy.train.config import TrainConfig, resolve_engine_dtype
+from offpolicy.train.config import TrainConfig, resolve_device, resolve_engine_dtype, resolve_trainer_dtype
 from offpolicy.train.logger import RunLogger, StageTimer
 from offpolicy.train.pipeline import RolloutPipeline
+from offpolicy.train.update import old_logprobs, optimizer_step
 from offpolicy.train.warmstart import default_model, exact_match_accuracy
 
 log = logging.getLogger(__name__)
@@ -133,6 +134,19 @@ def staleness_metrics(version: int, row_versions: torch.Tensor, pipeline: Rollou
             "dropped_rollouts": float(pipeline.last_dropped), "dropped_rollouts_total": float(pipeline.dropped)}
 
 
+def throughput(values: dict[str, float], n_tokens: float, device: torch.device, overlapped: bool) -> dict[str, float]:
+    """What a user watches (issue #21): response tokens per second of the whole step, the share of
+    the step spent generating (waiting, when overlapped) and training, and on CUDA the step's peak
+    GPU memory (absent on CPU, never a NaN)."""
+    step = max(values["step_seconds"], 1e-9)
+    engine = values["time/wait"] if overlapped else values["time/generate"]  # what held the trainer up
+    out = {"time/tokens_per_s": n_tokens / step, "time/generate_share": min(1.0, engine / step),
+           "time/train_share": values.get("time/train", 0.0) / step}
+    if device.type == "cuda":
+        out["memory/peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+    return out
+
+
 def train(cfg: TrainConfig, resume: Path | None = None, console: Console | None = None,
           progress: bool = True) -> RunResult:
     """Run (or resume) ``cfg``; returns the run directory and the summary numbers.
@@ -146,9 +160,12 @@ def train(cfg: TrainConfig, resume: Path | None = None, console: Console | None 
     sampling = SamplingConfig(max_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
                               top_k=cfg.top_k)
     engine_dtype, dtype_reason = resolve_engine_dtype(cfg)
+    device = resolve_device(cfg)  # before the run directory: device=cuda without CUDA leaves nothing
+    trainer_dtype, trainer_dtype_reason = resolve_trainer_dtype(cfg, device)
     created = resume is None
-    run_dir = resume if resume is not None else new_run_dir(cfg, {"engine_dtype": engine_dtype,
-                                                                  "engine_dtype_reason": dtype_reason})
+    run_dir = resume if resume is not None else new_run_dir(cfg, {
+        "engine_dtype": engine_dtype, "engine_dtype_reason": dtype_reason, "device": str(device),
+        "trainer_dtype": trainer_dtype, "trainer_dtype_reason": trainer_dtype_reason})
     try:
         # ---------------------------------------------------------------- setup
         checkpoint = latest_checkpoint(run_dir) if resume is not None else None
@@ -160,19 +177,26 @@ def train(cfg: TrainConfig, resume: Path | None = None, console: Console | None 
         dropped = getattr(task, "dropped", 0) and f"{task.dropped} prompts over max_prompt_tokens dropped"
         for note in filter(None, (padded, dropped)):
             console.print(f"  data: {note}")
-        policy = AutoModelForCausalLM.from_pretrained(load_from, dtype=torch.float32).train()
+        # fp32 master weights on the device; bf16 is autocast compute (update.precision)
+        policy = AutoModelForCausalLM.from_pretrained(load_from, dtype=torch.float32).to(device).train()
+        if cfg.gradient_checkpointing:
+            policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            policy.config.use_cache = False
         optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=0.0)
         state = load_trainer_state(checkpoint) if checkpoint else {"step": 0, "version": 0, "pending": []}
         state.setdefault("pipeline", {})  # staleness policy's queue cursor (issue #25); older checkpoints lack it
         if checkpoint:
             optimizer.load_state_dict(state["optimizer"])
         start_step, version = state["step"], state["version"]
-        console.print(f"offpolicy train: {cfg.task} · engine {cfg.engine} ({engine_dtype}) · "
+        console.print(f"offpolicy train: {cfg.task} · {device} ({trainer_dtype}) · "
+                      f"engine {cfg.engine} ({engine_dtype}) · "
                       f"preset {cfg.preset if cfg.loss.correction is None else 'custom'} · staleness ≤ "
                       f"{cfg.max_staleness} · run {run_dir}")
         context = cfg.max_prompt_tokens + cfg.max_new_tokens if cfg.task == "dataset" else 1024
         engine = make_engine(cfg.engine, str(load_from), tokenizer, engine_dtype, seed=cfg.seed,
-                             logit_noise=cfg.engine_logit_noise, max_model_len=context, log_path=run_dir / "engine.log")
+                             logit_noise=cfg.engine_logit_noise, max_model_len=context, log_path=run_dir / "engine.log",
+                             device=device, gpu_memory_utilization=cfg.engine_gpu_memory_utilization,
+                             sleep=cfg.engine_sleep and cfg.max_staleness == 0)
         engine.sync_weights(engine_weights(policy, cfg, version, snapshot=False))
         # no π_old forward where it equals sg(π_θ) exactly, or where the loss never reads it
         skip_old = single_update(cfg, policy) or (not uses_old(loss_cfg) and not cfg.recompute_old)
@@ -192,6 +216,8 @@ def train(cfg: TrainConfig, resume: Path | None = None, console: Console | None 
     try:
         for step in range(start_step, cfg.steps):
             t0, timer = time.perf_counter(), StageTimer()
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
             # ------------------------------------------------ sample (bounded staleness) and score
             item, waited = pipeline.next(step, version)
             with timer("score"):
@@ -202,32 +228,31 @@ def train(cfg: TrainConfig, resume: Path | None = None, console: Console | None 
                 adv_tokens = advantages.unsqueeze(-1).expand_as(batch.mask).contiguous()
             # ------------------------------------------------ π_old: the trainer before this step
             loglinear = cfg.prox_logp == "loglinear"  # π_old from the versions: no forward (AReaL)
-            with timer("pi_old"), torch.no_grad():
-                old = None if skip_old or loglinear else trainer_logprobs(policy, batch, sampling)
-            # ------------------------------------------------ corrected loss, PPO mini-batches
+            with timer("pi_old"):
+                old = None if skip_old or loglinear else old_logprobs(policy, batch, sampling, device, trainer_dtype,
+                                                                       cfg.micro_batch_tokens)
+
+            def old_of(rows, mb, logprobs):
+                if loglinear:  # proximal = this step's starting weights (v + 1 − 1)
+                    return op.loglinear_proximal(logprobs, mb.rollout_logprobs, item.rollouts.version,
+                                                 current_version=version + 1)
+                if skip_old:
+                    return logprobs.detach()
+                return old[rows.to(device), : mb.mask.shape[1]]
+
+            # ------------------------------------------------ corrected loss, PPO mini-batches, micro-batches
             metrics = Metrics()
             order = torch.Generator().manual_seed(cfg.seed * 31 + step)
             updating = True  # from here until the step is logged, the weights are mid-update
             with timer("train"):
                 for _ in range(cfg.ppo_epochs):
                     for rows in torch.randperm(len(rewards), generator=order).chunk(cfg.minibatches):
-                        mb = batch.select(rows)
-                        if mb.mask.sum() == 0:
+                        if batch.mask[rows].sum() == 0:  # the CPU batch: no device read
                             continue
-                        logprobs = trainer_logprobs(policy, mb, sampling, metrics)
-                        if loglinear:  # proximal = this step's starting weights (v + 1 − 1)
-                            mb_old = op.loglinear_proximal(logprobs, mb.rollout_logprobs, item.rollouts.version,
-                                                           current_version=version + 1)
-                        else:
-                            mb_old = logprobs.detach() if skip_old else old[rows]
-                        loss, m = op.policy_loss(logprobs, mb_old, adv_tokens[rows], mb.mask,
-                                                 rollout_logprobs=mb.rollout_logprobs, config=loss_cfg)
-                        optimizer.zero_grad(set_to_none=True)
-                        loss.backward()
-                        grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.max_grad_norm)
-                        optimizer.step()
-                        metrics.update(m)
-                        metrics.mean("grad_norm", grad_norm.reshape(1))
+                        optimizer_step(policy, optimizer, batch, rows, adv_tokens, old_of=old_of, loss_cfg=loss_cfg,
+                                       sampling=sampling, device=device, trainer_dtype=trainer_dtype,
+                                       micro_batch_tokens=cfg.micro_batch_tokens, max_grad_norm=cfg.max_grad_norm,
+                                       metrics=metrics)
             # ------------------------------------------------ new weights to the engine
             version += 1
             with timer("sync"):
@@ -254,6 +279,7 @@ def train(cfg: TrainConfig, resume: Path | None = None, console: Console | None 
             values.update({"time/generate": item.seconds, "time/wait": waited,
                            **{f"time/{k}": v for k, v in timer.seconds.items()},
                            "step_seconds": time.perf_counter() - t0})
+            values.update(throughput(values, n_tokens, device, pipeline.overlapped))
             logger.log(step, values)
             pipeline.commit(step)
             completed, updating = step + 1, False

@@ -76,6 +76,7 @@ def exact_match_accuracy(model, tokenizer, task: Task, batch: list[Problem], max
         sampling = {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0}
     was_training = model.training
     model.eval()
+    input_ids, attention = input_ids.to(model.device), attention.to(model.device)  # the trainer's device
     out = model.generate(input_ids=input_ids, attention_mask=attention, max_new_tokens=max_new_tokens,
                          pad_token_id=tokenizer.pad_token_id, eos_token_id=stop_token_ids(tokenizer, model),
                          **sampling)

@@ -1,0 +1,346 @@
+"""The trainer on its device (issue #21): device resolution and its errors, exact micro-batching by
+tokens, bf16 autocast over fp32 master weights, gradient checkpointing, no host read in the loss
+path, the per-step throughput numbers, and vLLM's sleep / wake around the weight sync. CUDA-only
+checks skip without CUDA (they run on the device machine when one is lent)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import offpolicy as op
+from conftest import FAST
+from offpolicy.config import ConfigError
+from offpolicy.engines import Rollouts, SamplingConfig
+from offpolicy.metrics import Metrics
+from offpolicy.tasks.model import build_tiny_qwen2
+from offpolicy.tasks.tokenizer import build_char_tokenizer
+from offpolicy.train import update
+from offpolicy.train.batch import to_batch
+from offpolicy.train.config import load_train_config, resolve_device, resolve_trainer_dtype
+from offpolicy.train.loop import throughput, train
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (runs on the device machine when lent)")
+SAMPLING = SamplingConfig(max_tokens=8)
+
+
+def tiny_setup(dtype=torch.float64, seed=0):
+    """A tiny Qwen2 and a hand-made batch of 6 rows with different prompt and response lengths."""
+    tok = build_char_tokenizer()
+    model = build_tiny_qwen2(tok, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=64,
+                             seed=seed).to(dtype)
+    g = torch.Generator().manual_seed(seed)
+    prompts = [[1, *torch.randint(5, 40, (n,), generator=g).tolist()] for n in (3, 6, 2, 5, 4, 7)]
+    responses = [torch.randint(5, 40, (n,), generator=g).tolist() for n in (5, 1, 8, 3, 6, 2)]
+    # μ = a perturbed copy's log-probs: a real mismatch for the correction to act on
+    logprobs = [(-2.0 - torch.rand(len(r), generator=g, dtype=torch.float64)).tolist() for r in responses]
+    rollouts = Rollouts(prompts, responses, logprobs, [True] * 6, version=0)
+    batch = to_batch(rollouts, tok.pad_token_id)
+    batch.rollout_logprobs = batch.rollout_logprobs.to(dtype)
+    adv = torch.tensor([1.0, -0.5, 0.7, -1.2, 0.3, 0.9], dtype=dtype).unsqueeze(-1).expand_as(batch.mask).contiguous()
+    return model, batch, adv
+
+
+def grads_after_step(model, batch, adv, loss_cfg, budget, old=None, trainer_dtype="fp32"):
+    """The gradient one ``optimizer_step`` applies: SGD with lr 1 and no clipping moves each weight by −∇."""
+    before = [p.detach().clone() for p in model.parameters()]
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    metrics = Metrics()
+
+    def old_of(rows, mb, logprobs):
+        return logprobs.detach() if old is None else old[rows, : mb.mask.shape[1]]
+
+    update.optimizer_step(model, opt, batch, torch.arange(6), adv, old_of=old_of, loss_cfg=loss_cfg,
+                          sampling=SAMPLING, device=torch.device("cpu"), trainer_dtype=trainer_dtype,
+                          micro_batch_tokens=budget, max_grad_norm=1e12, metrics=metrics)
+    grads = [b - p.detach() for b, p in zip(before, model.parameters())]
+    with torch.no_grad():
+        for p, b in zip(model.parameters(), before):
+            p.copy_(b)
+    return grads, metrics.to_dict()
+
+
+# ---------------------------------------------------------------------- device and dtype
+def test_device_cuda_without_cuda_is_refused_before_anything_is_written(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available here: the error is for machines without it")
+    cfg = load_train_config(None, [*FAST, "steps=1", f"out_dir={tmp_path / 'run'}", "device=cuda"])
+    with pytest.raises(ConfigError, match=r"device=cuda: CUDA is not available.*Fix: device=cpu"):
+        train(cfg, progress=False)
+    assert not (tmp_path / "run").exists()
+    assert resolve_device(load_train_config(None, ["device=auto"])) == torch.device("cpu")
+    assert resolve_trainer_dtype(load_train_config(None, []), torch.device("cpu"))[0] == "fp32"
+    with pytest.raises(Exception, match="device"):
+        load_train_config(None, ["device=gpu"])  # not auto | cpu | cuda | cuda:N
+
+
+def test_diagnose_device_cuda_without_cuda_is_one_clear_line(tmp_path, capsys):
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available here: the error is for machines without it")
+    from offpolicy.cli import main
+
+    assert main(["diagnose", "--device", "cuda", "--engine", "hf", "--out", str(tmp_path / "d")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("offpolicy diagnose: error: device=cuda: CUDA is not available") and "\n" not in err
+    assert not (tmp_path / "d").exists()
+
+
+def test_seq_sum_norm_micro_batches_need_max_len():
+    with pytest.raises(Exception, match=r"loss.max_len=10"):
+        load_train_config(None, ["micro_batch_tokens=64", "loss.agg=seq-mean-token-sum-norm"])
+    load_train_config(None, ["micro_batch_tokens=64", "loss.agg=seq-mean-token-sum-norm", "loss.max_len=10"])
+
+
+# ---------------------------------------------------------------------- micro-batches
+def test_micro_batches_by_padded_tokens():
+    _, batch, _ = tiny_setup()
+    lengths = batch.attention_mask.sum(1).tolist()
+    assert lengths == [9, 8, 11, 9, 11, 10]  # prompt (bos + n) + response: 4+5, 7+1, 3+8, 6+3, 5+6, 8+2
+    groups = update.micro_batches(batch, torch.arange(6), 20)
+    # shortest first: 8 (row 1), 9 (row 0), 9 (row 3), 10, 11, 11 → [1, 0] costs 2·9 = 18 ≤ 20, adding row 3
+    # costs 3·9 = 27 > 20; [3, 5] costs 2·10 = 20; [2, 4] costs 2·11 = 22 > 20, so 2 and 4 go alone
+    assert [g.tolist() for g in groups] == [[1, 0], [3, 5], [2], [4]]
+    assert [g.tolist() for g in update.micro_batches(batch, torch.arange(6), None)] == [list(range(6))]
+    assert [g.tolist() for g in update.micro_batches(batch, torch.arange(6), 5)] == [[1], [0], [3], [5], [2], [4]]
+    mb = update.trim(batch.select(torch.tensor([1, 0])))
+    assert mb.input_ids.shape == (2, 9) and mb.mask.shape == (2, 5)  # longest row 9, longest response 5
+
+
+@pytest.mark.parametrize("preset", [None, "recommended", "verl:decoupled_token_is", "areal:seq_mask"])
+def test_micro_batched_step_equals_the_whole_batch(preset):
+    """Σ over micro-batches of (loss, ∇loss) with the step's global count = the whole batch's, in float64."""
+    model, batch, adv = tiny_setup()
+    loss_cfg = op.LossConfig() if preset is None else op.LossConfig.from_preset(preset)
+    with torch.no_grad():  # π_old: a slightly different policy, so the correction has something to do
+        other, _, _ = tiny_setup(seed=1)
+        old = update.old_logprobs(other, batch, SAMPLING, torch.device("cpu"), "fp32", None)
+    assert old.dtype == torch.float64
+    for anchor_old in (None, old):
+        whole, m_whole = grads_after_step(model, batch, adv, loss_cfg, None, anchor_old)
+        split, m_split = grads_after_step(model, batch, adv, loss_cfg, 20, anchor_old)
+        assert any(g.abs().max() > 1e-6 for g in whole)  # a real gradient
+        scale = max(g.abs().max().item() for g in whole)
+        for a, b in zip(whole, split):
+            # float64 model; the loss rungs take ratios in fp32 (the project's rule), so agreement is at
+            # fp32's rounding of ∂loss/∂log π (~1e-7 relative), far below a wrong count (≥ 1e-1)
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6 * scale)
+        assert m_split.keys() == m_whole.keys()
+        for key, value in m_whole.items():  # metrics are partial sums: they merge exactly too, up to the
+            # rung's fp32 statistics (the whole batch and the split one may take different rungs)
+            assert m_split[key] == pytest.approx(value, rel=1e-6, abs=1e-9, nan_ok=True), key
+
+
+def test_micro_batch_losses_add_up_to_the_whole_loss():
+    model, batch, adv = tiny_setup()
+    loss_cfg = op.LossConfig.from_preset("recommended")
+    cpu = torch.device("cpu")
+    with torch.no_grad():
+        whole_mb = update.trim(batch)
+        lp = update.forward(model, whole_mb, SAMPLING, cpu, "fp32")
+        whole, _ = op.policy_loss(lp, lp, adv[:, : lp.shape[1]], whole_mb.mask, whole_mb.rollout_logprobs,
+                                  loss_cfg)
+        groups = update.micro_batches(batch, torch.arange(6), 20)
+        mbs = [update.trim(batch.select(g)) for g in groups]
+        lps = [update.forward(model, mb, SAMPLING, cpu, "fp32") for mb in mbs]
+        advs = [adv[g][:, : mb.mask.shape[1]] for g, mb in zip(groups, mbs)]
+        parts = [{"mask": mb.mask, "rollout_logprobs": mb.rollout_logprobs, "old_logprobs": x, "logprobs": x,
+                  "advantages": a} for mb, x, a in zip(mbs, lps, advs)]
+        cfg = update.step_config(loss_cfg, parts)
+        total = sum(op.policy_loss(x, x, a, mb.mask, mb.rollout_logprobs, cfg)[0] for mb, x, a in zip(mbs, lps, advs))
+    assert len(groups) == 4 and cfg.global_tokens == whole_mb.mask.sum().item()  # no rejection: all 25 tokens
+    # the rungs take ratios in fp32 (the project's rule), so the sums agree to fp32's rounding (~1e-7)
+    assert total.item() == pytest.approx(whole.item(), rel=1e-6)
+    naive = sum(op.policy_loss(x, x, a, mb.mask, mb.rollout_logprobs, loss_cfg)[0] for mb, x, a in zip(mbs, lps, advs))
+    assert naive.item() != pytest.approx(whole.item(), rel=1e-2)  # each micro-batch's own count would not
+
+
+# ---------------------------------------------------------------------- precision, checkpointing
+def test_gradient_checkpointing_gives_the_same_gradient():
+    model, batch, adv = tiny_setup()
+    plain, _ = grads_after_step(model, batch, adv, op.LossConfig(), None)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    checkpointed, _ = grads_after_step(model, batch, adv, op.LossConfig(), None)
+    for a, b in zip(plain, checkpointed):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-13)
+
+
+def test_bf16_is_autocast_compute_over_fp32_master_weights():
+    model, batch, adv = tiny_setup(dtype=torch.float32)
+    cpu = torch.device("cpu")
+    mb = update.trim(batch)
+    with torch.no_grad():
+        fp32 = update.forward(model, mb, SAMPLING, cpu, "fp32")
+        bf16 = update.forward(model, mb, SAMPLING, cpu, "bf16")
+    assert bf16.dtype == torch.float32  # log-probs (and every ratio after them) stay fp32
+    gap = ((bf16 - fp32).abs() * mb.mask).max().item()
+    assert 1e-5 < gap < 0.2  # bf16 compute really ran (8-bit mantissa: ~1e-2 on these logits), close to fp32
+    grads, _ = grads_after_step(model, batch, adv, op.LossConfig(), None, trainer_dtype="bf16")
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert all(g.dtype == torch.float32 for g in grads) and any(g.abs().max() > 0 for g in grads)
+
+
+# ---------------------------------------------------------------------- host reads
+def test_the_loss_path_reads_nothing_on_the_host(monkeypatch):
+    """On a GPU every host read of a device value is a synchronisation. On the CPU we check the
+    same thing structurally: loss, backward and update never turn a tensor into a Python value."""
+    model, batch, adv = tiny_setup(dtype=torch.float32)
+    mb = update.trim(batch)
+    a = adv[:, : mb.mask.shape[1]].float()
+    mb.rollout_logprobs = mb.rollout_logprobs.float()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    logprobs = update.forward(model, mb, SAMPLING, torch.device("cpu"), "fp32")
+    metrics = Metrics()
+
+    names = ("item", "tolist", "__bool__", "__float__", "__int__", "numpy")
+    originals = {name: getattr(torch.Tensor, name) for name in names}
+
+    def refuse(self, *args, **kwargs):
+        raise AssertionError("host read of a tensor in the loss path")
+
+    def allowed(fn):
+        """``fn`` may read the host: the CPU rungs of the loss validate there (free on a CPU; the triton
+        rung a CUDA batch takes does not, see test_cuda_loss_path_does_not_synchronise), and AdamW reads
+        its step counter, a CPU tensor on every device. Checked here: the trainer's code around them."""
+        def call(*args, **kwargs):
+            for name, original in originals.items():
+                monkeypatch.setattr(torch.Tensor, name, original)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                for name in names:
+                    monkeypatch.setattr(torch.Tensor, name, refuse)
+        return call
+
+    monkeypatch.setattr(op, "policy_loss", allowed(op.policy_loss))
+    monkeypatch.setattr(opt, "step", allowed(opt.step))
+    for name in names:
+        monkeypatch.setattr(torch.Tensor, name, refuse)
+    update.accumulate(logprobs, logprobs.detach(), a, mb, op.LossConfig.from_preset("recommended"), metrics)
+    update.apply(model, opt, 1.0, metrics)
+    monkeypatch.undo()
+    values = metrics.to_dict()  # the one copy per step
+    assert values["offpolicy/grad_norm"] > 0 and values["offpolicy/kl_k3"] >= 0
+
+
+def test_throughput_numbers_per_step():
+    values = {"step_seconds": 2.0, "time/generate": 0.5, "time/wait": 0.1, "time/train": 1.2}
+    sync = throughput(values, 100.0, torch.device("cpu"), overlapped=False)
+    # 100 tokens / 2 s = 50 tok/s; generate 0.5 / 2 = 0.25; train 1.2 / 2 = 0.6; no GPU memory on CPU
+    assert sync == {"time/tokens_per_s": 50.0, "time/generate_share": 0.25, "time/train_share": 0.6}
+    assert throughput(values, 100.0, torch.device("cpu"), overlapped=True)["time/generate_share"] == 0.05  # 0.1 / 2
+
+
+@pytest.mark.slow
+def test_micro_batched_checkpointed_run_matches_the_plain_run(offpolicy_cache, tmp_path):
+    """Same samples, same first update: micro-batching and checkpointing change memory, not the step."""
+    def first(name, *extra):
+        cfg = load_train_config(None, [*FAST, "steps=1", "minibatches=1", "preset=recommended",
+                                       f"out_dir={tmp_path / name}", "device=cpu", *extra])
+        train(cfg, progress=False)
+        lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+        return json.loads(lines[0]), (tmp_path / name / "config.yaml").read_text()
+
+    plain, config = first("plain")
+    split, _ = first("split", "micro_batch_tokens=24", "gradient_checkpointing=true")
+    assert "device: cpu" in config and "trainer_dtype: fp32" in config
+    for key in ("reward", "offpolicy/kl_k3", "offpolicy/grad_norm", "offpolicy/loss"):
+        if key in plain:
+            assert split[key] == pytest.approx(plain[key], rel=1e-4, abs=1e-7), key
+    assert "memory/peak_gib" not in plain and plain["time/tokens_per_s"] > 0
+    assert 0 < plain["time/generate_share"] < 1 and 0 < plain["time/train_share"] < 1
+
+
+# ---------------------------------------------------------------------- vLLM sleep mode (no GPU needed)
+class _FakeLLM:
+    """Records what the engine asks of vLLM's LLM, in order."""
+
+    def __init__(self):
+        self.calls = []
+
+    def sleep(self, level=1):
+        self.calls.append(("sleep", level))
+
+    def wake_up(self, tags=None):
+        self.calls.append(("wake_up", tags))
+
+    def reset_prefix_cache(self):
+        self.calls.append(("reset_prefix_cache",))
+
+    def generate(self, requests, params, use_tqdm=False):
+        self.calls.append(("generate",))
+        return []
+
+
+def test_vllm_sleeps_after_generating_and_wakes_weights_first_for_the_sync(monkeypatch):
+    pytest.importorskip("vllm", reason="the vllm engine module needs vllm to sample")
+    from offpolicy.engines.vllm import VLLMEngine, sleep_kwargs
+
+    engine = VLLMEngine.__new__(VLLMEngine)
+    engine.llm, engine.sleeps, engine.asleep = _FakeLLM(), True, False
+    engine.device, engine.dtype = torch.device("cpu"), torch.float32
+    loaded = []
+
+    class Runner:
+        def reload_weights(self, weights_iterator):
+            engine.llm.calls.append(("reload_weights",))
+            loaded.extend(weights_iterator)
+
+    monkeypatch.setattr(engine, "_model_runner", lambda: Runner())
+    engine.generate([[1, 2]], SAMPLING, seed=0, version=0)
+    engine.sync_weights([("w", torch.ones(2, dtype=torch.float64))])
+    engine.generate([[1, 2]], SAMPLING, seed=0, version=1)
+    assert engine.llm.calls == [("generate",), ("sleep", 1), ("wake_up", ["weights"]), ("reload_weights",),
+                                ("wake_up", None), ("reset_prefix_cache",), ("generate",), ("sleep", 1)]
+    assert loaded[0][1].dtype == torch.float32 and loaded[0][1].device == engine.device  # the engine's dtype
+    assert sleep_kwargs(True) == {"enable_sleep_mode": True} and sleep_kwargs(False) == {}
+
+
+# ---------------------------------------------------------------------- CUDA (device machine)
+@CUDA
+def test_cuda_run_with_the_hf_engine(offpolicy_cache, tmp_path, monkeypatch):
+    from offpolicy.kernels import get
+
+    triton = get("triton")
+    calls = []
+    real = triton.policy_loss
+
+    def spy(*args, **kwargs):
+        calls.append(args[0].device.type)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(triton, "policy_loss", spy)
+    cfg = load_train_config(None, [*FAST, "steps=2", f"out_dir={tmp_path / 'run'}", "device=cuda"])
+    result = train(cfg, progress=False)
+    rows = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert calls and set(calls) == {"cuda"}  # the loss took the triton rung
+    assert all(r["memory/peak_gib"] > 0 for r in rows)
+    assert "device: cuda" in (result.run_dir / "config.yaml").read_text()
+
+
+@CUDA
+def test_cuda_loss_path_does_not_synchronise():
+    model, batch, adv = tiny_setup(dtype=torch.float32)
+    device = torch.device("cuda")
+    model.to(device)
+    mb = update.trim(batch)
+    mb.rollout_logprobs = mb.rollout_logprobs.float()
+    mb = update.to_device(mb, device)
+    a = adv[:, : mb.mask.shape[1]].float().to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    cfg = op.LossConfig.from_preset("recommended")
+    logprobs = update.forward(model, mb, SAMPLING, device, "bf16")
+    update.accumulate(logprobs, logprobs.detach(), a, mb, cfg, Metrics())  # warm-up: kernels compiled, state made
+    update.apply(model, opt, 1.0, Metrics())
+    logprobs = update.forward(model, mb, SAMPLING, device, "bf16")
+    metrics = Metrics()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        update.accumulate(logprobs, logprobs.detach(), a, mb, cfg, metrics)
+        update.apply(model, opt, 1.0, metrics)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert metrics.to_dict()["offpolicy/grad_norm"] > 0
