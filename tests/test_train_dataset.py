@@ -41,8 +41,8 @@ def test_the_issue_command_trains_a_local_model(tiny_qwen2_dir, tmp_path):
     (32 prompts × 8 samples) and limits (512 prompt / 256 new tokens)."""
     out = tmp_path / "run"
     result = offpolicy("train", f"model={tiny_qwen2_dir}", "task=dataset", f"data.path={DATA}",
-                       "data.prompt_field=question", "data.answer_field=answer", "reward=number", "engine=hf", "steps=3",
-                       f"out_dir={out}", "--no-progress")
+                       "data.prompt_field=question", "data.answer_field=answer", "reward=number", "device=cpu", "engine=hf",
+                       "steps=3", f"out_dir={out}", "--no-progress")
     assert result.returncode == 0, result.stderr[-3000:]
     rows = records(out)
     assert [r["step"] for r in rows] == [0, 1, 2]
