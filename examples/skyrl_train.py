@@ -85,7 +85,8 @@ def dry_run(overrides: list[str]) -> dict[str, Any]:
     op_skyrl.register(cfg_loss)
     cfg = op_skyrl.configure(SkyRLTrainConfig.from_cli_overrides(overrides))
     validate_cfg(cfg)
-    payload = base64.b64encode(cloudpickle.dumps(PolicyLossRegistry.get(op_skyrl.NAME))).decode()
+    registered = PolicyLossRegistry.get(op_skyrl.NAME)
+    payload = base64.b64encode(cloudpickle.dumps(registered)).decode()
     probe = _WORKER_PROBE.format(example_dir=os.path.dirname(os.path.abspath(__file__)))
     proc = subprocess.run([sys.executable, "-c", probe], input=payload, capture_output=True, text=True,
                           timeout=600, check=False)
@@ -96,7 +97,8 @@ def dry_run(overrides: list[str]) -> dict[str, Any]:
             "logprobs": cfg.generator.sampling_params.logprobs,
             "loss_reduction": cfg.trainer.algorithm.loss_reduction,
             "worker": {"registered": worker["registered"], "loss": worker["loss"],
-                       "config_equal": worker["config"] == cfg_loss.model_dump(mode="json")}}
+                       # the loss the worker unpickled is the one registered here (host defaults resolved)
+                       "config_equal": worker["config"] == registered.config.model_dump(mode="json")}}
 
 
 def main(argv: list[str]) -> None:
