@@ -52,7 +52,11 @@ def test_trl_example_trains_with_offpolicy_loss(example, offpolicy_cache, tmp_pa
     # the loss was offpolicy's: one call per optimizer step (one micro-batch each), with the sampler's μ,
     # the recommended config, unreduced (TRL aggregates)
     assert len(calls) == 3
-    assert all(c["config"] == op.LossConfig.from_preset("recommended") and c["reduce"] is False for c in calls)
+    # recommended, with the host default for the unset nonfinite policy (neutral: one NaN μ from vLLM
+    # must not end a TRL run; docs/host-defaults.md)
+    expected = op.LossConfig.from_preset("recommended").model_dump(exclude={"correction": {"nonfinite"}})
+    assert all(c["config"].model_dump(exclude={"correction": {"nonfinite"}}) == expected
+               and c["config"].correction.nonfinite == "neutral" and c["reduce"] is False for c in calls)
     assert all(c["rollout"].le(0).all() and c["rollout"].ne(0).any() for c in calls)
     # the sampler differs from the trainer (bf16, lagged weights): a positive mismatch logged at every step
     logged = [r for r in rows if "offpolicy/kl_k3" in r]
