@@ -20,30 +20,17 @@ Usage: python tests/skyrl_cpu_worker.py IN.pt OUT.pt
 
 from __future__ import annotations
 
-import importlib
-import importlib.machinery
 import socket
 import sys
-import types
 
 import torch
 import torch.distributed as dist
 
+from host_packages import import_skyrl_module
+
 
 def _skyrl_backends_without_init() -> None:
-    try:
-        importlib.import_module("skyrl.backends")
-        return
-    except Exception:  # noqa: BLE001 - on 3.11 a pydantic error from the Tinker backend
-        pass
-    import skyrl
-
-    for k in [k for k in sys.modules if k.startswith("skyrl.backends")]:
-        del sys.modules[k]
-    pkg = types.ModuleType("skyrl.backends")
-    pkg.__path__ = [skyrl.__path__[0] + "/backends"]
-    pkg.__spec__ = importlib.machinery.ModuleSpec("skyrl.backends", None, is_package=True)
-    sys.modules["skyrl.backends"] = pkg
+    import_skyrl_module("skyrl.backends.skyrl_train.utils.ppo_utils")
 
 
 def main(path_in: str, path_out: str) -> None:

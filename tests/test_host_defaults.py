@@ -21,6 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import offpolicy as op
+from host_packages import import_openrlhf_loss, import_skyrl_module
 from offpolicy.config import ConfigError
 
 C = 6  # completion length (= max_completion_length)
@@ -270,31 +271,11 @@ def _verl():
 
 
 def _openrlhf():
-    import importlib
-    import importlib.machinery
-    import sys
-    import types
-
-    openrlhf = pytest.importorskip("openrlhf", reason="OpenRLHF not installed (install.sh installs openrlhf==0.11.2)")
+    pytest.importorskip("openrlhf", reason="OpenRLHF not installed (install.sh installs openrlhf==0.11.2)")
     try:  # without DeepSpeed/flash-attn: OpenRLHF's real loss.py under a bare package (test_integration_openrlhf)
-        importlib.import_module("openrlhf.models.loss")
-    except ImportError:
-        for k in [k for k in sys.modules if k.startswith("openrlhf.models")]:
-            del sys.modules[k]
-        pkg = types.ModuleType("openrlhf.models")
-        pkg.__path__ = [openrlhf.__path__[0] + "/models"]
-        pkg.__spec__ = importlib.machinery.ModuleSpec("openrlhf.models", None, is_package=True)
-        sys.modules["openrlhf.models"] = pkg
-        added = "deepspeed" not in sys.modules and importlib.util.find_spec("deepspeed") is None
-        if added:
-            sys.modules["deepspeed"] = types.ModuleType("deepspeed")
-        try:
-            importlib.import_module("openrlhf.models.loss")
-        except ImportError as err:
-            pytest.skip(f"OpenRLHF's openrlhf.models.loss does not import here: {err}")
-        finally:
-            if added:
-                del sys.modules["deepspeed"]
+        import_openrlhf_loss()
+    except ImportError as err:
+        pytest.skip(f"OpenRLHF's openrlhf.models.loss does not import here: {err}")
     from offpolicy.integrations import openrlhf as adapter
 
     def call(cfg, lp, old, adv, mask, mu):
@@ -309,25 +290,11 @@ def _openrlhf():
 
 
 def _skyrl():
-    import importlib
-    import importlib.machinery
-    import sys
-    import types
-
-    skyrl = pytest.importorskip("skyrl", reason="SkyRL not installed (Python >= 3.12; pip install offpolicy[skyrl])")
-    try:
-        importlib.import_module("skyrl.backends.skyrl_train.utils.ppo_utils")
-    except Exception:  # on 3.11 a pydantic error from skyrl.backends.backend (test_integration_skyrl)
-        for k in [k for k in sys.modules if k.startswith("skyrl.backends")]:
-            del sys.modules[k]
-        pkg = types.ModuleType("skyrl.backends")
-        pkg.__path__ = [skyrl.__path__[0] + "/backends"]
-        pkg.__spec__ = importlib.machinery.ModuleSpec("skyrl.backends", None, is_package=True)
-        sys.modules["skyrl.backends"] = pkg
-        try:
-            importlib.import_module("skyrl.backends.skyrl_train.utils.ppo_utils")
-        except ImportError as err:
-            pytest.skip(f"SkyRL's ppo_utils does not import here: {err}")
+    pytest.importorskip("skyrl", reason="SkyRL not installed (Python >= 3.12; pip install offpolicy[skyrl])")
+    try:  # on 3.11 under a bare skyrl.backends (test_integration_skyrl)
+        import_skyrl_module()
+    except ImportError as err:
+        pytest.skip(f"SkyRL's ppo_utils does not import here: {err}")
     from skyrl.train.config.config import AlgorithmConfig
 
     from offpolicy.integrations import skyrl as adapter

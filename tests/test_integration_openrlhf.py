@@ -10,10 +10,6 @@ code that runs is OpenRLHF's own.
 
 from __future__ import annotations
 
-import importlib
-import importlib.machinery
-import sys
-import types
 
 import pytest
 from hypothesis import given, settings
@@ -23,34 +19,14 @@ import torch
 openrlhf = pytest.importorskip("openrlhf", reason="OpenRLHF not installed (pip install offpolicy[openrlhf])")
 
 from conftest import fixed_denominator, previous_recommended  # noqa: E402
+from host_packages import import_openrlhf_loss  # noqa: E402
 
 import offpolicy as op  # noqa: E402
 from offpolicy.config import ConfigError  # noqa: E402
 
 
-def _import_loss_module() -> types.ModuleType:
-    try:
-        return importlib.import_module("openrlhf.models.loss")
-    except ImportError:
-        pass
-    for k in [k for k in sys.modules if k.startswith("openrlhf.models")]:
-        del sys.modules[k]
-    pkg = types.ModuleType("openrlhf.models")
-    pkg.__path__ = [openrlhf.__path__[0] + "/models"]
-    pkg.__spec__ = importlib.machinery.ModuleSpec("openrlhf.models", None, is_package=True)
-    sys.modules["openrlhf.models"] = pkg
-    added = "deepspeed" not in sys.modules and importlib.util.find_spec("deepspeed") is None
-    if added:
-        sys.modules["deepspeed"] = types.ModuleType("deepspeed")
-    try:
-        return importlib.import_module("openrlhf.models.loss")
-    finally:
-        if added:  # leave no placeholder behind for other tests (transformers probes for deepspeed)
-            del sys.modules["deepspeed"]
-
-
 try:
-    host_loss = _import_loss_module()
+    host_loss = import_openrlhf_loss()
 except ImportError as err:  # a dependency of openrlhf/models/{loss,utils}.py missing
     pytest.skip(f"OpenRLHF's openrlhf.models.loss does not import here: {err}", allow_module_level=True)
 from offpolicy.integrations import openrlhf as adapter  # noqa: E402

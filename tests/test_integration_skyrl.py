@@ -10,9 +10,6 @@ unrelated to the loss) fails at import on a pydantic TypedDict, so we load the r
 
 from __future__ import annotations
 
-import importlib
-import importlib.machinery
-import sys
 import types
 
 import pytest
@@ -22,23 +19,10 @@ import torch
 
 skyrl = pytest.importorskip("skyrl", reason="SkyRL not installed (pip install offpolicy[skyrl]; Python >= 3.12)")
 
-
-def _import_ppo_utils() -> types.ModuleType:
-    try:
-        return importlib.import_module("skyrl.backends.skyrl_train.utils.ppo_utils")
-    except Exception:  # on 3.11 a pydantic error (or a Tinker-only dependency) from skyrl.backends.backend
-        pass
-    for k in [k for k in sys.modules if k.startswith("skyrl.backends")]:
-        del sys.modules[k]
-    pkg = types.ModuleType("skyrl.backends")
-    pkg.__path__ = [skyrl.__path__[0] + "/backends"]
-    pkg.__spec__ = importlib.machinery.ModuleSpec("skyrl.backends", None, is_package=True)
-    sys.modules["skyrl.backends"] = pkg
-    return importlib.import_module("skyrl.backends.skyrl_train.utils.ppo_utils")
-
+from host_packages import import_skyrl_module  # noqa: E402
 
 try:
-    pu = _import_ppo_utils()
+    pu = import_skyrl_module()
 except ImportError as err:  # a SkyRL dependency missing (ray, jaxtyping, skyrl-gym, ...)
     pytest.skip(f"SkyRL's ppo_utils does not import here: {err}", allow_module_level=True)
 
