@@ -147,15 +147,15 @@ def optimizer_step(policy, optimizer, batch: Batch, rows: torch.Tensor, advantag
     cfg, olds = loss_cfg, [None] * len(groups)
     if len(groups) > 1:
         parts = []
-        for g, mb, adv in zip(groups, mbs, advs):
+        for i, (g, mb, adv) in enumerate(zip(groups, mbs, advs)):
             part = {"mask": mb.mask}
             if loss_cfg.correction is not None:
                 with torch.no_grad():  # π_θ is the same for every micro-batch of this step
                     current = forward(policy, mb, sampling, device, trainer_dtype)
-                olds[len(parts)] = old_of(g, mb, current)
+                olds[i] = old_of(g, mb, current)
                 part.update(rollout_logprobs=mb.rollout_logprobs, logprobs=current, advantages=adv)
-                if olds[len(parts)] is not None:
-                    part["old_logprobs"] = olds[len(parts)]
+                if olds[i] is not None:
+                    part["old_logprobs"] = olds[i]
             parts.append(part)
         cfg = step_config(loss_cfg, parts)
     for g, mb, adv, old in zip(groups, mbs, advs, olds):
