@@ -78,7 +78,9 @@ def make_train_task(cfg: TrainConfig, tokenizer):
     """The task to train on: a synthetic one, or (task=dataset) the data file, rendered with ``tokenizer``."""
     if cfg.task != "dataset":
         return make_task(cfg.task, **cfg.task_params)
-    return load_dataset_task(cfg.data, tokenizer, cfg.reward, cfg.max_prompt_tokens, cfg.max_new_tokens)
+    # the model's vocabulary, against which the tokenizer files are checked (an incomplete set loads a tiny one)
+    vocab_size = json.loads((Path(cfg.model).expanduser() / "config.json").read_text()).get("vocab_size")
+    return load_dataset_task(cfg.data, tokenizer, cfg.reward, cfg.max_prompt_tokens, cfg.max_new_tokens, vocab_size)
 
 
 def new_run_dir(cfg: TrainConfig, resolved: dict[str, Any]) -> Path:
