@@ -18,6 +18,7 @@ denominator; ``thresholds`` stays a leaf below ``correction``, so imports run on
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -116,6 +117,8 @@ def resolve_thresholds(
         name = f"reject/{rule_name(i, rule)}/"
         if isinstance(rule, M2Rule):
             cut = m2_cut(values, rule.high)
+            if math.isinf(cut):  # nothing to drop: the largest value keeps every unit, and a config holds no inf
+                cut = float(values.max()) if values.numel() else 0.0
             rules[i] = DivergenceRule(stat="k2", level="token", high=cut / 2)
             if metrics is not None:
                 kept = values[values * 0.5 <= cut / 2]  # the k2 rule's own comparison
