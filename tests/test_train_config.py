@@ -116,3 +116,12 @@ def test_cli_refuses_a_bad_combination_in_one_line_before_anything_loads(tmp_pat
     assert result.returncode == 2, result.stderr[-2000:]
     assert len(result.stderr.strip().splitlines()) == 1 and "anchor 'current'" in result.stderr
     assert not out.exists()
+
+
+def test_a_config_yaml_written_before_the_whole_preset_resumes_with_its_correction():
+    """config.yaml used to hold the unresolved loss (PPO's ε = 0.2, correction null) beside the preset,
+    whose correction was applied on top: resumed now, the run keeps its correction and its clip."""
+    old = {"preset": "recommended", "loss": op.LossConfig().model_dump(mode="json")}
+    cfg = TrainConfig(**old)
+    assert cfg.loss.correction == op.CorrectionConfig(anchor="rollout") and cfg.loss.clip_low == 0.2
+    assert resolved("loss.correction=null") == op.LossConfig.from_preset("recommended")  # no correction: preset=none

@@ -39,8 +39,10 @@ def preset_loss(preset: str | None, user: dict[str, Any]) -> dict[str, Any]:
     ``loss.*`` keys the user wrote on top (``correction`` and ``correction.weight`` merge key by
     key; a list such as ``reject`` replaces the preset's). A ``kind`` other than the preset's drops
     the preset's kind options (clip, dual clip, gspo/sapo forms), so the new kind starts from its
-    own defaults. ``preset`` null or ``none``: the user's keys alone (``LossConfig`` defaults: PPO,
-    ε = 0.2, no correction).
+    own defaults. ``loss.correction: null`` keeps the preset's correction — no correction is
+    ``preset=none`` — which is also what a config.yaml written before issue #32 meant (it held
+    ``correction: null`` beside a preset). ``preset`` null or ``none``: the user's keys alone
+    (``LossConfig`` defaults: PPO, ε = 0.2, no correction).
 
     Raises:
         ConfigError: an unknown preset name (with close matches).
@@ -49,6 +51,8 @@ def preset_loss(preset: str | None, user: dict[str, Any]) -> dict[str, Any]:
         return dict(user)
     data = presets.get(preset)
     base = {**data.loss, "correction": dict(data.correction)}
+    if "correction" in user and user["correction"] is None:
+        user = {k: v for k, v in user.items() if k != "correction"}
     if "kind" in user and user["kind"] != base.get("kind", "ppo"):
         base = {k: v for k, v in base.items() if k not in KIND_OPTIONS}
     return _merge(base, user)
