@@ -269,7 +269,7 @@ def test_typed_columns_become_their_numbers_text(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    table = pa.table({"question": ["a", "b", "c"], "n": [72, 18, -3], "x": [72.0, 72.5, None]})
+    table = pa.table({"question": ["a", "b", "c"], "n": [72, 18, -3], "x": [72.0, 72.5, float("nan")]})
     pq.write_table(table, tmp_path / "d.parquet")
     assert [r["n"] for r in load_rows(str(tmp_path / "d.parquet"), ["question", "n"])] == ["72", "18", "-3"]
     assert [r["x"] for r in load_rows(str(tmp_path / "d.parquet"), ["question", "x"])] == ["72", "72.5", None]

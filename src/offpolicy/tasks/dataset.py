@@ -68,8 +68,8 @@ def as_text(value: Any) -> Any:
         return "true" if value else "false"
     if isinstance(value, int):
         return str(value)
-    if isinstance(value, float) and math.isfinite(value):
-        return str(int(value)) if value.is_integer() else repr(value)
+    if isinstance(value, float):  # NaN: a typed column's missing cell (pandas writes gaps as NaN)
+        return None if math.isnan(value) else str(int(value)) if value.is_integer() else repr(value)
     return value
 
 
