@@ -327,7 +327,7 @@ def rewritten(prompt):  # a server that templated the prompt itself: an extra to
 
 @pytest.mark.parametrize("respond, flags, message", [
     (lambda tok, body: (401, {"error": {"message": "Unauthorized: bad key"}}), [],
-     "answered HTTP 401 Unauthorized: {\"error\": {\"message\": \"Unauthorized: bad key\"}} (the server wants an API key"),
+     'answered HTTP 401 Unauthorized: {"error": {"message": "Unauthorized: bad key"}} (the server wants an API key'),
     (lambda tok, body: (400, {"message": "max_tokens too large", "code": 400}), [],
      "answered HTTP 400 Bad Request: {\"message\": \"max_tokens too large\", \"code\": 400}"),
     (lambda tok, body: (500, "engine core died\n  traceback ..."), ["--retries", "1"],

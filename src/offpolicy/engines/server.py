@@ -161,7 +161,8 @@ def request_json(config: ServerConfig, path: str, body: dict[str, Any] | None = 
     try:
         answer = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError):
-        raise ServerError(f"{method} {url}: the answer is not JSON: {_one_line(raw.decode('utf-8', 'replace'))}") from None
+        shown = _one_line(raw.decode("utf-8", "replace"))
+        raise ServerError(f"{method} {url}: the answer is not JSON: {shown}") from None
     if not isinstance(answer, dict):
         raise ServerError(f"{method} {url}: expected a JSON object, got {_one_line(json.dumps(answer))}")
     return answer
@@ -184,8 +185,9 @@ def served_model(config: ServerConfig) -> dict[str, Any]:
                               f"{', '.join(map(repr, names)) or 'no model'}")
         return cards[names.index(config.served_model)]
     if len(cards) != 1:
-        raise ServerError(f"{config.url}/v1/models lists {len(cards)} models ({', '.join(map(repr, names)) or 'none'}): "
-                          "pick one with --served-model-name NAME")
+        listed = ", ".join(map(repr, names)) or "none"
+        raise ServerError(f"{config.url}/v1/models lists {len(cards)} models ({listed}): pick one with "
+                          "--served-model-name NAME")
     return cards[0]
 
 
@@ -271,7 +273,8 @@ def parse_completion(answer: dict[str, Any], index: int, sent: list[int], tokeni
     for t, v in enumerate(values):
         if not isinstance(v, (int, float)) or not math.isfinite(v) or v > 1e-4:
             raise ServerError(f"{where}, token {t}: log-prob {v!r} is not a finite log-probability ≤ 0 (a vLLM "
-                              "--logprobs-mode *_logits returns logits: start it with --logprobs-mode processed_logprobs)")
+                              "--logprobs-mode *_logits returns logits: start it with --logprobs-mode "
+                              "processed_logprobs)")
     scored = choice.get("prompt_token_ids")
     if scored is not None:
         if list(scored) != list(sent):
