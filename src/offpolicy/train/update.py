@@ -12,10 +12,18 @@ big batch's gradient. Counting the surviving tokens of a correction needs log π
 rules on π_θ, log π_θ) before the backward passes: a no-grad forward per micro-batch gives them;
 this costs one extra forward, paid only when the step splits into more than one micro-batch.
 
+Exact for every option (issue #32): a bound chosen from the data (quantile, ESS, M2PO) and
+``weight.normalize``'s mean are fixed over the whole step by ``op.resolve_thresholds`` — split or
+not, so both report the same metrics; each micro-batch's per-token tensors are widened back to
+the step's response width, so per-row reductions (sequence ratios, row means) sum the same
+columns; the loss is aggregated in float64 and recorded once per optimizer step. A float64
+model gives the unsplit step's loss, gradient and every metric to ~1e-16 (tested to 1e-10).
+
 Host synchronisation: nothing here reads a device value on the host — the batch's lengths are
 read from its CPU copy, metrics stay tensors (``Metrics``) until the one copy per step in the
-log stage. ``with_global_normalizer`` reads its count once per split step (that is the price of
-micro-batching under a correction whose count depends on the data).
+log stage. ``with_global_normalizer`` reads its count once per split step, and
+``resolve_thresholds`` its bounds once per step (that is the price of micro-batching under a
+correction whose count or bound depends on the data).
 """
 
 from __future__ import annotations
