@@ -18,6 +18,7 @@ from offpolicy.tasks import TASKS, make_task
 
 
 NO_CORRECTION = "none"  # preset value that turns the correction off explicitly (async guard)
+DATASET_MAX_NEW_TOKENS, DATASET_MAX_PROMPT = 256, 512  # task=dataset limits when unset
 # options that belong to the loss kind: a preset's values do not carry over to another kind
 KIND_OPTIONS = ("clip_low", "clip_high", "dual_clip", "gspo_form", "sapo_level", "sapo_tau_pos", "sapo_tau_neg")
 MERGED = ("correction", "weight")  # nested sections a user's keys merge into key by key (lists replace)
@@ -56,7 +57,7 @@ def preset_loss(preset: str | None, user: dict[str, Any]) -> dict[str, Any]:
     if "kind" in user and user["kind"] != base.get("kind", "ppo"):
         base = {k: v for k, v in base.items() if k not in KIND_OPTIONS}
     return _merge(base, user)
-DATASET_MAX_NEW_TOKENS, DATASET_MAX_PROMPT = 256, 512  # task=dataset limits when unset
+
 
 
 class WarmStartConfig(_Strict):
