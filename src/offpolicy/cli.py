@@ -105,7 +105,7 @@ def _cmd_diagnose(args: argparse.Namespace, console: Console) -> int:
     from offpolicy.tasks import make_task, problems
     from offpolicy.tasks.tokenizer import ensure_pad_token, load_tokenizer
     from offpolicy.tasks.dataset import dataset_prompts
-    from offpolicy.train.config import DataConfig, TrainConfig, resolve_device
+    from offpolicy.train.config import DataConfig, TrainConfig, VLLMConfig, resolve_device
     from offpolicy.train.loop import resolve_model
     from offpolicy.train.warmstart import prompt_ids
 
@@ -119,6 +119,9 @@ def _cmd_diagnose(args: argparse.Namespace, console: Console) -> int:
     sampling = SamplingConfig(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                               top_k=args.top_k)
     device = resolve_device(TrainConfig(model=args.model, task=args.task, engine="hf", device=args.device))
+    vllm_options = VLLMConfig(max_num_batched_tokens=args.vllm_max_num_batched_tokens,  # train's vllm.* rules
+                              max_num_seqs=args.vllm_max_num_seqs, enable_chunked_prefill=args.vllm_enable_chunked_prefill,
+                              enforce_eager=args.vllm_enforce_eager).model_dump()
     model_path = resolve_model(TrainConfig(model=args.model, task=args.task, engine="hf"), console)
     tokenizer = load_tokenizer(model_path)
     ensure_pad_token(tokenizer)
@@ -141,7 +144,7 @@ def _cmd_diagnose(args: argparse.Namespace, console: Console) -> int:
         s = diagnose.sample(model_path, tokenizer, prompts, setting["engine"], setting["engine_dtype"],
                             setting["trainer_dtype"], sampling, seed=args.seed, logit_noise=setting["logit_noise"],
                             log_path=out / "engine.log", max_model_len=max(map(len, prompts)) + args.max_tokens,
-                            device=device)
+                            device=device, vllm_options=vllm_options if setting["engine"] == "vllm" else None)
         reports.append(diagnose.report(s, {**setting, "name": name, "model": str(model_path),
                                            "sampling": sampling.__dict__}, out / name if len(settings) > 1 else out))
     out.mkdir(parents=True, exist_ok=True)
@@ -276,6 +279,14 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--top-p", type=float, default=1.0)
     d.add_argument("--top-k", type=int, default=-1)
     d.add_argument("--logit-noise", type=float, default=0.0, help="additive engine logit noise σ (hf engine)")
+    v = d.add_argument_group("vLLM (--engine vllm; train's vllm.* options; unset = the platform's default)")
+    v.add_argument("--vllm-max-num-batched-tokens", type=int, metavar="N",
+                   help="tokens per engine step (vllm.max_num_batched_tokens)")
+    v.add_argument("--vllm-max-num-seqs", type=int, metavar="N", help="sequences per engine step (vllm.max_num_seqs)")
+    v.add_argument("--vllm-enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
+                   help="split long prompts over steps (vllm.enable_chunked_prefill; refused on the CPU)")
+    v.add_argument("--vllm-enforce-eager", action=argparse.BooleanOptionalAction, default=None,
+                   help="no CUDA graphs or compilation (vllm.enforce_eager; default: on the CPU only)")
     d.add_argument("--compare", metavar="KEY=V1,V2", help="several settings side by side, e.g. engine_dtype=bf16,fp16,fp32")
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--out", default="diagnose", help="output directory (report.json, PNG plots)")

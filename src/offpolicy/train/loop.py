@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import resource
 import shutil
 import time
 from dataclasses import dataclass
@@ -29,7 +30,7 @@ from transformers import AutoModelForCausalLM
 
 import offpolicy as op
 from offpolicy.config import ConfigError
-from offpolicy.engines import SamplingConfig, make_engine, perturb
+from offpolicy.engines import EngineError, SamplingConfig, make_engine, perturb
 from offpolicy.metrics import Metrics
 from offpolicy.tasks import make_task, problems
 from offpolicy.tasks.dataset import load_dataset_task
@@ -134,16 +135,57 @@ def staleness_metrics(version: int, row_versions: torch.Tensor, pipeline: Rollou
             "dropped_rollouts": float(pipeline.last_dropped), "dropped_rollouts_total": float(pipeline.dropped)}
 
 
-def throughput(values: dict[str, float], n_tokens: float, device: torch.device, overlapped: bool) -> dict[str, float]:
+def throughput(values: dict[str, float], n_tokens: float, device: torch.device, overlapped: bool,
+               engine_bytes: int = 0) -> dict[str, float]:
     """What a user watches (issue #21): response tokens per second of the whole step, the share of
-    the step spent generating (waiting, when overlapped) and training, and on CUDA the step's peak
-    GPU memory (absent on CPU, never a NaN)."""
+    the step spent generating (waiting, when overlapped) and training, and the step's memory
+    (``memory_metrics``)."""
     step = max(values["step_seconds"], 1e-9)
     engine = values["time/wait"] if overlapped else values["time/generate"]  # what held the trainer up
     out = {"time/tokens_per_s": n_tokens / step, "time/generate_share": min(1.0, engine / step),
            "time/train_share": values.get("time/train", 0.0) / step}
+    return {**out, **memory_metrics(device, engine_bytes)}
+
+
+def reset_memory_peaks(device: torch.device) -> None:
+    """Start the step's peaks: CUDA's allocator statistics, and the process's peak resident memory
+    (Linux: writing 5 to /proc/self/clear_refs resets VmHWM; elsewhere it stays the run's peak)."""
     if device.type == "cuda":
-        out["memory/peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+        torch.cuda.reset_peak_memory_stats(device)
+    try:
+        with open("/proc/self/clear_refs", "w") as refs:
+            refs.write("5")
+    except OSError:
+        pass
+
+
+def _resident_bytes() -> tuple[int, int]:
+    """(now, peak since ``reset_memory_peaks``) resident memory of this process, in bytes: Linux's
+    /proc/self/status (VmRSS, VmHWM); elsewhere getrusage's peak for both (never missing, never NaN)."""
+    try:
+        fields = dict(line.split(":", 1) for line in open("/proc/self/status").read().splitlines() if ":" in line)
+        return int(fields["VmRSS"].split()[0]) * 1024, int(fields["VmHWM"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+        peak = peak if peak > 1 << 32 else peak * 1024
+        return peak, peak
+
+
+def memory_metrics(device: torch.device, engine_bytes: int = 0) -> dict[str, float]:
+    """The step's memory, in GiB, never a NaN. Everywhere: the process's resident memory at the end of
+    the step and its peak during it (``memory/rss_gib``, ``memory/peak_rss_gib``: host memory, the
+    engine's included — on a CPU all of it). On CUDA: ``memory/peak_gib``, the trainer's peak allocated
+    GPU memory over the step without the engine's share, and that share, ``memory/engine_gib`` (what
+    the engine allocated on the trainer's device when it started: its weights and KV cache).
+
+    The share is subtracted because vLLM allocates through a torch memory pool and ``sleep`` only unmaps
+    those pages: torch's allocator counts them in every step's peak, asleep or not.
+    """
+    rss, peak_rss = _resident_bytes()
+    out = {"memory/rss_gib": rss / 2**30, "memory/peak_rss_gib": max(peak_rss, rss) / 2**30}
+    if device.type == "cuda":
+        out["memory/peak_gib"] = max(0, torch.cuda.max_memory_allocated(device) - engine_bytes) / 2**30
+        out["memory/engine_gib"] = engine_bytes / 2**30
     return out
 
 
@@ -193,10 +235,13 @@ def train(cfg: TrainConfig, resume: Path | None = None, console: Console | None 
                       f"preset {cfg.preset if cfg.loss.correction is None else 'custom'} · staleness ≤ "
                       f"{cfg.max_staleness} · run {run_dir}")
         context = cfg.max_prompt_tokens + cfg.max_new_tokens if cfg.task == "dataset" else 1024
+        engine_bytes = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
         engine = make_engine(cfg.engine, str(load_from), tokenizer, engine_dtype, seed=cfg.seed,
                              logit_noise=cfg.engine_logit_noise, max_model_len=context, log_path=run_dir / "engine.log",
                              device=device, gpu_memory_utilization=cfg.engine_gpu_memory_utilization,
-                             sleep=cfg.engine_sleep and cfg.max_staleness == 0)
+                             sleep=cfg.engine_sleep and cfg.max_staleness == 0, vllm_options=cfg.vllm.model_dump())
+        # the engine's share of the trainer device's allocations (memory_metrics)
+        engine_bytes = torch.cuda.memory_allocated(device) - engine_bytes if device.type == "cuda" else 0
         engine.sync_weights(engine_weights(policy, cfg, version, snapshot=False))
         # no π_old forward where it equals sg(π_θ) exactly, or where the loss never reads it
         skip_old = single_update(cfg, policy) or (not uses_old(loss_cfg) and not cfg.recompute_old)
@@ -207,17 +252,16 @@ def train(cfg: TrainConfig, resume: Path | None = None, console: Console | None 
         if cfg.task == "dataset":  # the held-out rows, scored by the reward: eval/accuracy = mean reward, greedy
             eval_set = list(task.held_out[: cfg.eval_problems])
         logger = RunLogger(run_dir, cfg.steps, start_step, console, progress=progress)
-    except BaseException:
-        if created:
-            shutil.rmtree(run_dir, ignore_errors=True)  # nothing half-written
+    except BaseException as err:
+        if created and not isinstance(err, EngineError):
+            shutil.rmtree(run_dir, ignore_errors=True)  # nothing half-written (an engine failure keeps engine.log)
         raise
 
     completed, updating, interrupted, failed = start_step, False, False, False
     try:
         for step in range(start_step, cfg.steps):
             t0, timer = time.perf_counter(), StageTimer()
-            if device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(device)
+            reset_memory_peaks(device)
             # ------------------------------------------------ sample (bounded staleness) and score
             item, waited = pipeline.next(step, version)
             with timer("score"):
@@ -279,7 +323,7 @@ def train(cfg: TrainConfig, resume: Path | None = None, console: Console | None 
             values.update({"time/generate": item.seconds, "time/wait": waited,
                            **{f"time/{k}": v for k, v in timer.seconds.items()},
                            "step_seconds": time.perf_counter() - t0})
-            values.update(throughput(values, n_tokens, device, pipeline.overlapped))
+            values.update(throughput(values, n_tokens, device, pipeline.overlapped, engine_bytes))
             logger.log(step, values)
             pipeline.commit(step)
             completed, updating = step + 1, False
@@ -297,8 +341,8 @@ def train(cfg: TrainConfig, resume: Path | None = None, console: Console | None 
         where = latest_checkpoint(run_dir).name if (run_dir / "checkpoints" / "latest").exists() else "none yet"
         console.print(f"[yellow]interrupted after {completed} steps; checkpoint: {where}. Continue with "
                       f"offpolicy train --resume {run_dir}[/yellow]")
-    except BaseException:
-        failed = True
+    except BaseException as err:
+        failed = not isinstance(err, EngineError)  # an engine failure keeps the run directory and its engine.log
         raise
     finally:
         pipeline.close()
