@@ -148,11 +148,7 @@ def check_engine_args(kwargs: dict[str, Any]) -> None:
     import vllm
     from vllm.engine.arg_utils import EngineArgs
 
-    fields = {f.name: f.type for f in dataclasses.fields(EngineArgs)}
-    try:
-        fields.update(typing.get_type_hints(EngineArgs))
-    except Exception:  # noqa: BLE001 — string annotations that do not resolve: the raw ones are checked
-        pass
+    fields = {f.name: f.type for f in dataclasses.fields(EngineArgs)}  # annotations as objects (a string: unchecked)
     for name, value in kwargs.items():
         if name not in fields:
             raise RuntimeError(f"vLLM {vllm.__version__} has no engine argument {name!r} (EngineArgs); offpolicy "
