@@ -252,7 +252,7 @@ def test_gpu_peak_leaves_out_the_engine_share(monkeypatch):
 
 
 def test_peak_resident_memory_is_per_step():
-    from offpolicy.train.loop import memory_metrics, reset_memory_peaks
+    from offpolicy.train.memory import memory_metrics, reset_memory_peaks
 
     try:
         open("/proc/self/clear_refs", "w").close()

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import logging
-import resource
 import shutil
 import time
 from dataclasses import dataclass
@@ -39,6 +38,7 @@ from offpolicy.train.batch import grpo_advantages, to_batch
 from offpolicy.train.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint
 from offpolicy.train.config import TrainConfig, resolve_device, resolve_engine_dtype, resolve_trainer_dtype
 from offpolicy.train.logger import RunLogger, StageTimer
+from offpolicy.train.memory import memory_metrics, reset_memory_peaks
 from offpolicy.train.pipeline import RolloutPipeline
 from offpolicy.train.update import old_logprobs, optimizer_step
 from offpolicy.train.warmstart import default_model, exact_match_accuracy
@@ -145,48 +145,6 @@ def throughput(values: dict[str, float], n_tokens: float, device: torch.device, 
     out = {"time/tokens_per_s": n_tokens / step, "time/generate_share": min(1.0, engine / step),
            "time/train_share": values.get("time/train", 0.0) / step}
     return {**out, **memory_metrics(device, engine_bytes)}
-
-
-def reset_memory_peaks(device: torch.device) -> None:
-    """Start the step's peaks: CUDA's allocator statistics, and the process's peak resident memory
-    (Linux: writing 5 to /proc/self/clear_refs resets VmHWM; elsewhere it stays the run's peak)."""
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    try:
-        with open("/proc/self/clear_refs", "w") as refs:
-            refs.write("5")
-    except OSError:
-        pass
-
-
-def _resident_bytes() -> tuple[int, int]:
-    """(now, peak since ``reset_memory_peaks``) resident memory of this process, in bytes: Linux's
-    /proc/self/status (VmRSS, VmHWM); elsewhere getrusage's peak for both (never missing, never NaN)."""
-    try:
-        fields = dict(line.split(":", 1) for line in open("/proc/self/status").read().splitlines() if ":" in line)
-        return int(fields["VmRSS"].split()[0]) * 1024, int(fields["VmHWM"].split()[0]) * 1024
-    except (OSError, KeyError, ValueError):
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
-        peak = peak if peak > 1 << 32 else peak * 1024
-        return peak, peak
-
-
-def memory_metrics(device: torch.device, engine_bytes: int = 0) -> dict[str, float]:
-    """The step's memory, in GiB, never a NaN. Everywhere: the process's resident memory at the end of
-    the step and its peak during it (``memory/rss_gib``, ``memory/peak_rss_gib``: host memory, the
-    engine's included — on a CPU all of it). On CUDA: ``memory/peak_gib``, the trainer's peak allocated
-    GPU memory over the step without the engine's share, and that share, ``memory/engine_gib`` (what
-    the engine allocated on the trainer's device when it started: its weights and KV cache).
-
-    The share is subtracted because vLLM allocates through a torch memory pool and ``sleep`` only unmaps
-    those pages: torch's allocator counts them in every step's peak, asleep or not.
-    """
-    rss, peak_rss = _resident_bytes()
-    out = {"memory/rss_gib": rss / 2**30, "memory/peak_rss_gib": max(peak_rss, rss) / 2**30}
-    if device.type == "cuda":
-        out["memory/peak_gib"] = max(0, torch.cuda.max_memory_allocated(device) - engine_bytes) / 2**30
-        out["memory/engine_gib"] = engine_bytes / 2**30
-    return out
 
 
 def train(cfg: TrainConfig, resume: Path | None = None, console: Console | None = None,
