@@ -277,7 +277,8 @@ def test_a_checkpoint_saved_on_a_gpu_resumes_on_the_cpu(tmp_path, monkeypatch):
     from offpolicy.train.checkpoint import load_trainer_state
 
     monkeypatch.setattr(torch.serialization, "location_tag", lambda storage: "cuda:1")
-    torch.save({"optimizer": {"state": {0: {"exp_avg": torch.full((3,), 0.5)}}}, "step": 4}, tmp_path / "trainer_state.pt")
+    state = {"optimizer": {"state": {0: {"exp_avg": torch.full((3,), 0.5)}}}, "step": 4}
+    torch.save(state, tmp_path / "trainer_state.pt")
     monkeypatch.undo()
     state = load_trainer_state(tmp_path)
     assert state["step"] == 4 and state["optimizer"]["state"][0]["exp_avg"].device == torch.device("cpu")

@@ -62,6 +62,7 @@ if __name__ == "__main__":
     out["over_budget"].update({
         "prompt_tokens": sum(map(len, long_prompts)),
         "same_tokens_alone": runs[0].response_ids[:4] == alone.response_ids,
-        "max_logprob_diff_alone": max(abs(a - b) for r, q in zip(runs[0].logprobs, alone.logprobs) for a, b in zip(r, q)),
+        "max_logprob_diff_alone": max(abs(a - b) for r, q in zip(runs[0].logprobs, alone.logprobs)
+                                      for a, b in zip(r, q)),
     })
     print("RESULT " + json.dumps(out))

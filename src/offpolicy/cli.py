@@ -120,7 +120,8 @@ def _cmd_diagnose(args: argparse.Namespace, console: Console) -> int:
                               top_k=args.top_k)
     device = resolve_device(TrainConfig(model=args.model, task=args.task, engine="hf", device=args.device))
     vllm_options = VLLMConfig(max_num_batched_tokens=args.vllm_max_num_batched_tokens,  # train's vllm.* rules
-                              max_num_seqs=args.vllm_max_num_seqs, enable_chunked_prefill=args.vllm_enable_chunked_prefill,
+                              max_num_seqs=args.vllm_max_num_seqs,
+                              enable_chunked_prefill=args.vllm_enable_chunked_prefill,
                               enforce_eager=args.vllm_enforce_eager).model_dump()
     model_path = resolve_model(TrainConfig(model=args.model, task=args.task, engine="hf"), console)
     tokenizer = load_tokenizer(model_path)

@@ -101,9 +101,9 @@ def llm_kwargs(model_path: str, dtype: str, seed: int, max_model_len: int, on_cp
                              f"({max_model_len} tokens) with chunked prefill off: every longer sequence would be "
                              f"refused. Fix: vllm.max_num_batched_tokens ≥ {max_model_len}, or leave it unset")
         if max_num_seqs is not None and max_num_batched_tokens < max_num_seqs:
-            raise ValueError(f"vllm.max_num_batched_tokens={max_num_batched_tokens} < vllm.max_num_seqs={max_num_seqs}: "
-                             "each running sequence needs at least one token of the step's budget. Fix: raise the "
-                             "budget or lower max_num_seqs")
+            raise ValueError(f"vllm.max_num_batched_tokens={max_num_batched_tokens} < vllm.max_num_seqs="
+                             f"{max_num_seqs}: each running sequence needs at least one token of the step's budget. "
+                             "Fix: raise the budget or lower max_num_seqs")
     options = {"max_num_batched_tokens": max_num_batched_tokens, "max_num_seqs": max_num_seqs,
                "enable_chunked_prefill": enable_chunked_prefill, "enforce_eager": enforce_eager}
     return {
