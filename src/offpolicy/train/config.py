@@ -69,9 +69,10 @@ class VLLMConfig(_Strict):
 
     max_num_batched_tokens: int | None = Field(
         None, gt=0, description="tokens vLLM processes per engine step (prefill + decode); unset = vLLM's default "
-        "(CPU: 4,096, raised to the context with chunked prefill off; H100/H200: 16,384; other GPUs: 8,192)")
+        "(CPU: 4,096, raised to the context with chunked prefill off; GPUs of ≥ 70 GiB but A100s — H100, H200, B200: "
+        "16,384; other GPUs: 8,192)")
     max_num_seqs: int | None = Field(None, gt=0, description="sequences in flight per engine step; unset = vLLM's "
-                                     "default (CPU 256; H100/H200 1,024; other GPUs 256)")
+                                     "default (CPU 256; GPUs of ≥ 70 GiB but A100s 1,024; other GPUs 256)")
     enable_chunked_prefill: bool | None = Field(
         None, description="split long prompts over engine steps; unset = off on the CPU (vLLM cannot rewind a split "
         "prompt's seeded CPU generator: 'CPU Generator does not use offset'; true is refused there), vLLM's default "
