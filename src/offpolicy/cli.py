@@ -105,7 +105,7 @@ def _cmd_diagnose(args: argparse.Namespace, console: Console) -> int:
     from offpolicy.tasks import make_task, problems
     from offpolicy.tasks.tokenizer import ensure_pad_token, load_tokenizer
     from offpolicy.tasks.dataset import dataset_prompts
-    from offpolicy.train.config import DataConfig, TrainConfig, resolve_device
+    from offpolicy.train.config import DataConfig, TrainConfig, resolve_device, resolve_trainer_dtype
     from offpolicy.train.loop import resolve_model
     from offpolicy.train.warmstart import prompt_ids
 
@@ -119,6 +119,10 @@ def _cmd_diagnose(args: argparse.Namespace, console: Console) -> int:
     sampling = SamplingConfig(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                               top_k=args.top_k)
     device = resolve_device(TrainConfig(model=args.model, task=args.task, engine="hf", device=args.device))
+    for setting in settings:  # the trainer's numerics are train's: its dtype resolution, its forward
+        if setting["trainer_dtype"] not in ("auto", "fp32", "bf16"):
+            raise ConfigError(f"--trainer-dtype {setting['trainer_dtype']!r}: expected auto, fp32 or bf16")
+        setting["trainer_dtype"] = resolve_trainer_dtype(TrainConfig(trainer_dtype=setting["trainer_dtype"]), device)[0]
     model_path = resolve_model(TrainConfig(model=args.model, task=args.task, engine="hf"), console)
     tokenizer = load_tokenizer(model_path)
     ensure_pad_token(tokenizer)
@@ -212,6 +216,8 @@ def _print_diagnosis(console: Console, reports: list[dict]) -> None:
     table.add_row("kl_over_entropy", *(f"{r['summary']['kl_over_entropy']:.4g}" if "kl_over_entropy" in r["summary"]
                                        else "–" for r in reports))
     table.add_row("tokens", *(f"{r['tokens']:.0f}" for r in reports))
+    if any(r.get("outside_support_tokens") for r in reports):
+        table.add_row("outside top-k/top-p (excluded)", *(f"{r.get('outside_support_tokens', 0):.0f}" for r in reports))
     table.add_row("engine tokens/s", *("–" if r["engine_tokens_per_s"] is None else f"{r['engine_tokens_per_s']:.0f}"
                                        for r in reports))
     console.print(table)
@@ -254,7 +260,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--model", default="default", help="local HF model path, or 'default' (embedded tiny model)")
     d.add_argument("--engine", choices=["vllm", "hf"], default="vllm")
     d.add_argument("--engine-dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
-    d.add_argument("--trainer-dtype", choices=["fp32", "bf16"], default="fp32")
+    d.add_argument("--trainer-dtype", choices=["auto", "fp32", "bf16"], default="auto",
+                   help="as train's trainer_dtype: fp32 master weights, bf16 = autocast; auto = bf16 on CUDA with bf16")
     d.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N: where the trainer (and the hf "
                    "engine) run; auto = cuda when available")
     src = d.add_mutually_exclusive_group()

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -31,8 +31,8 @@ from offpolicy.config import ConfigError
 from offpolicy.engines import SamplingConfig, make_engine
 from offpolicy.integrations.dump import load_batch
 from offpolicy.metrics import Metrics
-from offpolicy.train.update import to_device
-from offpolicy.train.batch import Batch, to_batch, trainer_logprobs
+from offpolicy.train.update import forward, load_policy, to_device
+from offpolicy.train.batch import Batch, to_batch
 
 POSITION_EDGES = [0, 4, 8, 16, 32, 64, 128, 256, 1 << 30]
 PROBABILITY_EDGES = [0.0, 0.01, 0.1, 0.5, 0.9, 1.0000001]
@@ -47,6 +47,7 @@ class Sample:
     trainer: torch.Tensor  # log π_train(y_t)
     seconds: float | None  # engine time; None for a batch read from a dump (``--batch``)
     entropy: float | None = None  # the trainer's mean token entropy; None where no logits are at hand
+    outside_support: int = 0  # tokens the engine drew outside the trainer's top-k/top-p support (excluded)
 
 
 def read_prompts(path: Path, tokenizer) -> list[list[int]]:
@@ -82,8 +83,6 @@ def sample(model_path: Path, tokenizer, prompts: list[list[int]], engine: str, e
     ``device`` (default CPU) is where the trainer and the hf engine run; the sample comes back on the CPU."""
     import time
 
-    from transformers import AutoModelForCausalLM
-
     eng = make_engine(engine, str(model_path), tokenizer, engine_dtype, seed=seed, logit_noise=logit_noise,
                       max_model_len=max(max_model_len, 1024), log_path=log_path, device=device)
     try:
@@ -95,15 +94,30 @@ def sample(model_path: Path, tokenizer, prompts: list[list[int]], engine: str, e
         eng.close()
     if not any(rollouts.response_ids):
         raise RuntimeError("the engine returned only empty responses: nothing to compare")
-    batch = to_batch(rollouts, tokenizer.pad_token_id)
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[trainer_dtype]
+    return score_batch(model_path, to_batch(rollouts, tokenizer.pad_token_id), sampling, trainer_dtype, seconds,
+                       device)
+
+
+def score_batch(model_path: Path, batch: Batch, sampling: SamplingConfig, trainer_dtype: str,
+                seconds: float | None, device: torch.device | None = None) -> Sample:
+    """The trainer's side of a sample: log π_train of the engine's tokens computed as ``train``
+    computes them — fp32 master weights, bf16 as autocast (``update.load_policy``,
+    ``update.forward``), the one head (``train/head.py``) — and its mean token entropy.
+
+    Tokens the engine drew outside the trainer's top-k/top-p support (log π_train = −inf) leave the
+    statistics, as they leave train's loss, and are counted (``Sample.outside_support``)."""
     device = torch.device(device or "cpu")
-    trainer = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device).eval()
+    trainer = load_policy(model_path, device).eval()
     seen = Metrics()  # the trainer's token entropy, from its logits (the denominator of kl_over_entropy)
     with torch.no_grad():
-        lp = torch.cat([trainer_logprobs(trainer, to_device(batch.select(rows), device), sampling, seen).cpu()
-                        for rows in torch.arange(len(rollouts)).split(64)])
-    return Sample(batch, lp.float(), seconds, entropy=seen["entropy"])
+        lp = torch.cat([forward(trainer, to_device(batch.select(rows), device), sampling, device, trainer_dtype,
+                                seen).cpu() for rows in torch.arange(len(batch.mask)).split(64)]).float()
+    outside = (lp == float("-inf")) & batch.mask.bool()  # [B, T]
+    batch = replace(batch, mask=batch.mask * ~outside)
+    if not bool(batch.mask.any()):
+        raise RuntimeError("every sampled token lies outside the trainer's top-k/top-p support: nothing to compare")
+    return Sample(batch, torch.where(outside, 0.0, lp), seconds, entropy=seen["entropy"],
+                  outside_support=int(outside.sum()))
 
 
 def from_dump(path: Path) -> tuple[Sample, dict[str, Any]]:
@@ -205,6 +219,7 @@ SUMMARY_STATS = {
     "ess": "(mean ρ)² / mean(ρ²) of the raw token ratios", "ppl_ratio": "mean_rows ppl_train / ppl_rollout",
     "prob_diff_max": "max |π_train − μ|",
     "fraction_above_log2": "fraction of tokens with |log ρ| > log 2",
+    "outside_support_tokens": "tokens drawn outside the trainer's top-k/top-p support (excluded from the rest)",
 }
 # per preset, "STAT@PRESET": what that preset's correct() does to this batch (the what-if table)
 PRESET_STATS = {"masked_fraction": "token_rejected", "seq_masked_fraction": "seq_rejected", "weight_ess": "ess"}
@@ -219,7 +234,8 @@ def summary(result: dict[str, Any], entropy: float | None) -> tuple[dict[str, fl
            "max_abs_log_ratio": m["abs_logp_diff_max"], "mult_prob_error": m["mult_prob_error"],
            "chi2": m["chi2_token"], "chi2_seq": m["chi2_seq"], "ess": m["ess"], "ppl_ratio": m["ppl_ratio"],
            "prob_diff_max": m["prob_diff_max"],
-           "fraction_above_log2": result["breakdowns"]["fraction_abs_log_ratio_above"]["log2"]}
+           "fraction_above_log2": result["breakdowns"]["fraction_abs_log_ratio_above"]["log2"],
+           "outside_support_tokens": float(result.get("outside_support_tokens", 0))}
     notes = []
     if entropy is None:
         notes.append(NO_ENTROPY)
@@ -341,6 +357,7 @@ def report(s: Sample, setting: dict[str, Any], out_dir: Path, plots: bool = True
         "setting": setting,
         "samples": len(s.batch.mask),
         "tokens": tokens,
+        "outside_support_tokens": s.outside_support,  # excluded from every statistic (score_batch)
         "engine_tokens_per_s": None if s.seconds is None else tokens / max(s.seconds, 1e-9),
         "mismatch": mismatch(s),
         "breakdowns": breakdowns(s),

@@ -25,7 +25,6 @@ from pathlib import Path
 import torch
 import yaml
 from rich.console import Console
-from transformers import AutoModelForCausalLM
 
 import offpolicy as op
 from offpolicy.config import ConfigError
@@ -39,7 +38,7 @@ from offpolicy.train.checkpoint import latest_checkpoint, load_trainer_state, sa
 from offpolicy.train.config import TrainConfig, resolve_device, resolve_engine_dtype, resolve_trainer_dtype
 from offpolicy.train.logger import RunLogger, StageTimer
 from offpolicy.train.pipeline import RolloutPipeline
-from offpolicy.train.update import old_logprobs, optimizer_step
+from offpolicy.train.update import load_policy, old_logprobs, optimizer_step
 from offpolicy.train.warmstart import default_model, exact_match_accuracy
 
 log = logging.getLogger(__name__)
@@ -178,7 +177,7 @@ def train(cfg: TrainConfig, resume: Path | None = None, console: Console | None 
         for note in filter(None, (padded, dropped)):
             console.print(f"  data: {note}")
         # fp32 master weights on the device; bf16 is autocast compute (update.precision)
-        policy = AutoModelForCausalLM.from_pretrained(load_from, dtype=torch.float32).to(device).train()
+        policy = load_policy(load_from, device).train()
         if cfg.gradient_checkpointing:
             policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             policy.config.use_cache = False
@@ -275,7 +274,8 @@ def train(cfg: TrainConfig, resume: Path | None = None, console: Console | None 
                 if eval_set and (step % cfg.eval_every == 0 or step == cfg.steps - 1):
                     values["eval/accuracy"] = exact_match_accuracy(policy, tokenizer, task, eval_set,
                                                                    cfg.max_new_tokens, sample_seed=None,
-                                                                   score=task.reward if cfg.task == "dataset" else None)
+                                                                   score=task.reward if cfg.task == "dataset" else None,
+                                                                   trainer_dtype=trainer_dtype)
             values.update({"time/generate": item.seconds, "time/wait": waited,
                            **{f"time/{k}": v for k, v in timer.seconds.items()},
                            "step_seconds": time.perf_counter() - t0})

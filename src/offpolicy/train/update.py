@@ -9,8 +9,10 @@ Micro-batching is exact (issue #21): with micro-batches b = 1 … M of one optim
 where N_global is the step's count (tokens for token-mean, rows for the seq-mean aggregations)
 from ``op.with_global_normalizer``: each micro-batch's backward adds its share of the one
 big batch's gradient. Counting the surviving tokens of a correction needs log π_old (and, for
-rules on π_θ, log π_θ) before the backward passes: a no-grad forward per micro-batch gives them;
-this costs one extra forward, paid only when the step splits into more than one micro-batch.
+rules on π_θ, log π_θ) before the backward passes, and so does top-k/top-p sampling (a token the
+engine drew outside the trainer's support leaves the loss, ``within_support``): a no-grad forward
+per micro-batch gives them; this costs one extra forward, paid only when the step splits into
+more than one micro-batch.
 
 Host synchronisation: nothing here reads a device value on the host — the batch's lengths are
 read from its CPU copy, metrics stay tensors (``Metrics``) until the one copy per step in the
@@ -22,13 +24,23 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 
 import offpolicy as op
 from offpolicy.engines import SamplingConfig
 from offpolicy.metrics import Metrics
-from offpolicy.train.batch import Batch, trainer_logprobs
+from offpolicy.train.batch import Batch
+from offpolicy.train.head import trainer_logprobs, truncates
+
+
+def load_policy(path, device: torch.device):
+    """The trainer's model: fp32 master weights on ``device`` — what ``train`` updates and what
+    ``diagnose`` scores with (its bf16 is ``precision``'s autocast too, never bf16 weights)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
 
 
 def precision(device: torch.device, trainer_dtype: str) -> contextlib.AbstractContextManager:
@@ -93,15 +105,45 @@ def forward(policy, mb: Batch, sampling: SamplingConfig, device: torch.device, t
 def old_logprobs(policy, batch: Batch, sampling: SamplingConfig, device: torch.device, trainer_dtype: str,
                  micro_batch_tokens: int | None) -> torch.Tensor:
     """log π_old ``[B, T]`` fp32 on ``device`` for the whole CPU ``batch``, in micro-batches; the
-    columns past a micro-batch's longest response stay 0 (masked everywhere)."""
-    out = None
-    for rows in micro_batches(batch, torch.arange(len(batch.mask)), micro_batch_tokens):
+    columns past a micro-batch's longest response stay 0 (masked everywhere). The rows' order goes
+    to the device once, after the last forward (not once per micro-batch: a copy of a pageable
+    CPU index waits for the device)."""
+    groups = micro_batches(batch, torch.arange(len(batch.mask)), micro_batch_tokens)
+    parts = []
+    for rows in groups:
         mb = to_device(trim(batch.select(rows)), device)
         logprobs = forward(policy, mb, sampling, device, trainer_dtype)  # [b, T'] fp32 (fp64 for a fp64 model)
-        if out is None:
-            out = torch.zeros(batch.mask.shape, dtype=logprobs.dtype, device=logprobs.device)
-        out[rows.to(device), : mb.mask.shape[1]] = logprobs
-    return out
+        parts.append(torch.nn.functional.pad(logprobs, (0, batch.mask.shape[1] - logprobs.shape[1])))
+    order = torch.cat(groups)  # row of each stacked part
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(len(order))
+    if device.type == "cuda":
+        inverse = inverse.pin_memory()
+    return torch.cat(parts)[inverse.to(device, non_blocking=True)]  # [B, T]
+
+
+def within_support(mb: Batch, logprobs: torch.Tensor, old: torch.Tensor | None, metrics: Metrics | None = None
+                   ) -> tuple[Batch, torch.Tensor, torch.Tensor | None]:
+    """Drop the tokens the engine sampled outside the trainer's top-k/top-p support from the loss.
+
+    A bf16 engine and a fp32 trainer can keep different top-k/top-p sets, so a token the engine
+    drew can have log π̃ = −inf under π_θ or π_old (``trainer_logprobs`` marks exactly those with
+    −inf). Its ratio π̃/μ is 0 and PPO's π_θ/π_old is undefined: it leaves ``mb.mask`` like a
+    rejected token, the log-probs there become 0, and ``outside_support_tokens`` (count) and
+    ``outside_support_share`` (of the tokens that counted) record it. NaN is not touched: it meets
+    the loss's ``nonfinite`` policy. Returns (micro-batch with the mask, log π_θ, log π_old).
+    """
+    outside = logprobs == float("-inf")
+    if old is not None:
+        outside |= old == float("-inf")
+    counted = mb.mask.bool()
+    if metrics is not None:
+        metrics.sum("outside_support_tokens", (outside & counted).sum())
+        metrics.mean("outside_support_share", outside.float(), counted)
+    zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
+    logprobs = torch.where(outside, zero, logprobs)
+    old = None if old is None else torch.where(outside, zero.to(old.dtype), old)
+    return replace(mb, mask=mb.mask * ~outside), logprobs, old
 
 
 def step_config(loss_cfg: op.LossConfig, parts: list[dict[str, torch.Tensor]]) -> op.LossConfig:
@@ -149,16 +191,25 @@ def optimizer_step(policy, optimizer, batch: Batch, rows: torch.Tensor, advantag
         parts = []
         for i, (g, mb, adv) in enumerate(zip(groups, mbs, advs)):
             part = {"mask": mb.mask}
-            if loss_cfg.correction is not None:
+            # the step's count needs the surviving tokens: a correction's, and those inside the support
+            if loss_cfg.correction is not None or truncates(sampling):
                 with torch.no_grad():  # π_θ is the same for every micro-batch of this step
                     current = forward(policy, mb, sampling, device, trainer_dtype)
                 olds[i] = old_of(g, mb, current)
-                part.update(rollout_logprobs=mb.rollout_logprobs, logprobs=current, advantages=adv)
-                if olds[i] is not None:
-                    part["old_logprobs"] = olds[i]
+                inside, current, old = within_support(mb, current, olds[i])
+                if truncates(sampling) and not bool(inside.mask.any()):
+                    continue  # every token outside the support: nothing to count
+                part["mask"] = inside.mask
+                if loss_cfg.correction is not None or truncates(sampling):
+                    part.update(rollout_logprobs=mb.rollout_logprobs, logprobs=current, advantages=adv)
+                    if old is not None:
+                        part["old_logprobs"] = old
             parts.append(part)
-        cfg = step_config(loss_cfg, parts)
+        cfg = step_config(loss_cfg, parts) if parts else loss_cfg
     for g, mb, adv, old in zip(groups, mbs, advs, olds):
         logprobs = forward(policy, mb, sampling, device, trainer_dtype, metrics)
-        accumulate(logprobs, old if old is not None else old_of(g, mb, logprobs), adv, mb, cfg, metrics)
+        mb, logprobs, old = within_support(mb, logprobs, old if old is not None else old_of(g, mb, logprobs), metrics)
+        if truncates(sampling) and not bool(mb.mask.any()):
+            continue  # every token outside the support: no loss to take (one host read, top-k/top-p only)
+        accumulate(logprobs, old, adv, mb, cfg, metrics)
     apply(policy, optimizer, max_grad_norm, metrics)
