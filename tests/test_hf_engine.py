@@ -181,3 +181,46 @@ def test_noise_is_drawn_on_the_weights_device_and_reproducible_on_cpu():
         on_gpu = dict(perturb(cuda, 0.1, seed=9))
         assert all(t.device.type == "cuda" for t in on_gpu.values())
         assert torch.equal(on_gpu["a"], dict(perturb(cuda, 0.1, seed=9))["a"])  # deterministic per seed
+
+
+def test_the_eval_generates_under_the_trainers_precision(tiny_dir, monkeypatch):
+    """trainer_dtype=bf16: the eval's generate runs under bf16 autocast over the fp32 weights, as the
+    update's forward does (4efb1a7 generated in fp32 without autocast)."""
+    from transformers import AutoModelForCausalLM
+
+    from offpolicy.train import warmstart
+
+    seen = []
+    real = warmstart.generate
+
+    def spy(model, *args, **kwargs):
+        seen.append((torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"),
+                     next(model.parameters()).dtype))
+        return real(model, *args, **kwargs)
+
+    monkeypatch.setattr(warmstart, "generate", spy)
+    tok = build_char_tokenizer()
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32)
+    batch = problems(make_task("reverse"), 2, seed=0)
+    exact_match_accuracy(model, tok, make_task("reverse"), batch, 4, sample_seed=None, trainer_dtype="bf16")
+    exact_match_accuracy(model, tok, make_task("reverse"), batch, 4, sample_seed=None)
+    assert seen == [(True, torch.bfloat16, torch.float32), (False, seen[1][1], torch.float32)]
+
+
+def test_diagnose_scores_with_trains_loader_and_forward(tiny_dir):
+    """--trainer-dtype bf16 is bf16 autocast over fp32 weights — update.load_policy + update.forward, the
+    very numbers train computes — not bf16 weights (4efb1a7); and the CLI's default is train's `auto`."""
+    from offpolicy import cli
+    from offpolicy.train import update
+
+    tok = build_char_tokenizer()
+    prompts = [prompt_ids(tok, p) for p in problems(make_task("reverse"), 8, seed=2)]
+    sampling = SamplingConfig(max_tokens=8)
+    s = diagnose.sample(tiny_dir, tok, prompts, "hf", "fp32", "bf16", sampling, seed=0)
+    cpu = torch.device("cpu")
+    with torch.no_grad():
+        want = update.forward(update.load_policy(tiny_dir, cpu).eval(), s.batch, sampling, cpu, "bf16")
+    counted = s.batch.mask.bool()
+    assert torch.equal(s.trainer[counted], want[counted])
+    assert 0 < float((s.trainer - s.batch.rollout_logprobs)[counted].abs().max()) < 0.5  # bf16 compute really ran
+    assert cli.build_parser().parse_args(["diagnose"]).trainer_dtype == "auto"

@@ -38,7 +38,7 @@ from offpolicy.train.checkpoint import latest_checkpoint, load_trainer_state, sa
 from offpolicy.train.config import TrainConfig, resolve_device, resolve_engine_dtype, resolve_trainer_dtype
 from offpolicy.train.logger import RunLogger, StageTimer
 from offpolicy.train.pipeline import RolloutPipeline
-from offpolicy.train.update import load_policy, old_logprobs, optimizer_step
+from offpolicy.train.update import device_index, load_policy, old_logprobs, optimizer_step
 from offpolicy.train.warmstart import default_model, exact_match_accuracy
 
 log = logging.getLogger(__name__)
@@ -237,7 +237,7 @@ def train(cfg: TrainConfig, resume: Path | None = None, console: Console | None 
                                                  current_version=version + 1)
                 if skip_old:
                     return logprobs.detach()
-                return old[rows.to(device), : mb.mask.shape[1]]
+                return old[device_index(rows, device), : mb.mask.shape[1]]
 
             # ------------------------------------------------ corrected loss, PPO mini-batches, micro-batches
             metrics = Metrics()

@@ -106,8 +106,7 @@ def old_logprobs(policy, batch: Batch, sampling: SamplingConfig, device: torch.d
                  micro_batch_tokens: int | None) -> torch.Tensor:
     """log π_old ``[B, T]`` fp32 on ``device`` for the whole CPU ``batch``, in micro-batches; the
     columns past a micro-batch's longest response stay 0 (masked everywhere). The rows' order goes
-    to the device once, after the last forward (not once per micro-batch: a copy of a pageable
-    CPU index waits for the device)."""
+    to the device once, after the last forward, without a host wait (``device_index``)."""
     groups = micro_batches(batch, torch.arange(len(batch.mask)), micro_batch_tokens)
     parts = []
     for rows in groups:
@@ -117,9 +116,15 @@ def old_logprobs(policy, batch: Batch, sampling: SamplingConfig, device: torch.d
     order = torch.cat(groups)  # row of each stacked part
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(len(order))
+    return torch.cat(parts)[device_index(inverse, device)]  # [B, T]
+
+
+def device_index(index: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A CPU index on ``device`` without a host wait: on CUDA through pinned memory, non-blocking (a
+    plain ``.to(device)`` waits for every kernel queued before it)."""
     if device.type == "cuda":
-        inverse = inverse.pin_memory()
-    return torch.cat(parts)[inverse.to(device, non_blocking=True)]  # [B, T]
+        return index.pin_memory().to(device, non_blocking=True)
+    return index.to(device)
 
 
 def within_support(mb: Batch, logprobs: torch.Tensor, old: torch.Tensor | None, metrics: Metrics | None = None
