@@ -124,6 +124,7 @@ def _cmd_diagnose(args: argparse.Namespace, console: Console) -> int:
         if setting["trainer_dtype"] not in ("auto", "fp32", "bf16"):
             raise ConfigError(f"--trainer-dtype {setting['trainer_dtype']!r}: expected auto, fp32 or bf16")
         setting["trainer_dtype"] = resolve_trainer_dtype(TrainConfig(trainer_dtype=setting["trainer_dtype"]), device)[0]
+    args.trainer_dtype = resolve_trainer_dtype(TrainConfig(trainer_dtype=args.trainer_dtype), device)[0]
     model_path = resolve_model(TrainConfig(model=args.model, task=args.task, engine="hf"), console)
     tokenizer = load_tokenizer(model_path)
     ensure_pad_token(tokenizer)

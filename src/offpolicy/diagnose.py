@@ -104,8 +104,6 @@ def score(rollouts: Rollouts, model_path: Path, tokenizer, trainer_dtype: str, s
     Raises:
         RuntimeError: every response is empty (nothing to compare).
     """
-    from transformers import AutoModelForCausalLM
-
     if not any(rollouts.response_ids):
         raise RuntimeError("the engine returned only empty responses: nothing to compare")
     return score_batch(model_path, to_batch(rollouts, tokenizer.pad_token_id), sampling, trainer_dtype, seconds,
