@@ -126,13 +126,16 @@ def decoder_hidden(model, input_ids: torch.Tensor, attention_mask: torch.Tensor)
     return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
 
 
-def head_logits(hidden: torch.Tensor, head: LinearHead) -> torch.Tensor:
-    """z = W h + b, then the soft cap, as ≥ fp32 ``[..., V]`` (the autocast dtype for W h + b)."""
-    lin = F.linear(hidden, head.weight, head.bias)
+def capped(lin: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """The head's output ``W h + b`` (in the autocast dtype) as ≥ fp32 logits, soft-capped if the
+    model caps them: z = cap · tanh(z / cap)."""
     logits = lin.to(torch.promote_types(lin.dtype, torch.float32))
-    if head.softcap is not None:
-        logits = head.softcap * torch.tanh(logits / head.softcap)
-    return logits
+    return logits if softcap is None else softcap * torch.tanh(logits / softcap)
+
+
+def head_logits(hidden: torch.Tensor, head: LinearHead) -> torch.Tensor:
+    """z = W h + b, then the soft cap, as ≥ fp32 ``[..., V]``."""
+    return capped(F.linear(hidden, head.weight, head.bias), head.softcap)
 
 
 def check_head(model, head: LinearHead, input_ids: torch.Tensor) -> None:
@@ -145,15 +148,16 @@ def check_head(model, head: LinearHead, input_ids: torch.Tensor) -> None:
     """
     if getattr(model, "_offpolicy_head_checked", False):
         return
-    was_training = model.training
-    model.eval()
+    modes = [(m, m.training) for m in model.modules()]  # restored module by module (a frozen part stays eval)
+    model.eval()  # no dropout: both sides must be deterministic
     try:
         with torch.no_grad(), torch.autocast(input_ids.device.type, enabled=False):
             ones = torch.ones_like(input_ids)
             want = model(input_ids=input_ids, attention_mask=ones).logits.to(torch.float64)  # [1, n, V]
             got = head_logits(decoder_hidden(model, input_ids, ones), head).to(torch.float64)
     finally:
-        model.train(was_training)
+        for module, training in modes:
+            module.training = training
     scale = 1.0 + float(want.abs().max())
     tolerance = 64 * torch.finfo(head.weight.dtype).eps * scale
     error = float((got - want).abs().max()) if got.shape == want.shape else float("inf")
@@ -169,9 +173,7 @@ def _chunk_numbers(lin: torch.Tensor, tokens: torch.Tensor, sampling: SamplingCo
                    stats: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """One chunk: head output ``lin`` ``[C, V]`` → log π̃(y) ``[C]`` and, with ``stats``, the token
     entropy ``[C]`` and (truncated sampling) the outside mass ``[C]``."""
-    logits = lin.to(torch.promote_types(lin.dtype, torch.float32))
-    if softcap is not None:
-        logits = softcap * torch.tanh(logits / softcap)
+    logits = capped(lin, softcap)
     want_outside = stats and truncates(sampling)
     result = renormalize_logprobs(logits, top_p=sampling.top_p, top_k=sampling.top_k,
                                   temperature=sampling.temperature, return_outside_mass=want_outside)
