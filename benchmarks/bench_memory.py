@@ -248,7 +248,9 @@ def qwen_estimate(device: str) -> list[tuple[str, float, float]]:
     # gathered [B, T, V] bf16 and its fp32 cast (kept by logsumexp for the backward), and over [B, T, V]
     # in fp32: the log-softmax for the entropy, exp, the product and the where of token_entropy
     old_head = blv * 2 + btv * (2 + 4) + btv * 4 * 4
-    chunk = max(16, 32 * MIB // (4 * vocab))
+    from offpolicy.train.head import chunk_tokens
+
+    chunk = chunk_tokens(vocab, "cuda")  # the estimate is for an 80 GB card
     new_head = 6 * chunk * vocab * 4 + vocab * hidden * 2  # a chunk's few [C, V] buffers + W in bf16
     state = [("weights fp32", params * 4), ("gradients fp32", params * 4), ("AdamW moments fp32", params * 8)]
     out = [(name, b / GIB, b / GIB) for name, b in state]

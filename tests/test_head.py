@@ -196,7 +196,8 @@ def test_no_tensor_grows_with_tokens_times_vocabulary():
 
 
 def test_chunk_size_is_bounded_in_bytes():
-    assert chunk_tokens(151_936) == 55 and chunk_tokens(49_152) == 170  # 32 MiB / (4 · V)
+    assert chunk_tokens(151_936) == 55 and chunk_tokens(49_152) == 170  # CPU: 32 MiB / (4 · V)
+    assert chunk_tokens(151_936, "cuda") == 220 and chunk_tokens(49_152, "cuda:1") == 682  # CUDA: 128 MiB
     assert chunk_tokens(10_000_000) == 16  # never fewer than 16 tokens per matmul
 
 

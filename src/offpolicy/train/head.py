@@ -4,7 +4,7 @@
 
     h   = decoder(prompt + response)                       [B, L, H]   no lm_head over L
     h_n = h[row_n, position_n]                             [N, H]      N = response tokens with mask = 1
-    for each chunk c of C tokens (C · V · 4 bytes ≤ CHUNK_BYTES):
+    for each chunk c of C tokens (C · V · 4 bytes ≤ CHUNK_BYTES: 128 MiB on CUDA, 32 MiB on the CPU):
         z_c = W h_c + b   (Gemma: cap · tanh(z / cap)), cast to ≥ fp32        [C, V]
         log π̃(y_n) = renormalize_logprobs(z_c; τ, top-k, top-p)[y_n]           (SPEC §6)
         H_n = −Σ_v π̃_v log π̃_v,   outside mass_n = 1 − Σ_{kept} softmax(z_c / τ)
@@ -66,7 +66,10 @@ from offpolicy.sampling import outside_mass_metrics, renormalize_logprobs
 if TYPE_CHECKING:
     from offpolicy.train.batch import Batch
 
-CHUNK_BYTES = 32 * 2**20  # one fp32 [C, V] buffer; a chunk's peak holds a handful of them
+# one fp32 [C, V] buffer (a chunk's peak holds a handful): on CUDA large enough that a chunk's kernels
+# are not launch-bound (128 MiB: 220 tokens at V = 151,936); on the CPU, where nothing is launched,
+# small, and within glibc's mmap threshold ceiling (see ``_release_freed``)
+CHUNK_BYTES = {"cuda": 128 * 2**20, "cpu": 32 * 2**20}
 MIN_CHUNK = 16  # tokens: a huge vocabulary still gets matmuls worth launching
 PROBE_TOKENS = 8  # check_head compares this many positions of the first row with the model's logits
 # config fields of heads that do more than W·h + b, which this head does not reproduce
@@ -91,8 +94,9 @@ def truncates(sampling: SamplingConfig) -> bool:
     return sampling.top_k != -1 or sampling.top_p < 1.0
 
 
-def chunk_tokens(vocab: int, budget: int = CHUNK_BYTES) -> int:
-    """Tokens per chunk: C · V · 4 bytes ≤ ``budget`` (at least ``MIN_CHUNK``)."""
+def chunk_tokens(vocab: int, device: torch.device | str = "cpu") -> int:
+    """Tokens per chunk on ``device``: C · V · 4 bytes ≤ ``CHUNK_BYTES`` (at least ``MIN_CHUNK``)."""
+    budget = CHUNK_BYTES["cuda" if torch.device(device).type == "cuda" else "cpu"]
     return max(MIN_CHUNK, budget // (4 * vocab))
 
 
@@ -314,9 +318,9 @@ def token_logprobs(hidden: torch.Tensor, tokens: torch.Tensor, head: LinearHead,
 
     ``stats``: also the token entropy ``[N]`` and, under top-k/top-p, the outside mass ``[N]``
     (detached; else None). A token outside the kept support gets exactly −inf; NaN marks any other
-    non-finite value. ``chunk`` tokens per chunk (default ``chunk_tokens(V)``).
+    non-finite value. ``chunk`` tokens per chunk (default ``chunk_tokens(V, device)``).
     """
-    chunk = chunk or chunk_tokens(head.weight.shape[0])
+    chunk = chunk or chunk_tokens(head.weight.shape[0], hidden.device)
     token_lp, extra = _ChunkedHead.apply(hidden, head.weight, head.bias, tokens, sampling, head.softcap, chunk,
                                          stats)
     if not stats:
