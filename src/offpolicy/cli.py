@@ -98,6 +98,10 @@ def _diagnose_settings(args: argparse.Namespace) -> list[dict]:
 
 def _cmd_diagnose(args: argparse.Namespace, console: Console) -> int:
     server = _diagnose_server_config(args)  # --engine-url: a wrong flag fails before transformers even imports
+    if _vllm_flags(args) and server is None and not args.batch \
+            and all(s["engine"] != "vllm" for s in _diagnose_settings(args)):  # as train refuses vllm.* without vllm
+        raise ConfigError(f"{_vllm_flags(args)[0]} is read with --engine vllm only (engine is {args.engine!r}). "
+                          "Fix: --engine vllm, or drop it")
     import json
     from pathlib import Path
 
@@ -106,7 +110,7 @@ def _cmd_diagnose(args: argparse.Namespace, console: Console) -> int:
     from offpolicy.tasks import make_task, problems
     from offpolicy.tasks.tokenizer import ensure_pad_token, load_tokenizer
     from offpolicy.tasks.dataset import dataset_prompts
-    from offpolicy.train.config import DataConfig, TrainConfig, resolve_device, resolve_trainer_dtype
+    from offpolicy.train.config import DataConfig, TrainConfig, VLLMConfig, resolve_device, resolve_trainer_dtype
     from offpolicy.train.loop import resolve_model
     from offpolicy.train.warmstart import prompt_ids
 
@@ -125,6 +129,10 @@ def _cmd_diagnose(args: argparse.Namespace, console: Console) -> int:
             raise ConfigError(f"--trainer-dtype {setting['trainer_dtype']!r}: expected auto, fp32 or bf16")
         setting["trainer_dtype"] = resolve_trainer_dtype(TrainConfig(trainer_dtype=setting["trainer_dtype"]), device)[0]
     args.trainer_dtype = resolve_trainer_dtype(TrainConfig(trainer_dtype=args.trainer_dtype), device)[0]
+    vllm_options = VLLMConfig(max_num_batched_tokens=args.vllm_max_num_batched_tokens,  # train's vllm.* rules
+                              max_num_seqs=args.vllm_max_num_seqs,
+                              enable_chunked_prefill=args.vllm_enable_chunked_prefill,
+                              enforce_eager=args.vllm_enforce_eager).model_dump()
     model_path = resolve_model(TrainConfig(model=args.model, task=args.task, engine="hf"), console)
     tokenizer = load_tokenizer(model_path)
     ensure_pad_token(tokenizer)
@@ -149,7 +157,7 @@ def _cmd_diagnose(args: argparse.Namespace, console: Console) -> int:
         s = diagnose.sample(model_path, tokenizer, prompts, setting["engine"], setting["engine_dtype"],
                             setting["trainer_dtype"], sampling, seed=args.seed, logit_noise=setting["logit_noise"],
                             log_path=out / "engine.log", max_model_len=max(map(len, prompts)) + args.max_tokens,
-                            device=device)
+                            device=device, vllm_options=vllm_options if setting["engine"] == "vllm" else None)
         reports.append(diagnose.report(s, {**setting, "name": name, "model": str(model_path),
                                            "sampling": sampling.__dict__}, out / name if len(settings) > 1 else out))
     out.mkdir(parents=True, exist_ok=True)
@@ -158,6 +166,13 @@ def _cmd_diagnose(args: argparse.Namespace, console: Console) -> int:
     _print_diagnosis(console, reports)
     console.print(f"report: {out / 'report.json'}  plots: {', '.join(p for r in reports for p in r.get('plots', []))}")
     return _diagnose_gate(reports, bounds)
+
+
+def _vllm_flags(args: argparse.Namespace) -> list[str]:
+    """The ``--vllm-*`` flags given (train's ``vllm.*`` options), as typed."""
+    names = ("max_num_batched_tokens", "max_num_seqs", "enable_chunked_prefill", "enforce_eager")
+    given = {n: getattr(args, f"vllm_{n}") for n in names}
+    return [("--no-vllm-" if v is False else "--vllm-") + n.replace("_", "-") for n, v in given.items() if v is not None]
 
 
 # ------------------------------------------------------------------ diagnose --engine-url (issue #34)
@@ -187,6 +202,9 @@ def _diagnose_server_config(args: argparse.Namespace):
                           "runs (run diagnose once per server)")
     if args.logit_noise:
         raise ConfigError("--logit-noise is added by the hf engine; a server samples as it is configured")
+    if _vllm_flags(args):
+        raise ConfigError(f"{_vllm_flags(args)[0]} configures the in-process vLLM engine; a server batches as it "
+                          "was started (pass the option to the server instead)")
     try:
         return ServerConfig(url=args.engine_url, api_key=api_key_from_env(args.api_key_env, os.environ),
                             served_model=args.served_model_name, concurrency=args.concurrency,
@@ -358,6 +376,14 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--top-p", type=float, default=1.0)
     d.add_argument("--top-k", type=int, default=-1)
     d.add_argument("--logit-noise", type=float, default=0.0, help="additive engine logit noise σ (hf engine)")
+    v = d.add_argument_group("vLLM (--engine vllm; train's vllm.* options; unset = the platform's default)")
+    v.add_argument("--vllm-max-num-batched-tokens", type=int, metavar="N",
+                   help="tokens per engine step (vllm.max_num_batched_tokens)")
+    v.add_argument("--vllm-max-num-seqs", type=int, metavar="N", help="sequences per engine step (vllm.max_num_seqs)")
+    v.add_argument("--vllm-enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
+                   help="split long prompts over steps (vllm.enable_chunked_prefill; refused on the CPU)")
+    v.add_argument("--vllm-enforce-eager", action=argparse.BooleanOptionalAction, default=None,
+                   help="no CUDA graphs or compilation (vllm.enforce_eager; default: on the CPU only)")
     d.add_argument("--compare", metavar="KEY=V1,V2", help="several settings side by side, e.g. engine_dtype=bf16,fp16,fp32")
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--out", default="diagnose", help="output directory (report.json, PNG plots)")

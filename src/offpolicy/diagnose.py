@@ -77,14 +77,17 @@ def read_prompts(path: Path, tokenizer) -> list[list[int]]:
 
 def sample(model_path: Path, tokenizer, prompts: list[list[int]], engine: str, engine_dtype: str,
            trainer_dtype: str, sampling: SamplingConfig, seed: int = 0, logit_noise: float = 0.0,
-           log_path: Path | None = None, max_model_len: int = 1024, device: torch.device | None = None) -> Sample:
+           log_path: Path | None = None, max_model_len: int = 1024, device: torch.device | None = None,
+           vllm_options: dict | None = None) -> Sample:
     """Generate with the engine, then recompute the sampled tokens' log-probs with the trainer (``score``).
-    The engine's start-up output goes to ``log_path`` when given (see ``engines.output_to``).
+    The engine's output goes to ``log_path`` when given (see ``engines.make_engine``); ``vllm_options``
+    are vLLM's batching options (``engines.vllm.OPTIONS``).
     ``device`` (default CPU) is where the trainer and the hf engine run; the sample comes back on the CPU."""
     import time
 
     eng = make_engine(engine, str(model_path), tokenizer, engine_dtype, seed=seed, logit_noise=logit_noise,
-                      max_model_len=max(max_model_len, 1024), log_path=log_path, device=device)
+                      max_model_len=max(max_model_len, 1024), log_path=log_path, device=device,
+                      vllm_options=vllm_options)
     try:
         start = time.perf_counter()
         rollouts = eng.generate(prompts, sampling, seed=seed, version=0)

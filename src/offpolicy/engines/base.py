@@ -14,6 +14,11 @@ from typing import Protocol
 import torch
 
 
+class EngineError(RuntimeError):
+    """The rollout engine failed (to start, generate, sleep or load weights). The message is one line:
+    what the engine was doing, the cause, and where its full output and traceback were written."""
+
+
 @dataclass(frozen=True)
 class SamplingConfig:
     max_tokens: int = 16

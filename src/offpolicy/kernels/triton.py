@@ -38,6 +38,7 @@ binary-KL rules, ``nonfinite: neutral``.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from typing import NamedTuple
@@ -725,6 +726,14 @@ def _plan(config: LossConfig, has_old: bool) -> _Plan | None:
     return plan
 
 
+def on_device(device: torch.device) -> contextlib.AbstractContextManager:
+    """The guard every launch runs under: Triton launches on the *current* CUDA device and its current
+    stream, so a batch on cuda:1 while cuda:0 is current (the default, and what an in-process vLLM
+    sets) fails with "Pointer argument cannot be accessed from Triton" or races another stream.
+    Makes the tensors' device current for the launch; nothing to do off CUDA (the interpreter)."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
 def _rows(x: torch.Tensor) -> torch.Tensor:
     """A view whose last dimension is contiguous (the kernels index rows by their stride)."""
     return x if x.stride(-1) == 1 else x.contiguous()
@@ -786,17 +795,18 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, rollout_logprobs, conf
     grid = (B, C)
     common = dict(CORRECTED=spec.corrected, ANCHOR=spec.anchor, OLD_IN=old_in, L=spec.log_clamp, RULES=spec.rules,
                   SEQUENTIAL=spec.sequential, BLOCK=block, num_warps=max(4, min(16, block // 256)))
-    if spec.needs_rows:
-        _row_stats[grid](lp, old, roll, adv, m, p1, B, T, C, *strides, **common)
     w = spec.weight or (0, 0, -_INF, _INF)
-    _tokens[grid](lp, old, roll, adv, m, p1, p2, coef, per_token, den, B, T, C, *strides, **common,
-                  NONFINITE=spec.nonfinite, HAS_WEIGHT=spec.weight is not None, WLEVEL=w[0], WMODE=w[1], WLO=w[2],
-                  WHI=w[3], FIXED=spec.fixed_denominator, KIND=spec.kind, CLIP_LO=spec.clip_low,
-                  CLIP_HI=spec.clip_high, DUAL=spec.dual_clip, UNREDUCED=unreduced, CP=CP)
     max_len = float(config.max_len if config.max_len is not None else T)
-    _finish[(1,)](p2, flat, loss, scale, B, C, float(global_count or 0.0), max_len, L=spec.log_clamp,
-                  N_RULES=n_rules, AGG=spec.agg, HAS_GLOBAL=global_count is not None, CP=CP, RB=max(16, 2048 // CP),
-                  NRAW=n_raw, LAYOUT=index, num_warps=16)  # one program: all the warps it can get
+    with on_device(device):
+        if spec.needs_rows:
+            _row_stats[grid](lp, old, roll, adv, m, p1, B, T, C, *strides, **common)
+        _tokens[grid](lp, old, roll, adv, m, p1, p2, coef, per_token, den, B, T, C, *strides, **common,
+                      NONFINITE=spec.nonfinite, HAS_WEIGHT=spec.weight is not None, WLEVEL=w[0], WMODE=w[1],
+                      WLO=w[2], WHI=w[3], FIXED=spec.fixed_denominator, KIND=spec.kind, CLIP_LO=spec.clip_low,
+                      CLIP_HI=spec.clip_high, DUAL=spec.dual_clip, UNREDUCED=unreduced, CP=CP)
+        _finish[(1,)](p2, flat, loss, scale, B, C, float(global_count or 0.0), max_len, L=spec.log_clamp,
+                      N_RULES=n_rules, AGG=spec.agg, HAS_GLOBAL=global_count is not None, CP=CP,
+                      RB=max(16, 2048 // CP), NRAW=n_raw, LAYOUT=index, num_warps=16)  # one program: all its warps
 
     checks = flat[-len(_CHECKS):]
     shape = tuple(mask.shape)

@@ -102,6 +102,34 @@ class DataConfig(_Strict):
         return self
 
 
+class VLLMConfig(_Strict):
+    """``engine: vllm``: vLLM's batching and compilation options, passed to ``vllm.LLM`` under the same
+    names (checked against the installed vLLM's ``EngineArgs``). Unset = the platform's default."""
+
+    max_num_batched_tokens: int | None = Field(
+        None, gt=0, description="tokens vLLM processes per engine step (prefill + decode); unset = vLLM's default "
+        "(CPU: 4,096, raised to the context with chunked prefill off; GPUs of ≥ 70 GiB but A100s — H100, H200, B200: "
+        "16,384; other GPUs: 8,192)")
+    max_num_seqs: int | None = Field(None, gt=0, description="sequences in flight per engine step; unset = vLLM's "
+                                     "default (CPU 256; GPUs of ≥ 70 GiB but A100s 1,024; other GPUs 256)")
+    enable_chunked_prefill: bool | None = Field(
+        None, description="split long prompts over engine steps; unset = off on the CPU (vLLM cannot rewind a split "
+        "prompt's seeded CPU generator: 'CPU Generator does not use offset'; true is refused there), vLLM's default "
+        "(on) on CUDA")
+    enforce_eager: bool | None = Field(
+        None, description="no CUDA graphs, no compilation; unset = true on the CPU, false on CUDA (graphs on, as "
+        "TRL's colocate mode: the in-place weight reload keeps the captured tensors valid)")
+
+    @model_validator(mode="after")
+    def _budget_holds_a_token_per_sequence(self) -> VLLMConfig:
+        if self.max_num_batched_tokens is not None and self.max_num_seqs is not None \
+                and self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(f"vllm.max_num_batched_tokens={self.max_num_batched_tokens} < vllm.max_num_seqs="
+                             f"{self.max_num_seqs}: each running sequence needs at least one token of the step's "
+                             "budget. Fix: raise the budget or lower max_num_seqs")
+        return self
+
+
 class TrainConfig(_Strict):
     """GRPO/PPO from verifiable rewards with a real rollout engine and a corrected loss."""
 
@@ -169,6 +197,8 @@ class TrainConfig(_Strict):
     engine_sleep: bool = Field(True, description="vLLM on CUDA, max_staleness=0: sleep(level=1) after generating "
                                "(KV cache freed, weights to host) and wake before the weight sync, so training has "
                                "the GPU's memory; with staleness ≥ 1 both run at once and the fixed share applies")
+    vllm: VLLMConfig = Field(default_factory=VLLMConfig, description="engine=vllm: token budget, sequences, chunked "
+                             "prefill, eager mode (vllm.max_num_batched_tokens=16384 …)")
     # bookkeeping
     seed: int = 0
     eval_every: int = Field(15, gt=0)
@@ -279,6 +309,13 @@ class TrainConfig(_Strict):
                 "are no reference log-probs. Fix: loss.kl_to=rollout (a KL to the sampler μ, as prime-rl's kl_tau), "
                 "or loss.kl_coef=0"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _vllm_options_need_vllm(self) -> TrainConfig:
+        if self.engine != "vllm" and self.vllm != VLLMConfig():  # (a saved config.yaml writes the defaults out)
+            raise ValueError(f"vllm.* options are read with engine=vllm only (engine is {self.engine!r}). "
+                             "Fix: engine=vllm, or drop them")
         return self
 
     @model_validator(mode="after")

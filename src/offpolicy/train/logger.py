@@ -126,9 +126,10 @@ class RunLogger:
 
         keys = ["reward", "eval/accuracy", "offpolicy/kl_k3", "offpolicy/masked_fraction", "offpolicy/ess",
                 "staleness", "generate/tokens_per_s", "truncated_share",
-                # issue #21: throughput, where the step goes, and GPU memory (CUDA runs only)
-                "time/tokens_per_s", "time/generate_share", "time/train_share", "memory/peak_gib"]
-        keys = [k for k in keys if k != "memory/peak_gib" or any(r.get(k) is not None for r in self.records)]
+                # issue #21: throughput, where the step goes; memory: host everywhere, GPU (CUDA runs only)
+                "time/tokens_per_s", "time/generate_share", "time/train_share", "memory/peak_rss_gib",
+                "memory/peak_gib", "memory/engine_gib"]
+        keys = [k for k in keys if not k.startswith("memory/") or any(r.get(k) is not None for r in self.records)]
         table = Table(title=f"run summary — {self.run_dir}")
         table.add_column("metric")
         table.add_column("start", justify="right")

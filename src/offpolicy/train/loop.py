@@ -29,7 +29,7 @@ from rich.console import Console
 
 import offpolicy as op
 from offpolicy.config import ConfigError
-from offpolicy.engines import SamplingConfig, make_engine, perturb
+from offpolicy.engines import EngineError, SamplingConfig, make_engine, perturb
 from offpolicy.metrics import Metrics
 from offpolicy.tasks import make_task, problems
 from offpolicy.tasks.dataset import load_dataset_task
@@ -38,6 +38,7 @@ from offpolicy.train.batch import grpo_advantages, to_batch
 from offpolicy.train.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint
 from offpolicy.train.config import TrainConfig, resolve_device, resolve_engine_dtype, resolve_trainer_dtype
 from offpolicy.train.logger import RunLogger, StageTimer
+from offpolicy.train.memory import memory_metrics, reset_memory_peaks
 from offpolicy.train.pipeline import RolloutPipeline
 from offpolicy.train.update import device_index, load_policy, old_logprobs, optimizer_step
 from offpolicy.train.warmstart import default_model, exact_match_accuracy
@@ -137,18 +138,17 @@ def staleness_metrics(version: int, row_versions: torch.Tensor, pipeline: Rollou
             "dropped_rollouts": float(pipeline.last_dropped), "dropped_rollouts_total": float(pipeline.dropped)}
 
 
-def throughput(values: dict[str, float], n_tokens: float, device: torch.device, overlapped: bool) -> dict[str, float]:
+def throughput(values: dict[str, float], n_tokens: float, device: torch.device, overlapped: bool,
+               engine_bytes: int = 0) -> dict[str, float]:
     """What a user watches (issue #21): response tokens per second of the whole step
     (``time/tokens_per_s``; the engine's own rate, per second of generation, is
     ``generate/tokens_per_s``), the share of the step spent generating (waiting, when overlapped)
-    and training, and on CUDA the step's peak GPU memory (absent on CPU, never a NaN)."""
+    and training, and the step's memory (``memory_metrics``)."""
     step = max(values["step_seconds"], 1e-9)
     engine = values["time/wait"] if overlapped else values["time/generate"]  # what held the trainer up
     out = {"time/tokens_per_s": n_tokens / step, "time/generate_share": min(1.0, engine / step),
            "time/train_share": values.get("time/train", 0.0) / step}
-    if device.type == "cuda":
-        out["memory/peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
-    return out
+    return {**out, **memory_metrics(device, engine_bytes)}
 
 
 def train(cfg: TrainConfig, resume: Path | None = None, console: Console | None = None,
@@ -198,10 +198,13 @@ def train(cfg: TrainConfig, resume: Path | None = None, console: Console | None 
                       f"loss {cfg.loss_summary()} · staleness ≤ "
                       f"{cfg.max_staleness} · run {run_dir}")
         context = cfg.max_prompt_tokens + cfg.max_new_tokens if cfg.task == "dataset" else 1024
+        engine_bytes = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
         engine = make_engine(cfg.engine, str(load_from), tokenizer, engine_dtype, seed=cfg.seed,
                              logit_noise=cfg.engine_logit_noise, max_model_len=context, log_path=run_dir / "engine.log",
                              device=device, gpu_memory_utilization=cfg.engine_gpu_memory_utilization,
-                             sleep=cfg.engine_sleep and cfg.max_staleness == 0)
+                             sleep=cfg.engine_sleep and cfg.max_staleness == 0, vllm_options=cfg.vllm.model_dump())
+        # the engine's share of the trainer device's allocations (memory_metrics)
+        engine_bytes = torch.cuda.memory_allocated(device) - engine_bytes if device.type == "cuda" else 0
         engine.sync_weights(engine_weights(policy, cfg, version, snapshot=False))
         # no π_old forward where it equals sg(π_θ) exactly, or where the loss never reads it
         skip_old = single_update(cfg, policy) or (not uses_old(loss_cfg) and not cfg.recompute_old)
@@ -212,17 +215,16 @@ def train(cfg: TrainConfig, resume: Path | None = None, console: Console | None 
         if cfg.task == "dataset":  # the held-out rows, scored by the reward: eval/accuracy = mean reward, greedy
             eval_set = list(task.held_out[: cfg.eval_problems])
         logger = RunLogger(run_dir, cfg.steps, start_step, console, progress=progress)
-    except BaseException:
-        if created:
-            shutil.rmtree(run_dir, ignore_errors=True)  # nothing half-written
+    except BaseException as err:
+        if created and not isinstance(err, EngineError):
+            shutil.rmtree(run_dir, ignore_errors=True)  # nothing half-written (an engine failure keeps engine.log)
         raise
 
     completed, updating, interrupted, failed = start_step, False, False, False
     try:
         for step in range(start_step, cfg.steps):
             t0, timer = time.perf_counter(), StageTimer()
-            if device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(device)
+            reset_memory_peaks(device)
             # ------------------------------------------------ sample (bounded staleness) and score
             item, waited = pipeline.next(step, version)
             with timer("score"):
@@ -285,7 +287,7 @@ def train(cfg: TrainConfig, resume: Path | None = None, console: Console | None 
             values.update({"time/generate": item.seconds, "time/wait": waited,
                            **{f"time/{k}": v for k, v in timer.seconds.items()},
                            "step_seconds": time.perf_counter() - t0})
-            values.update(throughput(values, n_tokens, device, pipeline.overlapped))
+            values.update(throughput(values, n_tokens, device, pipeline.overlapped, engine_bytes))
             logger.log(step, values)
             pipeline.commit(step)
             completed, updating = step + 1, False
@@ -303,8 +305,8 @@ def train(cfg: TrainConfig, resume: Path | None = None, console: Console | None 
         where = latest_checkpoint(run_dir).name if (run_dir / "checkpoints" / "latest").exists() else "none yet"
         console.print(f"[yellow]interrupted after {completed} steps; checkpoint: {where}. Continue with "
                       f"offpolicy train --resume {run_dir}[/yellow]")
-    except BaseException:
-        failed = True
+    except BaseException as err:
+        failed = not isinstance(err, EngineError)  # an engine failure keeps the run directory and its engine.log
         raise
     finally:
         pipeline.close()
