@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 import offpolicy as op
-from offpolicy import presets
+from offpolicy import ops, presets
 from offpolicy.config import ConfigError
 from offpolicy.engines import SamplingConfig, make_engine
 from offpolicy.integrations.dump import load_batch
@@ -139,7 +139,7 @@ def _bucket_rows(log_ratio, mask, index, edges, labels) -> list[dict[str, float]
         rows.append({
             "bucket": label, "tokens": n, "token_share": n / n_all,
             "abs_log_ratio_mean": float(x.abs().mean()),
-            "kl_k3": float((x.exp() - 1 - x).mean()),
+            "kl_k3": float(ops.k3(x, None).mean()),
             "abs_log_ratio_share": float(x.abs().sum()) / total_abs if total_abs > 0 else 0.0,
         })
     return rows
@@ -319,7 +319,7 @@ def plot(s: Sample, out_dir: Path, title: str) -> list[Path]:
     plt.close(fig)
 
     lr = (s.trainer - s.batch.rollout_logprobs)
-    k3 = (lr.exp() - 1 - lr) * s.batch.mask
+    k3 = ops.k3(lr, None) * s.batch.mask
     counts = s.batch.mask.sum(0)
     per_pos = (k3.sum(0) / counts.clamp(min=1))[counts > 0]
     fig, ax = plt.subplots(figsize=(6, 4), constrained_layout=True)
