@@ -68,6 +68,26 @@ def test_bf16_engine_has_small_nonzero_mismatch(bf16_sample):
     assert 0 <= b["fraction_abs_log_ratio_above"]["log2"] <= b["fraction_abs_log_ratio_above"]["log1.1"] <= 1
 
 
+def test_ratio_band_shares_are_exact_bands():
+    # ρ = 0.905 is inside [0.9, 1.1] but |log ρ| = 0.0998 > log 1.1 = 0.0953: the log band is [0.909, 1.1]
+    ratios = torch.tensor([[0.89, 0.905, 1.05, 1.12, 0.7, 2.5, 1.0]])
+    mask = torch.tensor([[1, 1, 1, 1, 1, 1, 0]], dtype=torch.float32)  # the last token is padding
+    rollout = torch.full_like(ratios, -3.0)
+    zeros = torch.zeros_like(ratios, dtype=torch.long)
+    batch = diagnose.Batch(input_ids=zeros, attention_mask=zeros, positions=zeros, response_ids=zeros, mask=mask,
+                           rollout_logprobs=rollout, versions=torch.zeros(1, dtype=torch.long))
+    s = diagnose.Sample(batch, rollout + ratios.log(), None)
+    b = diagnose.breakdowns(s)
+    # outside [0.9, 1.1]: 0.89, 1.12, 0.7, 2.5; outside [0.8, 1.25]: 0.7, 2.5; outside [0.5, 2]: 2.5 — of 6
+    assert b["fraction_ratio_outside"] == pytest.approx({"0.9_1.1": 4 / 6, "0.8_1.25": 2 / 6, "0.5_2": 1 / 6})
+    assert b["fraction_abs_log_ratio_above"]["log1.1"] == pytest.approx(5 / 6)  # 0.905 too
+    values, _ = diagnose.summary({"mismatch": diagnose.mismatch(s), "breakdowns": b, "what_if": []}, None)
+    assert values["fraction_outside_0.9_1.1"] == pytest.approx(4 / 6)
+    bounds = diagnose.parse_bounds(["fraction_outside_0.9_1.1=0.5"], "--fail-above")
+    assert diagnose.gate(values, bounds, []) == [
+        "FAIL fraction_outside_0.9_1.1 = 0.666667 is above the bound 0.5 (--fail-above fraction_outside_0.9_1.1=0.5)"]
+
+
 @pytest.mark.slow
 def test_cli_report_and_plots(tiny_model, tmp_path):
     out = tmp_path / "d"
@@ -96,6 +116,8 @@ def test_cli_compare_fp32_has_no_mismatch(tiny_model, tmp_path):
     failed = [line for line in result.stderr.splitlines() if "FAIL" in line]
     assert len(failed) == 1 and "bf16" in failed[0] and "max_abs_log_ratio" in failed[0]
     runs = json.loads((tmp_path / "c" / "report.json").read_text())["runs"]
+    for r in runs:  # every setting's what-if table is printed, not only the first's (issue #30)
+        assert f"what-if: each preset on this batch — {r['setting']['name']}" in result.stdout
     by = {r["setting"]["engine_dtype"]: r["mismatch"] for r in runs}
     assert by["fp32"]["abs_logp_diff_max"] < 1e-4 < by["bf16"]["abs_logp_diff_max"]
     for r in runs:  # the engine path has the trainer's logits: prime-rl's KL over entropy is there

@@ -6,7 +6,8 @@ engine's top-k/top-p support, SPEC §6), and reports:
 * every mismatch metric of SPEC §7 (``correct`` with a measure-only config);
 * breakdowns by token position and by the sampled token's probability under the trainer —
   where the mismatch lives;
-* the fraction of tokens with |log ρ| above log 1.1 and log 2;
+* the fraction of tokens with |log ρ| above log 1.1 and log 2, and with ρ outside [0.9, 1.1],
+  [0.8, 1.25] and [0.5, 2] (the bands users quote: |log ρ| > log 1.1 is ρ outside [0.909, 1.1]);
 * a what-if table: every preset applied to this very batch (rejected tokens and sequences,
   weight mean/min/max, ESS of the weights);
 * PNG plots (histogram of log ρ, log ρ against token probability, mismatch KL per position)
@@ -37,6 +38,8 @@ from offpolicy.train.batch import Batch, to_batch, trainer_logprobs
 POSITION_EDGES = [0, 4, 8, 16, 32, 64, 128, 256, 1 << 30]
 PROBABILITY_EDGES = [0.0, 0.01, 0.1, 0.5, 0.9, 1.0000001]
 THRESHOLDS = {"log1.1": math.log(1.1), "log2": math.log(2.0)}
+# ρ bands [low, high] whose outside share is reported (TRL #6789 quotes [0.9, 1.1]); name → (low, high)
+RATIO_BANDS = {"0.9_1.1": (0.9, 1.1), "0.8_1.25": (0.8, 1.25), "0.5_2": (0.5, 2.0)}
 
 
 @dataclass
@@ -158,7 +161,16 @@ def breakdowns(s: Sample) -> dict[str, Any]:
         "by_probability": _bucket_rows(log_ratio, mask, prob, PROBABILITY_EDGES, prob_labels),
         "fraction_abs_log_ratio_above": {k: float(((log_ratio.abs() > v) & mask.bool()).sum()) / n
                                          for k, v in THRESHOLDS.items()},
+        "fraction_ratio_outside": {k: fraction_outside(log_ratio, mask, lo, hi) for k, (lo, hi) in RATIO_BANDS.items()},
     }
+
+
+def fraction_outside(log_ratio: torch.Tensor, mask: torch.Tensor, low: float, high: float) -> float:
+    """Share of valid tokens with ρ ∉ [low, high], read on log ρ in fp64 against log low, log high
+    (no rounding of ρ at the band's edges)."""
+    lr = log_ratio.double()
+    outside = ((lr < math.log(low)) | (lr > math.log(high))) & mask.bool()
+    return float(outside.sum()) / max(float(mask.sum()), 1.0)
 
 
 def what_if(s: Sample, names: list[str] | None = None) -> list[dict[str, Any]]:
@@ -205,6 +217,7 @@ SUMMARY_STATS = {
     "ess": "(mean ρ)² / mean(ρ²) of the raw token ratios", "ppl_ratio": "mean_rows ppl_train / ppl_rollout",
     "prob_diff_max": "max |π_train − μ|",
     "fraction_above_log2": "fraction of tokens with |log ρ| > log 2",
+    **{f"fraction_outside_{k}": f"fraction of tokens with ρ outside [{lo:g}, {hi:g}]" for k, (lo, hi) in RATIO_BANDS.items()},
 }
 # per preset, "STAT@PRESET": what that preset's correct() does to this batch (the what-if table)
 PRESET_STATS = {"masked_fraction": "token_rejected", "seq_masked_fraction": "seq_rejected", "weight_ess": "ess"}
@@ -219,7 +232,8 @@ def summary(result: dict[str, Any], entropy: float | None) -> tuple[dict[str, fl
            "max_abs_log_ratio": m["abs_logp_diff_max"], "mult_prob_error": m["mult_prob_error"],
            "chi2": m["chi2_token"], "chi2_seq": m["chi2_seq"], "ess": m["ess"], "ppl_ratio": m["ppl_ratio"],
            "prob_diff_max": m["prob_diff_max"],
-           "fraction_above_log2": result["breakdowns"]["fraction_abs_log_ratio_above"]["log2"]}
+           "fraction_above_log2": result["breakdowns"]["fraction_abs_log_ratio_above"]["log2"],
+           **{f"fraction_outside_{k}": v for k, v in result["breakdowns"]["fraction_ratio_outside"].items()}}
     notes = []
     if entropy is None:
         notes.append(NO_ENTROPY)
