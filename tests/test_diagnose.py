@@ -138,6 +138,32 @@ def test_cli_prompt_file_errors(tiny_model, tmp_path, content, message):
     assert message.replace("\\", "") in result.stderr
 
 
+def test_raw_prompts_carry_no_bos_the_tokenizer_does_not_add(tmp_path):
+    from transformers import PreTrainedTokenizerFast
+
+    # a tokenizer with a bos_token it never puts in front of text (SmolLM2's is <|im_start|>, a turn marker)
+    char = build_char_tokenizer()
+    chat = PreTrainedTokenizerFast(tokenizer_object=char.backend_tokenizer, bos_token="<bos>", eos_token="<eos>",
+                                   pad_token="<pad>", unk_token="<unk>", add_bos_token=False)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "rev 12="}) + "\n")
+    assert diagnose.read_prompts(prompts, chat) == [chat("rev 12=", add_special_tokens=False).input_ids]
+    assert diagnose.read_prompts(prompts, char)[0][0] == char.bos_token_id  # the char tokenizer's own rule adds it
+
+
+def test_smollm2_raw_text_has_no_im_start(smollm2_dir, tmp_path):
+    from offpolicy.tasks.dataset import render_prompts
+    from offpolicy.tasks.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(smollm2_dir)
+    assert tok.bos_token == "<|im_start|>"
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "What is 2 + 3?"}) + "\n")
+    ids = diagnose.read_prompts(prompts, tok)[0]
+    assert tok.decode(ids) == "What is 2 + 3?" and tok.bos_token_id not in ids
+    assert render_prompts(tok, ["What is 2 + 3?"], None, "none") == [ids]
+
+
 def test_cli_model_without_tokenizer(tmp_path):
     build_tiny_qwen2(build_char_tokenizer(), hidden_size=64, num_layers=1).save_pretrained(tmp_path)
     result = diag("--model", str(tmp_path), "--engine", "hf")

@@ -32,6 +32,7 @@ from offpolicy.config import ConfigError
 from offpolicy.engines import SamplingConfig, make_engine
 from offpolicy.integrations.dump import load_batch
 from offpolicy.metrics import Metrics
+from offpolicy.tasks.tokenizer import plain_text_ids
 from offpolicy.train.update import to_device
 from offpolicy.train.batch import Batch, to_batch, trainer_logprobs
 
@@ -53,7 +54,8 @@ class Sample:
 
 
 def read_prompts(path: Path, tokenizer) -> list[list[int]]:
-    """Token ids of each JSONL line's ``prompt`` field.
+    """Token ids of each JSONL line's ``prompt`` field, as plain text (``plain_text_ids``: a BOS only where the
+    tokenizer itself adds one — SmolLM2's "BOS" ``<|im_start|>`` opens a chat turn and stays out).
 
     Raises:
         ConfigError: missing/empty file, invalid JSON, or a line without a string ``prompt``.
@@ -70,8 +72,7 @@ def read_prompts(path: Path, tokenizer) -> list[list[int]]:
             raise ConfigError(f"--prompts {path}:{number}: not valid JSON ({err.msg})") from None
         if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
             raise ConfigError(f"--prompts {path}:{number}: each line needs a string field \"prompt\"")
-        bos = [] if tokenizer.bos_token_id is None else [tokenizer.bos_token_id]
-        prompts.append([*bos, *tokenizer(record["prompt"], add_special_tokens=False).input_ids])
+        prompts.append(plain_text_ids(tokenizer, record["prompt"]))  # the tokenizer's own BOS rule
     if not prompts:
         raise ConfigError(f"--prompts {path}: the file holds no prompt")
     return prompts
