@@ -73,7 +73,7 @@ def _cmd_train(args: argparse.Namespace, console: Console) -> int:
     cfg = load_train_config(config_path, items)
     _quiet_libraries()
     result = train(cfg, resume=resume, console=console, progress=not args.no_progress)
-    return 130 if result.interrupted else 0
+    return 128 + int(result.stop_signal) if result.interrupted else 0  # 130: Ctrl-C, 143: SIGTERM
 
 
 DIAGNOSE_HEADLINE = ["kl_k1", "kl_k3", "ppl_ratio", "chi2_token", "chi2_seq", "abs_logp_diff_mean",
