@@ -88,6 +88,24 @@ def test_ratio_band_shares_are_exact_bands():
         "FAIL fraction_outside_0.9_1.1 = 0.666667 is above the bound 0.5 (--fail-above fraction_outside_0.9_1.1=0.5)"]
 
 
+def test_tokens_outside_the_trainers_top_p_set_are_counted_not_fatal(tmp_path):
+    # under top-p each side keeps its own set: the engine sampled token (0, 1) from its set, the trainer's set
+    # lacks it (log π = −inf). It is counted and left out; the rest is measured as usual.
+    rollout = torch.tensor([[-0.5, -2.0, -0.1], [-0.3, -0.2, -0.4]])
+    trainer = rollout + torch.tensor([[0.01, 0.0, -0.02], [0.0, 0.03, 0.0]])
+    trainer[0, 1] = float("-inf")
+    mask = torch.ones(2, 3)
+    zeros = torch.zeros(2, 3, dtype=torch.long)
+    batch = diagnose.Batch(input_ids=zeros, attention_mask=zeros, positions=zeros, response_ids=zeros, mask=mask,
+                           rollout_logprobs=rollout, versions=torch.zeros(2, dtype=torch.long))
+    r = diagnose.report(diagnose.Sample(batch, trainer, None), {"name": "x", "label": "x"}, tmp_path)
+    assert r["fraction_outside_trainer_support"] == pytest.approx(1 / 6)
+    assert r["summary"]["fraction_outside_trainer_support"] == pytest.approx(1 / 6)
+    assert r["mismatch"]["valid_tokens"] == 5 and r["tokens"] == 6
+    # kl_k1 = mean(log μ − log π) over the 5 kept tokens = −(0.01 − 0.02 + 0.03) / 5
+    assert r["mismatch"]["kl_k1"] == pytest.approx(-0.02 / 5, abs=1e-7)
+
+
 @pytest.mark.slow
 def test_cli_report_and_plots(tiny_model, tmp_path):
     out = tmp_path / "d"

@@ -219,6 +219,8 @@ SUMMARY_STATS = {
     "prob_diff_max": "max |π_train − μ|",
     "fraction_above_log2": "fraction of tokens with |log ρ| > log 2",
     **{f"fraction_outside_{k}": f"fraction of tokens with ρ outside [{lo:g}, {hi:g}]" for k, (lo, hi) in RATIO_BANDS.items()},
+    "fraction_outside_trainer_support": "fraction of sampled tokens outside the trainer's own top-k/top-p set "
+                                        "(log π = −inf: no ratio; left out of every other statistic)",
 }
 # per preset, "STAT@PRESET": what that preset's correct() does to this batch (the what-if table)
 PRESET_STATS = {"masked_fraction": "token_rejected", "seq_masked_fraction": "seq_rejected", "weight_ess": "ess"}
@@ -234,7 +236,8 @@ def summary(result: dict[str, Any], entropy: float | None) -> tuple[dict[str, fl
            "chi2": m["chi2_token"], "chi2_seq": m["chi2_seq"], "ess": m["ess"], "ppl_ratio": m["ppl_ratio"],
            "prob_diff_max": m["prob_diff_max"],
            "fraction_above_log2": result["breakdowns"]["fraction_abs_log_ratio_above"]["log2"],
-           **{f"fraction_outside_{k}": v for k, v in result["breakdowns"]["fraction_ratio_outside"].items()}}
+           **{f"fraction_outside_{k}": v for k, v in result["breakdowns"]["fraction_ratio_outside"].items()},
+           "fraction_outside_trainer_support": result.get("fraction_outside_trainer_support", 0.0)}
     notes = []
     if entropy is None:
         notes.append(NO_ENTROPY)
@@ -349,14 +352,33 @@ def plot(s: Sample, out_dir: Path, title: str) -> list[Path]:
     return paths
 
 
+def within_support(s: Sample) -> tuple[Sample, float]:
+    """``s`` without the tokens the trainer gives no finite log-prob, and their share of the valid tokens.
+
+    Under top-k/top-p each side keeps its own set: a token near the edge of the engine's set can lie outside
+    the trainer's (log π = −inf there), and no ratio exists for it. Those tokens are counted
+    (``fraction_outside_trainer_support``) and left out of every other number — which would otherwise stop
+    on the non-finite value."""
+    mask = s.batch.mask
+    outside = mask.bool() & ~torch.isfinite(s.trainer)
+    share = float(outside.sum()) / max(float(mask.sum()), 1.0)
+    if not bool(outside.any()):
+        return s, share
+    keep = mask * ~outside
+    batch = Batch(**{**s.batch.__dict__, "mask": keep})
+    return Sample(batch, torch.where(outside, 0.0, s.trainer), s.seconds, s.entropy), share
+
+
 def report(s: Sample, setting: dict[str, Any], out_dir: Path, plots: bool = True) -> dict[str, Any]:
     out_dir.mkdir(parents=True, exist_ok=True)
     tokens = float(s.batch.mask.sum())
+    s, outside = within_support(s)
     result = {
         "setting": setting,
         "samples": len(s.batch.mask),
         "tokens": tokens,
         "engine_tokens_per_s": None if s.seconds is None else tokens / max(s.seconds, 1e-9),
+        "fraction_outside_trainer_support": outside,
         "mismatch": mismatch(s),
         "breakdowns": breakdowns(s),
         "what_if": what_if(s),
