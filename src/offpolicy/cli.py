@@ -215,6 +215,8 @@ def _print_diagnosis(console: Console, reports: list[dict]) -> None:
         table.add_row(f"ρ outside [{low:g}, {high:g}]", *(f"{r['breakdowns']['fraction_ratio_outside'][key]:.4f}"
                                                          for r in reports))
     table.add_row("outside trainer's top-k/p", *(f"{r.get('fraction_outside_trainer_support', 0.0):.4f}" for r in reports))
+    table.add_row("mass outside top-k/p", *("–" if r.get("outside_mass") is None else f"{r['outside_mass']:.4f}"
+                                             for r in reports))
     table.add_row("kl_over_entropy", *(f"{r['summary']['kl_over_entropy']:.4g}" if "kl_over_entropy" in r["summary"]
                                        else "–" for r in reports))
     table.add_row("tokens", *(f"{r['tokens']:.0f}" for r in reports))

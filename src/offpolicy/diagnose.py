@@ -51,6 +51,9 @@ class Sample:
     trainer: torch.Tensor  # log π_train(y_t)
     seconds: float | None  # engine time; None for a batch read from a dump (``--batch``)
     entropy: float | None = None  # the trainer's mean token entropy; None where no logits are at hand
+    # under top-k/top-p: the trainer's mean probability mass outside its kept set, 1 − S — the factor S a
+    # ratio against full-vocabulary trainer log-probs would carry (TRL #6789); None without truncation
+    outside_mass: float | None = None
 
 
 def read_prompts(path: Path, tokenizer) -> list[list[int]]:
@@ -107,7 +110,8 @@ def sample(model_path: Path, tokenizer, prompts: list[list[int]], engine: str, e
     with torch.no_grad():
         lp = torch.cat([trainer_logprobs(trainer, to_device(batch.select(rows), device), sampling, seen).cpu()
                         for rows in torch.arange(len(rollouts)).split(64)])
-    return Sample(batch, lp.float(), seconds, entropy=seen["entropy"])
+    return Sample(batch, lp.float(), seconds, entropy=seen["entropy"],
+                  outside_mass=seen["outside_mass"] if "outside_mass" in seen else None)
 
 
 def from_dump(path: Path) -> tuple[Sample, dict[str, Any]]:
@@ -221,6 +225,8 @@ SUMMARY_STATS = {
     **{f"fraction_outside_{k}": f"fraction of tokens with ρ outside [{lo:g}, {hi:g}]" for k, (lo, hi) in RATIO_BANDS.items()},
     "fraction_outside_trainer_support": "fraction of sampled tokens outside the trainer's own top-k/top-p set "
                                         "(log π = −inf: no ratio; left out of every other statistic)",
+    "outside_mass": "top-k/top-p runs: the trainer's mean probability mass outside its kept set (1 − S, the bias "
+                    "of a ratio against full-vocabulary log-probs, TRL #6789)",
 }
 # per preset, "STAT@PRESET": what that preset's correct() does to this batch (the what-if table)
 PRESET_STATS = {"masked_fraction": "token_rejected", "seq_masked_fraction": "seq_rejected", "weight_ess": "ess"}
@@ -239,6 +245,10 @@ def summary(result: dict[str, Any], entropy: float | None) -> tuple[dict[str, fl
            **{f"fraction_outside_{k}": v for k, v in result["breakdowns"]["fraction_ratio_outside"].items()},
            "fraction_outside_trainer_support": result.get("fraction_outside_trainer_support", 0.0)}
     notes = []
+    if result.get("outside_mass") is not None:
+        out["outside_mass"] = result["outside_mass"]
+    else:
+        notes.append("outside_mass: left out, nothing was truncated (top_k = -1, top_p = 1) or no logits are at hand")
     if entropy is None:
         notes.append(NO_ENTROPY)
     else:
@@ -366,7 +376,7 @@ def within_support(s: Sample) -> tuple[Sample, float]:
         return s, share
     keep = mask * ~outside
     batch = Batch(**{**s.batch.__dict__, "mask": keep})
-    return Sample(batch, torch.where(outside, 0.0, s.trainer), s.seconds, s.entropy), share
+    return Sample(batch, torch.where(outside, 0.0, s.trainer), s.seconds, s.entropy, s.outside_mass), share
 
 
 def report(s: Sample, setting: dict[str, Any], out_dir: Path, plots: bool = True) -> dict[str, Any]:
@@ -379,6 +389,7 @@ def report(s: Sample, setting: dict[str, Any], out_dir: Path, plots: bool = True
         "tokens": tokens,
         "engine_tokens_per_s": None if s.seconds is None else tokens / max(s.seconds, 1e-9),
         "fraction_outside_trainer_support": outside,
+        "outside_mass": s.outside_mass,
         "mismatch": mismatch(s),
         "breakdowns": breakdowns(s),
         "what_if": what_if(s),
