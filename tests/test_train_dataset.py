@@ -71,7 +71,8 @@ def test_dataset_defaults_fit_a_real_model():
 
     base = ["model=/models/any", "task=dataset", f"data.path={DATA}", "reward=number"]
     cfg = load_train_config(None, base)
-    assert (cfg.lr, cfg.prompts_per_step, cfg.group_size) == (1e-6, 4, 8) == tuple(DATASET_DEFAULTS.values())
+    assert (cfg.lr, cfg.prompts_per_step, cfg.group_size, cfg.micro_batch_tokens) == (1e-6, 4, 8, 2048)
+    assert DATASET_DEFAULTS == {"lr": 1e-6, "prompts_per_step": 4, "group_size": 8, "micro_batch_tokens": 2048}
     mine = load_train_config(None, [*base, "lr=3e-5", "prompts_per_step=2"])
     assert (mine.lr, mine.prompts_per_step, mine.group_size) == (3e-5, 2, 8)
     again = TrainConfig(**yaml.safe_load(yaml.safe_dump(mine.model_dump(mode="json"))))  # what --resume reads

@@ -30,6 +30,10 @@ DATASET_DEFAULTS = {
     # num_generations and DeepSeekMath's GRPO, so a group of a weak model still holds a right answer
     "prompts_per_step": 4,
     "group_size": 8,
+    # one step's 32 rows of up to 512 + 256 tokens in one forward/backward took SmolLM2-135M past 24 GB of
+    # RAM (killed); micro-batches of ≤ 2,048 tokens bound the activations (exact: the step's loss and
+    # gradient are unchanged, see micro_batch_tokens)
+    "micro_batch_tokens": 2048,
 }
 
 
@@ -135,7 +139,8 @@ class TrainConfig(_Strict):
                                          "about one more forward per update")
     micro_batch_tokens: int | None = Field(None, gt=0, description="split each optimizer step's rows into "
                                            "micro-batches of at most this many prompt + response tokens (a longer "
-                                           "row goes alone); exact: the loss is divided by the step's global count")
+                                           "row goes alone); exact: the loss is divided by the step's global count. "
+                                           "task=dataset: 2048 when unset (DATASET_DEFAULTS); null = one batch")
     engine_gpu_memory_utilization: float = Field(0.3, gt=0, le=1, description="vLLM on CUDA: share of the GPU's "
                                                  "memory vLLM may take (weights + KV cache); the trainer uses the rest")
     engine_sleep: bool = Field(True, description="vLLM on CUDA, max_staleness=0: sleep(level=1) after generating "
@@ -248,9 +253,11 @@ class TrainConfig(_Strict):
         loss = self.loss_config()
         if self.micro_batch_tokens is not None and loss.agg == "seq-mean-token-sum-norm" and loss.max_len is None:
             raise ValueError(
-                f"micro_batch_tokens={self.micro_batch_tokens} with loss.agg 'seq-mean-token-sum-norm' and no "
-                "loss.max_len: each micro-batch would divide by its own padded length, so they would not add up to "
-                f"the whole batch's loss. Fix: loss.max_len={self.max_new_tokens} (the response limit)")
+                f"micro_batch_tokens={self.micro_batch_tokens}"
+                f"{'' if 'micro_batch_tokens' in self.model_fields_set else ' (task=dataset default)'} with "
+                "loss.agg 'seq-mean-token-sum-norm' and no loss.max_len: each micro-batch would divide by its own "
+                "padded length, so they would not add up to the whole batch's loss. Fix: "
+                f"loss.max_len={self.max_new_tokens} (the response limit), or micro_batch_tokens=null")
         return self
 
     def loss_config(self) -> LossConfig:
