@@ -19,7 +19,7 @@ for seed in range(200):
     adv = torch.randn(B, T, generator=g)
     mask = torch.rand(B, T, generator=g) > 0.2
     mask[:, 0] = True
-    setting = dict(importance_sampling_level="sequence", rejection_sampling=dict(upper=5.0))
+    setting = dict(importance_sampling_level="sequence", use_decoupled_loss=True, rejection_sampling=dict(upper=5.0))
     th = theta.clone().requires_grad_(True)
     loss, _ = F.ppo_actor_loss_fn(logprobs=th, proximal_logprobs=prox, old_logprobs=mu, advantages=adv, eps_clip=0.2,
                                   loss_mask=mask.clone(), rejection_sampling=C.RejectionSamplingConfig(upper=5.0),

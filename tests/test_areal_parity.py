@@ -147,7 +147,10 @@ apply_m2po_masking = _m2po_masking()
 
 
 def _rs(**kw):
-    return {"rejection_sampling": kw}
+    return {"use_decoupled_loss": True, "rejection_sampling": kw}
+
+
+DECOUPLED = {"use_decoupled_loss": True}  # AReaL's default is False: rejection sampling and M2PO need it
 
 
 SETTINGS = {
@@ -174,18 +177,29 @@ SETTINGS = {
     # item 4 + 5: GSPO at sequence level (AReaL's sequence form), with clip-higher and the dual clip
     "gspo_seq": dict(importance_sampling_level="sequence", eps_clip=0.05),
     "gspo_seq_dual_clip": dict(importance_sampling_level="sequence", eps_clip=0.05, eps_clip_higher=0.08, c_clip=1.5),
-    "gspo_seq_token_rs": dict(importance_sampling_level="sequence", eps_clip=0.1,
+    "gspo_seq_token_rs": dict(importance_sampling_level="sequence", eps_clip=0.1, **DECOUPLED,
                               rejection_sampling=dict(level="token", upper=2.0)),
-    "gspo_seq_geo_clamp": dict(importance_sampling_level="sequence", eps_clip=0.1, c_clip=2.0,
+    "gspo_seq_geo_clamp": dict(importance_sampling_level="sequence", eps_clip=0.1, c_clip=2.0, **DECOUPLED,
                                rejection_sampling=dict(level="sequence", action="clamp", upper=1.2)),
-    "ppo_dual_clip_k3": dict(c_clip=1.5, eps_clip_higher=0.28, rejection_sampling=dict(metric="kl_k3", upper=0.1)),
-    # item 6: SAPO at sequence level (and token level, for contrast); AReaL's SAPO is not decoupled
-    "sapo_seq": dict(use_sapo_loss=True, use_decoupled_loss=False, importance_sampling_level="sequence"),
+    "ppo_dual_clip_k3": dict(c_clip=1.5, eps_clip_higher=0.28, rejection_sampling=dict(metric="kl_k3", upper=0.1),
+                             **DECOUPLED),
+    # item 6: SAPO at sequence level (and token level, for contrast); AReaL's SAPO is not decoupled — its
+    # default (issue #32: only the fields an AReaL config sets are passed)
+    "sapo_seq": dict(use_sapo_loss=True, importance_sampling_level="sequence"),
     "sapo_seq_taus": dict(use_sapo_loss=True, use_decoupled_loss=False, importance_sampling_level="sequence",
                           sapo_tau_pos=2.0, sapo_tau_neg=0.5),
-    "sapo_token": dict(use_sapo_loss=True, use_decoupled_loss=False),
+    "sapo_token": dict(use_sapo_loss=True),
     # M2PO with a clamp (one denominator)
-    "m2po_clamp": dict(m2_threshold=0.05, rejection_sampling=dict(action="clamp", upper=1.5)),
+    "m2po_clamp": dict(m2_threshold=0.05, rejection_sampling=dict(action="clamp", upper=1.5), **DECOUPLED),
+    # issue #32: M2PO with a mask, AReaL's one count (the tokens M2PO keeps) — the mask as a {mode: mask} weight
+    "m2po_token_mask": dict(m2_threshold=0.1, rejection_sampling=dict(upper=1.2), **DECOUPLED),
+    "m2po_token_mask_band": dict(m2_threshold=0.05, rejection_sampling=dict(lower=0.7, upper=1.3), **DECOUPLED),
+    "m2po_seq_mean_mask": dict(m2_threshold=0.1, rejection_sampling=dict(level="sequence", upper=1.1), **DECOUPLED),
+    "m2po_gspo_seq_mask": dict(m2_threshold=0.03, importance_sampling_level="sequence", eps_clip=0.1, **DECOUPLED,
+                               rejection_sampling=dict(level="sequence", lower=0.8, upper=1.2)),
+    # decoupled PPO without a behaviour correction, and AReaL's plain default (PPO against μ itself)
+    "decoupled_plain": dict(**DECOUPLED),
+    "areal_defaults": dict(),
 }
 
 
@@ -225,8 +239,11 @@ def ours_areal(theta, prox, mu, adv, mask, setting, implementation="reference"):
     rollout = None if cfg.correction is None else mu
     loss, _ = op.policy_loss(theta, old, adv, mask.float(), rollout, cfg, implementation=implementation)
     loss.backward()
-    kept = mask if cfg.correction is None else op.correct(prox, mu, mask.float(), cfg.correction).mask.bool()
-    return loss.detach(), theta.grad, kept
+    if cfg.correction is None:
+        return loss.detach(), theta.grad, mask
+    # AReaL's behave_mask: kept by the loss mask AND a positive behaviour weight (a {mode: mask} weight's 0s)
+    corr = op.correct(prox, mu, mask.float(), cfg.correction)
+    return loss.detach(), theta.grad, corr.mask.bool() & (corr.weights > 0)
 
 
 def new_batch(seed: int, B: int, T: int, extreme: bool | str = False):
@@ -331,8 +348,17 @@ REFUSED = {
     "k2_clamp": (_rs(metric="kl_k2", action="clamp", upper=0.5), "clamps the RATIO"),  # AReaL's config refuses it too
     "ratio_seq_sum_clamp_lower_above_1": (_rs(level="sequence", agg="sum", action="clamp", lower=1.1, upper=2.0),
                                           "not monotone"),
-    "m2po_mask": (dict(m2_threshold=0.04, rejection_sampling=dict(upper=2.0)), "two denominators"),
-    "sapo_decoupled": (dict(use_sapo_loss=True), "use_decoupled_loss"),
+    # issue #32: only the masks LossConfig cannot write as a weight, with what it lacks
+    "m2po_kl_mask": (dict(m2_threshold=0.04, rejection_sampling=dict(metric="kl_k3", upper=0.5), **DECOUPLED),
+                     "counts its tokens either before every rejection rule"),
+    "m2po_seq_max_mask": (dict(m2_threshold=0.04, rejection_sampling=dict(level="sequence", agg="max", upper=2.0),
+                               **DECOUPLED), "denominator fixed"),
+    "m2po_gspo_token_mask": (dict(m2_threshold=0.04, importance_sampling_level="sequence", **DECOUPLED,
+                                  rejection_sampling=dict(upper=2.0)), "importance_sampling_level token"),
+    "sapo_decoupled": (dict(use_sapo_loss=True, use_decoupled_loss=True), "use_decoupled_loss"),
+    # AReaL ignores them without the decoupled loss (π_prox is μ): a silent no-op is refused
+    "rs_not_decoupled": (dict(rejection_sampling=dict(upper=2.0)), "AReaL ignores it there"),
+    "m2po_not_decoupled": (dict(m2_threshold=0.04), "AReaL ignores it there"),
 }
 
 
@@ -345,7 +371,7 @@ def test_settings_without_a_meaningful_equivalent_are_refused_with_the_reason(na
     if name == "k2_clamp":
         with pytest.raises(ValueError, match="only supports metric='ratio'"):
             cli_args.RejectionSamplingConfig(**setting["rejection_sampling"])
-    elif "use_sapo_loss" not in setting:
+    elif "use_sapo_loss" not in setting and "rejection_sampling" in setting:
         rs = cli_args.RejectionSamplingConfig(**setting["rejection_sampling"])
         with pytest.raises(op.ConfigError, match=why):  # AReaL's dataclass is refused the same way
             areal_map.loss_config(**{**setting, "rejection_sampling": rs})
@@ -355,8 +381,27 @@ def test_settings_without_a_meaningful_equivalent_are_refused_with_the_reason(na
 PRESET_SETTINGS = {
     "areal:token_mask_kl_k3": _rs(metric="kl_k3", upper=0.5),
     "areal:seq_mask_max": _rs(level="sequence", agg="max", upper=5.0),
-    "areal:gspo": dict(importance_sampling_level="sequence"),
+    "areal:gspo": dict(importance_sampling_level="sequence", **DECOUPLED),
 }
+
+
+def test_the_translators_defaults_are_ppo_actor_configs():
+    """Issue #32 item 9: every keyword of ``loss_config`` that is a PPOActorConfig field defaults to AReaL's
+    default (use_decoupled_loss was True here, False there), so an AReaL user passes what their config sets."""
+    import dataclasses
+    import inspect
+
+    fields = {f.name: f for f in dataclasses.fields(cli_args.PPOActorConfig)}
+    shared = [p for p in inspect.signature(areal_map.loss_config).parameters.values() if p.name in fields]
+    assert {p.name for p in shared} >= {"eps_clip", "eps_clip_higher", "c_clip", "rejection_sampling",
+                                        "importance_sampling_level", "use_decoupled_loss", "m2_threshold",
+                                        "use_sapo_loss", "sapo_tau_pos", "sapo_tau_neg"}
+    for param in shared:
+        field = fields[param.name]
+        default = field.default_factory() if field.default is dataclasses.MISSING else field.default
+        assert param.default == default, param.name
+    assert areal_map.loss_config().correction is None  # AReaL's default: PPO against μ, nothing to correct
+    assert areal_map.loss_config(use_sapo_loss=True).kind == "sapo"  # its ordinary SAPO setup
 
 
 @pytest.mark.parametrize("preset", sorted(PRESET_SETTINGS))
@@ -386,3 +431,27 @@ def test_nonfinite_behaviour_logprobs_with_neutral(name):
     loss.backward()
     torch.testing.assert_close(loss.detach(), want_loss, rtol=2e-5, atol=1e-6)
     torch.testing.assert_close(theta.grad, want_grad, rtol=2e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("name", ["m2po_token_mask", "m2po_seq_mean_mask"])
+def test_m2po_with_a_mask_keeps_areals_one_count(name):
+    """Guard for the M2PO + mask settings above: both rules as rejection rules would divide by the tokens
+    left after BOTH (renormalize) or before both (fixed); AReaL divides by those M2PO keeps, and only the
+    mask-as-weight translation matches it (so the parity above tests the count, not a coincidence)."""
+    setting = SETTINGS[name]
+    cfg = areal_map.loss_config(**setting)
+    assert cfg.correction.weight.mode == "mask" and cfg.correction.denominator == "renormalize"
+    rule = areal_map.rejection_sampling_correction(
+        {**areal_map._RS_DEFAULTS, **setting["rejection_sampling"]})["reject"][0]
+    differs = {"fixed": False, "renormalize": False}
+    for shape in SHAPES:
+        theta, prox, mu, adv, mask = new_batch(*shape)
+        want, _, _ = areal_truth(theta, prox, mu, adv, mask, setting)
+        for denominator in differs:
+            both = _variant(cfg)
+            data = both.model_dump(exclude_none=True)
+            data["correction"].update(reject=[*data["correction"]["reject"], rule], denominator=denominator)
+            data["correction"]["weight"] = {"level": cfg.correction.weight.level, "mode": "truncate"}
+            loss, _ = op.policy_loss(theta, prox, adv, mask.float(), mu, op.LossConfig(**data))
+            differs[denominator] |= not torch.allclose(loss, want, rtol=1e-4, atol=1e-6)
+    assert all(differs.values()), differs

@@ -67,8 +67,8 @@ def test_token_entropy_and_kl_over_entropy_by_hand():
 
 
 def test_gate_bounds_and_usage_errors():
-    assert parse_bounds(["kl_k3=5e-4", "masked_fraction@recommended=0.05"], "--fail-above") == [
-        ("kl_k3", 5e-4), ("masked_fraction@recommended", 0.05)]
+    assert parse_bounds(["kl_k3=5e-4", "masked_fraction@verl:decoupled_seq_is_rs=0.05"], "--fail-above") == [
+        ("kl_k3", 5e-4), ("masked_fraction@verl:decoupled_seq_is_rs", 0.05)]
     for bad, why in (("kl=1", "unknown STAT 'kl'. Allowed: kl_k1, kl_k3"), ("kl_k3", "expected STAT=VALUE"),
                      ("kl_k3=abc", "expected STAT=VALUE"), ("masked_fraction@nope=1", "PRESET one of")):
         with pytest.raises(ConfigError, match=why):
@@ -123,3 +123,37 @@ def test_a_bound_the_dump_cannot_hold_is_a_usage_error(tmp_path, capsys, monkeyp
     monkeypatch.chdir(tmp_path)  # log ρ = 0.01 on every token: the histogram must still draw
     assert main(["diagnose", "--batch", "dump", "--out", "report", "--fail-above", "kl_over_entropy=0.1"]) == 2
     assert "no trainer logits" in capsys.readouterr().err  # never a silent pass
+
+
+@pytest.mark.parametrize("stat", ["masked_fraction@recommended", "seq_masked_fraction@verl:decoupled_token_is"])
+def test_a_rejected_fraction_of_a_preset_that_rejects_nothing_is_refused(stat):
+    """Issue #32: docs/ci-gate.md gated masked_fraction@recommended, 0 on every batch (recommended has no
+    rejection rule): a bound that can never fail is a usage error, with a preset that can."""
+    with pytest.raises(ConfigError, match=r"rejects no token .* cannot gate anything.*@verl:decoupled_seq_is_rs"):
+        parse_bounds([f"{stat}=0.05"], "--fail-above")
+    parse_bounds(["weight_ess@recommended=0.5", "masked_fraction@areal:m2po=0.1"], "--fail-below")
+
+
+def test_the_docs_ci_example_can_fail_and_entropy_says_why_on_a_dump(tmp_path, capsys, monkeypatch):
+    """The gate of docs/ci-gate.md's CI step, on a dump whose rows drift apart: it fails (exit 3) on the
+    rejected fraction; and a bound on entropy, which a dump cannot hold, says why (it said only 'not in
+    this report')."""
+    import re
+    from pathlib import Path
+
+    from offpolicy.cli import main
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "ci-gate.md").read_text()
+    step = re.search(r"offpolicy diagnose --batch dumps/ --out mismatch-host\s+(.*?)\n", doc).group(1).split()
+    assert step[0] == "--fail-above" and step[1].startswith("kl_k3=") and "@" in step[3]
+    g = torch.Generator().manual_seed(2)
+    old = -torch.rand(8, 6, generator=g) * 2 - 0.5
+    roll = old + torch.cat([torch.zeros(4, 6), torch.full((4, 6), 0.3)])  # half the rows: Π ρ = e^-1.8 < 0.5
+    BatchDumper(tmp_path / "dumps", every=1).maybe_dump(0, old_logprobs=old, rollout_logprobs=roll,
+                                                        mask=torch.ones(8, 6))
+    monkeypatch.chdir(tmp_path)
+    assert main(["diagnose", "--batch", "dumps", "--out", "report", *step[2:]]) == 3
+    assert f"FAIL {step[3].split('=')[0]}" in capsys.readouterr().err
+    assert main(["diagnose", "--batch", "dumps", "--out", "report", "--fail-above", "entropy=1.0"]) == 2
+    err = capsys.readouterr().err
+    assert "entropy: left out, no trainer logits" in err and "not in this report" not in err

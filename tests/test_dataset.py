@@ -187,6 +187,7 @@ def test_the_saved_config_loads_again(tmp_path, overrides):
 # ----------------------------------------------------------------------------- the user's reward
 @pytest.mark.parametrize("body, message", [
     ("return 'correct'", r"returned str 'correct'; it must return a number"),
+    ("return '1.0'", r"returned str '1.0'; it must return a number .*not text"),  # issue #32 item 8
     ("return float('nan')", "rewards must be finite"),
     ("raise KeyError('score')", "KeyError: 'score'"),
 ])
@@ -218,3 +219,152 @@ def test_stop_tokens_and_pad(tiny_qwen2_dir, tok):
     no_pad = load_tokenizer(tiny_qwen2_dir)
     no_pad.pad_token = None
     assert "pad = eos" in ensure_pad_token(no_pad) and no_pad.pad_token_id == no_pad.eos_token_id
+
+
+# ------------------------------------------------------------------- issue #32: the file's text, early errors
+def test_the_shipped_format_reads_the_same_through_every_reader(tmp_path):
+    """JSONL, a JSON array, a JSON object of columns, CSV and a directory of them give the same rows."""
+    rows = [json.loads(line) for line in DATA.read_text().splitlines()][:6]
+    (tmp_path / "a.json").write_text(json.dumps(rows))
+    (tmp_path / "c.json").write_text(json.dumps({"question": [r["question"] for r in rows],
+                                                 "answer": [r["answer"] for r in rows]}))
+    (tmp_path / "dir").mkdir()
+    write_jsonl(tmp_path / "dir" / "train.jsonl", rows)
+    for path in (tmp_path / "a.json", tmp_path / "c.json", tmp_path / "dir"):
+        assert load_rows(str(path), ["question", "answer"]) == rows, path
+
+
+NUMBERS = [{"question": "Ava has 70 apples and finds 2. How many?", "answer": 72},
+           {"question": "Half of 145.00?", "answer": 72.50},
+           {"question": "How much is 1e3?", "answer": 1000},
+           {"question": "Is 2 even?", "answer": True}]
+WRITTEN = ["72", "72.50", "1000", "true"]  # what the files below hold, as text
+
+
+def test_numeric_answers_keep_the_files_text(tok, tmp_path):
+    """Issue #32 item 6: `datasets` inferred a float column (72 → '72.0', a CSV cell 72.50 → '72.5'), and
+    reward=exact scored the file's own answer 0. Prompts and answers are now the file's text."""
+    lines = ['{"question": "Ava has 70 apples and finds 2. How many?", "answer": 72}',
+             '{"question": "Half of 145.00?", "answer": 72.50}',
+             '{"question": "How much is 1e3?", "answer": 1000}',
+             '{"question": "Is 2 even?", "answer": true}']
+    (tmp_path / "d.jsonl").write_text("\n".join(lines) + "\n")
+    (tmp_path / "d.json").write_text("[" + ",\n".join(lines) + "]")
+    (tmp_path / "d.csv").write_text("question,answer\n" + "".join(
+        f'"{r["question"]}",{w}\n' for r, w in zip(NUMBERS, WRITTEN)))
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "dir" / "train.csv").write_text((tmp_path / "d.csv").read_text())
+    for name in ("d.jsonl", "d.json", "d.csv", "dir"):
+        got = load_rows(str(tmp_path / name), ["question", "answer"])
+        assert [r["answer"] for r in got] == WRITTEN, name
+        assert [r["question"] for r in got] == [r["question"] for r in NUMBERS], name
+        task = load_dataset_task(data(path=str(tmp_path / name), eval_fraction=0), tok, "exact", 512, 8)
+        assert all(task.reward(p, p.answer) == 1.0 for p in task.train), name  # the file's own answer scores
+        assert task.reward(task.train[0], "72") == 1.0 and task.reward(task.train[0], "72.0") == 0.0
+
+
+def test_typed_columns_become_their_numbers_text(tmp_path):
+    """Parquet (and a saved dataset) store numbers, not text: an int column reads '72'; a whole float '72',
+    as the number it is (pandas turns an int column with a gap into floats); other floats their repr."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pa.table({"question": ["a", "b", "c"], "n": [72, 18, -3], "x": [72.0, 72.5, float("nan")]})
+    pq.write_table(table, tmp_path / "d.parquet")
+    assert [r["n"] for r in load_rows(str(tmp_path / "d.parquet"), ["question", "n"])] == ["72", "18", "-3"]
+    assert [r["x"] for r in load_rows(str(tmp_path / "d.parquet"), ["question", "x"])] == ["72", "72.5", None]
+
+
+def test_a_save_to_disk_directory_is_loaded(tmp_path):
+    """Issue #32 item 10: refused before with "use load_from_disk", which a CLI user cannot do."""
+    import datasets
+
+    rows = [json.loads(line) for line in DATA.read_text().splitlines()][:6]
+    datasets.Dataset.from_list(rows[:4]).save_to_disk(str(tmp_path / "one"))
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(rows[:4]),
+                          "test": datasets.Dataset.from_list(rows[4:])}).save_to_disk(str(tmp_path / "two"))
+    assert load_rows(str(tmp_path / "one"), ["question", "answer"]) == rows[:4]
+    assert load_rows(str(tmp_path / "two"), ["question", "answer"], split="test") == rows[4:]
+    with pytest.raises(ConfigError, match=r"has no split 'validation'; its splits: train, test"):
+        load_rows(str(tmp_path / "two"), ["question", "answer"], split="validation")
+
+
+@pytest.mark.parametrize("prompt", ["", "   \n"])
+def test_an_empty_prompt_is_refused_with_its_file_and_row(tok, tmp_path, prompt):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"question": "2+2?", "answer": "4"}, {"question": prompt, "answer": "1"}])
+    with pytest.raises(ConfigError, match=r"data.path='.*d.jsonl' row 2: the prompt \('question'\) is empty"):
+        load_dataset_task(data(path=path, eval_fraction=0), tok, "exact", 512, 8)
+
+
+def no_system_tokenizer(tok):
+    """``tok`` with a chat template that refuses a system turn, as Gemma's and Mistral's do."""
+    import copy
+
+    strict = copy.deepcopy(tok)
+    strict.chat_template = (
+        "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
+        "{% endif %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    return strict
+
+
+def test_a_template_that_refuses_the_system_prompt_is_one_clear_error(tok):
+    strict = no_system_tokenizer(tok)
+    with pytest.raises(ConfigError, match=r"^data.system_prompt: the model's chat template refuses a system turn "
+                                          r"\(TemplateError: System role not supported\). Fix: drop data.system_prompt"):
+        load_dataset_task(data(system_prompt="Be brief."), strict, "number", 512, 8)
+    assert load_dataset_task(data(), strict, "number", 512, 8).train  # without a system prompt it renders
+    raw = load_dataset_task(data(system_prompt="Be brief.", chat_template="none"), strict, "number", 512, 8)
+    assert strict.decode(raw.train[0].prompt_ids).startswith("Be brief.\n\n")
+
+
+def incomplete_model_dir(tiny_qwen2_dir, tmp_path):
+    """The model directory with only tokenizer_config.json of its tokenizer files: transformers loads a
+    Qwen2Tokenizer of 3 tokens from it, which encodes every prompt to nothing."""
+    import shutil
+
+    out = tmp_path / "incomplete"
+    out.mkdir()
+    for name in ("config.json", "generation_config.json", "tokenizer_config.json", "model.safetensors"):
+        if (tiny_qwen2_dir / name).exists():
+            shutil.copy(tiny_qwen2_dir / name, out / name)
+    return out
+
+
+def test_an_incomplete_tokenizer_is_refused_before_the_model_loads(tiny_qwen2_dir, tmp_path):
+    bad = load_tokenizer(incomplete_model_dir(tiny_qwen2_dir, tmp_path))
+    assert len(bad) < 10 and bad("What is 2+3?", add_special_tokens=False).input_ids == []
+    with pytest.raises(ConfigError, match=r"the tokenizer has \d+ tokens but the model's vocab_size is 384"):
+        load_dataset_task(data(), bad, "number", 512, 8, vocab_size=384)
+    with pytest.raises(ConfigError, match=r"row 1: the prompt .* encodes to no token"):
+        load_dataset_task(data(), bad, "number", 512, 8)  # without the model's size: the prompts give it away
+
+
+def test_cli_refuses_an_incomplete_tokenizer_in_one_line(tiny_qwen2_dir, tmp_path):
+    import subprocess
+
+    model = incomplete_model_dir(tiny_qwen2_dir, tmp_path)
+    out = tmp_path / "run"
+    result = subprocess.run([sys.executable, "-m", "offpolicy", "train", "task=dataset", f"model={model}",
+                             f"data.path={DATA}", "reward=number", "engine=hf", f"out_dir={out}"],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert len(result.stderr.strip().splitlines()) == 1 and "vocab_size is 384" in result.stderr
+    assert not out.exists()
+
+
+def test_system_prompt_refusal_leaves_no_run_directory(tiny_qwen2_dir, tmp_path):
+    """Through the trainer: the error comes before any weight loads, and the run directory is gone."""
+    from offpolicy.train.config import load_train_config
+    from offpolicy.train.loop import train
+
+    model = tmp_path / "model"
+    import shutil
+
+    shutil.copytree(tiny_qwen2_dir, model)
+    no_system_tokenizer(load_tokenizer(model)).save_pretrained(model)
+    cfg = load_train_config(None, ["task=dataset", f"model={model}", f"data.path={DATA}", "reward=number",
+                                   "engine=hf", "data.system_prompt=Be brief.", f"out_dir={tmp_path / 'run'}"])
+    with pytest.raises(ConfigError, match="data.system_prompt"):
+        train(cfg, progress=False)
+    assert not (tmp_path / "run").exists()

@@ -336,12 +336,22 @@ def test_new_options_keep_the_inputs_device(name):
 
 
 # =========================================================================== whole steps: resolve_thresholds
-@pytest.mark.parametrize("name", ["ess", "ess_seq", "quantile_w", "quantile_rule", "m2", "m2_seq", "segment"])
+# weight.normalize divides by the batch's mean weight: per call, each micro-batch would use its own (issue #32)
+NORMALIZE = {
+    "normalize_token": {"weight": {"level": "token", "mode": "truncate", "high": 2.0, "normalize": True}},
+    "normalize_seq": {"weight": {"level": "sequence", "mode": "truncate", "high": 3.0, "normalize": True}},
+    "normalize_ess": {"weight": {"level": "geometric", "mode": "truncate", "high": {"rule": "ess", "target": 0.8},
+                                 "normalize": True}},
+}
+
+
+@pytest.mark.parametrize("name", ["ess", "ess_seq", "quantile_w", "quantile_rule", "m2", "m2_seq", "segment",
+                                  *NORMALIZE])
 def test_resolve_thresholds_makes_micro_batches_one_batch(name):
     """Split a batch in three micro-batches: with the resolved config and a global token count, the
     summed losses and gradients equal the per-call loss of the whole batch."""
     lp, old, mu, adv, mask = batch(4, B=9)
-    cfg = op.LossConfig(correction=NEW_OPTIONS[name])
+    cfg = op.LossConfig(correction={**NEW_OPTIONS, **NORMALIZE}[name])
     whole = lp.clone().requires_grad_(True)
     want, _ = op.policy_loss(whole, old, adv, mask, mu, cfg, implementation="reference")
     want.backward()
@@ -349,7 +359,7 @@ def test_resolve_thresholds_makes_micro_batches_one_batch(name):
     mbs = [{"old_logprobs": old[s], "rollout_logprobs": mu[s], "mask": mask[s], "logprobs": lp[s], "advantages": adv[s]}
            for s in parts]
     fixed = op.resolve_thresholds(cfg, mbs)
-    assert not fixed.correction.data_dependent
+    assert not fixed.correction.data_dependent and not fixed.correction.step_dependent
     fixed = op.with_global_normalizer(fixed, mbs)
     theta = lp.clone().requires_grad_(True)
     total = sum(op.policy_loss(theta[s], old[s], adv[s], mask[s], mu[s], fixed)[0] for s in parts)
@@ -420,3 +430,16 @@ def test_resolve_thresholds_all_gathers_over_ranks(tmp_path):
     alone = op.resolve_thresholds(_DIST_CFG, [{"old_logprobs": old[s], "rollout_logprobs": mu[s], "mask": mask[s]}
                                               for s in _RANK_ROWS[0]]).model_dump()
     assert alone != want
+
+
+def test_resolve_thresholds_when_m2po_drops_nothing():
+    """The step's M2PO cut is +inf when the whole step's second moment is already below τ; the resolved
+    rule must still be a valid (finite) config that keeps every token — it raised in the trainer, whose
+    every step now resolves its bounds (issue #32)."""
+    lp, old, mu, adv, mask = batch(4, B=9)
+    mu = old + 0.01 * (mu - old)  # (log ρ)² ≈ 1e-4 ≪ τ
+    cfg = op.LossConfig(correction={"reject": [{"stat": "m2", "high": 0.04}]})
+    parts = [{"old_logprobs": old[s], "rollout_logprobs": mu[s], "mask": mask[s]} for s in (slice(0, 4), slice(4, 9))]
+    fixed = op.resolve_thresholds(cfg, parts)
+    assert op.LossConfig(**fixed.model_dump()) == fixed  # a config that loads again (no inf inside)
+    assert op.correct(old, mu, mask, fixed.correction).mask.sum() == mask.sum()

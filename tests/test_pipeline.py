@@ -183,7 +183,7 @@ def _assert_same_run(a: list[dict], b: list[dict]) -> None:
     """Every logged number equal, step by step, except wall-clock times."""
     for ra, rb in zip(a, b, strict=True):
         for key in ra:
-            if not key.startswith(("time/", "memory/")) and key not in ("step_seconds", "tokens_per_s"):
+            if not key.startswith(("time/", "memory/")) and key not in ("step_seconds", "generate/tokens_per_s"):
                 assert ra[key] == rb[key], (ra["step"], key, ra[key], rb[key])
 
 

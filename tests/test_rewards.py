@@ -147,3 +147,18 @@ def test_checked_value_refuses_non_numbers():
     for bad in (math.nan, math.inf):
         with pytest.raises(ValueError, match="rewards must be finite"):
             checked_value("f", bad)
+
+
+@pytest.mark.parametrize("text", ["1.0", "0", b"1", " 1 "])
+def test_a_reward_returned_as_text_is_refused(text):
+    """Issue #32 item 8: docs/gpu-and-real-data.md says a reward function must return a number (a bool
+    counts); ``float("1.0")`` used to let text through."""
+    with pytest.raises(ValueError, match=r"must return a number .*not text"):
+        checked_value("my_rewards:score", text)
+
+
+def test_numpy_scalars_and_bools_are_numbers():
+    import numpy as np
+
+    assert checked_value("f", np.float32(0.5)) == 0.5 and checked_value("f", np.int64(1)) == 1.0
+    assert checked_value("f", np.bool_(True)) == 1.0 and checked_value("f", True) == 1.0

@@ -22,7 +22,7 @@ from offpolicy.train import loop as train_loop
 from offpolicy.train.config import load_train_config
 from offpolicy.train.loop import train
 
-TIMING = {"step_seconds", "tokens_per_s"}
+TIMING = {"step_seconds", "generate/tokens_per_s"}
 
 
 def cli(*args: str, env_cache: Path) -> subprocess.CompletedProcess:
@@ -53,7 +53,7 @@ def test_cli_run_writes_everything(offpolicy_cache, tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
     rows = records(out)
     assert [r["step"] for r in rows] == [0, 1, 2]
-    for key in ("reward", "eval/accuracy", "response_length", "tokens_per_s", "staleness", "offpolicy/kl_k1",
+    for key in ("reward", "eval/accuracy", "response_length", "generate/tokens_per_s", "staleness", "offpolicy/kl_k1",
                 "offpolicy/ess", "offpolicy/masked_fraction", "offpolicy/is_mean", "offpolicy/clip_fraction",
                 "offpolicy/loss", "offpolicy/chi2_token", "offpolicy/ppl_ratio"):
         assert key in rows[0], key

@@ -24,7 +24,7 @@ from offpolicy.train.loop import train  # noqa: E402
 # small and fast: 2 prompts × 2 samples, 16 new tokens, 4 held-out problems
 SMALL = ["task=dataset", f"data.path={DATA}", "reward=number", "engine=hf", "engine_dtype=fp32", "prompts_per_step=2",
          "group_size=2", "max_new_tokens=16", "eval_problems=4", "eval_every=2", "checkpoint_every=1"]
-TIMING = {"step_seconds", "tokens_per_s"}
+TIMING = {"step_seconds", "generate/tokens_per_s"}
 
 
 def records(run_dir: Path) -> list[dict]:

@@ -6,9 +6,11 @@ checks skip without CUDA (they run on the device machine when one is lent)."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
+import yaml
 
 import offpolicy as op
 from conftest import FAST
@@ -43,8 +45,9 @@ def tiny_setup(dtype=torch.float64, seed=0):
     return model, batch, adv
 
 
-def grads_after_step(model, batch, adv, loss_cfg, budget, old=None, trainer_dtype="fp32"):
-    """The gradient one ``optimizer_step`` applies: SGD with lr 1 and no clipping moves each weight by −∇."""
+def grads_after_step(model, batch, adv, loss_cfg, budget, old=None, trainer_dtype="fp32", steps=(range(6),)):
+    """The gradient the ``optimizer_step`` calls apply (one per entry of ``steps``, each on those rows, into
+    one Metrics as the loop does): SGD with lr 1 and no clipping moves each weight by −Σ∇; weights restored."""
     before = [p.detach().clone() for p in model.parameters()]
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
     metrics = Metrics()
@@ -52,14 +55,133 @@ def grads_after_step(model, batch, adv, loss_cfg, budget, old=None, trainer_dtyp
     def old_of(rows, mb, logprobs):
         return logprobs.detach() if old is None else old[rows, : mb.mask.shape[1]]
 
-    update.optimizer_step(model, opt, batch, torch.arange(6), adv, old_of=old_of, loss_cfg=loss_cfg,
-                          sampling=SAMPLING, device=torch.device("cpu"), trainer_dtype=trainer_dtype,
-                          micro_batch_tokens=budget, max_grad_norm=1e12, metrics=metrics)
+    for rows in steps:
+        update.optimizer_step(model, opt, batch, torch.tensor(list(rows)), adv, old_of=old_of, loss_cfg=loss_cfg,
+                              sampling=SAMPLING, device=torch.device("cpu"), trainer_dtype=trainer_dtype,
+                              micro_batch_tokens=budget, max_grad_norm=1e12, metrics=metrics)
     grads = [b - p.detach() for b, p in zip(before, model.parameters())]
     with torch.no_grad():
         for p, b in zip(model.parameters(), before):
             p.copy_(b)
     return grads, metrics.to_dict()
+
+
+ROW_NOISE = (0.0003, 0.3, 0.02, 0.8, 0.0005, 0.1)  # rows from near-on-policy to far: every preset keeps some
+
+
+def near_setup():
+    """``tiny_setup`` with μ = π_θ + N(0, σ_b²) per token of row b (σ in ``ROW_NOISE``) and π_old = π_θ +
+    N(0, (σ_b/3)²): every preset's band keeps some rows and most bands cut something (a correction that
+    rejects everything would compare zeros)."""
+    model, batch, adv = tiny_setup()
+    g = torch.Generator().manual_seed(100)
+    with torch.no_grad():
+        lp = update.old_logprobs(model, batch, SAMPLING, torch.device("cpu"), "fp32", None)
+    mask = batch.mask.bool()
+    zero = torch.zeros((), dtype=lp.dtype)
+    sigma = torch.tensor(ROW_NOISE, dtype=lp.dtype).unsqueeze(1)
+    batch.rollout_logprobs = torch.where(mask, (lp + sigma * torch.randn(lp.shape, generator=g, dtype=lp.dtype))
+                                         .clamp(max=-1e-3), zero)
+    old = torch.where(mask, (lp + sigma / 3 * torch.randn(lp.shape, generator=g, dtype=lp.dtype)).clamp(max=-1e-3),
+                      zero)
+    return model, batch, adv, old
+
+
+def assert_same_step(whole, split, tol=1e-10):
+    """Two (gradients, metrics) of one step: equal to ``tol`` (relative to the value, absolute below 1)."""
+    (g_whole, m_whole), (g_split, m_split) = whole, split
+    scale = max(g.abs().max().item() for g in g_whole)
+    for a, b in zip(g_whole, g_split):
+        assert (a - b).abs().max().item() <= tol * max(scale, 1e-30)
+    assert m_split.keys() == m_whole.keys()
+    for key, value in m_whole.items():
+        other = m_split[key]
+        assert (math.isnan(value) and math.isnan(other)) or abs(value - other) <= tol * max(1.0, abs(value)), \
+            (key, value, other)
+
+
+# data-chosen bounds (issue #12, #14) and weight.normalize, beside every preset
+STEP_LEVEL = {
+    "quantile_weight": {"anchor": "old", "weight": {"level": "token", "mode": "truncate",
+                                                    "high": {"rule": "quantile", "q": 0.7}}},
+    "ess_weight": {"anchor": "old", "weight": {"level": "sequence", "mode": "truncate",
+                                               "high": {"rule": "ess", "target": 0.999}}},
+    "quantile_rule": {"anchor": "old", "reject": [{"stat": "ratio", "level": "geometric",
+                                                   "low": {"rule": "quantile", "q": 0.2}}]},
+    "m2_then_quantile": {"anchor": "old", "reject_mode": "sequential",
+                         "reject": [{"stat": "m2", "high": 0.02}, {"stat": "ratio", "level": "token",
+                                                                    "high": {"rule": "quantile", "q": 0.9}}]},
+    "normalize_token": {"anchor": "old", "weight": {"level": "token", "mode": "truncate", "high": 1.5,
+                                                    "normalize": True}},
+    "normalize_sequence": {"anchor": "current", "weight": {"level": "geometric", "mode": "truncate",
+                                                           "normalize": True}},
+}
+
+
+def step_config_of(name):
+    if name in STEP_LEVEL:
+        kind = "reinforce" if STEP_LEVEL[name]["anchor"] == "current" else "ppo"
+        return op.LossConfig(kind=kind, correction=STEP_LEVEL[name])
+    cfg = op.LossConfig.from_preset(name)
+    # seq-mean-token-sum-norm divides by max_len: the config load asks for it with micro_batch_tokens
+    return cfg.model_copy(update={"max_len": 8}) if cfg.agg == "seq-mean-token-sum-norm" else cfg
+
+
+@pytest.mark.parametrize("name", [*op.presets.names(), *STEP_LEVEL])
+def test_a_split_step_equals_the_whole_step(name):
+    """Issue #32: for every preset, the data-chosen bounds and weight.normalize, one optimizer step split into
+    micro-batches of ≤ 20 tokens gives the unsplit step's gradient, loss, grad norm and every metric to 1e-10
+    (float64 model): the step's thresholds and mean weight are fixed over the whole step, per-row reductions
+    run over the step's response width, sums accumulate in float64."""
+    model, batch, adv, old = near_setup()
+    cfg = step_config_of(name)
+    # π_old from its own forward, and π_old = sg(π_θ) (the loop's skipped forward) for anchor old
+    for anchor_old in (old, None) if cfg.correction is not None and cfg.correction.anchor == "old" else (old,):
+        whole = grads_after_step(model, batch, adv, cfg, None, anchor_old)
+        split = grads_after_step(model, batch, adv, cfg, 20, anchor_old)
+        assert any(g.abs().max() > 1e-6 for g in whole[0]), "no gradient: the comparison would be vacuous"
+        assert_same_step(whole, split)
+
+
+def test_data_chosen_bounds_are_not_per_micro_batch():
+    """Guard against a vacuous comparison above: a per-micro-batch bound (the library's per-call default,
+    what the trainer did before issue #32) gives another step."""
+    model, batch, adv, old = near_setup()
+    cfg = op.LossConfig.from_preset("areal:m2po")
+    whole = grads_after_step(model, batch, adv, cfg, None, old)
+    per_call = Metrics()
+    for g in update.micro_batches(batch, torch.arange(6), 20):
+        mb = update.trim(batch.select(g))
+        lp = update.forward(model, mb, SAMPLING, torch.device("cpu"), "fp32")
+        per_call.update(op.policy_loss(lp, old[g, : mb.mask.shape[1]], adv[g, : mb.mask.shape[1]], mb.mask,
+                                       mb.rollout_logprobs, cfg)[1])
+    assert per_call["masked_fraction"] != pytest.approx(whole[1]["offpolicy/masked_fraction"], abs=1e-3)
+
+
+def test_optimizer_steps_of_any_split_log_one_loss():
+    """Issue #32 items 4–5: two optimizer steps (mini-batches) into one Metrics, one step split into
+    micro-batches and the other not: no reducer clash ('loss' was a per-call mean unsplit and a sum of
+    global-count parts split), and ``offpolicy/loss`` is the mean of the two steps' full-batch losses —
+    the same as without micro-batches (it was their sum, twice the loss)."""
+    model, batch, adv, old = near_setup()
+    cfg = op.LossConfig.from_preset("recommended")
+    steps = ([0, 1], [2, 3, 4, 5])  # rows 1, 0: 2·9 ≤ 20 tokens, one micro-batch; rows 2–5 need three
+    assert len(update.micro_batches(batch, torch.tensor(steps[0]), 20)) == 1
+    assert len(update.micro_batches(batch, torch.tensor(steps[1]), 20)) == 3
+    whole = grads_after_step(model, batch, adv, cfg, None, old, steps=steps)
+    split = grads_after_step(model, batch, adv, cfg, 20, old, steps=steps)
+    assert_same_step(whole, split)
+    # the same two steps, each into its own Metrics: the logged loss is the mean of theirs
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    each = []
+    for rows in steps:
+        m = Metrics()
+        update.optimizer_step(model, opt, batch, torch.tensor(rows), adv, old_of=lambda r, mb, lp: old[r, : mb.mask.shape[1]],
+                              loss_cfg=cfg, sampling=SAMPLING, device=torch.device("cpu"), trainer_dtype="fp32",
+                              micro_batch_tokens=None, max_grad_norm=1e12, metrics=m)
+        each.append(m["loss"])
+    assert whole[1]["offpolicy/loss"] == pytest.approx((each[0] + each[1]) / 2, rel=1e-12)
+    assert abs(each[0] - each[1]) > 1e-3  # two different losses: a sum would not pass for the mean
 
 
 # ---------------------------------------------------------------------- device and dtype
@@ -106,30 +228,6 @@ def test_micro_batches_by_padded_tokens():
     assert [g.tolist() for g in update.micro_batches(batch, torch.arange(6), 5)] == [[1], [0], [3], [5], [2], [4]]
     mb = update.trim(batch.select(torch.tensor([1, 0])))
     assert mb.input_ids.shape == (2, 9) and mb.mask.shape == (2, 5)  # longest row 9, longest response 5
-
-
-@pytest.mark.parametrize("preset", [None, "recommended", "verl:decoupled_token_is", "areal:seq_mask"])
-def test_micro_batched_step_equals_the_whole_batch(preset):
-    """Σ over micro-batches of (loss, ∇loss) with the step's global count = the whole batch's, in float64."""
-    model, batch, adv = tiny_setup()
-    loss_cfg = op.LossConfig() if preset is None else op.LossConfig.from_preset(preset)
-    with torch.no_grad():  # π_old: a slightly different policy, so the correction has something to do
-        other, _, _ = tiny_setup(seed=1)
-        old = update.old_logprobs(other, batch, SAMPLING, torch.device("cpu"), "fp32", None)
-    assert old.dtype == torch.float64
-    for anchor_old in (None, old):
-        whole, m_whole = grads_after_step(model, batch, adv, loss_cfg, None, anchor_old)
-        split, m_split = grads_after_step(model, batch, adv, loss_cfg, 20, anchor_old)
-        assert any(g.abs().max() > 1e-6 for g in whole)  # a real gradient
-        scale = max(g.abs().max().item() for g in whole)
-        for a, b in zip(whole, split):
-            # float64 model; the loss rungs take ratios in fp32 (the project's rule), so agreement is at
-            # fp32's rounding of ∂loss/∂log π (~1e-7 relative), far below a wrong count (≥ 1e-1)
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6 * scale)
-        assert m_split.keys() == m_whole.keys()
-        for key, value in m_whole.items():  # metrics are partial sums: they merge exactly too, up to the
-            # rung's fp32 statistics (the whole batch and the split one may take different rungs)
-            assert m_split[key] == pytest.approx(value, rel=1e-6, abs=1e-9, nan_ok=True), key
 
 
 def test_micro_batch_losses_add_up_to_the_whole_loss():
@@ -234,22 +332,33 @@ def test_throughput_numbers_per_step():
 
 
 @pytest.mark.slow
-def test_micro_batched_checkpointed_run_matches_the_plain_run(offpolicy_cache, tmp_path):
-    """Same samples, same first update: micro-batching and checkpointing change memory, not the step."""
+@pytest.mark.parametrize("setting", [["minibatches=1", "preset=recommended", "gradient_checkpointing=true"],
+                                     # issue #32: a reducer clash at step 0, and a loss logged twice over
+                                     ["minibatches=8", "preset=areal:m2po"],
+                                     ["minibatches=1", "ppo_epochs=2", "preset=verl:bypass_pg_is"]])
+def test_micro_batched_run_matches_the_plain_run(offpolicy_cache, tmp_path, setting):
+    """Same samples, same first update: micro-batching (and checkpointing) change memory, not the step —
+    with mini-batches of which some split and some do not, PPO epochs, a data-chosen bound (M2PO) and a
+    preset whose loss is not PPO's. The run's config.yaml holds the loss that ran."""
     def first(name, *extra):
-        cfg = load_train_config(None, [*FAST, "steps=1", "minibatches=1", "preset=recommended",
-                                       f"out_dir={tmp_path / name}", "device=cpu", *extra])
+        cfg = load_train_config(None, [*FAST, "steps=1", *setting, f"out_dir={tmp_path / name}", "device=cpu",
+                                       *extra])
         train(cfg, progress=False)
         lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
-        return json.loads(lines[0]), (tmp_path / name / "config.yaml").read_text()
+        return json.loads(lines[0]), yaml.safe_load((tmp_path / name / "config.yaml").read_text()), cfg
 
-    plain, config = first("plain")
-    split, _ = first("split", "micro_batch_tokens=24", "gradient_checkpointing=true")
-    assert "device: cpu" in config and "trainer_dtype: fp32" in config
-    for key in ("reward", "offpolicy/kl_k3", "offpolicy/grad_norm", "offpolicy/loss"):
-        if key in plain:
-            assert split[key] == pytest.approx(plain[key], rel=1e-4, abs=1e-7), key
-    assert "memory/peak_gib" not in plain and plain["time/tokens_per_s"] > 0
+    plain, config, cfg = first("plain")
+    split, _, _ = first("split", "micro_batch_tokens=24")
+    assert config["train"]["device"] == "cpu" and config["resolved"]["trainer_dtype"] == "fp32"
+    assert config["resolved"]["loss"] == config["train"]["loss"] == cfg.loss_config().model_dump(mode="json")
+    if "preset=recommended" in setting:  # the README's clip, not PPO's ε = 0.2
+        assert (config["resolved"]["loss"]["clip_low"], config["resolved"]["loss"]["clip_high"]) == (0.4, 0.4)
+    assert split.keys() == plain.keys()
+    for key, value in plain.items():
+        # fp32 model: the split forward rounds differently (~1e-7); a per-call bound or a doubled loss is ≥ 1e-2 off
+        if not key.startswith(("time/", "generate/")) and key != "step_seconds" and value is not None:
+            assert split[key] == pytest.approx(value, rel=1e-4, abs=1e-6, nan_ok=True), key
+    assert "memory/peak_gib" not in plain and plain["time/tokens_per_s"] > 0 and plain["generate/tokens_per_s"] > 0
     assert 0 < plain["time/generate_share"] < 1 and 0 < plain["time/train_share"] < 1
 
 

@@ -364,7 +364,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--out", default="diagnose", help="output directory (report.json, PNG plots)")
     d.add_argument("--fail-above", action="append", metavar="STAT=VALUE",
                    help="CI gate: exit 3 if report.json's summary STAT exceeds VALUE (repeatable), e.g. kl_k3=5e-4, "
-                   "mean_abs_log_ratio=0.1, mult_prob_error=1.05, kl_over_entropy=0.01, masked_fraction@recommended=0.05")
+                   "mean_abs_log_ratio=0.1, mult_prob_error=1.05, kl_over_entropy=0.01, masked_fraction@verl:decoupled_seq_is_rs=0.05")
     d.add_argument("--fail-below", action="append", metavar="STAT=VALUE",
                    help="CI gate: exit 3 if the summary STAT is below VALUE (repeatable), e.g. ess=0.9")
     srv = d.add_argument_group("a running inference server (--engine-url)",

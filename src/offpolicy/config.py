@@ -199,6 +199,9 @@ class WeightConfig(_Strict):
     high: HighBound = Field(None, description="upper bound on the ratio; a number, {rule: ess, target}, "
                             "{rule: quantile, q}, or None = open")
     normalize: bool = Field(False, description="divide by the batch mean weight (across DP ranks)")
+    normalize_mean: float | None = Field(
+        None, gt=0, description="the mean weight normalize divides by, fixed for a whole optimizer step by "
+        "offpolicy.resolve_thresholds (so micro-batches divide by the step's mean); None = the call's own mean")
 
     @model_validator(mode="before")
     @classmethod
@@ -218,6 +221,9 @@ class WeightConfig(_Strict):
                 f"weight.low: {{rule: ess, target: {self.low.target}}} chooses an upper cap; put it under "
                 "weight.high, or use {rule: quantile, q} for a lower bound"
             )
+        if self.normalize_mean is not None and not self.normalize:
+            raise ValueError(f"weight.normalize_mean={self.normalize_mean} is the mean that normalize divides by, "
+                             "but normalize is false; set normalize: true or drop normalize_mean")
         if isinstance(self.high, EssBound) and self.mode != "truncate":
             raise ValueError(
                 f"weight.high: {{rule: ess}} chooses a truncation cap, so it needs mode 'truncate' (got mode "
@@ -471,6 +477,14 @@ class CorrectionConfig(_Loadable):
         return (self.weight is not None and self.weight.adaptive) or any(
             isinstance(r, M2Rule) or getattr(r, "adaptive", False) for r in self.reject
         )
+
+    @property
+    def step_dependent(self) -> bool:
+        """Whether a call's result depends on the rest of the step it belongs to: a data-chosen
+        bound (``data_dependent``), or ``weight.normalize`` without a step's mean fixed in
+        ``normalize_mean`` — what ``resolve_thresholds`` fixes once per step."""
+        open_mean = self.weight is not None and self.weight.normalize and self.weight.normalize_mean is None
+        return self.data_dependent or (open_mean and self.anchor != "rollout")
 
 
 # --------------------------------------------------------------------------- loss

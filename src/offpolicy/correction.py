@@ -296,7 +296,7 @@ _RULES = {
 }
 
 
-def _record_bound(metrics: Metrics, key: str, value: float | None, device: torch.device) -> None:
+def record_bound(metrics: Metrics, key: str, value: float | None, device: torch.device) -> None:
     """A chosen bound, reducer mean over calls: [value, 1], or [0, 0] (NaN = no data) without units."""
     parts = torch.tensor([0.0 if value is None else value, 0.0 if value is None else 1.0], dtype=torch.float64,
                          device=device)
@@ -309,13 +309,13 @@ def chosen_band(bounded: Any, values: torch.Tensor, *, fill_empty: bool, metrics
     takes over ``values`` (``thresholds.bound_value``; fixed bounds pass through). With
     ``fill_empty`` a band left open on both sides (no unit to read a bound from) becomes
     high = +inf, so the stage keeps everything. With ``metrics``, each data-chosen side is
-    recorded as ``<key><side>`` (see ``_record_bound``)."""
+    recorded as ``<key><side>`` (see ``record_bound``)."""
     band = {}
     for side in ("low", "high"):
         bound = getattr(bounded, side)
         band[side] = bound_value(bound, values, side)
         if metrics is not None and is_adaptive(bound):
-            _record_bound(metrics, f"{key}{side}", band[side], values.device)
+            record_bound(metrics, f"{key}{side}", band[side], values.device)
     if fill_empty and band["low"] is None and band["high"] is None:
         band["high"] = math.inf
     return band
@@ -455,27 +455,38 @@ def compute_weights(
     return torch.where(mask, weights, torch.zeros((), device=weights.device)).detach()
 
 
-def normalize_weights(weights: torch.Tensor, mask: torch.Tensor, level: str) -> torch.Tensor:
-    """Divide by the batch mean weight, over all data-parallel ranks when torch.distributed is up.
+def weight_sum_and_count(weights: torch.Tensor, mask: torch.Tensor, level: str) -> torch.Tensor:
+    """[Σ, n] (float64) whose ratio is the mean weight ``normalize`` divides by: token level (and
+    segment, whose weights are per token): Σ_t w_t over the surviving tokens and their count;
+    sequence levels: Σ over non-empty rows of each row's mean weight and the row count. Partial
+    sums: micro-batches and ranks add them up to the step's."""
+    if level == "token":  # summed in float64: the same total whichever rows a call holds
+        return torch.stack([ops.masked_sum(weights.double(), mask), mask.sum().double()])
+    rows = mask.any(dim=-1)
+    row_weight = ops.masked_mean(weights, mask, dim=-1)
+    return torch.stack([ops.masked_sum(row_weight.double(), rows), rows.sum().double()])
 
-    token level (and segment, whose weights are per token): mean over valid tokens; sequence
-    levels: mean over non-empty rows of each row's weight. Skipped when that mean is ≤ 1e-8 (all
-    weights ~0: dividing would explode).
-    """
-    if level == "token":
-        stats = torch.stack([ops.masked_sum(weights, mask), mask.sum().to(weights.dtype)])
-    else:
-        rows = mask.any(dim=-1)
-        row_weight = ops.masked_mean(weights, mask, dim=-1)
-        stats = torch.stack([ops.masked_sum(row_weight, rows), rows.sum().to(weights.dtype)])
-    dist = torch.distributed
-    if dist.is_available() and dist.is_initialized():
-        # every rank must divide by the same mean, or DP gradients would be scaled per rank
-        dist.all_reduce(stats, op=dist.ReduceOp.SUM)
-    mean = stats[0] / stats[1].clamp(min=1)
-    if float(mean) <= 1e-8:
-        return weights
-    return weights / mean
+
+def normalizer(stats: torch.Tensor) -> float:
+    """The mean weight from ``[Σ, n]``; 1.0 (no division) when it is ≤ 1e-8 (all weights ~0:
+    dividing would explode)."""
+    mean = float(stats[0] / stats[1].clamp(min=1))
+    return mean if mean > 1e-8 else 1.0
+
+
+def normalize_weights(weights: torch.Tensor, mask: torch.Tensor, level: str, mean: float | None = None) -> torch.Tensor:
+    """Divide by the batch mean weight (``weight_sum_and_count``), over all data-parallel ranks
+    when torch.distributed is up — or by ``mean``, the step's mean that ``resolve_thresholds``
+    fixed (``weight.normalize_mean``), so that every micro-batch of a step divides alike.
+    Skipped when the mean is ≤ 1e-8 (``normalizer``)."""
+    if mean is None:
+        stats = weight_sum_and_count(weights, mask, level)
+        dist = torch.distributed
+        if dist.is_available() and dist.is_initialized():
+            # every rank must divide by the same mean, or DP gradients would be scaled per rank
+            dist.all_reduce(stats, op=dist.ReduceOp.SUM)
+        mean = normalizer(stats)
+    return weights if mean == 1.0 else weights / mean
 
 
 # =========================================================================== metrics (§7)
@@ -634,7 +645,7 @@ def correct(
         weights = compute_weights(cfg.weight, log_ratio, surviving, clamp, metrics, input_mask)
         if cfg.weight.normalize:
             level = "token" if cfg.weight.level == "segment" else cfg.weight.level
-            weights = normalize_weights(weights, surviving, level)
+            weights = normalize_weights(weights, surviving, level, cfg.weight.normalize_mean)
     weight_metrics(metrics, weights, surviving)
     return Correction(
         weights=weights.detach(),

@@ -299,8 +299,9 @@ SUMMARY_STATS = {
 }
 # per preset, "STAT@PRESET": what that preset's correct() does to this batch (the what-if table)
 PRESET_STATS = {"masked_fraction": "token_rejected", "seq_masked_fraction": "seq_rejected", "weight_ess": "ess"}
-NO_ENTROPY = ("kl_over_entropy: left out, no trainer logits are at hand (a --batch dump holds log-probs only); "
-              "the engine path measures it")
+NO_LOGITS = ("left out, no trainer logits are at hand (a --batch dump holds log-probs only); the engine path "
+             "(diagnose --model) measures it")
+NO_ENTROPY = f"kl_over_entropy: {NO_LOGITS}"
 
 
 def summary(result: dict[str, Any], entropy: float | None) -> tuple[dict[str, float], list[str]]:
@@ -319,7 +320,7 @@ def summary(result: dict[str, Any], entropy: float | None) -> tuple[dict[str, fl
     else:
         notes.append("outside_mass: left out, nothing was truncated (top_k = -1, top_p = 1) or no logits are at hand")
     if entropy is None:
-        notes.append(NO_ENTROPY)
+        notes += [f"entropy: {NO_LOGITS}", NO_ENTROPY]
     else:
         out["entropy"] = entropy
         if entropy > 0:  # prime-rl sets kl_ent_ratio only when the entropy is positive
@@ -333,11 +334,13 @@ def summary(result: dict[str, Any], entropy: float | None) -> tuple[dict[str, fl
 
 
 def parse_bounds(items: list[str] | None, flag: str) -> list[tuple[str, float]]:
-    """``["kl_k3=5e-4", "masked_fraction@recommended=0.05"]`` → [(stat, value)], checked before any work.
+    """``["kl_k3=5e-4", "masked_fraction@verl:decoupled_seq_is_rs=0.05"]`` → [(stat, value)], checked
+    before any work.
 
     Raises:
-        ConfigError: not STAT=VALUE, a value that is not a number, or an unknown STAT (the message
-            lists the allowed names).
+        ConfigError: not STAT=VALUE, a value that is not a number, an unknown STAT (the message
+            lists the allowed names), or a rejected fraction of a preset that rejects nothing
+            (``can_reject``: a gate that can never fail).
     """
     bounds = []
     for item in items or []:
@@ -355,8 +358,21 @@ def parse_bounds(items: list[str] | None, flag: str) -> list[tuple[str, float]]:
             raise ConfigError(
                 f"{flag} {item!r}: unknown STAT {stat!r}. Allowed: {', '.join(SUMMARY_STATS)}; per preset "
                 f"{', '.join(s + '@PRESET' for s in PRESET_STATS)} with PRESET one of {', '.join(presets.names())}")
+        if name in ("masked_fraction", "seq_masked_fraction") and not can_reject(preset):
+            raise ConfigError(
+                f"{flag} {item!r}: {preset} rejects no token (no rejection rule, and non-finite values are "
+                f"{presets.correction(preset).nonfinite}, not masked), so {stat} is 0 on every batch and this bound "
+                f"cannot gate anything. Gate a preset that rejects, e.g. {name}@verl:decoupled_seq_is_rs "
+                "(offpolicy presets lists them)")
         bounds.append((stat, value))
     return bounds
+
+
+def can_reject(preset: str) -> bool:
+    """Whether ``preset``'s correction can take a token out of the mask: a rejection rule, or a
+    ``nonfinite`` policy that masks (under ``error`` a bad value raises, under ``neutral`` it is kept)."""
+    corr = presets.correction(preset)
+    return bool(corr.reject) or corr.nonfinite in ("mask_token", "mask_sequence")
 
 
 def gate(values: dict[str, float], above: list[tuple[str, float]], below: list[tuple[str, float]],

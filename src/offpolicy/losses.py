@@ -174,9 +174,9 @@ def with_global_normalizer(
     no-grad forward gives them. ``seq-mean-token-sum-norm`` needs ``max_len`` set: micro-batches
     padded to different lengths would otherwise divide by different T.
 
-    Not exact by design (per call, across ranks only): ``weight.normalize`` divides by the
-    mean weight of the micro-batch's ranks, not of the whole step. With data-chosen bounds,
-    pass the config ``resolve_thresholds`` returns, so the counts use the step's bounds.
+    With data-chosen bounds or ``weight.normalize``, pass the config ``resolve_thresholds``
+    returns, so the counts use the step's bounds and every micro-batch divides by the step's
+    mean weight (per call, each would divide by its own).
 
     Raises:
         ConfigError: seq-mean-token-sum-norm without ``max_len``.

@@ -179,6 +179,17 @@ class Metrics:
         out._checks = list(self._checks)
         return out
 
+    def renamed(self, rename: Callable[[str], str | None]) -> Metrics:
+        """A copy with each key ``k`` stored as ``rename(k)``, or left out where that is None (a
+        quantity the caller records itself, a namespace it reports under its own name)."""
+        out = Metrics()
+        for key, reducer in self._reducer.items():
+            new = rename(key)
+            if new is not None:
+                out._put(new, reducer, self._parts[key])
+        out._checks = list(self._checks)
+        return out
+
     def all_reduce(self, group: torch.distributed.ProcessGroup | None = None) -> Metrics:
         """Reduce across the ranks of ``group`` in place; a no-op unless torch.distributed is initialised.
 

@@ -4,11 +4,12 @@ the first micro-batch's forward, so that a step split into calls behaves like on
 ``resolve_thresholds`` turns every data-chosen bound (issue #12: ``{rule: quantile, q}``,
 ``{rule: ess, target}``; issue #14: the ``m2`` rule) into the plain number it takes over the
 whole step — the same formulas as ``offpolicy.thresholds``, applied to the union of the step's
-units:
+units — and fixes ``weight.normalize``'s mean weight for the step (issue #32):
 
     quantile  upper: v_(⌈q·n⌉)      lower: v_(⌊q·n⌋+1)        (v sorted ascending, indices in [1, n])
     ess       the largest c with  ESS(c) = (Σ min(w_i, c))² / (n Σ min(w_i, c)²) ≥ target
     m2        with s sorted descending and k = min{i : mean(s_{i+1..n}) < τ}: keep m2 < s_k
+    normalize  w̄ = Σ_{b, t} w_t / Σ_b N_b   (tokens; rows' mean weights at sequence levels)
 
 It sits above ``correction`` and ``losses`` (it runs ``correct`` stage by stage and accepts what
 ``policy_loss`` accepts), beside ``losses.with_global_normalizer``, its companion for the
@@ -17,14 +18,24 @@ denominator; ``thresholds`` stays a leaf below ``correction``, so imports run on
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
 
-from offpolicy.config import CorrectionConfig, DivergenceRule, LossConfig, M2Rule
-from offpolicy.correction import chosen_band, correct, rule_units, weight_units
+from offpolicy.config import CorrectionConfig, DivergenceRule, LossConfig, M2Rule, rule_name
+from offpolicy.correction import (
+    chosen_band,
+    correct,
+    normalizer,
+    record_bound,
+    rule_units,
+    weight_sum_and_count,
+    weight_units,
+)
 from offpolicy.losses import as_loss_config
+from offpolicy.metrics import Metrics
 from offpolicy.thresholds import m2_cut
 
 
@@ -49,11 +60,22 @@ def resolve_thresholds(
     micro_batches: Iterable[Mapping[str, torch.Tensor | None]],
     *,
     group: Any = None,
+    metrics: Metrics | None = None,
 ):
     """``config`` with every data-chosen bound replaced by the number it takes over ALL the
     micro-batches of one optimizer step and all ranks of ``group`` — so that a step split into
     micro-batches (and ranks) rejects and truncates exactly like one big batch. Call it once per
     step, before the micro-batches' forwards, and pass the result to each ``policy_loss`` call.
+
+    ``weight.normalize`` is fixed the same way: the step's mean weight (with the resolved bounds,
+    over every micro-batch and rank) goes into ``weight.normalize_mean``, so every micro-batch
+    divides by it (per call, each would divide by its own mean).
+
+    With ``metrics``, what a per-call bound records is recorded once for the step (reducer mean):
+    ``reject/<i>_<stat>_<level>/low|high`` and ``weight_low|high`` (the chosen numbers), and for
+    an m2 rule ``reject/<i>_m2_token/m2_before|m2_after`` (mean (log ρ)² of the units it sees and
+    keeps) — under the ORIGINAL rule's name, while the calls with the returned config report the
+    rule's masked fractions under ``<i>_k2_token``.
 
     Stages are resolved in the order ``correct`` applies them: each rule on the mask its
     predecessors leave (``reject_mode``), then the weight on the surviving mask. A quantile or
@@ -72,7 +94,7 @@ def resolve_thresholds(
     as_corr = isinstance(config, CorrectionConfig)
     loss_cfg = None if as_corr else as_loss_config(config)
     corr: CorrectionConfig | None = config if as_corr else loss_cfg.correction
-    if corr is None or not corr.data_dependent:
+    if corr is None or not corr.step_dependent:
         return config if as_corr else loss_cfg
     batches = [dict(mb) for mb in micro_batches]
     if not batches:
@@ -92,11 +114,19 @@ def resolve_thresholds(
         parts = [rule_units(rule, o.log_ratio, (o.mask if corr.reject_mode == "sequential" else o.valid_mask).bool(),
                             corr.log_clamp) for o in outs]
         values = _gather(torch.cat([p.reshape(-1).to(parts[0].device) for p in parts]), group)
+        name = f"reject/{rule_name(i, rule)}/"
         if isinstance(rule, M2Rule):
             cut = m2_cut(values, rule.high)
+            if math.isinf(cut):  # nothing to drop: the largest value keeps every unit, and a config holds no inf
+                cut = float(values.max()) if values.numel() else 0.0
             rules[i] = DivergenceRule(stat="k2", level="token", high=cut / 2)
+            if metrics is not None:
+                kept = values[values * 0.5 <= cut / 2]  # the k2 rule's own comparison
+                for key, part in (("m2_before", values), ("m2_after", kept)):
+                    record_bound(metrics, name + key, float(part.double().mean()) if part.numel() else None,
+                                 values.device)
         else:  # no unit anywhere: nothing to reject
-            rules[i] = rule.model_copy(update=chosen_band(rule, values, fill_empty=True))
+            rules[i] = rule.model_copy(update=chosen_band(rule, values, fill_empty=True, metrics=metrics, key=name))
     fixed = corr.model_copy(update={"reject": rules})
     w = corr.weight
     if w is not None and w.adaptive and corr.anchor != "rollout":
@@ -104,7 +134,19 @@ def resolve_thresholds(
         parts = [weight_units(w, o.log_ratio, o.mask.bool(), corr.log_clamp, mb["mask"])
                  for o, mb in zip(outs, batches)]
         values = _gather(torch.cat([p.reshape(-1).to(parts[0].device) for p in parts]), group)
-        fixed = fixed.model_copy(update={"weight": w.model_copy(update=chosen_band(w, values, fill_empty=False))})
+        band = chosen_band(w, values, fill_empty=False, metrics=metrics, key="weight_")
+        fixed = fixed.model_copy(update={"weight": w.model_copy(update=band)})
+    w = fixed.weight
+    if w is not None and w.normalize and w.normalize_mean is None and corr.anchor != "rollout":
+        # the step's mean weight: Σ over every micro-batch (and rank) of the weights normalize would
+        # average, with the bounds fixed above, over Σ of their counts (correction.normalize_weights)
+        outs = run(fixed.model_copy(update={"weight": w.model_copy(update={"normalize": False})}))
+        level = "token" if w.level == "segment" else w.level
+        stats = sum(weight_sum_and_count(o.weights, o.mask.bool(), level).to(outs[0].weights.device) for o in outs)
+        dist = torch.distributed
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=group)
+        fixed = fixed.model_copy(update={"weight": w.model_copy(update={"normalize_mean": normalizer(stats)})})
     if as_corr:
         return fixed
     return LossConfig(**{**loss_cfg.model_dump(exclude={"correction"}), "correction": fixed})

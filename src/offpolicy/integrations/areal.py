@@ -6,6 +6,12 @@ AReaL 1.0.4 (areal/trainer/ppo/actor.py ``grpo_loss_fn``, areal/utils/functional
 behaviour policy: our ``rollout_logprobs``). Call ``policy_loss(π_θ, π_prox, A, mask, μ,
 config=loss_config(...))``. This module is plain data: it does not import AReaL.
 
+The keyword defaults are ``PPOActorConfig``'s own (areal/api/cli_args.py, 1.0.4):
+``use_decoupled_loss=False``, ``rejection_sampling=None``, ``m2_threshold=None``, ``eps_clip=0.2``,
+``use_sapo_loss=False`` …, so passing the fields an AReaL config sets (and only those) gives that
+config's loss: ``loss_config(use_sapo_loss=True)`` is AReaL's ordinary SAPO setup, decoupled PPO
+needs ``use_decoupled_loss=True`` as it does in AReaL.
+
 Every setting maps to a config, or raises ``ConfigError`` saying why it has no meaningful
 equivalent and what to use instead (docs/areal.md lists them all):
 
@@ -15,8 +21,14 @@ equivalent and what to use instead (docs/areal.md lists them all):
   weight is then neither the geometric mean nor a truncation of it);
 * ``action: clamp`` with a KL metric (AReaL clamps the RATIO to the KL bounds);
 * ``level: sequence, agg: sum, action: clamp, metric: ratio`` with ``lower > 1``;
-* ``m2_threshold`` with ``action: mask`` (AReaL's denominator counts the tokens after M2PO but
-  before rejection sampling: two denominators in one loss);
+* ``m2_threshold`` with an ``action: mask`` that ``LossConfig`` cannot write as a weight: AReaL
+  divides by the tokens M2PO keeps, BEFORE rejection sampling drops more, and a LossConfig counts
+  either before every rule (``fixed``) or after every rule (``renormalize``). A ratio mask at token
+  level (PPO) or at sequence level with agg mean IS expressed: M2PO as the rejection rule
+  (``renormalize``), the mask as a ``{mode: mask}`` weight — its tokens get weight 0 and stay
+  counted, as in AReaL;
+* ``rejection_sampling`` or ``m2_threshold`` without ``use_decoupled_loss`` (AReaL ignores them
+  there: π_prox is μ itself, it warns "Filtering will be ignored");
 * ``use_sapo_loss`` with ``use_decoupled_loss`` (AReaL refuses it too).
 """
 
@@ -105,6 +117,30 @@ def rejection_sampling_correction(rs: dict[str, Any]) -> dict[str, Any]:
     return {"weight": {"level": "geometric", "mode": "truncate", **band}}
 
 
+def m2po_with_mask_as_weight(rs: dict[str, Any], importance_sampling_level: str) -> dict[str, Any]:
+    """The ``weight`` that reproduces a rejection_sampling ``action: mask`` applied after M2PO: the
+    mask's kept tokens carry the raw ratio (token level) or the row's geometric mean (sequence level,
+    agg mean), its rejected ones weight 0, and all of them stay in the count — AReaL's denominator,
+    the tokens M2PO keeps (``ppo_actor_loss_fn`` counts ``loss_mask`` before rejection sampling edits
+    it; ``grpo_loss_fn`` applied M2PO to it first).
+
+    Raises:
+        ConfigError: a mask that is no weight — a KL metric, agg sum or max, a token-level mask under
+        GSPO's sequence ratio (AReaL's row mean then leaves the rejected tokens out) — with what
+        LossConfig lacks.
+    """
+    low = None if rs["lower"] == 0 else rs["lower"]
+    if rs["metric"] == "ratio" and (rs["level"] == "token" and importance_sampling_level == "token"
+                                    or rs["level"] == "sequence" and rs["agg"] == "mean"):
+        level = "token" if rs["level"] == "token" else "geometric"
+        return {"level": level, "mode": "mask", "low": low, "high": rs["upper"]}
+    raise _refuse(rs, "with m2_threshold, AReaL divides by the tokens M2PO keeps, before rejection sampling drops "
+                  "more; a LossConfig counts its tokens either before every rejection rule (denominator fixed) or "
+                  "after every rule (renormalize), so only a mask it can write as a {mode: mask} weight (metric "
+                  "ratio at token level with importance_sampling_level token, or at sequence level with agg mean) "
+                  "keeps AReaL's count. Use action 'clamp', or one of the two rules")
+
+
 def loss_config(
     *,
     eps_clip: float = 0.2,
@@ -112,14 +148,16 @@ def loss_config(
     c_clip: float | None = None,
     rejection_sampling: Any = None,
     importance_sampling_level: str = "token",
-    use_decoupled_loss: bool = True,
+    use_decoupled_loss: bool = False,
     m2_threshold: float | None = None,
     use_sapo_loss: bool = False,
     sapo_tau_pos: float = 1.0,
     sapo_tau_neg: float = 1.05,
     nonfinite: str = "error",
 ) -> LossConfig:
-    """The LossConfig computing AReaL's actor loss for these ``PPOActorConfig`` fields.
+    """The LossConfig computing AReaL's actor loss for these ``PPOActorConfig`` fields; the
+    defaults are AReaL's (``use_decoupled_loss=False``: PPO against μ, no correction — pass μ as
+    ``old_logprobs``).
 
     ``rejection_sampling``: AReaL's RejectionSamplingConfig or a dict of its fields; None =
     none. ``nonfinite``: AReaL itself sets a non-finite log ρ to 0 (weight 1): ``neutral``
@@ -151,8 +189,10 @@ def loss_config(
         loss["gspo_form"] = "sequence"
     if not use_decoupled_loss:
         if rs is not None or m2_threshold is not None:
-            raise ConfigError("rejection_sampling and m2_threshold compare π_prox with μ, which needs "
-                              "use_decoupled_loss true")
+            given = " and ".join(k for k, v in (("rejection_sampling", rs), ("m2_threshold", m2_threshold)) if v is not None)
+            raise ConfigError(f"{given} with use_decoupled_loss false (AReaL's default): AReaL ignores it there — "
+                              "π_prox is μ itself, so π_prox/μ = 1 (it warns 'Filtering will be ignored'). Set "
+                              "use_decoupled_loss=True (decoupled PPO, as AReaL needs for them), or drop it")
         return LossConfig(**loss)  # π_prox is μ itself: pass μ as old_logprobs, no correction
     correction: dict[str, Any] = {"anchor": "old", "log_clamp": None, "nonfinite": nonfinite}
     reject: list[dict[str, Any]] = []
@@ -160,10 +200,8 @@ def loss_config(
         reject.append({"stat": "m2", "high": m2_threshold})
     if rs is not None:
         fields = rejection_sampling_correction(rs)
-        if m2_threshold is not None and fields.get("reject"):
-            raise _refuse(rs, "with m2_threshold, AReaL divides by the tokens M2PO keeps but counts the tokens "
-                          "rejection sampling drops: one loss with two denominators. Use action 'clamp', or one of "
-                          "the two rules")
+        if m2_threshold is not None and fields.get("reject"):  # the mask as a weight: AReaL's one count
+            fields = {"weight": m2po_with_mask_as_weight(rs, importance_sampling_level)}
         reject += fields.get("reject", [])
         if fields.get("weight"):
             correction["weight"] = fields["weight"]

@@ -75,7 +75,7 @@ def _weights(cfg: CorrectionConfig, log_ratio, ratio, m, keep, metrics: Metrics)
     metrics.ratio("fraction_below_low", (below & unit_mask).sum(), n_units)
     weights = weights * m  # [B, T] (broadcast rows), 0 off the surviving mask
     if w_cfg.normalize:
-        weights = normalize_weights(weights, keep, w_cfg.level)
+        weights = normalize_weights(weights, keep, w_cfg.level, w_cfg.normalize_mean)
     return weights
 
 
@@ -159,7 +159,7 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, rollout_logprobs, conf
             # clamp's derivative is 0 outside ±RATIO_LOG_CLAMP: PPO's r carries no gradient there
             unclamped = log_r.abs() <= RATIO_LOG_CLAMP if config.kind == "ppo" else None
             log_r = log_r.clamp_(-RATIO_LOG_CLAMP, RATIO_LOG_CLAMP)
-            metrics.ratio("approx_kl", ((torch.expm1(log_r) - log_r) * km).sum(), km.sum())  # k3 of π_θ vs π_old
+            metrics.ratio("approx_kl", ((torch.expm1(log_r) - log_r) * km).sum(dtype=torch.float64), km.sum())  # k3 of π_θ vs π_old
         if config.kind == "reinforce":
             per_token = -adv_w * lp
             coef = -adv_w
@@ -209,19 +209,21 @@ def _aggregate(per_token, mask, cfg: LossConfig):
 
 
 def _mismatch_metrics(metrics, trainer_m, rollout_m, log_ratio, ratio, em1, m, valid, n, clamp):
-    """The SPEC §7 mismatch block (same values as ``correction.mismatch_metrics``), sharing passes."""
+    """The SPEC §7 mismatch block (same values as ``correction.mismatch_metrics``), sharing passes.
+    Per-token and per-row values are fp32; their sums over the batch accumulate in float64, as the
+    readable path's ``Metrics.mean`` does, so a batch split into calls adds up to the same totals."""
     lr_m = log_ratio * m
     row_lr = lr_m.sum(-1)  # [B] Σ_t log ρ_t (clamped per token)
     em1_m = em1 * m
-    metrics.ratio("kl_k1", -row_lr.sum(), n)
-    metrics.ratio("kl_k3", (em1_m - lr_m).sum(), n)  # Σ (ρ − 1 − log ρ)
+    metrics.ratio("kl_k1", -row_lr.sum(dtype=torch.float64), n)
+    metrics.ratio("kl_k3", (em1_m - lr_m).sum(dtype=torch.float64), n)  # Σ (ρ − 1 − log ρ)
     # ρ² overflows fp32 beyond log ρ = 44, reachable only with log_clamp > 44 (or None)
     if clamp > 44:
         em1_m, em1, ratio = em1_m.double(), em1.double(), ratio.double()
-    metrics.ratio("chi2_token", (em1_m * (em1 + 2.0)).sum(), n)  # Σ (ρ² − 1), no cancellation near ρ = 1
+    metrics.ratio("chi2_token", (em1_m * (em1 + 2.0)).sum(dtype=torch.float64), n)  # Σ (ρ² − 1), no cancellation near ρ = 1
     rho_m = ratio * m
     # ESS is a ratio of sums of ρ and ρ²: no cancellation, so the plain sums are exact enough
-    metrics._put("ess", "ess", torch.stack([rho_m.sum().double(), (rho_m * ratio).sum().double(), n.double()]))
+    metrics._put("ess", "ess", torch.stack([rho_m.sum(dtype=torch.float64), (rho_m * ratio).sum(dtype=torch.float64), n.double()]))
     rows = valid.any(-1)
     rows_f = rows.float()
     n_rows = rows.sum()
@@ -229,19 +231,19 @@ def _mismatch_metrics(metrics, trainer_m, rollout_m, log_ratio, ratio, em1, m, v
     mean_train = trainer_m.sum(-1) / row_n
     mean_rollout = rollout_m.sum(-1) / row_n
     seq = row_lr.double().clamp(-clamp, clamp)
-    metrics.ratio("chi2_seq", (torch.expm1(2.0 * seq) * rows_f).sum(), n_rows)
-    metrics.ratio("ppl_train", (ops.safe_exp(-mean_train, None) * rows_f).sum(), n_rows)
-    metrics.ratio("ppl_rollout", (ops.safe_exp(-mean_rollout, None) * rows_f).sum(), n_rows)
+    metrics.ratio("chi2_seq", (torch.expm1(2.0 * seq) * rows_f).sum(dtype=torch.float64), n_rows)
+    metrics.ratio("ppl_train", (ops.safe_exp(-mean_train, None) * rows_f).sum(dtype=torch.float64), n_rows)
+    metrics.ratio("ppl_rollout", (ops.safe_exp(-mean_rollout, None) * rows_f).sum(dtype=torch.float64), n_rows)
     diff = (rollout_m - trainer_m).sum(-1) / row_n  # per-token differences: no cancellation
-    metrics.ratio("log_ppl_diff", (diff * rows_f).sum(), n_rows)
-    metrics.ratio("ppl_ratio", (ops.safe_exp(diff, None) * rows_f).sum(), n_rows)
+    metrics.ratio("log_ppl_diff", (diff * rows_f).sum(dtype=torch.float64), n_rows)
+    metrics.ratio("ppl_ratio", (ops.safe_exp(diff, None) * rows_f).sum(dtype=torch.float64), n_rows)
     abs_lr = lr_m.abs_()  # 0 off the mask and ≥ 0: its max is the max over the mask
-    metrics.ratio("abs_logp_diff_mean", abs_lr.sum(), n)
+    metrics.ratio("abs_logp_diff_mean", abs_lr.sum(dtype=torch.float64), n)
     metrics._put("abs_logp_diff_max", "max", torch.stack([abs_lr.amax(), n]).double())
     # NeMo-RL's token_mult_prob_error: Σ exp(|log ρ|) over valid tokens (exp(0) = 1 off the mask is removed by m)
     metrics.ratio("mult_prob_error", (torch.exp(abs_lr) * m).sum(dtype=torch.float64), n)
     prob_diff = (torch.exp(trainer_m) - torch.exp(rollout_m)).abs_()  # exp(0) − exp(0) = 0 off the mask
-    metrics.ratio("prob_diff_mean", prob_diff.sum(), n)
+    metrics.ratio("prob_diff_mean", prob_diff.sum(dtype=torch.float64), n)
     metrics._put("prob_diff_max", "max", torch.stack([prob_diff.amax(), n]).double())
     metrics.sum("nonfinite_tokens", torch.zeros((), device=m.device))
     metrics.sum("valid_tokens", n)

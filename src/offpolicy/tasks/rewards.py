@@ -13,7 +13,7 @@ Every reward maps ``(completion, reference)`` to a float; the built-ins return 1
   LaTeX normalisation (``normalize_latex``); two contents that both read as numbers compare as
   numbers. No ``\\boxed{}`` in the completion scores 0.
 * ``package.module:function`` — ``function(completion, reference)`` imported at config time; it must
-  return a finite real number (``bool`` counts: True = 1.0).
+  return a finite real number (``bool`` counts: True = 1.0; text such as ``"1.0"`` is refused).
 """
 
 from __future__ import annotations
@@ -178,7 +178,10 @@ def resolve_reward(spec: str) -> RewardFn:
 
 
 def checked_value(spec: str, value: object) -> float:
-    """A reward function's return value as a finite float.
+    """A reward function's return value as a finite float: a number (int, float, numpy scalar, a
+    one-element tensor) or a ``bool`` (True = 1.0, as documented). Text is refused even when it
+    reads as a number (``"1.0"``): a function returning strings has a bug (a comparison's operands,
+    a parsed answer returned instead of its score) that ``float()`` would hide.
 
     Raises:
         ValueError: not a real number (a string, None, a tensor of several values …) or not finite —
@@ -187,10 +190,12 @@ def checked_value(spec: str, value: object) -> float:
     if isinstance(value, bool):
         return float(value)
     try:
+        if isinstance(value, (str, bytes, bytearray)):
+            raise TypeError
         number = float(value)  # ints, floats, numpy scalars, one-element tensors
     except (TypeError, ValueError):
         raise ValueError(f"reward={spec!r} returned {type(value).__name__} {value!r:.60}; it must return a number "
-                         "(e.g. 1.0 for correct, 0.0 otherwise)") from None
+                         "(e.g. 1.0 for correct, 0.0 otherwise), not text") from None
     if not math.isfinite(number):
         raise ValueError(f"reward={spec!r} returned {number}; rewards must be finite")
     return number

@@ -35,6 +35,45 @@ DATASET_DEFAULTS = {
     # gradient are unchanged, see micro_batch_tokens)
     "micro_batch_tokens": 2048,
 }
+# options that belong to the loss kind: a preset's values do not carry over to another kind
+KIND_OPTIONS = ("clip_low", "clip_high", "dual_clip", "gspo_form", "sapo_level", "sapo_tau_pos", "sapo_tau_neg")
+MERGED = ("correction", "weight")  # nested sections a user's keys merge into key by key (lists replace)
+
+
+def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """``over`` on top of ``base``; the sections in ``MERGED`` merge recursively when both are mappings."""
+    out = dict(base)
+    for key, value in over.items():
+        if key in MERGED and isinstance(value, dict) and isinstance(out.get(key), dict):
+            value = _merge(out[key], value)
+        out[key] = value
+    return out
+
+
+def preset_loss(preset: str | None, user: dict[str, Any]) -> dict[str, Any]:
+    """The loss fields ``offpolicy train`` runs: the WHOLE preset — its loss settings (kind, clip,
+    aggregation, …) and its correction, what ``LossConfig.from_preset(preset)`` builds — with the
+    ``loss.*`` keys the user wrote on top (``correction`` and ``correction.weight`` merge key by
+    key; a list such as ``reject`` replaces the preset's). A ``kind`` other than the preset's drops
+    the preset's kind options (clip, dual clip, gspo/sapo forms), so the new kind starts from its
+    own defaults. ``loss.correction: null`` keeps the preset's correction — no correction is
+    ``preset=none`` — which is also what a config.yaml written before issue #32 meant (it held
+    ``correction: null`` beside a preset). ``preset`` null or ``none``: the user's keys alone
+    (``LossConfig`` defaults: PPO, ε = 0.2, no correction).
+
+    Raises:
+        ConfigError: an unknown preset name (with close matches).
+    """
+    if preset is None or preset == NO_CORRECTION:
+        return dict(user)
+    data = presets.get(preset)
+    base = {**data.loss, "correction": dict(data.correction)}
+    if "correction" in user and user["correction"] is None:
+        user = {k: v for k, v in user.items() if k != "correction"}
+    if "kind" in user and user["kind"] != base.get("kind", "ppo"):
+        base = {k: v for k, v in base.items() if k not in KIND_OPTIONS}
+    return _merge(base, user)
+
 
 
 class WarmStartConfig(_Strict):
@@ -124,9 +163,12 @@ class TrainConfig(_Strict):
         "forward", description="π_old: 'forward' = the trainer's own forward before the step (skipped when it equals "
         "π_θ); 'loglinear' = AReaL's approximation log μ + α(sg(log π_θ) − log μ), α from the policy versions, "
         "no π_old forward at all (offpolicy.loglinear_proximal)")
-    preset: str | None = Field("recommended", description="correction preset used when loss.correction is unset; "
-                               "'none' = no correction on purpose (the only way to train stale rollouts uncorrected)")
-    loss: LossConfig = Field(default_factory=LossConfig)
+    preset: str | None = Field("recommended", description="the loss to train with: the whole preset (kind, clip, "
+                               "aggregation and correction: LossConfig.from_preset), loss.* keys on top; 'none' = "
+                               "no preset and no correction on purpose (the only way to train stale rollouts "
+                               "uncorrected)")
+    loss: LossConfig = Field(default_factory=LossConfig, description="set keys override the preset's; after loading, "
+                             "the resolved loss that runs (written out in the run's config.yaml)")
     # where and how the trainer runs (issue #21): device, precision, memory
     device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$", description="auto = cuda when CUDA is "
                         "available, else cpu; policy, optimizer state, batches and the loss live there (so does the "
@@ -164,6 +206,25 @@ class TrainConfig(_Strict):
     max_prompt_tokens: int | None = Field(None, gt=0, description="task=dataset: longest prompt (chat template "
                                           "included); longer ones are refused (or dropped: data.drop_long_prompts). "
                                           "Unset = 512")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _loss_is_the_whole_preset(cls, data: Any) -> Any:
+        """``loss`` becomes the preset's whole loss with the user's ``loss.*`` keys on top
+        (``preset_loss``), validated once here, when the config loads — so a combination that
+        does not hold fails before any model loads, and the saved config.yaml holds what ran
+        (loading it again resolves to the same loss)."""
+        if not isinstance(data, dict):
+            return data
+        user = data.get("loss", {})
+        if isinstance(user, LossConfig):
+            user = user.model_dump(exclude_unset=True)
+        if not isinstance(user, dict):
+            return data  # pydantic names the type error
+        preset = data.get("preset", cls.model_fields["preset"].default)
+        if not (preset is None or isinstance(preset, str)):
+            return data
+        return {**data, "loss": preset_loss(preset, user)}
 
     @model_validator(mode="after")
     def _task_defaults(self) -> TrainConfig:
@@ -222,8 +283,6 @@ class TrainConfig(_Strict):
             raise ValueError(f"prompts_per_step·group_size = {batch} is not divisible by minibatches={self.minibatches}")
         if self.engine_logit_noise > 0 and self.engine != "hf":
             raise ValueError("engine_logit_noise is implemented by the hf engine; with vllm use engine_weight_noise")
-        if self.preset is not None and self.preset != NO_CORRECTION:
-            presets.get(self.preset)  # unknown names fail here, with suggestions
         if self.max_staleness > 0 and self.preset is None and self.loss.correction is None:
             # Async guard (issue #14). Under staleness μ is up to s versions behind π_θ; without a
             # correction PPO's ratio is taken against an anchor the rollouts were not sampled from,
@@ -261,10 +320,19 @@ class TrainConfig(_Strict):
         return self
 
     def loss_config(self) -> LossConfig:
-        """``loss``, with the preset's correction when ``loss.correction`` is unset."""
-        if self.loss.correction is not None or self.preset in (None, NO_CORRECTION):
-            return self.loss
-        return self.loss.model_copy(update={"correction": presets.correction(self.preset)})
+        """The loss that runs: ``loss``, already resolved from the preset when the config loaded."""
+        return self.loss
+
+    def loss_summary(self) -> str:
+        """One line for the run's banner, e.g. ``recommended: ppo, clip [0.6, 1.4], anchor rollout``."""
+        loss = self.loss
+        parts = [loss.kind]
+        low = None if loss.clip_low is None else f"{1 - loss.clip_low:g}"
+        high = None if loss.clip_high is None else f"{1 + loss.clip_high:g}"
+        if low is not None or high is not None:
+            parts.append(f"clip [{low}, {high}]" if low and high else f"clip ≤ {high}" if high else f"clip ≥ {low}")
+        parts.append("no correction" if loss.correction is None else f"anchor {loss.correction.anchor}")
+        return f"{self.preset or 'no preset'}: {', '.join(parts)}"
 
 
 def _native_bf16() -> tuple[bool, str]:

@@ -167,7 +167,7 @@ class RunLogger:
             return sum(part) / len(part)
 
         keys = ["reward", "eval/accuracy", "offpolicy/kl_k3", "offpolicy/masked_fraction", "offpolicy/ess",
-                "staleness", "tokens_per_s", "truncated_share", "skipped_update",
+                "staleness", "generate/tokens_per_s", "truncated_share", "skipped_update",
                 # issue #21: throughput, where the step goes, and GPU memory (CUDA runs only)
                 "time/tokens_per_s", "time/generate_share", "time/train_share", "memory/peak_gib"]
         keys = [k for k in keys if k != "memory/peak_gib" or any(r.get(k) is not None for r in self.records)]

@@ -32,6 +32,7 @@ import time
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 import torch
 import yaml
@@ -122,12 +123,15 @@ def make_train_task(cfg: TrainConfig, tokenizer):
     """The task to train on: a synthetic one, or (task=dataset) the data file, rendered with ``tokenizer``."""
     if cfg.task != "dataset":
         return make_task(cfg.task, **cfg.task_params)
-    return load_dataset_task(cfg.data, tokenizer, cfg.reward, cfg.max_prompt_tokens, cfg.max_new_tokens)
+    # the model's vocabulary, against which the tokenizer files are checked (an incomplete set loads a tiny one)
+    vocab_size = json.loads((Path(cfg.model).expanduser() / "config.json").read_text()).get("vocab_size")
+    return load_dataset_task(cfg.data, tokenizer, cfg.reward, cfg.max_prompt_tokens, cfg.max_new_tokens, vocab_size)
 
 
-def new_run_dir(cfg: TrainConfig, resolved: dict[str, str]) -> Path:
+def new_run_dir(cfg: TrainConfig, resolved: dict[str, Any]) -> Path:
     """A fresh run directory with ``config.yaml``: the config under ``train`` (what ``--resume``
-    reads) and the choices made at run time (engine dtype and why) under ``resolved``."""
+    reads) and the choices made at run time (engine dtype and why, the loss the preset resolved
+    to) under ``resolved``."""
     run_dir = Path(cfg.out_dir or f"runs/{cfg.task}-{datetime.now():%Y%m%d-%H%M%S}")
     if (run_dir / "checkpoints").exists():
         raise ConfigError(f"run directory {run_dir} already holds a run; use --resume {run_dir} or another out_dir")
@@ -180,9 +184,10 @@ def staleness_metrics(version: int, row_versions: torch.Tensor, pipeline: Rollou
 
 
 def throughput(values: dict[str, float], n_tokens: float, device: torch.device, overlapped: bool) -> dict[str, float]:
-    """What a user watches (issue #21): response tokens per second of the whole step, the share of
-    the step spent generating (waiting, when overlapped) and training, and on CUDA the step's peak
-    GPU memory (absent on CPU, never a NaN)."""
+    """What a user watches (issue #21): response tokens per second of the whole step
+    (``time/tokens_per_s``; the engine's own rate, per second of generation, is
+    ``generate/tokens_per_s``), the share of the step spent generating (waiting, when overlapped)
+    and training, and on CUDA the step's peak GPU memory (absent on CPU, never a NaN)."""
     step = max(values["step_seconds"], 1e-9)
     engine = values["time/wait"] if overlapped else values["time/generate"]  # what held the trainer up
     out = {"time/tokens_per_s": n_tokens / step, "time/generate_share": min(1.0, engine / step),
@@ -232,7 +237,8 @@ def train(cfg: TrainConfig, resume: Path | None = None, console: Console | None 
     created = resume is None
     run_dir = resume if resume is not None else new_run_dir(cfg, {
         "engine_dtype": engine_dtype, "engine_dtype_reason": dtype_reason, "device": str(device),
-        "trainer_dtype": trainer_dtype, "trainer_dtype_reason": trainer_dtype_reason})
+        "trainer_dtype": trainer_dtype, "trainer_dtype_reason": trainer_dtype_reason,
+        "loss": loss_cfg.model_dump(mode="json")})  # the preset with the loss.* keys on top: what runs
     try:
         # ---------------------------------------------------------------- setup
         checkpoint = latest_checkpoint(run_dir) if resume is not None else None
@@ -257,7 +263,7 @@ def train(cfg: TrainConfig, resume: Path | None = None, console: Console | None 
         start_step, version = state["step"], state["version"]
         console.print(f"offpolicy train: {cfg.task} · {device} ({trainer_dtype}) · "
                       f"engine {cfg.engine} ({engine_dtype}) · "
-                      f"preset {cfg.preset if cfg.loss.correction is None else 'custom'} · staleness ≤ "
+                      f"loss {cfg.loss_summary()} · staleness ≤ "
                       f"{cfg.max_staleness} · run {run_dir}")
         context = cfg.max_prompt_tokens + cfg.max_new_tokens if cfg.task == "dataset" else 1024
         engine = make_engine(cfg.engine, str(load_from), tokenizer, engine_dtype, seed=cfg.seed,
@@ -344,7 +350,7 @@ def train(cfg: TrainConfig, resume: Path | None = None, console: Console | None 
                     "truncated_share": 1.0 - sum(item.rollouts.finished) / len(rewards),
                     "staleness": float(trained_on - item.rollouts.version),
                     **staleness_metrics(trained_on, batch.versions, pipeline),
-                    "tokens_per_s": n_tokens / max(item.seconds, 1e-9),
+                    "generate/tokens_per_s": n_tokens / max(item.seconds, 1e-9),  # the engine's rate
                     "policy_version": float(version),
                     "skipped_update": float(skipped),
                 }

@@ -12,21 +12,32 @@ big batch's gradient. Counting the surviving tokens of a correction needs log π
 rules on π_θ, log π_θ) before the backward passes: a no-grad forward per micro-batch gives them;
 this costs one extra forward, paid only when the step splits into more than one micro-batch.
 
+Exact for every option (issue #32): a bound chosen from the data (quantile, ESS, M2PO) and
+``weight.normalize``'s mean are fixed over the whole step by ``op.resolve_thresholds`` — split or
+not, so both report the same metrics; each micro-batch's per-token tensors are widened back to
+the step's response width, so per-row reductions (sequence ratios, row means) sum the same
+columns; the loss is aggregated in float64 and recorded once per optimizer step. A float64
+model gives the unsplit step's loss, gradient and every metric to ~1e-16 (tested to 1e-10).
+
 Host synchronisation: nothing here reads a device value on the host — the batch's lengths are
 read from its CPU copy, metrics stay tensors (``Metrics``) until the one copy per step in the
-log stage. ``with_global_normalizer`` reads its count once per split step (that is the price of
-micro-batching under a correction whose count depends on the data).
+log stage. ``with_global_normalizer`` reads its count once per split step, and
+``resolve_thresholds`` its bounds once per step (that is the price of micro-batching under a
+correction whose count or bound depends on the data).
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 
 import offpolicy as op
+from offpolicy.config import M2Rule
 from offpolicy.engines import SamplingConfig
+from offpolicy.kernels.common import row_aggregation
 from offpolicy.metrics import Metrics
 from offpolicy.train.batch import Batch, trainer_logprobs
 
@@ -104,22 +115,41 @@ def old_logprobs(policy, batch: Batch, sampling: SamplingConfig, device: torch.d
     return out
 
 
-def step_config(loss_cfg: op.LossConfig, parts: list[dict[str, torch.Tensor]]) -> op.LossConfig:
-    """The loss config for one optimizer step: unchanged for one micro-batch (the loss divides by
-    its own count), with the step's global count for several (``op.with_global_normalizer``)."""
+def step_config(loss_cfg: op.LossConfig, parts: list[dict[str, torch.Tensor]],
+                metrics: Metrics | None = None) -> op.LossConfig:
+    """The loss config of one optimizer step, the same for each of its micro-batches ``parts``:
+    data-chosen bounds and ``weight.normalize``'s mean taken over the whole step
+    (``op.resolve_thresholds``, which records the chosen numbers in ``metrics``) — for one
+    micro-batch too, so a split and an unsplit step report the same metrics — and, for several
+    micro-batches, the step's global count (``op.with_global_normalizer``: the loss of each
+    micro-batch divides by it, so they add up to the whole batch's)."""
+    cfg = loss_cfg
+    if loss_cfg.correction is not None and loss_cfg.correction.step_dependent:
+        cfg = op.resolve_thresholds(loss_cfg, parts, metrics=metrics)
     if len(parts) == 1:
-        return loss_cfg
-    needed = {"mask"} if loss_cfg.correction is None else set(parts[0])
-    return op.with_global_normalizer(loss_cfg, [{k: v for k, v in p.items() if k in needed} for p in parts])
+        return cfg
+    needed = {"mask"} if cfg.correction is None else set(parts[0])
+    return op.with_global_normalizer(cfg, [{k: v for k, v in p.items() if k in needed} for p in parts])
 
 
 def accumulate(logprobs: torch.Tensor, old_logprobs: torch.Tensor | None, advantages: torch.Tensor, mb: Batch,
-               loss_cfg: op.LossConfig, metrics: Metrics) -> None:
-    """One micro-batch's corrected loss, backpropagated (gradients add up in ``.grad``)."""
-    loss, m = op.policy_loss(logprobs, old_logprobs, advantages, mb.mask, rollout_logprobs=mb.rollout_logprobs,
-                             config=loss_cfg)
+               loss_cfg: op.LossConfig, metrics: Metrics) -> torch.Tensor:
+    """One micro-batch's corrected loss, backpropagated (gradients add up in ``.grad``); returns
+    its value, detached, in float64.
+
+    ``policy_loss`` gives the per-token terms (``reduce=False``); they are aggregated here with the
+    loss's own rule (``row_aggregation``: Σ / N_tokens, or the row means over N_rows) in float64,
+    so that the micro-batches' values add up to the whole step's to float64 rounding whatever the
+    split. The per-call ``loss`` metric is left out: ``optimizer_step`` records the step's.
+    """
+    per_token, agg_mask, m = op.policy_loss(logprobs, old_logprobs, advantages, mb.mask,
+                                            rollout_logprobs=mb.rollout_logprobs, config=loss_cfg, reduce=False)
+    numerator, count, _ = row_aggregation(per_token.double().sum(-1), agg_mask.double().sum(-1), loss_cfg,
+                                          per_token.shape[-1])
+    loss = numerator / count.clamp(min=1)
     loss.backward()
-    metrics.update(m)
+    metrics.update(m.renamed(lambda key: None if key == "loss" else key))
+    return loss.detach()
 
 
 def apply(policy, optimizer: torch.optim.Optimizer, max_grad_norm: float, metrics: Metrics) -> None:
@@ -130,6 +160,35 @@ def apply(policy, optimizer: torch.optim.Optimizer, max_grad_norm: float, metric
     metrics.mean("grad_norm", grad_norm.reshape(1))
 
 
+def rule_names(loss_cfg: op.LossConfig):
+    """Metric key → the name the configured rule reports under: ``resolve_thresholds`` turns an
+    m2 rule into its fixed k2 equivalent (``reject/<i>_k2_token``), reported here as the m2 rule
+    it is (``reject/<i>_m2_token``), as an unresolved call would."""
+    corr = loss_cfg.correction
+    m2 = [] if corr is None else [i for i, r in enumerate(corr.reject) if isinstance(r, M2Rule)]
+    if not m2:
+        return lambda key: key
+    swaps = {f"reject/{i}_k2_token/": f"reject/{i}_m2_token/" for i in m2}
+
+    def rename(key: str) -> str:
+        head = key[: key.find("/", len("reject/")) + 1] if key.startswith("reject/") else ""
+        return swaps[head] + key[len(head):] if head in swaps else key
+    return rename
+
+
+def widen(x: torch.Tensor, width: int) -> torch.Tensor:
+    """``[b, T']`` → ``[b, width]`` with zeros in the new columns (masked everywhere)."""
+    return x if x.shape[1] == width else torch.nn.functional.pad(x, (0, width - x.shape[1]))
+
+
+def _part(mb: Batch, advantages: torch.Tensor, logprobs: torch.Tensor, old: torch.Tensor | None) -> dict:
+    """What ``correct`` reads of one micro-batch, for the step-level counts and bounds."""
+    part = {"mask": mb.mask, "rollout_logprobs": mb.rollout_logprobs, "logprobs": logprobs, "advantages": advantages}
+    if old is not None:
+        part["old_logprobs"] = old
+    return part
+
+
 def optimizer_step(policy, optimizer, batch: Batch, rows: torch.Tensor, advantages: torch.Tensor, *,
                    old_of: Callable[[torch.Tensor, Batch, torch.Tensor | None], torch.Tensor | None],
                    loss_cfg: op.LossConfig, sampling: SamplingConfig, device: torch.device, trainer_dtype: str,
@@ -138,27 +197,55 @@ def optimizer_step(policy, optimizer, batch: Batch, rows: torch.Tensor, advantag
 
     ``old_of(rows, mb, logprobs)`` gives log π_old of a device micro-batch: from a π_old forward,
     from ``logprobs`` (the update's own forward, detached, when π_old = sg(π_θ)), or AReaL's
-    log-linear proximal; ``logprobs`` is None when asked before the update's forward.
+    log-linear proximal.
+
+    Whatever the split, the step computes and reports the same numbers (issue #32): the config is
+    fixed over the whole step (``step_config``); each micro-batch's per-token tensors are widened
+    back to the step's response width T before the loss, so every per-row reduction (sequence
+    ratios, row means) runs over the same columns as the unsplit step's; every metric is a
+    partial sum that adds up over the micro-batches; and ``loss`` is recorded once per optimizer
+    step — the step's full-batch loss, L = Σ_b Σ_{t∈b} ℓ_t / N_step — so the logged
+    ``offpolicy/loss`` is the mean over the optimizer steps (mini-batches × PPO epochs) of each
+    step's loss.
     """
     optimizer.zero_grad(set_to_none=True)
+    rows = rows[batch.mask[rows].sum(dim=1) > 0]  # a row without a response token has no loss term
+    if rows.numel() == 0:
+        return
+    width = int(batch.mask[rows].sum(dim=1).max())  # the step's response width (the CPU batch: no sync)
     groups = micro_batches(batch, rows, micro_batch_tokens)
     mbs = [to_device(trim(batch.select(g)), device) for g in groups]
-    advs = [advantages[g][:, : mb.mask.shape[1]].to(device, non_blocking=True) for g, mb in zip(groups, mbs)]
-    cfg, olds = loss_cfg, [None] * len(groups)
-    if len(groups) > 1:
+    # the loss side of each micro-batch at the step's width
+    views = [replace(mb, mask=widen(mb.mask, width), rollout_logprobs=widen(mb.rollout_logprobs, width))
+             for mb in mbs]
+    advs = [advantages[g][:, :width].to(device, non_blocking=True) for g in groups]
+
+    def loss_inputs(g, mb, logprobs):
+        old = old_of(g, mb, logprobs)
+        return widen(logprobs, width), None if old is None else widen(old, width)
+
+    step = Metrics()
+    if len(groups) == 1:  # the update's own forward gives π_θ for the step's bounds: no extra forward
+        (g,), (mb,), (view,), (adv,) = groups, mbs, views, advs
+        logprobs, old = loss_inputs(g, mb, forward(policy, mb, sampling, device, trainer_dtype, metrics))
+        parts = [{"mask": view.mask}] if loss_cfg.correction is None else [_part(view, adv, logprobs.detach(), old)]
+        total = accumulate(logprobs, old, adv, view, step_config(loss_cfg, parts, step), step)
+    else:
         parts = []
-        for i, (g, mb, adv) in enumerate(zip(groups, mbs, advs)):
-            part = {"mask": mb.mask}
-            if loss_cfg.correction is not None:
-                with torch.no_grad():  # π_θ is the same for every micro-batch of this step
-                    current = forward(policy, mb, sampling, device, trainer_dtype)
-                olds[i] = old_of(g, mb, current)
-                part.update(rollout_logprobs=mb.rollout_logprobs, logprobs=current, advantages=adv)
-                if olds[i] is not None:
-                    part["old_logprobs"] = olds[i]
-            parts.append(part)
-        cfg = step_config(loss_cfg, parts)
-    for g, mb, adv, old in zip(groups, mbs, advs, olds):
-        logprobs = forward(policy, mb, sampling, device, trainer_dtype, metrics)
-        accumulate(logprobs, old if old is not None else old_of(g, mb, logprobs), adv, mb, cfg, metrics)
+        for g, mb, view, adv in zip(groups, mbs, views, advs):
+            if loss_cfg.correction is None:  # the count needs the masks only
+                parts.append({"mask": view.mask})
+                continue
+            with torch.no_grad():  # π_θ is the same for every micro-batch of this step
+                current, old = loss_inputs(g, mb, forward(policy, mb, sampling, device, trainer_dtype))
+            parts.append(_part(view, adv, current, old))
+        cfg = step_config(loss_cfg, parts, step)
+        total = torch.zeros((), dtype=torch.float64, device=device)
+        for g, mb, view, adv in zip(groups, mbs, views, advs):
+            # π_old from the update's own forward where it is sg(π_θ), as in the unsplit step (the
+            # no-grad forward above may take other kernels and differ in the last bit)
+            logprobs, old = loss_inputs(g, mb, forward(policy, mb, sampling, device, trainer_dtype, metrics))
+            total = total + accumulate(logprobs, old, adv, view, cfg, step)
+    metrics.update(step.renamed(rule_names(loss_cfg)))
+    metrics.mean("loss", total.reshape(1))
     apply(policy, optimizer, max_grad_norm, metrics)
