@@ -47,13 +47,11 @@ MARKER = "offpolicy-build.json"  # written last, inside the temporary directory:
 
 
 def cache_root() -> Path:
-    """offpolicy's cache directory (``offpolicy.train.warmstart.cache_root``: ``$OFFPOLICY_CACHE`` or
-    ``~/.cache/offpolicy``); read from the package when it is importable, so the two never disagree."""
-    try:
-        from offpolicy.train.warmstart import cache_root as package_root
-    except ImportError:  # the script may run before the package is installed (install.sh runs it after)
-        return Path(os.environ.get("OFFPOLICY_CACHE", Path.home() / ".cache" / "offpolicy"))
-    return package_root()
+    """offpolicy's cache directory: ``$OFFPOLICY_CACHE`` or ``~/.cache/offpolicy``, the rule of
+    ``offpolicy.train.warmstart.cache_root`` (tests/test_smollm2_script.py checks they agree). Not
+    imported from there: that import loads torch and transformers, seconds that ``--print-path`` and
+    install.sh's second run do not need."""
+    return Path(os.environ.get("OFFPOLICY_CACHE", Path.home() / ".cache" / "offpolicy"))
 
 
 def model_dir(root: Path | None = None) -> Path:

@@ -7,9 +7,9 @@ start per test. What each checks:
 
 * ``diagnose`` with vLLM fp32 against the fp32 trainer reads the fp32 floor (kl_k3 ≲ 1e-9: the same
   tokens, the same weights, two fp32 programs), and bf16 against fp32 a finite, larger mismatch;
-* ``train`` runs 2 steps on vLLM at task=dataset's defaults but for the batch and lengths, and resumes on
-  the hf engine from the checkpoint vLLM's run wrote (both engines, the checkpoint, the resume); the saved
-  samples hold text.
+* ``train`` runs 2 steps on vLLM at task=dataset's defaults but for the batch and lengths, then resumes for
+  2 steps on the hf engine from the checkpoint vLLM's run wrote (2 steps on each engine, the checkpoint,
+  the resume); the saved samples hold text.
 """
 
 from __future__ import annotations
@@ -70,13 +70,13 @@ def test_train_on_vllm_then_resume_on_hf(smollm2_dir, tmp_path):
     first = offpolicy("train", f"model={smollm2_dir}", *small, "engine=vllm", "steps=2", f"out_dir={out}",
                       "--no-progress")
     assert first.returncode == 0, first.stderr[-3000:]
-    resumed = offpolicy("train", "--resume", str(out), "steps=3", "engine=hf", "--no-progress")
+    resumed = offpolicy("train", "--resume", str(out), "steps=4", "engine=hf", "--no-progress")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
     for r in rows:  # an fp32 engine of either kind is the fp32 trainer (a step with equal rewards has no loss)
         assert r["skipped_update"] == 1 or r["offpolicy/kl_k3"] < 1e-6
     samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
-    assert [s["step"] for s in samples] == [0] * 4 + [1] * 4 + [2] * 4  # every row of the 2 × 2 batch
+    assert [s["step"] for s in samples] == [0] * 4 + [1] * 4 + [2] * 4 + [3] * 4  # every row of the 2 × 2 batch
     for s in samples:  # text, its reference, and log ρ of the row under the weights that start the step
         assert s["completion"].strip() and "####" in s["answer"] and s["abs_log_ratio_max"] < 1e-2
