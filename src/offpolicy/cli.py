@@ -73,7 +73,7 @@ def _cmd_train(args: argparse.Namespace, console: Console) -> int:
     cfg = load_train_config(config_path, items)
     _quiet_libraries()
     result = train(cfg, resume=resume, console=console, progress=not args.no_progress)
-    return 130 if result.interrupted else 0
+    return 128 + int(result.stop_signal) if result.interrupted else 0  # 130: Ctrl-C, 143: SIGTERM
 
 
 DIAGNOSE_HEADLINE = ["kl_k1", "kl_k3", "ppl_ratio", "chi2_token", "chi2_seq", "abs_logp_diff_mean",
@@ -297,6 +297,8 @@ def _diagnose_batch(args: argparse.Namespace, console: Console, bounds: tuple[li
 
 
 def _print_diagnosis(console: Console, reports: list[dict]) -> None:
+    from offpolicy.diagnose import RATIO_BANDS
+
     table = Table(title="mismatch: trainer π vs engine μ on the engine's samples")
     table.add_column("metric")
     for r in reports:
@@ -305,6 +307,12 @@ def _print_diagnosis(console: Console, reports: list[dict]) -> None:
         table.add_row(key, *(f"{r['mismatch'][key]:.4g}" for r in reports))
     for key in ("log1.1", "log2"):
         table.add_row(f"|log ρ| > {key}", *(f"{r['breakdowns']['fraction_abs_log_ratio_above'][key]:.4f}"
+                                             for r in reports))
+    for key, (low, high) in RATIO_BANDS.items():
+        table.add_row(f"ρ outside [{low:g}, {high:g}]", *(f"{r['breakdowns']['fraction_ratio_outside'][key]:.4f}"
+                                                         for r in reports))
+    table.add_row("outside trainer's top-k/p", *(f"{r.get('fraction_outside_trainer_support', 0.0):.4f}" for r in reports))
+    table.add_row("mass outside top-k/p", *("–" if r.get("outside_mass") is None else f"{r['outside_mass']:.4f}"
                                              for r in reports))
     table.add_row("kl_over_entropy", *(f"{r['summary']['kl_over_entropy']:.4g}" if "kl_over_entropy" in r["summary"]
                                        else "–" for r in reports))
@@ -322,15 +330,16 @@ def _print_diagnosis(console: Console, reports: list[dict]) -> None:
             by_prob.add_row(row["bucket"], str(row["tokens"]), f"{row['token_share']:.3f}",
                             f"{row['abs_log_ratio_mean']:.4f}", f"{row['kl_k3']:.2e}", f"{row['abs_log_ratio_share']:.3f}")
         console.print(by_prob)
-    what_if = Table(title="what-if: each preset on this batch (first setting: " + reports[0]["setting"]["name"] + ")")
-    what_if.add_column("preset", no_wrap=True)
-    for col in ("tok rej", "seq rej", "w mean", "w min", "w max", "ESS"):
-        what_if.add_column(col, justify="right", no_wrap=True)
-    for row in reports[0]["what_if"]:
-        what_if.add_row(row["preset"], f"{row['token_rejected']:.1%}", f"{row['seq_rejected']:.1%}",
-                        f"{row['weight_mean']:.3f}", f"{row['weight_min']:.3f}", f"{row['weight_max']:.3f}",
-                        f"{row['ess']:.4f}")
-    console.print(what_if)
+    for r in reports:  # every setting's: a bf16 engine's rejections differ from an fp32 one's (issue #30)
+        what_if = Table(title=f"what-if: each preset on this batch — {r['setting']['name']}")
+        what_if.add_column("preset", no_wrap=True)
+        for col in ("tok rej", "seq rej", "w mean", "w min", "w max", "ESS"):
+            what_if.add_column(col, justify="right", no_wrap=True)
+        for row in r["what_if"]:
+            what_if.add_row(row["preset"], f"{row['token_rejected']:.1%}", f"{row['seq_rejected']:.1%}",
+                            f"{row['weight_mean']:.3f}", f"{row['weight_min']:.3f}", f"{row['weight_max']:.3f}",
+                            f"{row['ess']:.4f}")
+        console.print(what_if)
 
 
 def build_parser() -> argparse.ArgumentParser:

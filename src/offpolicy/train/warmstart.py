@@ -26,7 +26,7 @@ from offpolicy.engines.generation import explicit_config, generate
 from offpolicy.tasks import Problem, Task, make_task, problems
 from offpolicy.tasks.tasks import exact_match
 from offpolicy.tasks.model import build_tiny_qwen2
-from offpolicy.tasks.tokenizer import build_char_tokenizer
+from offpolicy.tasks.tokenizer import build_char_tokenizer, plain_text_ids
 from offpolicy.train.config import TrainConfig
 
 log = logging.getLogger(__name__)
@@ -40,8 +40,7 @@ def cache_root() -> Path:
 def prompt_ids(tokenizer: PreTrainedTokenizerBase, problem: Problem) -> list[int]:
     if problem.prompt_ids is not None:  # task=dataset rendered it (chat template, BOS) when it loaded
         return list(problem.prompt_ids)
-    bos = [] if tokenizer.bos_token_id is None else [tokenizer.bos_token_id]
-    return [*bos, *tokenizer(problem.prompt, add_special_tokens=False).input_ids]
+    return plain_text_ids(tokenizer, problem.prompt)
 
 
 def answer_ids(tokenizer: PreTrainedTokenizerBase, problem: Problem) -> list[int]:
