@@ -136,5 +136,6 @@ def test_diagnose_counts_and_excludes_outside_tokens(tmp_path):
     result = diagnose.report(s, {"engine": "hf", "engine_dtype": "bf16", "trainer_dtype": "fp32"}, tmp_path / "r",
                              plots=False)
     assert result["outside_support_tokens"] == s.outside_support == result["summary"]["outside_support_tokens"]
-    assert result["tokens"] == float(s.batch.mask.sum())  # the count excludes them
+    assert result["tokens"] == float(s.batch.mask.sum()) + s.outside_support  # every token sampled
+    assert result["mismatch"]["valid_tokens"] == float(s.batch.mask.sum())  # the statistics leave them out
     assert math.isfinite(result["mismatch"]["kl_k3"])

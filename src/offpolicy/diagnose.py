@@ -487,7 +487,7 @@ def within_support(s: Sample) -> tuple[Sample, float]:
 def report(s: Sample, setting: dict[str, Any], out_dir: Path, plots: bool = True) -> dict[str, Any]:
     out_dir.mkdir(parents=True, exist_ok=True)
     s, outside = within_support(s)
-    tokens = float(s.batch.mask.sum())  # the tokens every statistic reads
+    tokens = float(s.batch.mask.sum()) + s.outside_support  # every token the engine sampled
     result = {
         "setting": setting,
         "samples": len(s.batch.mask),
