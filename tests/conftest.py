@@ -17,9 +17,52 @@ settings.register_profile(
     "ci", max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow]
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
-torch.set_num_threads(min(2, torch.get_num_threads()))
+
+import parallel_plan as parallel  # noqa: E402 - tests/parallel_plan.py: how the suite spreads over xdist workers
+
+# at most 2 threads as before, and under xdist the cores shared out among the workers (1 each on 2 cores):
+# two workers with two OpenMP threads each on two cores only wait on each other. Subprocesses (the CLI,
+# vLLM servers, hosts' workers) inherit OMP_NUM_THREADS.
+torch.set_num_threads(min(parallel.threads_per_worker(), torch.get_num_threads()))
+if parallel.worker_count() > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(parallel.threads_per_worker()))
+
+
+def pytest_addoption(parser):
+    parser.addoption("--record-durations", action="store_true",
+                     help="merge each test's seconds into tests/durations.json, which orders the tests of a "
+                          "parallel run longest first")
+
+
+@pytest.hookimpl(optionalhook=True)  # an xdist hook: `-p no:xdist` must still load this file
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto``: cores, capped by memory (tests/parallel_plan.py); PYTEST_XDIST_AUTO_NUM_WORKERS overrides."""
+    env = os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS")
+    return int(env) if env else parallel.auto_workers()
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the xdist_group marks
+def pytest_collection_modifyitems(config, items):
+    parallel.add_groups(items, pytest.mark.xdist_group)
+    if hasattr(config, "workerinput"):  # an xdist worker; a serial run keeps the files' order
+        parallel.longest_first(items, parallel.load_durations())
+
+
+_seconds: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    nodeid = parallel.strip_group(report.nodeid)
+    _seconds[nodeid] = _seconds.get(nodeid, 0.0) + report.duration  # setup + call + teardown
+
+
+def pytest_sessionfinish(session):
+    if session.config.getoption("--record-durations") and not hasattr(session.config, "workerinput") and _seconds:
+        parallel.record(_seconds, parallel.DURATIONS)  # the controller (or a serial run) writes it
+
 # the cache the user built SmolLM2 into, read before any fixture points OFFPOLICY_CACHE at a temporary one
 _USER_CACHE = os.environ.get("OFFPOLICY_CACHE")
+
 
 def require_host(*modules: str, why: str):
     """Import a host framework's modules, or skip the calling test module with the reason.
@@ -120,8 +163,9 @@ def on_gloo_ranks(fn, tmp_path, world: int = 2) -> list:
 
 @pytest.fixture(scope="session")
 def offpolicy_cache(tmp_path_factory):
-    """One warm-start cache for the whole session (the warm start runs once, ~15 s)."""
-    path = tmp_path_factory.mktemp("offpolicy-cache")
+    """One warm-start cache for the whole run, shared by the xdist workers (the warm start runs once,
+    ~15 s; its cache entries appear by an atomic rename, so two workers never see half of one)."""
+    path = parallel.built_once(tmp_path_factory, "offpolicy-cache", lambda directory: None)
     old = os.environ.get("OFFPOLICY_CACHE")
     os.environ["OFFPOLICY_CACHE"] = str(path)
     yield path
@@ -139,10 +183,10 @@ FAST = ["engine=hf", "engine_dtype=fp32", "prompts_per_step=4", "group_size=4", 
 @pytest.fixture(scope="session")
 def tiny_qwen2_dir(tmp_path_factory):
     """A local 'real' model directory: tiny Qwen2 + BPE tokenizer trained on the shipped data + ChatML
-    (tests/hf_fixtures.py), built once per session."""
+    (tests/hf_fixtures.py), built once per run (every xdist worker reads the same directory)."""
     from hf_fixtures import save_tiny_qwen2
 
-    return save_tiny_qwen2(tmp_path_factory.mktemp("tiny-qwen2"))
+    return parallel.built_once(tmp_path_factory, "tiny-qwen2", save_tiny_qwen2)
 
 
 @pytest.fixture(scope="session")

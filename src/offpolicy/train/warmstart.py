@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import torch
+from filelock import FileLock  # a dependency of torch
 from transformers import PreTrainedTokenizerBase
 
 from offpolicy.engines.base import left_pad, stop_token_ids
@@ -112,6 +113,16 @@ def default_model(cfg: TrainConfig, progress=None) -> Path:
         log.info("warm start: reusing %s", target)
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
+    # one warm start of a key at a time: a run started beside it (a parallel sweep's, a test worker's)
+    # waits for it and reuses its result instead of training the same model again
+    with FileLock(str(target.parent / f".{target.name}.lock")):
+        if (target / "warmstart.json").exists():
+            log.info("warm start: reusing %s", target)
+            return target
+        return _warm_start(cfg, target, progress)
+
+
+def _warm_start(cfg: TrainConfig, target: Path, progress) -> Path:
     ws = cfg.warm_start
     task = make_task(cfg.task, **cfg.task_params)
     tokenizer = build_char_tokenizer()
