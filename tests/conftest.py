@@ -60,6 +60,9 @@ def pytest_sessionfinish(session):
     if session.config.getoption("--record-durations") and not hasattr(session.config, "workerinput") and _seconds:
         parallel.record(_seconds, parallel.DURATIONS)  # the controller (or a serial run) writes it
 
+# the cache the user built SmolLM2 into, read before any fixture points OFFPOLICY_CACHE at a temporary one
+_USER_CACHE = os.environ.get("OFFPOLICY_CACHE")
+
 
 def require_host(*modules: str, why: str):
     """Import a host framework's modules, or skip the calling test module with the reason.
@@ -184,3 +187,22 @@ def tiny_qwen2_dir(tmp_path_factory):
     from hf_fixtures import save_tiny_qwen2
 
     return parallel.built_once(tmp_path_factory, "tiny-qwen2", save_tiny_qwen2)
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir():
+    """SmolLM2-135M-Instruct as built by ``scripts/smollm2.py`` (``bash install.sh`` runs it), found in
+    the user's offpolicy cache; the test skips, naming the command that builds it, where it is absent."""
+    import importlib.util
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "smollm2.py"
+    spec = importlib.util.spec_from_file_location("offpolicy_smollm2_script", script)
+    builder = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(builder)
+    root = Path(_USER_CACHE) if _USER_CACHE else Path.home() / ".cache" / "offpolicy"
+    path = builder.model_dir(root)
+    if not builder.is_built(path):
+        pytest.skip(f"SmolLM2-135M-Instruct is not built at {path}: run `python scripts/smollm2.py` "
+                    "(bash install.sh does, unless --no-model)")
+    return path

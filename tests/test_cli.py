@@ -54,3 +54,18 @@ def test_usage_errors(args):
     result = offpolicy(*args)
     assert result.returncode == 2
     assert "usage: offpolicy" in result.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--engine", "hf", "--vllm-max-num-seqs", "8"],
+     "--vllm-max-num-seqs is read with --engine vllm only (engine is 'hf'). Fix: --engine vllm, or drop it"),
+    (["--engine-url", "http://127.0.0.1:1", "--no-vllm-enforce-eager"],
+     "--no-vllm-enforce-eager configures the in-process vLLM engine; a server batches as it was started"),
+], ids=["hf-engine", "server"])
+def test_diagnose_vllm_flags_without_the_vllm_engine_are_refused(args, message):
+    """train refuses vllm.* without engine=vllm; diagnose's --vllm-* flags likewise, before any model loads
+    (the model directory does not exist), never silently ignored."""
+    result = offpolicy("diagnose", "--model", "/nonexistent/model", *args)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [f"offpolicy diagnose: error: {message}" + (
+        " (pass the option to the server instead)" if "server" in message else "")]

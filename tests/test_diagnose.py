@@ -68,6 +68,44 @@ def test_bf16_engine_has_small_nonzero_mismatch(bf16_sample):
     assert 0 <= b["fraction_abs_log_ratio_above"]["log2"] <= b["fraction_abs_log_ratio_above"]["log1.1"] <= 1
 
 
+def test_ratio_band_shares_are_exact_bands():
+    # ρ = 0.905 is inside [0.9, 1.1] but |log ρ| = 0.0998 > log 1.1 = 0.0953: the log band is [0.909, 1.1]
+    ratios = torch.tensor([[0.89, 0.905, 1.05, 1.12, 0.7, 2.5, 1.0]])
+    mask = torch.tensor([[1, 1, 1, 1, 1, 1, 0]], dtype=torch.float32)  # the last token is padding
+    rollout = torch.full_like(ratios, -3.0)
+    zeros = torch.zeros_like(ratios, dtype=torch.long)
+    batch = diagnose.Batch(input_ids=zeros, attention_mask=zeros, positions=zeros, response_ids=zeros, mask=mask,
+                           rollout_logprobs=rollout, versions=torch.zeros(1, dtype=torch.long))
+    s = diagnose.Sample(batch, rollout + ratios.log(), None)
+    b = diagnose.breakdowns(s)
+    # outside [0.9, 1.1]: 0.89, 1.12, 0.7, 2.5; outside [0.8, 1.25]: 0.7, 2.5; outside [0.5, 2]: 2.5 — of 6
+    assert b["fraction_ratio_outside"] == pytest.approx({"0.9_1.1": 4 / 6, "0.8_1.25": 2 / 6, "0.5_2": 1 / 6})
+    assert b["fraction_abs_log_ratio_above"]["log1.1"] == pytest.approx(5 / 6)  # 0.905 too
+    values, _ = diagnose.summary({"mismatch": diagnose.mismatch(s), "breakdowns": b, "what_if": []}, None)
+    assert values["fraction_outside_0.9_1.1"] == pytest.approx(4 / 6)
+    bounds = diagnose.parse_bounds(["fraction_outside_0.9_1.1=0.5"], "--fail-above")
+    assert diagnose.gate(values, bounds, []) == [
+        "FAIL fraction_outside_0.9_1.1 = 0.666667 is above the bound 0.5 (--fail-above fraction_outside_0.9_1.1=0.5)"]
+
+
+def test_tokens_outside_the_trainers_top_p_set_are_counted_not_fatal(tmp_path):
+    # under top-p each side keeps its own set: the engine sampled token (0, 1) from its set, the trainer's set
+    # lacks it (log π = −inf). It is counted and left out; the rest is measured as usual.
+    rollout = torch.tensor([[-0.5, -2.0, -0.1], [-0.3, -0.2, -0.4]])
+    trainer = rollout + torch.tensor([[0.01, 0.0, -0.02], [0.0, 0.03, 0.0]])
+    trainer[0, 1] = float("-inf")
+    mask = torch.ones(2, 3)
+    zeros = torch.zeros(2, 3, dtype=torch.long)
+    batch = diagnose.Batch(input_ids=zeros, attention_mask=zeros, positions=zeros, response_ids=zeros, mask=mask,
+                           rollout_logprobs=rollout, versions=torch.zeros(2, dtype=torch.long))
+    r = diagnose.report(diagnose.Sample(batch, trainer, None), {"name": "x", "label": "x"}, tmp_path)
+    assert r["fraction_outside_trainer_support"] == pytest.approx(1 / 6)
+    assert r["summary"]["fraction_outside_trainer_support"] == pytest.approx(1 / 6)
+    assert r["mismatch"]["valid_tokens"] == 5 and r["tokens"] == 6
+    # kl_k1 = mean(log μ − log π) over the 5 kept tokens = −(0.01 − 0.02 + 0.03) / 5
+    assert r["mismatch"]["kl_k1"] == pytest.approx(-0.02 / 5, abs=1e-7)
+
+
 @pytest.mark.slow
 def test_cli_report_and_plots(tiny_model, tmp_path):
     out = tmp_path / "d"
@@ -96,6 +134,8 @@ def test_cli_compare_fp32_has_no_mismatch(tiny_model, tmp_path):
     failed = [line for line in result.stderr.splitlines() if "FAIL" in line]
     assert len(failed) == 1 and "bf16" in failed[0] and "max_abs_log_ratio" in failed[0]
     runs = json.loads((tmp_path / "c" / "report.json").read_text())["runs"]
+    for r in runs:  # every setting's what-if table is printed, not only the first's (issue #30)
+        assert f"what-if: each preset on this batch — {r['setting']['name']}" in result.stdout
     by = {r["setting"]["engine_dtype"]: r["mismatch"] for r in runs}
     assert by["fp32"]["abs_logp_diff_max"] < 1e-4 < by["bf16"]["abs_logp_diff_max"]
     for r in runs:  # the engine path has the trainer's logits: prime-rl's KL over entropy is there
@@ -114,6 +154,32 @@ def test_cli_prompt_file_errors(tiny_model, tmp_path, content, message):
     result = diag("--model", str(tiny_model), "--engine", "hf", "--prompts", str(prompts))
     assert result.returncode == 2
     assert message.replace("\\", "") in result.stderr
+
+
+def test_raw_prompts_carry_no_bos_the_tokenizer_does_not_add(tmp_path):
+    from transformers import PreTrainedTokenizerFast
+
+    # a tokenizer with a bos_token it never puts in front of text (SmolLM2's is <|im_start|>, a turn marker)
+    char = build_char_tokenizer()
+    chat = PreTrainedTokenizerFast(tokenizer_object=char.backend_tokenizer, bos_token="<bos>", eos_token="<eos>",
+                                   pad_token="<pad>", unk_token="<unk>", add_bos_token=False)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "rev 12="}) + "\n")
+    assert diagnose.read_prompts(prompts, chat) == [chat("rev 12=", add_special_tokens=False).input_ids]
+    assert diagnose.read_prompts(prompts, char)[0][0] == char.bos_token_id  # the char tokenizer's own rule adds it
+
+
+def test_smollm2_raw_text_has_no_im_start(smollm2_dir, tmp_path):
+    from offpolicy.tasks.dataset import render_prompts
+    from offpolicy.tasks.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(smollm2_dir)
+    assert tok.bos_token == "<|im_start|>"
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "What is 2 + 3?"}) + "\n")
+    ids = diagnose.read_prompts(prompts, tok)[0]
+    assert tok.decode(ids) == "What is 2 + 3?" and tok.bos_token_id not in ids
+    assert render_prompts(tok, ["What is 2 + 3?"], None, "none") == [ids]
 
 
 def test_cli_model_without_tokenizer(tmp_path):

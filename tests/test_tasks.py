@@ -23,6 +23,24 @@ def test_tokenizer_round_trip_keeps_spaces(tmp_path):
     assert (loaded.bos_token_id, loaded.eos_token_id, loaded.pad_token_id) == (1, 2, 0)
 
 
+def test_plain_text_takes_the_tokenizers_own_bos_rule(tmp_path):
+    from transformers import PreTrainedTokenizerFast
+
+    from offpolicy.tasks.tokenizer import plain_text_ids
+    from offpolicy.train.warmstart import prompt_ids
+
+    tok = build_char_tokenizer()  # its rule: <bos> + text, as the embedded model is trained
+    assert plain_text_ids(tok, "12=") == [tok.bos_token_id, *tok("12=", add_special_tokens=False).input_ids]
+    assert prompt_ids(tok, Problem("12=", "21")) == plain_text_ids(tok, "12=")
+    # a chat tokenizer whose bos_token only opens a turn (SmolLM2: <|im_start|>) and whose rule adds nothing
+    chat = PreTrainedTokenizerFast(tokenizer_object=tok.backend_tokenizer, bos_token="<bos>", eos_token="<eos>",
+                                   pad_token="<pad>", unk_token="<unk>", add_bos_token=False)
+    assert plain_text_ids(chat, "12=") == chat("12=", add_special_tokens=False).input_ids
+    # a character tokenizer saved before add_bos_token was set still loads with its <bos> rule
+    chat.save_pretrained(tmp_path)
+    assert plain_text_ids(load_tokenizer(tmp_path), "12=")[0] == tok.bos_token_id
+
+
 def test_tasks_are_seeded_and_rewards_exact():
     assert problems(Reverse(), 5, seed=3) == problems(Reverse(), 5, seed=3)
     assert problems(Reverse(), 5, seed=3) != problems(Reverse(), 5, seed=4)

@@ -34,7 +34,11 @@ def cli(*args: str, env_cache: Path) -> subprocess.CompletedProcess:
 
 
 def records(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return records_of(run_dir / "metrics.jsonl")
+
+
+def records_of(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 def run(tmp_path: Path, name: str, *overrides: str, resume: bool = False):
@@ -58,6 +62,17 @@ def test_cli_run_writes_everything(offpolicy_cache, tmp_path):
     assert any((out / "tensorboard").iterdir())
     assert (out / "checkpoints" / "latest").read_text() == "step-3"
     assert "run summary" in result.stdout and "reward" in result.stdout
+    # a few completions per step as text (issue #30): one row of each of the 4 groups, default 4 a step
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in samples] == [0] * 4 + [1] * 4 + [2] * 4
+    for r in samples:
+        assert r["prompt"].startswith("rev ") and r["answer"] and isinstance(r["completion"], str)
+        assert r["reward"] in (0.0, 1.0) and r["tokens"] >= 1 and 0 <= r["abs_log_ratio_mean"] <= r["abs_log_ratio_max"]
+    assert len({r["prompt"] for r in samples[:4]}) > 1  # one per group, not four answers to one prompt
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(out / "tensorboard"), size_guidance={"tensors": 0}).Reload()
+    assert "samples/text_summary" in events.Tags()["tensors"]
     warm = json.loads(next(offpolicy_cache.glob("warmstart/*/warmstart.json")).read_text())
     assert 0.1 <= warm["sampled_accuracy"] <= 0.6  # RL starts from a partly competent policy
 
@@ -75,6 +90,8 @@ def test_resume_continues_identically(offpolicy_cache, tmp_path, staleness):
         for key in {k for k in ra.keys() - TIMING if not k.startswith(("time/", "memory/"))}:
             va, vb = ra[key], rb[key]
             assert (va is None and vb is None) or math.isclose(va, vb, rel_tol=1e-6, abs_tol=1e-9), (ra["step"], key)
+    sa, sb = (records_of(run_dir / "samples.jsonl") for run_dir in (straight.run_dir, tmp_path / "split"))
+    assert [(r["step"], r["completion"], r["reward"]) for r in sa] == [(r["step"], r["completion"], r["reward"]) for r in sb]
 
 
 @pytest.mark.slow
@@ -216,6 +233,89 @@ def test_ctrl_c_saves_a_checkpoint_and_resume_continues(offpolicy_cache, tmp_pat
                              "--no-progress"], capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     assert [r["step"] for r in records(out)] == list(range(done + 2))
+
+
+@pytest.mark.slow
+def test_sigterm_saves_a_checkpoint_and_resume_continues(offpolicy_cache, tmp_path):
+    # issue #30: a scheduler's, a container's or `timeout`'s SIGTERM ended the run with no checkpoint
+    import os
+    import signal
+    import time
+
+    out = tmp_path / "terminated"
+    env = {**os.environ, "OFFPOLICY_CACHE": str(offpolicy_cache)}
+    # checkpoint_every past the run: the only checkpoint can be SIGTERM's
+    proc = subprocess.Popen([sys.executable, "-m", "offpolicy", "train", *FAST, "steps=400", "checkpoint_every=1000",
+                             "samples_per_step=0", f"out_dir={out}", "--no-progress"],
+                            stdout=(tmp_path / "stdout").open("w"), stderr=(tmp_path / "stderr").open("w"), env=env)
+    deadline = time.time() + 900  # sent once 2 steps are provably done (as the Ctrl-C test), never on a timer
+    while not ((out / "metrics.jsonl").exists() and len((out / "metrics.jsonl").read_text().splitlines()) >= 2):
+        if proc.poll() is not None:
+            pytest.fail(f"the run exited (rc {proc.returncode}) before step 2: {(tmp_path / 'stderr').read_text()[-2000:]}")
+        if time.time() > deadline:
+            proc.kill()
+            pytest.fail("the run did not reach step 2 within 900 s")
+        time.sleep(0.2)
+    assert proc.poll() is None, "the run ended before it could be terminated"
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=120)
+    stdout, stderr = (tmp_path / "stdout").read_text(), (tmp_path / "stderr").read_text()
+    assert proc.returncode == 143, stderr[-2000:]  # 128 + SIGTERM
+    assert "terminated (SIGTERM) after" in stdout and "--resume" in stdout and "Traceback" not in stderr
+    done = int((out / "checkpoints" / "latest").read_text().split("-")[1])
+    assert done >= 2 and len(records(out)) == done  # the checkpoint holds every logged step
+    result = subprocess.run([sys.executable, "-m", "offpolicy", "train", "--resume", str(out), f"steps={done + 1}",
+                             "--no-progress"], capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert [r["step"] for r in records(out)] == list(range(done + 1))
+
+
+def test_sigterm_waits_for_the_update_and_the_handler_is_restored():
+    import os
+    import signal
+    import time
+
+    before = signal.getsignal(signal.SIGTERM)
+    stop = train_loop.GracefulStop()
+    try:
+        stop.updating = True  # mid-update: the step finishes first
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert stop.pending
+        with pytest.raises(train_loop.Terminated):
+            stop.check()
+        stop.updating = False  # between updates: at once
+        with pytest.raises(train_loop.Terminated):
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(1)  # the handler runs at the next bytecode boundary; never reached
+    finally:
+        stop.close()
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+@pytest.mark.slow
+def test_flat_rewards_skip_the_update(offpolicy_cache, tmp_path, monkeypatch):
+    # every reward 0 → every advantage 0 and no KL term: a zero gradient, so no forward/backward (issue #30)
+    from offpolicy.tasks.tasks import Reverse
+    from offpolicy.train.checkpoint import load_trainer_state
+
+    monkeypatch.setattr(Reverse, "reward", lambda self, problem, completion: 0.0)
+    result = run(tmp_path, "flat", "steps=2", "checkpoint_every=1", "minibatches=1")
+    rows = records(result.run_dir)
+    assert [r["skipped_update"] for r in rows] == [1.0, 1.0] and [r["policy_version"] for r in rows] == [0.0, 0.0]
+    assert all("offpolicy/loss" not in r for r in rows)  # no loss was computed
+    state = load_trainer_state(result.run_dir / "checkpoints" / "step-2")
+    assert state["version"] == 0 and state["optimizer"]["state"] == {}  # Adam never stepped: no moments, no count
+    from transformers import AutoModelForCausalLM
+
+    from offpolicy.train.warmstart import default_model
+
+    start = default_model(load_train_config(None, [*FAST]))  # the warm start the run began from (cached)
+    before = AutoModelForCausalLM.from_pretrained(start).state_dict()
+    after = AutoModelForCausalLM.from_pretrained(result.run_dir / "checkpoints" / "step-2").state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    # a KL term still has a gradient: that step runs
+    kl = run(tmp_path, "flat-kl", "steps=1", "loss.kl_coef=0.1", "loss.kl_to=rollout")
+    assert records(kl.run_dir)[0]["skipped_update"] == 0.0 and records(kl.run_dir)[0]["policy_version"] == 1.0
 
 
 def test_warm_start_that_never_succeeds_is_refused(tmp_path, monkeypatch):

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 pytest.importorskip("datasets", reason="task=dataset reads files through `datasets` (install.sh installs it)")
 
@@ -37,12 +38,13 @@ def offpolicy(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
 
 @pytest.mark.slow
 def test_the_issue_command_trains_a_local_model(tiny_qwen2_dir, tmp_path):
-    """Issue #21's command, as written (plus where to write and no progress bar): default batch
-    (32 prompts × 8 samples) and limits (512 prompt / 256 new tokens)."""
+    """Issue #21's command, as written (plus where to write and no progress bar), with 32 prompts × 8 samples
+    (256 responses a step, for the statistics below; task=dataset's default batch is 4 × 8) and the default
+    limits (512 prompt / 256 new tokens)."""
     out = tmp_path / "run"
     result = offpolicy("train", f"model={tiny_qwen2_dir}", "task=dataset", f"data.path={DATA}",
                        "data.prompt_field=question", "data.answer_field=answer", "reward=number", "device=cpu", "engine=hf",
-                       "steps=3", f"out_dir={out}", "--no-progress")
+                       "prompts_per_step=32", "steps=3", f"out_dir={out}", "--no-progress")
     assert result.returncode == 0, result.stderr[-3000:]
     rows = records(out)
     assert [r["step"] for r in rows] == [0, 1, 2]
@@ -59,6 +61,24 @@ def test_the_issue_command_trains_a_local_model(tiny_qwen2_dir, tmp_path):
     assert (out / "checkpoints" / "latest").read_text() == "step-3"
     saved = yaml_load(out / "config.yaml")["train"]
     assert (saved["max_prompt_tokens"], saved["max_new_tokens"]) == (512, 256)
+    assert (saved["lr"], saved["group_size"]) == (1e-6, 8)  # task=dataset's defaults (issue #30)
+
+
+def test_dataset_defaults_fit_a_real_model():
+    """task=dataset takes DATASET_DEFAULTS where the user set nothing (issue #30: the embedded model's lr 3e-4
+    wrecked SmolLM2 in two updates); what the user sets, a saved config.yaml included, is kept."""
+    from offpolicy.train.config import DATASET_DEFAULTS, TrainConfig
+
+    base = ["model=/models/any", "task=dataset", f"data.path={DATA}", "reward=number"]
+    cfg = load_train_config(None, base)
+    assert (cfg.lr, cfg.prompts_per_step, cfg.group_size, cfg.micro_batch_tokens) == (1e-6, 4, 8, 2048)
+    assert DATASET_DEFAULTS == {"lr": 1e-6, "prompts_per_step": 4, "group_size": 8, "micro_batch_tokens": 2048}
+    mine = load_train_config(None, [*base, "lr=3e-5", "prompts_per_step=2"])
+    assert (mine.lr, mine.prompts_per_step, mine.group_size) == (3e-5, 2, 8)
+    again = TrainConfig(**yaml.safe_load(yaml.safe_dump(mine.model_dump(mode="json"))))  # what --resume reads
+    assert (again.lr, again.prompts_per_step) == (3e-5, 2)
+    synthetic = load_train_config(None, [])
+    assert (synthetic.lr, synthetic.prompts_per_step, synthetic.group_size) == (3e-4, 32, 8)
 
 
 def yaml_load(path: Path) -> dict:
@@ -80,7 +100,7 @@ def test_dataset_resume_continues_identically(tiny_qwen2_dir, tmp_path):
     a, b = records(tmp_path / "straight"), records(tmp_path / "split")
     assert [r["step"] for r in b] == [0, 1, 2]
     for ra, rb in zip(a, b):
-        for key in {k for k in ra.keys() - TIMING if not k.startswith("time/")}:
+        for key in {k for k in ra.keys() - TIMING if not k.startswith(("time/", "memory/"))}:
             va, vb = ra[key], rb[key]
             assert (va is None and vb is None) or math.isclose(va, vb, rel_tol=1e-6, abs_tol=1e-9), (ra["step"], key)
     # the checkpoint holds the tokenizer with its chat template: a resumed run renders prompts the same way

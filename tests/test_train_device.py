@@ -1,7 +1,9 @@
 """The trainer on its device (issue #21): device resolution and its errors, exact micro-batching by
 tokens, bf16 autocast over fp32 master weights, gradient checkpointing, no host read in the loss
-path, the per-step throughput numbers, and vLLM's sleep / wake around the weight sync. CUDA-only
-checks skip without CUDA (they run on the device machine when one is lent)."""
+path, the per-step throughput and memory numbers, checkpoints that load on any device, Triton
+launches under their tensors' device, a broken vLLM import reported (issue #33). CUDA-only checks skip
+without CUDA (they run on the device machine when one is lent), with both engines where vLLM imports.
+vLLM's sleep / wake around the weight sync, checked against vLLM's API without a GPU: test_vllm_api.py."""
 
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from offpolicy.tasks.tokenizer import build_char_tokenizer
 from offpolicy.train import update
 from offpolicy.train.batch import to_batch
 from offpolicy.train.config import load_train_config, resolve_device, resolve_trainer_dtype
+from offpolicy.engines.vllm import vllm_available
 from offpolicy.train.loop import throughput, train
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (runs on the device machine when lent)")
@@ -327,8 +330,124 @@ def test_throughput_numbers_per_step():
     values = {"step_seconds": 2.0, "time/generate": 0.5, "time/wait": 0.1, "time/train": 1.2}
     sync = throughput(values, 100.0, torch.device("cpu"), overlapped=False)
     # 100 tokens / 2 s = 50 tok/s; generate 0.5 / 2 = 0.25; train 1.2 / 2 = 0.6; no GPU memory on CPU
-    assert sync == {"time/tokens_per_s": 50.0, "time/generate_share": 0.25, "time/train_share": 0.6}
+    assert {k: v for k, v in sync.items() if k.startswith("time/")} == {
+        "time/tokens_per_s": 50.0, "time/generate_share": 0.25, "time/train_share": 0.6}
     assert throughput(values, 100.0, torch.device("cpu"), overlapped=True)["time/generate_share"] == 0.05  # 0.1 / 2
+    # a CPU has a memory figure too (issue #30 item 7): this process's resident memory, never a NaN
+    memory = {k: v for k, v in sync.items() if k.startswith("memory/")}
+    assert memory.keys() == {"memory/rss_gib", "memory/peak_rss_gib"}
+    assert 0.01 < memory["memory/rss_gib"] <= memory["memory/peak_rss_gib"] < 1024
+
+
+def test_gpu_peak_leaves_out_the_engine_share(monkeypatch):
+    """vLLM allocates through a torch memory pool and sleep only unmaps its pages, so the allocator's peak
+    counts the sleeping engine (issue #33 item 5): the trainer's peak and the engine's share are reported
+    apart. 10 GiB peak with the engine's 4 GiB in it → the trainer's 6 GiB, the engine's 4 GiB."""
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 10 * 2**30)
+    values = {"step_seconds": 1.0, "time/generate": 0.5, "time/wait": 0.0}
+    out = throughput(values, 10.0, torch.device("cuda"), overlapped=False, engine_bytes=4 * 2**30)
+    assert out["memory/peak_gib"] == 6.0 and out["memory/engine_gib"] == 4.0
+
+
+def test_peak_resident_memory_is_per_step():
+    from offpolicy.train.memory import memory_metrics, reset_memory_peaks
+
+    try:
+        open("/proc/self/clear_refs", "w").close()
+    except OSError:
+        pytest.skip("no writable /proc/self/clear_refs (not Linux): the peak is the run's, not the step's")
+    cpu = torch.device("cpu")
+    reset_memory_peaks(cpu)
+    block = torch.ones(64 * 2**20 // 4)  # 64 MiB, touched, then freed (returned to the OS: a large block is mmap'd)
+    del block
+    during = memory_metrics(cpu)
+    assert during["memory/peak_rss_gib"] - during["memory/rss_gib"] > 48 / 1024  # the block is in this step's peak
+    reset_memory_peaks(cpu)
+    after = memory_metrics(cpu)
+    assert after["memory/peak_rss_gib"] - after["memory/rss_gib"] < 16 / 1024  # and not in the next step's
+
+
+# ---------------------------------------------------------------------- checkpoints, Triton launches, vLLM import
+def test_a_checkpoint_saved_on_a_gpu_resumes_on_the_cpu(tmp_path, monkeypatch):
+    """torch.save records each tensor's device; ``load_trainer_state`` maps them to the CPU (the optimizer
+    then moves its state to the parameters' device). Here the file says cuda:1, as a run there writes it:
+    without map_location torch.load would need that GPU (issue #33 item 2)."""
+    from offpolicy.train.checkpoint import load_trainer_state
+
+    monkeypatch.setattr(torch.serialization, "location_tag", lambda storage: "cuda:1")
+    state = {"optimizer": {"state": {0: {"exp_avg": torch.full((3,), 0.5)}}}, "step": 4}
+    torch.save(state, tmp_path / "trainer_state.pt")
+    monkeypatch.undo()
+    state = load_trainer_state(tmp_path)
+    assert state["step"] == 4 and state["optimizer"]["state"][0]["exp_avg"].device == torch.device("cpu")
+    assert state["optimizer"]["state"][0]["exp_avg"].tolist() == [0.5, 0.5, 0.5]
+
+
+def test_triton_launches_run_under_their_tensors_device(monkeypatch):
+    """Triton launches on the current CUDA device: every launch is entered under a guard of the batch's
+    device (issue #33 item 1), and the guard makes that device current (torch.cuda.device)."""
+    pytest.importorskip("triton", reason="Triton is not installed (pip install triton)")
+    from conftest import random_batch
+    from offpolicy.kernels import triton as tk
+
+    if not (torch.cuda.is_available() or tk._interpreted()):
+        pytest.skip("no GPU and TRITON_INTERPRET unset: the triton rung does not run")
+    entered = []
+
+    class Guard:  # stands in for torch.cuda.device: records the device made current
+        def __init__(self, device):
+            self.device = device
+
+        def __enter__(self):
+            entered.append(self.device)
+
+        def __exit__(self, *exc):
+            entered.append(None)
+
+    monkeypatch.setattr(torch.cuda, "device", Guard)
+    with tk.on_device(torch.device("cuda", 1)):
+        pass
+    assert entered == [torch.device("cuda", 1), None]
+    monkeypatch.undo()
+
+    guarded, launches = [], []
+    real_guard = tk.on_device
+
+    def spy_guard(device):
+        guarded.append(device)
+        return real_guard(device)
+
+    class Kernel:  # records whether the guard was entered (and not left) when the kernel launched
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launches.append(len(guarded))
+                return self.kernel[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(tk, "on_device", spy_guard)
+    for name in ("_row_stats", "_tokens", "_finish"):
+        monkeypatch.setattr(tk, name, Kernel(getattr(tk, name)))
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    b = {k: v.to(device) for k, v in random_batch(0).items()}
+    cfg = op.LossConfig.from_preset("verl:decoupled_seq_is")  # a sequence weight: all three kernels launch
+    loss, _ = tk.policy_loss(b["logprobs"], b["old"], b["adv"], b["mask"], b["rollout"], cfg, reduce=True)
+    assert torch.isfinite(loss)
+    assert guarded == [b["mask"].device] and launches == [1, 1, 1]
+
+
+def test_a_broken_vllm_import_is_reported(monkeypatch):
+    """`import vllm` failing (a missing package, or a CUDA build next to the wrong torch) is never swallowed
+    into "install vllm": the error is in the message (issue #33 item 7)."""
+    import sys
+
+    from offpolicy.engines import make_engine
+
+    monkeypatch.setitem(sys.modules, "vllm", None)  # import vllm → ImportError: import of vllm halted
+    with pytest.raises(RuntimeError, match=r"`import vllm` failed: \w*Error: import of vllm halted"):
+        make_engine("vllm", "unused", None, "fp32")
 
 
 @pytest.mark.slow
@@ -356,60 +475,21 @@ def test_micro_batched_run_matches_the_plain_run(offpolicy_cache, tmp_path, sett
     assert split.keys() == plain.keys()
     for key, value in plain.items():
         # fp32 model: the split forward rounds differently (~1e-7); a per-call bound or a doubled loss is ≥ 1e-2 off
-        if not key.startswith(("time/", "generate/")) and key != "step_seconds" and value is not None:
+        # (memory/*: the process's memory, which differs between runs as timings do)
+        if not key.startswith(("time/", "generate/", "memory/")) and key != "step_seconds" and value is not None:
             assert split[key] == pytest.approx(value, rel=1e-4, abs=1e-6, nan_ok=True), key
     assert "memory/peak_gib" not in plain and plain["time/tokens_per_s"] > 0 and plain["generate/tokens_per_s"] > 0
+    assert 0 < plain["memory/rss_gib"] <= plain["memory/peak_rss_gib"]  # a CPU run's memory figure
     assert 0 < plain["time/generate_share"] < 1 and 0 < plain["time/train_share"] < 1
-
-
-# ---------------------------------------------------------------------- vLLM sleep mode (no GPU needed)
-class _FakeLLM:
-    """Records what the engine asks of vLLM's LLM, in order."""
-
-    def __init__(self):
-        self.calls = []
-
-    def sleep(self, level=1):
-        self.calls.append(("sleep", level))
-
-    def wake_up(self, tags=None):
-        self.calls.append(("wake_up", tags))
-
-    def reset_prefix_cache(self):
-        self.calls.append(("reset_prefix_cache",))
-
-    def generate(self, requests, params, use_tqdm=False):
-        self.calls.append(("generate",))
-        return []
-
-
-def test_vllm_sleeps_after_generating_and_wakes_weights_first_for_the_sync(monkeypatch):
-    pytest.importorskip("vllm", reason="the vllm engine module needs vllm to sample")
-    from offpolicy.engines.vllm import VLLMEngine, sleep_kwargs
-
-    engine = VLLMEngine.__new__(VLLMEngine)
-    engine.llm, engine.sleeps, engine.asleep = _FakeLLM(), True, False
-    engine.device, engine.dtype = torch.device("cpu"), torch.float32
-    loaded = []
-
-    class Runner:
-        def reload_weights(self, weights_iterator):
-            engine.llm.calls.append(("reload_weights",))
-            loaded.extend(weights_iterator)
-
-    monkeypatch.setattr(engine, "_model_runner", lambda: Runner())
-    engine.generate([[1, 2]], SAMPLING, seed=0, version=0)
-    engine.sync_weights([("w", torch.ones(2, dtype=torch.float64))])
-    engine.generate([[1, 2]], SAMPLING, seed=0, version=1)
-    assert engine.llm.calls == [("generate",), ("sleep", 1), ("wake_up", ["weights"]), ("reload_weights",),
-                                ("wake_up", None), ("reset_prefix_cache",), ("generate",), ("sleep", 1)]
-    assert loaded[0][1].dtype == torch.float32 and loaded[0][1].device == engine.device  # the engine's dtype
-    assert sleep_kwargs(True) == {"enable_sleep_mode": True} and sleep_kwargs(False) == {}
 
 
 # ---------------------------------------------------------------------- CUDA (device machine)
 @CUDA
-def test_cuda_run_with_the_hf_engine(offpolicy_cache, tmp_path, monkeypatch):
+@pytest.mark.parametrize("engine", ["hf", pytest.param("vllm", marks=pytest.mark.skipif(
+    not vllm_available(), reason="vLLM is not importable here (pip install vllm)"))])
+def test_cuda_run(engine, offpolicy_cache, tmp_path, monkeypatch):
+    """Two steps on the GPU. With vllm (colocated, sleep mode): generate → sleep(1) → train → wake the
+    weights → reload through the worker → wake the KV cache, and the engine's memory reported apart."""
     from offpolicy.kernels import get
 
     triton = get("triton")
@@ -421,12 +501,14 @@ def test_cuda_run_with_the_hf_engine(offpolicy_cache, tmp_path, monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(triton, "policy_loss", spy)
-    cfg = load_train_config(None, [*FAST, "steps=2", f"out_dir={tmp_path / 'run'}", "device=cuda"])
+    cfg = load_train_config(None, [*FAST, "steps=2", f"out_dir={tmp_path / 'run'}", "device=cuda", f"engine={engine}"])
     result = train(cfg, progress=False)
     rows = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
     assert calls and set(calls) == {"cuda"}  # the loss took the triton rung
-    assert all(r["memory/peak_gib"] > 0 for r in rows)
+    assert all(r["memory/peak_gib"] > 0 and r["memory/engine_gib"] > 0 and r["memory/rss_gib"] > 0 for r in rows)
     assert "device: cuda" in (result.run_dir / "config.yaml").read_text()
+    # the engine's weights were reloaded after every step (a broken sync leaves the engine's μ on old weights)
+    assert all(0 <= r["offpolicy/kl_k3"] < 1e-2 for r in rows)
 
 
 @CUDA

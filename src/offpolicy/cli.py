@@ -73,7 +73,7 @@ def _cmd_train(args: argparse.Namespace, console: Console) -> int:
     cfg = load_train_config(config_path, items)
     _quiet_libraries()
     result = train(cfg, resume=resume, console=console, progress=not args.no_progress)
-    return 130 if result.interrupted else 0
+    return 128 + int(result.stop_signal) if result.interrupted else 0  # 130: Ctrl-C, 143: SIGTERM
 
 
 DIAGNOSE_HEADLINE = ["kl_k1", "kl_k3", "ppl_ratio", "chi2_token", "chi2_seq", "abs_logp_diff_mean",
@@ -98,6 +98,10 @@ def _diagnose_settings(args: argparse.Namespace) -> list[dict]:
 
 def _cmd_diagnose(args: argparse.Namespace, console: Console) -> int:
     server = _diagnose_server_config(args)  # --engine-url: a wrong flag fails before transformers even imports
+    if _vllm_flags(args) and server is None and not args.batch \
+            and all(s["engine"] != "vllm" for s in _diagnose_settings(args)):  # as train refuses vllm.* without vllm
+        raise ConfigError(f"{_vllm_flags(args)[0]} is read with --engine vllm only (engine is {args.engine!r}). "
+                          "Fix: --engine vllm, or drop it")
     import json
     from pathlib import Path
 
@@ -106,7 +110,7 @@ def _cmd_diagnose(args: argparse.Namespace, console: Console) -> int:
     from offpolicy.tasks import make_task, problems
     from offpolicy.tasks.tokenizer import ensure_pad_token, load_tokenizer
     from offpolicy.tasks.dataset import dataset_prompts
-    from offpolicy.train.config import DataConfig, TrainConfig, resolve_device
+    from offpolicy.train.config import DataConfig, TrainConfig, VLLMConfig, resolve_device, resolve_trainer_dtype
     from offpolicy.train.loop import resolve_model
     from offpolicy.train.warmstart import prompt_ids
 
@@ -120,6 +124,15 @@ def _cmd_diagnose(args: argparse.Namespace, console: Console) -> int:
     sampling = SamplingConfig(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                               top_k=args.top_k)
     device = resolve_device(TrainConfig(model=args.model, task=args.task, engine="hf", device=args.device))
+    for setting in settings:  # the trainer's numerics are train's: its dtype resolution, its forward
+        if setting["trainer_dtype"] not in ("auto", "fp32", "bf16"):
+            raise ConfigError(f"--trainer-dtype {setting['trainer_dtype']!r}: expected auto, fp32 or bf16")
+        setting["trainer_dtype"] = resolve_trainer_dtype(TrainConfig(trainer_dtype=setting["trainer_dtype"]), device)[0]
+    args.trainer_dtype = resolve_trainer_dtype(TrainConfig(trainer_dtype=args.trainer_dtype), device)[0]
+    vllm_options = VLLMConfig(max_num_batched_tokens=args.vllm_max_num_batched_tokens,  # train's vllm.* rules
+                              max_num_seqs=args.vllm_max_num_seqs,
+                              enable_chunked_prefill=args.vllm_enable_chunked_prefill,
+                              enforce_eager=args.vllm_enforce_eager).model_dump()
     model_path = resolve_model(TrainConfig(model=args.model, task=args.task, engine="hf"), console)
     tokenizer = load_tokenizer(model_path)
     ensure_pad_token(tokenizer)
@@ -144,7 +157,7 @@ def _cmd_diagnose(args: argparse.Namespace, console: Console) -> int:
         s = diagnose.sample(model_path, tokenizer, prompts, setting["engine"], setting["engine_dtype"],
                             setting["trainer_dtype"], sampling, seed=args.seed, logit_noise=setting["logit_noise"],
                             log_path=out / "engine.log", max_model_len=max(map(len, prompts)) + args.max_tokens,
-                            device=device)
+                            device=device, vllm_options=vllm_options if setting["engine"] == "vllm" else None)
         reports.append(diagnose.report(s, {**setting, "name": name, "model": str(model_path),
                                            "sampling": sampling.__dict__}, out / name if len(settings) > 1 else out))
     out.mkdir(parents=True, exist_ok=True)
@@ -153,6 +166,13 @@ def _cmd_diagnose(args: argparse.Namespace, console: Console) -> int:
     _print_diagnosis(console, reports)
     console.print(f"report: {out / 'report.json'}  plots: {', '.join(p for r in reports for p in r.get('plots', []))}")
     return _diagnose_gate(reports, bounds)
+
+
+def _vllm_flags(args: argparse.Namespace) -> list[str]:
+    """The ``--vllm-*`` flags given (train's ``vllm.*`` options), as typed."""
+    names = ("max_num_batched_tokens", "max_num_seqs", "enable_chunked_prefill", "enforce_eager")
+    given = {n: getattr(args, f"vllm_{n}") for n in names}
+    return [("--no-vllm-" if v is False else "--vllm-") + n.replace("_", "-") for n, v in given.items() if v is not None]
 
 
 # ------------------------------------------------------------------ diagnose --engine-url (issue #34)
@@ -182,6 +202,9 @@ def _diagnose_server_config(args: argparse.Namespace):
                           "runs (run diagnose once per server)")
     if args.logit_noise:
         raise ConfigError("--logit-noise is added by the hf engine; a server samples as it is configured")
+    if _vllm_flags(args):
+        raise ConfigError(f"{_vllm_flags(args)[0]} configures the in-process vLLM engine; a server batches as it "
+                          "was started (pass the option to the server instead)")
     try:
         return ServerConfig(url=args.engine_url, api_key=api_key_from_env(args.api_key_env, os.environ),
                             served_model=args.served_model_name, concurrency=args.concurrency,
@@ -274,6 +297,8 @@ def _diagnose_batch(args: argparse.Namespace, console: Console, bounds: tuple[li
 
 
 def _print_diagnosis(console: Console, reports: list[dict]) -> None:
+    from offpolicy.diagnose import RATIO_BANDS
+
     table = Table(title="mismatch: trainer π vs engine μ on the engine's samples")
     table.add_column("metric")
     for r in reports:
@@ -283,9 +308,17 @@ def _print_diagnosis(console: Console, reports: list[dict]) -> None:
     for key in ("log1.1", "log2"):
         table.add_row(f"|log ρ| > {key}", *(f"{r['breakdowns']['fraction_abs_log_ratio_above'][key]:.4f}"
                                              for r in reports))
+    for key, (low, high) in RATIO_BANDS.items():
+        table.add_row(f"ρ outside [{low:g}, {high:g}]", *(f"{r['breakdowns']['fraction_ratio_outside'][key]:.4f}"
+                                                         for r in reports))
+    table.add_row("outside trainer's top-k/p", *(f"{r.get('fraction_outside_trainer_support', 0.0):.4f}" for r in reports))
+    table.add_row("mass outside top-k/p", *("–" if r.get("outside_mass") is None else f"{r['outside_mass']:.4f}"
+                                             for r in reports))
     table.add_row("kl_over_entropy", *(f"{r['summary']['kl_over_entropy']:.4g}" if "kl_over_entropy" in r["summary"]
                                        else "–" for r in reports))
     table.add_row("tokens", *(f"{r['tokens']:.0f}" for r in reports))
+    if any(r.get("outside_support_tokens") for r in reports):
+        table.add_row("outside top-k/top-p (excluded)", *(f"{r.get('outside_support_tokens', 0):.0f}" for r in reports))
     table.add_row("engine tokens/s", *("–" if r["engine_tokens_per_s"] is None else f"{r['engine_tokens_per_s']:.0f}"
                                        for r in reports))
     console.print(table)
@@ -297,15 +330,16 @@ def _print_diagnosis(console: Console, reports: list[dict]) -> None:
             by_prob.add_row(row["bucket"], str(row["tokens"]), f"{row['token_share']:.3f}",
                             f"{row['abs_log_ratio_mean']:.4f}", f"{row['kl_k3']:.2e}", f"{row['abs_log_ratio_share']:.3f}")
         console.print(by_prob)
-    what_if = Table(title="what-if: each preset on this batch (first setting: " + reports[0]["setting"]["name"] + ")")
-    what_if.add_column("preset", no_wrap=True)
-    for col in ("tok rej", "seq rej", "w mean", "w min", "w max", "ESS"):
-        what_if.add_column(col, justify="right", no_wrap=True)
-    for row in reports[0]["what_if"]:
-        what_if.add_row(row["preset"], f"{row['token_rejected']:.1%}", f"{row['seq_rejected']:.1%}",
-                        f"{row['weight_mean']:.3f}", f"{row['weight_min']:.3f}", f"{row['weight_max']:.3f}",
-                        f"{row['ess']:.4f}")
-    console.print(what_if)
+    for r in reports:  # every setting's: a bf16 engine's rejections differ from an fp32 one's (issue #30)
+        what_if = Table(title=f"what-if: each preset on this batch — {r['setting']['name']}")
+        what_if.add_column("preset", no_wrap=True)
+        for col in ("tok rej", "seq rej", "w mean", "w min", "w max", "ESS"):
+            what_if.add_column(col, justify="right", no_wrap=True)
+        for row in r["what_if"]:
+            what_if.add_row(row["preset"], f"{row['token_rejected']:.1%}", f"{row['seq_rejected']:.1%}",
+                            f"{row['weight_mean']:.3f}", f"{row['weight_min']:.3f}", f"{row['weight_max']:.3f}",
+                            f"{row['ess']:.4f}")
+        console.print(what_if)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -328,7 +362,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--model", default="default", help="local HF model path, or 'default' (embedded tiny model)")
     d.add_argument("--engine", choices=["vllm", "hf"], default="vllm")
     d.add_argument("--engine-dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
-    d.add_argument("--trainer-dtype", choices=["fp32", "bf16"], default="fp32")
+    d.add_argument("--trainer-dtype", choices=["auto", "fp32", "bf16"], default="auto",
+                   help="as train's trainer_dtype: fp32 master weights, bf16 = autocast; auto = bf16 on CUDA with bf16")
     d.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N: where the trainer (and the hf "
                    "engine) run; auto = cuda when available")
     src = d.add_mutually_exclusive_group()
@@ -350,6 +385,14 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--top-p", type=float, default=1.0)
     d.add_argument("--top-k", type=int, default=-1)
     d.add_argument("--logit-noise", type=float, default=0.0, help="additive engine logit noise σ (hf engine)")
+    v = d.add_argument_group("vLLM (--engine vllm; train's vllm.* options; unset = the platform's default)")
+    v.add_argument("--vllm-max-num-batched-tokens", type=int, metavar="N",
+                   help="tokens per engine step (vllm.max_num_batched_tokens)")
+    v.add_argument("--vllm-max-num-seqs", type=int, metavar="N", help="sequences per engine step (vllm.max_num_seqs)")
+    v.add_argument("--vllm-enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
+                   help="split long prompts over steps (vllm.enable_chunked_prefill; refused on the CPU)")
+    v.add_argument("--vllm-enforce-eager", action=argparse.BooleanOptionalAction, default=None,
+                   help="no CUDA graphs or compilation (vllm.enforce_eager; default: on the CPU only)")
     d.add_argument("--compare", metavar="KEY=V1,V2", help="several settings side by side, e.g. engine_dtype=bf16,fp16,fp32")
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--out", default="diagnose", help="output directory (report.json, PNG plots)")

@@ -240,7 +240,7 @@ def reject_divergence(rule: DivergenceRule, b: RuleInputs, mask: torch.Tensor) -
     elif rule.stat == "k2":
         per_token = 0.5 * x * x
     else:
-        per_token = ops.safe_exp(x, b.clamp) - 1.0 - x
+        per_token = ops.k3(x, b.clamp)
     if rule.level == "token":
         return ops.in_band(per_token, rule.low, rule.high)
     return ops.broadcast_rows(ops.in_band(_row_stat(per_token, mask, rule.level), rule.low, rule.high), mask)
@@ -495,7 +495,7 @@ def mismatch_metrics(
 ) -> None:
     """Mismatch between π_train and μ on the valid tokens, before rejection.
 
-    kl_k1 = mean(log μ − log π_train); kl_k3 = mean(ρ − 1 − log ρ); chi2_token = mean(ρ²) − 1;
+    kl_k1 = mean(log μ − log π_train); kl_k3 = mean(ρ − 1 − log ρ) (as expm1(log ρ) − log ρ); chi2_token = mean(ρ²) − 1;
     chi2_seq = mean_rows(Π ρ_t²) − 1; ppl_* = mean_rows exp(−mean_t log p); log_ppl_diff =
     mean_rows(mean_t log μ − mean_t log π_train); ppl_ratio = mean_rows(ppl_train / ppl_rollout);
     abs_logp_diff = |log ρ|; prob_diff = |π_train − μ|; ess = (mean ρ)² / mean(ρ²);
@@ -507,7 +507,7 @@ def mismatch_metrics(
     ratio = ops.safe_exp(log_ratio, clamp)
     rows = valid.any(dim=-1)
     metrics.mean("kl_k1", -log_ratio, valid)
-    metrics.mean("kl_k3", ratio - 1.0 - log_ratio, valid)
+    metrics.mean("kl_k3", ops.k3(log_ratio, clamp), valid)
     metrics.mean("chi2_token", ratio.double() ** 2 - 1.0, valid)
     seq_log = ops.row_log_ratio(log_ratio, valid, geometric=False).double().clamp(-clamp, clamp)
     metrics.mean("chi2_seq", torch.exp(2.0 * seq_log) - 1.0, rows)

@@ -6,7 +6,8 @@ engine's top-k/top-p support, SPEC §6), and reports:
 * every mismatch metric of SPEC §7 (``correct`` with a measure-only config);
 * breakdowns by token position and by the sampled token's probability under the trainer —
   where the mismatch lives;
-* the fraction of tokens with |log ρ| above log 1.1 and log 2;
+* the fraction of tokens with |log ρ| above log 1.1 and log 2, and with ρ outside [0.9, 1.1],
+  [0.8, 1.25] and [0.5, 2] (the bands users quote: |log ρ| > log 1.1 is ρ outside [0.909, 1.1]);
 * a what-if table: every preset applied to this very batch (rejected tokens and sequences,
   weight mean/min/max, ESS of the weights);
 * PNG plots (histogram of log ρ, log ρ against token probability, mismatch KL per position)
@@ -19,24 +20,27 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
 import offpolicy as op
-from offpolicy import presets
+from offpolicy import ops, presets
 from offpolicy.config import ConfigError
 from offpolicy.engines import Rollouts, SamplingConfig, make_engine
 from offpolicy.integrations.dump import load_batch
 from offpolicy.metrics import Metrics
-from offpolicy.train.update import to_device
-from offpolicy.train.batch import Batch, to_batch, trainer_logprobs
+from offpolicy.tasks.tokenizer import plain_text_ids
+from offpolicy.train.update import forward, load_policy, to_device
+from offpolicy.train.batch import Batch, to_batch
 
 POSITION_EDGES = [0, 4, 8, 16, 32, 64, 128, 256, 1 << 30]
 PROBABILITY_EDGES = [0.0, 0.01, 0.1, 0.5, 0.9, 1.0000001]
 THRESHOLDS = {"log1.1": math.log(1.1), "log2": math.log(2.0)}
+# ρ bands [low, high] whose outside share is reported (TRL #6789 quotes [0.9, 1.1]); name → (low, high)
+RATIO_BANDS = {"0.9_1.1": (0.9, 1.1), "0.8_1.25": (0.8, 1.25), "0.5_2": (0.5, 2.0)}
 
 
 @dataclass
@@ -47,10 +51,15 @@ class Sample:
     trainer: torch.Tensor  # log π_train(y_t)
     seconds: float | None  # engine time; None for a batch read from a dump (``--batch``)
     entropy: float | None = None  # the trainer's mean token entropy; None where no logits are at hand
+    outside_support: int = 0  # tokens the engine drew outside the trainer's top-k/top-p support (excluded)
+    # under top-k/top-p: the trainer's mean probability mass outside its kept set, 1 − S — the factor S a
+    # ratio against full-vocabulary trainer log-probs would carry (TRL #6789); None without truncation
+    outside_mass: float | None = None
 
 
 def read_prompts(path: Path, tokenizer) -> list[list[int]]:
-    """Token ids of each JSONL line's ``prompt`` field.
+    """Token ids of each JSONL line's ``prompt`` field, as plain text (``plain_text_ids``: a BOS only where the
+    tokenizer itself adds one — SmolLM2's "BOS" ``<|im_start|>`` opens a chat turn and stays out).
 
     Raises:
         ConfigError: missing/empty file, invalid JSON, or a line without a string ``prompt``.
@@ -67,8 +76,7 @@ def read_prompts(path: Path, tokenizer) -> list[list[int]]:
             raise ConfigError(f"--prompts {path}:{number}: not valid JSON ({err.msg})") from None
         if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
             raise ConfigError(f"--prompts {path}:{number}: each line needs a string field \"prompt\"")
-        bos = [] if tokenizer.bos_token_id is None else [tokenizer.bos_token_id]
-        prompts.append([*bos, *tokenizer(record["prompt"], add_special_tokens=False).input_ids])
+        prompts.append(plain_text_ids(tokenizer, record["prompt"]))  # the tokenizer's own BOS rule
     if not prompts:
         raise ConfigError(f"--prompts {path}: the file holds no prompt")
     return prompts
@@ -76,14 +84,17 @@ def read_prompts(path: Path, tokenizer) -> list[list[int]]:
 
 def sample(model_path: Path, tokenizer, prompts: list[list[int]], engine: str, engine_dtype: str,
            trainer_dtype: str, sampling: SamplingConfig, seed: int = 0, logit_noise: float = 0.0,
-           log_path: Path | None = None, max_model_len: int = 1024, device: torch.device | None = None) -> Sample:
+           log_path: Path | None = None, max_model_len: int = 1024, device: torch.device | None = None,
+           vllm_options: dict | None = None) -> Sample:
     """Generate with the engine, then recompute the sampled tokens' log-probs with the trainer (``score``).
-    The engine's start-up output goes to ``log_path`` when given (see ``engines.output_to``).
+    The engine's output goes to ``log_path`` when given (see ``engines.make_engine``); ``vllm_options``
+    are vLLM's batching options (``engines.vllm.OPTIONS``).
     ``device`` (default CPU) is where the trainer and the hf engine run; the sample comes back on the CPU."""
     import time
 
     eng = make_engine(engine, str(model_path), tokenizer, engine_dtype, seed=seed, logit_noise=logit_noise,
-                      max_model_len=max(max_model_len, 1024), log_path=log_path, device=device)
+                      max_model_len=max(max_model_len, 1024), log_path=log_path, device=device,
+                      vllm_options=vllm_options)
     try:
         start = time.perf_counter()
         rollouts = eng.generate(prompts, sampling, seed=seed, version=0)
@@ -103,19 +114,33 @@ def score(rollouts: Rollouts, model_path: Path, tokenizer, trainer_dtype: str, s
     Raises:
         RuntimeError: every response is empty (nothing to compare).
     """
-    from transformers import AutoModelForCausalLM
-
     if not any(rollouts.response_ids):
         raise RuntimeError("the engine returned only empty responses: nothing to compare")
-    batch = to_batch(rollouts, tokenizer.pad_token_id)
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[trainer_dtype]
+    return score_batch(model_path, to_batch(rollouts, tokenizer.pad_token_id), sampling, trainer_dtype, seconds,
+                       device)
+
+
+def score_batch(model_path: Path, batch: Batch, sampling: SamplingConfig, trainer_dtype: str,
+                seconds: float | None, device: torch.device | None = None) -> Sample:
+    """The trainer's side of a sample: log π_train of the engine's tokens computed as ``train``
+    computes them — fp32 master weights, bf16 as autocast (``update.load_policy``,
+    ``update.forward``), the one head (``train/head.py``) — and its mean token entropy.
+
+    Tokens the engine drew outside the trainer's top-k/top-p support (log π_train = −inf) leave the
+    statistics, as they leave train's loss, and are counted (``Sample.outside_support``)."""
     device = torch.device(device or "cpu")
-    trainer = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device).eval()
+    trainer = load_policy(model_path, device).eval()
     seen = Metrics()  # the trainer's token entropy, from its logits (the denominator of kl_over_entropy)
     with torch.no_grad():
-        lp = torch.cat([trainer_logprobs(trainer, to_device(batch.select(rows), device), sampling, seen).cpu()
-                        for rows in torch.arange(len(rollouts)).split(64)])
-    return Sample(batch, lp.float(), seconds, entropy=seen["entropy"])
+        lp = torch.cat([forward(trainer, to_device(batch.select(rows), device), sampling, device, trainer_dtype,
+                                seen).cpu() for rows in torch.arange(len(batch.mask)).split(64)]).float()
+    outside = (lp == float("-inf")) & batch.mask.bool()  # [B, T]
+    batch = replace(batch, mask=batch.mask * ~outside)
+    if not bool(batch.mask.any()):
+        raise RuntimeError("every sampled token lies outside the trainer's top-k/top-p support: nothing to compare")
+    return Sample(batch, torch.where(outside, 0.0, lp), seconds, entropy=seen["entropy"],
+                  outside_support=int(outside.sum()),
+                  outside_mass=seen["outside_mass"] if "outside_mass" in seen else None)
 
 
 def from_dump(path: Path) -> tuple[Sample, dict[str, Any]]:
@@ -208,7 +233,7 @@ def _bucket_rows(log_ratio, mask, index, edges, labels) -> list[dict[str, float]
         rows.append({
             "bucket": label, "tokens": n, "token_share": n / n_all,
             "abs_log_ratio_mean": float(x.abs().mean()),
-            "kl_k3": float((x.exp() - 1 - x).mean()),
+            "kl_k3": float(ops.k3(x, None).mean()),
             "abs_log_ratio_share": float(x.abs().sum()) / total_abs if total_abs > 0 else 0.0,
         })
     return rows
@@ -227,7 +252,16 @@ def breakdowns(s: Sample) -> dict[str, Any]:
         "by_probability": _bucket_rows(log_ratio, mask, prob, PROBABILITY_EDGES, prob_labels),
         "fraction_abs_log_ratio_above": {k: float(((log_ratio.abs() > v) & mask.bool()).sum()) / n
                                          for k, v in THRESHOLDS.items()},
+        "fraction_ratio_outside": {k: fraction_outside(log_ratio, mask, lo, hi) for k, (lo, hi) in RATIO_BANDS.items()},
     }
+
+
+def fraction_outside(log_ratio: torch.Tensor, mask: torch.Tensor, low: float, high: float) -> float:
+    """Share of valid tokens with ρ ∉ [low, high], read on log ρ in fp64 against log low, log high
+    (no rounding of ρ at the band's edges)."""
+    lr = log_ratio.double()
+    outside = ((lr < math.log(low)) | (lr > math.log(high))) & mask.bool()
+    return float(outside.sum()) / max(float(mask.sum()), 1.0)
 
 
 def what_if(s: Sample, names: list[str] | None = None) -> list[dict[str, Any]]:
@@ -274,6 +308,12 @@ SUMMARY_STATS = {
     "ess": "(mean ρ)² / mean(ρ²) of the raw token ratios", "ppl_ratio": "mean_rows ppl_train / ppl_rollout",
     "prob_diff_max": "max |π_train − μ|",
     "fraction_above_log2": "fraction of tokens with |log ρ| > log 2",
+    "outside_support_tokens": "tokens drawn outside the trainer's top-k/top-p support (left out of every other statistic)",
+    **{f"fraction_outside_{k}": f"fraction of tokens with ρ outside [{lo:g}, {hi:g}]" for k, (lo, hi) in RATIO_BANDS.items()},
+    "fraction_outside_trainer_support": "fraction of sampled tokens outside the trainer's own top-k/top-p set "
+                                        "(log π = −inf: no ratio; left out of every other statistic)",
+    "outside_mass": "top-k/top-p runs: the trainer's mean probability mass outside its kept set (1 − S, the bias "
+                    "of a ratio against full-vocabulary log-probs, TRL #6789)",
 }
 # per preset, "STAT@PRESET": what that preset's correct() does to this batch (the what-if table)
 PRESET_STATS = {"masked_fraction": "token_rejected", "seq_masked_fraction": "seq_rejected", "weight_ess": "ess"}
@@ -289,8 +329,15 @@ def summary(result: dict[str, Any], entropy: float | None) -> tuple[dict[str, fl
            "max_abs_log_ratio": m["abs_logp_diff_max"], "mult_prob_error": m["mult_prob_error"],
            "chi2": m["chi2_token"], "chi2_seq": m["chi2_seq"], "ess": m["ess"], "ppl_ratio": m["ppl_ratio"],
            "prob_diff_max": m["prob_diff_max"],
-           "fraction_above_log2": result["breakdowns"]["fraction_abs_log_ratio_above"]["log2"]}
+           "fraction_above_log2": result["breakdowns"]["fraction_abs_log_ratio_above"]["log2"],
+           "outside_support_tokens": float(result.get("outside_support_tokens", 0)),
+           **{f"fraction_outside_{k}": v for k, v in result["breakdowns"]["fraction_ratio_outside"].items()},
+           "fraction_outside_trainer_support": result.get("fraction_outside_trainer_support", 0.0)}
     notes = []
+    if result.get("outside_mass") is not None:
+        out["outside_mass"] = result["outside_mass"]
+    else:
+        notes.append("outside_mass: left out, nothing was truncated (top_k = -1, top_p = 1) or no logits are at hand")
     if entropy is None:
         notes += [f"entropy: {NO_LOGITS}", NO_ENTROPY]
     else:
@@ -404,7 +451,7 @@ def plot(s: Sample, out_dir: Path, title: str) -> list[Path]:
     plt.close(fig)
 
     lr = (s.trainer - s.batch.rollout_logprobs)
-    k3 = (lr.exp() - 1 - lr) * s.batch.mask
+    k3 = ops.k3(lr, None) * s.batch.mask
     counts = s.batch.mask.sum(0)
     per_pos = (k3.sum(0) / counts.clamp(min=1))[counts > 0]
     fig, ax = plt.subplots(figsize=(6, 4), constrained_layout=True)
@@ -419,14 +466,36 @@ def plot(s: Sample, out_dir: Path, title: str) -> list[Path]:
     return paths
 
 
+def within_support(s: Sample) -> tuple[Sample, float]:
+    """``s`` without the tokens the trainer gives no finite log-prob, and their share of the sampled tokens.
+
+    Under top-k/top-p each side keeps its own set: a token near the edge of the engine's set can lie outside
+    the trainer's (log π = −inf there), and no ratio exists for it. Those tokens are counted
+    (``Sample.outside_support``; ``score_batch`` has already taken out the ones it scored) and left out of
+    every other number — which would otherwise stop on the non-finite value. The share is
+    outside / (outside + tokens that count), over every token the engine sampled."""
+    mask = s.batch.mask
+    outside = mask.bool() & ~torch.isfinite(s.trainer)
+    if bool(outside.any()):
+        batch = replace(s.batch, mask=mask * ~outside)
+        s = replace(s, batch=batch, trainer=torch.where(outside, 0.0, s.trainer),
+                    outside_support=s.outside_support + int(outside.sum()))
+    sampled = float(s.batch.mask.sum()) + s.outside_support
+    return s, s.outside_support / max(sampled, 1.0)
+
+
 def report(s: Sample, setting: dict[str, Any], out_dir: Path, plots: bool = True) -> dict[str, Any]:
     out_dir.mkdir(parents=True, exist_ok=True)
-    tokens = float(s.batch.mask.sum())
+    s, outside = within_support(s)
+    tokens = float(s.batch.mask.sum()) + s.outside_support  # every token the engine sampled
     result = {
         "setting": setting,
         "samples": len(s.batch.mask),
         "tokens": tokens,
+        "outside_support_tokens": s.outside_support,  # left out of every statistic (within_support)
         "engine_tokens_per_s": None if s.seconds is None else tokens / max(s.seconds, 1e-9),
+        "fraction_outside_trainer_support": outside,
+        "outside_mass": s.outside_mass,
         "mismatch": mismatch(s),
         "breakdowns": breakdowns(s),
         "what_if": what_if(s),

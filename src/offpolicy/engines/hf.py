@@ -3,30 +3,100 @@ of mismatch (its own copy of the weights, in its own dtype, with optional logit 
 
 The reported log-prob of each sampled token is taken from the *processed* scores (after
 temperature, top-k, top-p and the noise), i.e. from the distribution the token was drawn from.
+
+Memory O(B·V), not O(B·steps·V): no ``output_scores``. transformers 5.19's sampling loop
+(``GenerationMixin._sample``) runs, per step,
+
+    scores = logits_processor(input_ids, logits)      # the list built by _get_logits_processor:
+                                                      # its own processors, then the caller's,
+                                                      # then (do_sample) temperature, top-k, top-p
+    token  = multinomial(softmax(scores))
+    input_ids = cat(input_ids, token)                 # a finished row gets pad instead
+    stopping_criteria(input_ids, scores)
+
+A caller's processor comes *before* transformers' warpers, so it cannot see the processed
+distribution. The engine therefore asks ``generate`` for plain sampling (τ = 1, top-k = 0,
+top-p = 1: no warper; ``engines/generation.py``) and passes the same warpers itself, in the same
+order with the same arguments — noise, ``TemperatureLogitsWarper``, ``TopKLogitsWarper``,
+``TopPLogitsWarper`` — followed by ``_SampledLogprobs``, which keeps the step's processed
+log-softmax ``[B, V]`` and, as a stopping criterion (called once the token is appended), gathers
+it at the token just drawn and drops it. The draws are the same as with transformers' own
+warpers, bit for bit (``tests/test_hf_engine.py``).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 
 import torch
-from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList, PreTrainedTokenizerBase
+from transformers import (AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList, PreTrainedTokenizerBase,
+                          StoppingCriteria, StoppingCriteriaList, TemperatureLogitsWarper, TopKLogitsWarper,
+                          TopPLogitsWarper)
 
 from offpolicy.engines.base import Rollouts, SamplingConfig, left_pad, stop_token_ids
+from offpolicy.engines.generation import explicit_config, generate, ignored_line
+
+log = logging.getLogger(__name__)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class _LogitNoise(LogitsProcessor):
-    """Adds N(0, σ²) to every finite logit: a dialled-in sampler/trainer mismatch."""
+    """Adds N(0, σ²) to every finite logit: a dialled-in sampler/trainer mismatch. The noise is drawn
+    on the scores' device by a generator of that device seeded with ``seed`` (on the CPU, the same
+    draws as ever; on a GPU, no host round trip per step)."""
 
-    def __init__(self, sigma: float, generator: torch.Generator):
-        self.sigma, self.generator = sigma, generator
+    def __init__(self, sigma: float, seed: int):
+        self.sigma, self.seed, self.generator = sigma, seed, None
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        # the CPU generator draws the same noise on every device
-        noise = torch.randn(scores.shape, generator=self.generator, dtype=torch.float32).to(scores.device, scores.dtype)
-        return torch.where(torch.isfinite(scores), scores + self.sigma * noise, scores)
+        if self.generator is None:
+            self.generator = torch.Generator(device=scores.device).manual_seed(self.seed)
+        noise = torch.randn(scores.shape, generator=self.generator, dtype=torch.float32, device=scores.device)
+        return torch.where(torch.isfinite(scores), scores + self.sigma * noise.to(scores.dtype), scores)
+
+
+class _SampledLogprobs(LogitsProcessor):
+    """The log-prob of each drawn token under the processed distribution, in O(B·V) memory. As the
+    last logits processor it keeps log_softmax(scores) ``[B, V]`` (fp32); its ``criterion``, a
+    stopping criterion that runs once the drawn token is appended to ``input_ids``, gathers that
+    token's log-prob (``[B]`` per step, in ``steps``) and drops the ``[B, V]``."""
+
+    def __init__(self):
+        self.pending: torch.Tensor | None = None
+        self.steps: list[torch.Tensor] = []
+        self.criterion = _GatherDrawn(self)
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        self.pending = scores.float().log_softmax(-1)
+        return scores
+
+
+class _GatherDrawn(StoppingCriteria):
+    """``_SampledLogprobs``'s second half: log π̃ of ``input_ids[:, -1]``; never stops generation."""
+
+    def __init__(self, recorder: _SampledLogprobs):
+        self.recorder = recorder
+
+    def __call__(self, input_ids: torch.LongTensor, scores, **kwargs) -> torch.BoolTensor:
+        r = self.recorder
+        r.steps.append(r.pending.gather(-1, input_ids[:, -1:]).squeeze(-1))
+        r.pending = None
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
+def warpers(sampling: SamplingConfig) -> list[LogitsProcessor]:
+    """transformers' own warpers for ``sampling``, as ``_get_logits_processor`` builds them for
+    ``do_sample`` with one beam (min_tokens_to_keep = 1): temperature if τ ≠ 1, top-k if on, top-p if < 1."""
+    out: list[LogitsProcessor] = []
+    if sampling.temperature != 1.0:
+        out.append(TemperatureLogitsWarper(sampling.temperature))
+    if sampling.top_k > 0:
+        out.append(TopKLogitsWarper(top_k=sampling.top_k, min_tokens_to_keep=1))
+    if sampling.top_p < 1.0:
+        out.append(TopPLogitsWarper(top_p=sampling.top_p, min_tokens_to_keep=1))
+    return out
 
 
 class HFEngine:
@@ -40,33 +110,28 @@ class HFEngine:
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype).to(self.device).eval()
         self.logit_noise = logit_noise
         self.stop = stop_token_ids(tokenizer, self.model)  # EOS and the model's other end-of-turn ids
+        self._warned = False
 
     @torch.no_grad()
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingConfig, seed: int, version: int) -> Rollouts:
+        if not self._warned:  # once per engine, on the console (the constructor's output goes to engine.log)
+            self._warned = True
+            line = ignored_line(self.model, {"temperature": sampling.temperature, "top_p": sampling.top_p,
+                                             "top_k": max(sampling.top_k, 0)})
+            if line:
+                log.warning("hf engine: %s", line)
         pad = self.tokenizer.pad_token_id
         input_ids, attention = (t.to(self.device) for t in left_pad(prompt_ids, pad))
         width = input_ids.shape[1]
         torch.manual_seed(seed)  # generate() samples from the global generator (seeds CUDA's too)
-        processors = LogitsProcessorList()
-        if self.logit_noise > 0:
-            processors.append(_LogitNoise(self.logit_noise, torch.Generator().manual_seed(seed + 1)))
-        out = self.model.generate(
-            input_ids=input_ids,
-            attention_mask=attention,
-            do_sample=True,
-            temperature=sampling.temperature,
-            top_p=sampling.top_p,
-            top_k=sampling.top_k if sampling.top_k > 0 else 0,
-            max_new_tokens=sampling.max_tokens,
-            logits_processor=processors,
-            output_scores=True,
-            return_dict_in_generate=True,
-            pad_token_id=pad,
-            eos_token_id=self.stop,
-        )
-        new_tokens = out.sequences[:, width:]  # [B, steps]
-        scores = torch.stack(out.scores, dim=1).float().log_softmax(-1)  # [B, steps, V] processed
-        token_logprobs = scores.gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)
+        recorder = _SampledLogprobs()
+        noise = [_LogitNoise(self.logit_noise, seed + 1)] if self.logit_noise > 0 else []
+        sequences = generate(self.model, input_ids, attention,
+                             explicit_config(do_sample=True, max_new_tokens=sampling.max_tokens, stop=self.stop, pad=pad),
+                             logits_processor=LogitsProcessorList([*noise, *warpers(sampling), recorder]),
+                             stopping_criteria=StoppingCriteriaList([recorder.criterion]))
+        new_tokens = sequences[:, width:]  # [B, steps]
+        token_logprobs = torch.stack(recorder.steps[: new_tokens.shape[1]], dim=1)  # [B, steps] processed
         responses, logprobs, finished = [], [], []
         for row_ids, row_lps in zip(new_tokens.tolist(), token_logprobs.tolist()):
             ends = [t for t, token in enumerate(row_ids) if token in self.stop]

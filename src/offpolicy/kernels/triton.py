@@ -38,6 +38,7 @@ binary-KL rules, ``nonfinite: neutral``.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from typing import NamedTuple
@@ -190,9 +191,18 @@ if triton is not None:
         return tl.minimum(tl.maximum(x, -bound), bound)
 
     @triton.jit
+    def _expm1(x):
+        """e^x − 1 without exp's cancellation near 0 (issue #30: k3 ≈ x²/2 read 1e-9 where it is 1e-11).
+        |x| < 1/16: the Taylor series to x⁷/7! (the next term is below 2e-10 of x²/2, under fp32's
+        precision); else exp(x) − 1, whose cancellation costs at most ~3e-5 of k3 ≥ 2e-3 there. Triton
+        has no portable expm1 (libdevice's is CUDA-only and absent from the CPU interpreter)."""
+        series = x * (1.0 + x * (0.5 + x * (1.0 / 6 + x * (1.0 / 24 + x * (1.0 / 120 + x * (1.0 / 720 + x / 5040))))))
+        return tl.where(tl.abs(x) < 0.0625, series, tl.exp(x) - 1.0)
+
+    @triton.jit
     def _k_stat(STAT: tl.constexpr, lr, L: tl.constexpr):
-        """k1 = −log ρ, k2 = ½(log ρ)², k3 = ρ − 1 − log ρ (verl rollout_rs; SPEC §4); direction
-        pi_mu (AReaL): 4 = k1 = log ρ, 5 = k3 = 1/ρ − 1 + log ρ."""
+        """k1 = −log ρ, k2 = ½(log ρ)², k3 = ρ − 1 − log ρ = expm1(log ρ) − log ρ (verl rollout_rs; SPEC §4);
+        direction pi_mu (AReaL): 4 = k1 = log ρ, 5 = k3 = 1/ρ − 1 + log ρ."""
         if STAT == 1:
             v = -lr
         elif STAT == 2:
@@ -200,9 +210,9 @@ if triton is not None:
         elif STAT == 4:
             v = lr
         elif STAT == 5:
-            v = tl.exp(_clamp(-lr, L)) - 1.0 + lr
+            v = _expm1(_clamp(-lr, L)) + lr
         else:
-            v = tl.exp(_clamp(lr, L)) - 1.0 - lr
+            v = _expm1(_clamp(lr, L)) - lr
         return v
 
     @triton.jit
@@ -441,7 +451,7 @@ if triton is not None:
             tl.store(tok_ptr + out, per_token, mask=inb)
             tl.store(den_ptr + out, den, mask=inb)
         # ----------------------------------------------------------- partial sums (SPEC §7)
-        em1 = tl.where(valid, ratio - 1.0, 0.0)
+        em1 = tl.where(valid, _expm1(lr), 0.0)  # ρ − 1 exact near ρ = 1: k3 and χ² sum it
         if L > 44.0:  # ρ² overflows fp32 beyond log ρ = 44: square in fp64 (p2 is fp64)
             e64 = em1.to(tl.float64)
             chi2 = tl.sum(e64 * (e64 + 2.0), axis=0)
@@ -484,7 +494,7 @@ if triton is not None:
         tl.store(p + 24 * plane, tl.sum(den, axis=0))
         tl.store(p + 25 * plane, clip)
         tl.store(p + 26 * plane, dual)
-        tl.store(p + 27 * plane, tl.sum(tl.where(keep, r - 1.0 - log_r, 0.0), axis=0))
+        tl.store(p + 27 * plane, tl.sum(tl.where(keep, _expm1(log_r) - log_r, 0.0), axis=0))
         tl.store(p + 28 * plane, tl.sum(tl.where(bad_mask, 1.0, 0.0), axis=0))
         tl.store(p + 29 * plane, tl.sum(tl.where(pos_lp, 1.0, 0.0), axis=0))
         tl.store(p + 30 * plane, tl.sum(tl.where(pos_old, 1.0, 0.0), axis=0))
@@ -725,6 +735,14 @@ def _plan(config: LossConfig, has_old: bool) -> _Plan | None:
     return plan
 
 
+def on_device(device: torch.device) -> contextlib.AbstractContextManager:
+    """The guard every launch runs under: Triton launches on the *current* CUDA device and its current
+    stream, so a batch on cuda:1 while cuda:0 is current (the default, and what an in-process vLLM
+    sets) fails with "Pointer argument cannot be accessed from Triton" or races another stream.
+    Makes the tensors' device current for the launch; nothing to do off CUDA (the interpreter)."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
 def _rows(x: torch.Tensor) -> torch.Tensor:
     """A view whose last dimension is contiguous (the kernels index rows by their stride)."""
     return x if x.stride(-1) == 1 else x.contiguous()
@@ -786,17 +804,18 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, rollout_logprobs, conf
     grid = (B, C)
     common = dict(CORRECTED=spec.corrected, ANCHOR=spec.anchor, OLD_IN=old_in, L=spec.log_clamp, RULES=spec.rules,
                   SEQUENTIAL=spec.sequential, BLOCK=block, num_warps=max(4, min(16, block // 256)))
-    if spec.needs_rows:
-        _row_stats[grid](lp, old, roll, adv, m, p1, B, T, C, *strides, **common)
     w = spec.weight or (0, 0, -_INF, _INF)
-    _tokens[grid](lp, old, roll, adv, m, p1, p2, coef, per_token, den, B, T, C, *strides, **common,
-                  NONFINITE=spec.nonfinite, HAS_WEIGHT=spec.weight is not None, WLEVEL=w[0], WMODE=w[1], WLO=w[2],
-                  WHI=w[3], FIXED=spec.fixed_denominator, KIND=spec.kind, CLIP_LO=spec.clip_low,
-                  CLIP_HI=spec.clip_high, DUAL=spec.dual_clip, UNREDUCED=unreduced, CP=CP)
     max_len = float(config.max_len if config.max_len is not None else T)
-    _finish[(1,)](p2, flat, loss, scale, B, C, float(global_count or 0.0), max_len, L=spec.log_clamp,
-                  N_RULES=n_rules, AGG=spec.agg, HAS_GLOBAL=global_count is not None, CP=CP, RB=max(16, 2048 // CP),
-                  NRAW=n_raw, LAYOUT=index, num_warps=16)  # one program: all the warps it can get
+    with on_device(device):
+        if spec.needs_rows:
+            _row_stats[grid](lp, old, roll, adv, m, p1, B, T, C, *strides, **common)
+        _tokens[grid](lp, old, roll, adv, m, p1, p2, coef, per_token, den, B, T, C, *strides, **common,
+                      NONFINITE=spec.nonfinite, HAS_WEIGHT=spec.weight is not None, WLEVEL=w[0], WMODE=w[1],
+                      WLO=w[2], WHI=w[3], FIXED=spec.fixed_denominator, KIND=spec.kind, CLIP_LO=spec.clip_low,
+                      CLIP_HI=spec.clip_high, DUAL=spec.dual_clip, UNREDUCED=unreduced, CP=CP)
+        _finish[(1,)](p2, flat, loss, scale, B, C, float(global_count or 0.0), max_len, L=spec.log_clamp,
+                      N_RULES=n_rules, AGG=spec.agg, HAS_GLOBAL=global_count is not None, CP=CP,
+                      RB=max(16, 2048 // CP), NRAW=n_raw, LAYOUT=index, num_warps=16)  # one program: all its warps
 
     checks = flat[-len(_CHECKS):]
     shape = tuple(mask.shape)

@@ -17,7 +17,8 @@ that does not return a number.
 Rendering: with ``data.chat_template: auto`` and a tokenizer that has a chat template, the prompt is
 ``[system?, user]`` through ``apply_chat_template(add_generation_prompt=True)`` — the template writes
 its own BOS where the model wants one; otherwise it is the raw text (after ``system_prompt`` and a
-blank line) with the tokenizer's BOS in front, if it has one.
+blank line) with what the tokenizer itself puts in front of text (``tokenizer(text)``: Llama's BOS; nothing
+for Qwen or SmolLM2, whose ``bos_token`` ``<|im_start|>`` opens a chat turn).
 
 Prompts longer than ``max_prompt_tokens`` are *refused* (or, with ``data.drop_long_prompts``, dropped
 and counted), never left-truncated: cutting a prompt's start removes the chat template's header and
@@ -219,9 +220,8 @@ def render_prompts(tokenizer, texts: list[str], system_prompt: str | None, chat_
         rendered = [_apply_template(tokenizer, [*system, {"role": "user", "content": t}], system_prompt)
                     for t in texts]
         return tokenizer(rendered, add_special_tokens=False).input_ids  # the template holds any BOS itself
-    bos = [] if tokenizer.bos_token_id is None else [tokenizer.bos_token_id]
     rendered = [f"{system_prompt}\n\n{t}" if system_prompt else t for t in texts]
-    return [[*bos, *ids] for ids in tokenizer(rendered, add_special_tokens=False).input_ids]
+    return tokenizer(rendered).input_ids  # plain text: the tokenizer's own BOS rule (tasks/tokenizer.py)
 
 
 def check_tokenizer(tokenizer, texts: list[str], vocab_size: int | None, where: str) -> None:

@@ -3,6 +3,11 @@
 One token per character, plus ``<pad>``, ``<bos>``, ``<eos>`` and ``<unk>``. Saved with the model
 (``save_pretrained``) so that transformers and vLLM load the same vocabulary from the run
 directory — no download, no external file.
+
+Plain text (no chat template) is tokenised by every path the same way, ``plain_text_ids``: the tokenizer's
+own rule, ``tokenizer(text)``, with whatever it puts in front of text. Llama's tokenizers add their BOS;
+Qwen's and SmolLM2's add nothing (SmolLM2's ``bos_token`` is ``<|im_start|>``, which opens a chat turn, not
+a document); the character tokenizer adds ``<bos>`` (``add_bos_token``): its model is trained with it.
 """
 
 from __future__ import annotations
@@ -29,7 +34,14 @@ def build_char_tokenizer() -> PreTrainedTokenizerFast:
         padding_side="left",
         model_max_length=512,
         clean_up_tokenization_spaces=False,
+        add_bos_token=True,  # tokenizer(text) = <bos> + text: the embedded model's prompts start so
     )
+
+
+def plain_text_ids(tokenizer, text: str) -> list[int]:
+    """Token ids of ``text`` rendered as plain text: ``tokenizer(text)``, the tokenizer's own special tokens
+    included (module docstring) — never a BOS it would not add itself."""
+    return tokenizer(text).input_ids
 
 
 def load_tokenizer(path) -> PreTrainedTokenizerFast:
@@ -45,7 +57,8 @@ def load_tokenizer(path) -> PreTrainedTokenizerFast:
         data = json.loads(spec.read_text())
         vocab = data.get("model", {}).get("vocab", {})
         if data.get("model", {}).get("type") == "WordLevel" and all(tok in vocab for tok in SPECIAL):
-            return PreTrainedTokenizerFast.from_pretrained(path)
+            # add_bos_token: character tokenizers saved before it was part of build_char_tokenizer
+            return PreTrainedTokenizerFast.from_pretrained(path, add_bos_token=True)
     return AutoTokenizer.from_pretrained(path)
 
 

@@ -1,8 +1,9 @@
-"""From engine rollouts to the ``[B, T]`` tensors the loss reads, and the trainer's log-probs.
+"""From engine rollouts to the ``[B, T]`` tensors the loss reads.
 
 Rows are prompt + response, right-padded; response-aligned tensors are ``[B, T]`` with
-T = the longest response. The trainer computes log π(y_t) on the same support the engine
-sampled from (``renormalize_logprobs``: temperature, top-k, top-p — SPEC §6).
+T = the longest response. The trainer's log-probs of these tokens, on the same support the engine
+sampled from (temperature, top-k, top-p — SPEC §6), come from ``offpolicy.train.head``
+(``trainer_logprobs``, re-exported here).
 """
 
 from __future__ import annotations
@@ -11,9 +12,10 @@ from dataclasses import dataclass
 
 import torch
 
-from offpolicy.engines import Rollouts, SamplingConfig
-from offpolicy.metrics import Metrics
-from offpolicy.sampling import outside_mass_metrics, renormalize_logprobs
+from offpolicy.engines import Rollouts
+from offpolicy.train.head import token_entropy, trainer_logprobs
+
+__all__ = ["Batch", "grpo_advantages", "to_batch", "token_entropy", "trainer_logprobs"]
 
 
 @dataclass
@@ -52,49 +54,6 @@ def to_batch(rollouts: Rollouts, pad_id: int) -> Batch:
             rollout_lp[i, :n] = torch.tensor(lps, dtype=torch.float32)
     versions = torch.full((rows,), rollouts.version, dtype=torch.long)
     return Batch(input_ids, attention, positions, response, mask, rollout_lp, versions)
-
-
-def trainer_logprobs(model, batch: Batch, sampling: SamplingConfig, metrics: Metrics | None = None) -> torch.Tensor:
-    """log π(y_t) ``[B, T]`` fp32 under ``model`` on the engine's sampling support.
-
-    With top-k/top-p and ``metrics`` given, the mass the sampler truncated away is recorded
-    there (``outside_mass``, ``outside_mass_max``; see ``outside_mass_metrics``). With ``metrics``
-    given, the mean token entropy of the sampling distribution is recorded as ``entropy`` too
-    (``token_entropy``; the denominator of prime-rl's mismatch KL / entropy, issue #25).
-
-    Without truncation (top_k = -1, top_p = 1) log π(y_t) = z_{y_t} − logsumexp_v z_v with
-    z = logits / τ: one gather and one reduction, never the ``[B, T, V]`` log-softmax. With
-    top-k/top-p the support depends on the whole row, so ``renormalize_logprobs`` builds it.
-    """
-    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits  # [B, L, V]
-    index = batch.positions.unsqueeze(-1).expand(-1, -1, logits.shape[-1])
-    # at least fp32 (bf16/fp16 logits are cast up; a float64 model stays float64, for exactness tests)
-    response_logits = logits.gather(1, index).to(torch.promote_types(logits.dtype, torch.float32))  # [B, T, V]
-    if sampling.top_k == -1 and sampling.top_p == 1.0:
-        z = response_logits / sampling.temperature if sampling.temperature != 1.0 else response_logits
-        token_lp = z.gather(-1, batch.response_ids.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(z, dim=-1)
-        if metrics is not None:
-            metrics.mean("entropy", token_entropy(z.detach().log_softmax(-1)), batch.mask.bool())
-    else:
-        logprobs, outside = renormalize_logprobs(response_logits, top_p=sampling.top_p, top_k=sampling.top_k,
-                                                 temperature=sampling.temperature, return_outside_mass=True)
-        token_lp = logprobs.gather(-1, batch.response_ids.unsqueeze(-1)).squeeze(-1)
-        if metrics is not None:
-            outside_mass_metrics(outside.detach(), batch.mask, metrics)
-            metrics.mean("entropy", token_entropy(logprobs.detach()), batch.mask.bool())
-    return torch.where(batch.mask.bool(), token_lp, torch.zeros((), device=token_lp.device))
-
-
-@torch.no_grad()
-def token_entropy(logprobs: torch.Tensor) -> torch.Tensor:
-    """H_t = −Σ_v p_v log p_v of each position's distribution, ``[B, T, V]`` log-probs → ``[B, T]`` fp32.
-
-    prime-rl's ``compute_entropy`` (src/prime_rl/trainer/rl/loss.py) takes the same quantity from the
-    logits as logsumexp(z) − Σ softmax(z)·z; tokens outside a top-k/top-p support have log p = −inf and
-    p = 0, and contribute 0 (not 0 · −inf = NaN).
-    """
-    p = logprobs.float().exp()
-    return -torch.where(p > 0, p * logprobs.float(), torch.zeros((), device=p.device)).sum(-1)
 
 
 def grpo_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) -> torch.Tensor:

@@ -45,4 +45,7 @@ def latest_checkpoint(run_dir: Path) -> Path:
 
 
 def load_trainer_state(checkpoint: Path) -> dict[str, Any]:
-    return torch.load(checkpoint / "trainer_state.pt", weights_only=False)
+    """The optimizer state and the loop's bookkeeping, every tensor on the CPU whatever device saved it
+    (a run saved on cuda:1 resumes on a CPU, or on cuda:0): ``optimizer.load_state_dict`` then moves
+    each state tensor to its parameter's device, and the queued rollouts are CPU lists anyway."""
+    return torch.load(checkpoint / "trainer_state.pt", map_location="cpu", weights_only=False)

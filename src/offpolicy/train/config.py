@@ -19,6 +19,22 @@ from offpolicy.tasks import TASKS, make_task
 
 NO_CORRECTION = "none"  # preset value that turns the correction off explicitly (async guard)
 DATASET_MAX_NEW_TOKENS, DATASET_MAX_PROMPT = 256, 512  # task=dataset limits when unset
+# task=dataset (a real pretrained model, model=DIR) when unset; the synthetic tasks keep the field defaults,
+# tuned for the 0.8M-parameter embedded model (issue #30). Each value with its reason:
+DATASET_DEFAULTS = {
+    # TRL's GRPOConfig default. 3e-4 (the embedded model's) turned SmolLM2-135M-Instruct's answers into
+    # "left left left" in two updates, every response truncated (issue #30)
+    "lr": 1e-6,
+    # 4 prompts × G = 8 = 32 completions a step: one step of SmolLM2-135M with 256-token responses fits a
+    # 2-core CPU's memory and runs in about a minute there (docs/gpu-and-real-data.md); G = 8 as TRL's
+    # num_generations and DeepSeekMath's GRPO, so a group of a weak model still holds a right answer
+    "prompts_per_step": 4,
+    "group_size": 8,
+    # one step's 32 rows of up to 512 + 256 tokens in one forward/backward took SmolLM2-135M past 24 GB of
+    # RAM (killed); micro-batches of ≤ 2,048 tokens bound the activations (exact: the step's loss and
+    # gradient are unchanged, see micro_batch_tokens)
+    "micro_batch_tokens": 2048,
+}
 # options that belong to the loss kind: a preset's values do not carry over to another kind
 KIND_OPTIONS = ("clip_low", "clip_high", "dual_clip", "gspo_form", "sapo_level", "sapo_tau_pos", "sapo_tau_neg")
 MERGED = ("correction", "weight")  # nested sections a user's keys merge into key by key (lists replace)
@@ -102,6 +118,34 @@ class DataConfig(_Strict):
         return self
 
 
+class VLLMConfig(_Strict):
+    """``engine: vllm``: vLLM's batching and compilation options, passed to ``vllm.LLM`` under the same
+    names (checked against the installed vLLM's ``EngineArgs``). Unset = the platform's default."""
+
+    max_num_batched_tokens: int | None = Field(
+        None, gt=0, description="tokens vLLM processes per engine step (prefill + decode); unset = vLLM's default "
+        "(CPU: 4,096, raised to the context with chunked prefill off; GPUs of ≥ 70 GiB but A100s — H100, H200, B200: "
+        "16,384; other GPUs: 8,192)")
+    max_num_seqs: int | None = Field(None, gt=0, description="sequences in flight per engine step; unset = vLLM's "
+                                     "default (CPU 256; GPUs of ≥ 70 GiB but A100s 1,024; other GPUs 256)")
+    enable_chunked_prefill: bool | None = Field(
+        None, description="split long prompts over engine steps; unset = off on the CPU (vLLM cannot rewind a split "
+        "prompt's seeded CPU generator: 'CPU Generator does not use offset'; true is refused there), vLLM's default "
+        "(on) on CUDA")
+    enforce_eager: bool | None = Field(
+        None, description="no CUDA graphs, no compilation; unset = true on the CPU, false on CUDA (graphs on, as "
+        "TRL's colocate mode: the in-place weight reload keeps the captured tensors valid)")
+
+    @model_validator(mode="after")
+    def _budget_holds_a_token_per_sequence(self) -> VLLMConfig:
+        if self.max_num_batched_tokens is not None and self.max_num_seqs is not None \
+                and self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(f"vllm.max_num_batched_tokens={self.max_num_batched_tokens} < vllm.max_num_seqs="
+                             f"{self.max_num_seqs}: each running sequence needs at least one token of the step's "
+                             "budget. Fix: raise the budget or lower max_num_seqs")
+        return self
+
+
 class TrainConfig(_Strict):
     """GRPO/PPO from verifiable rewards with a real rollout engine and a corrected loss."""
 
@@ -126,12 +170,14 @@ class TrainConfig(_Strict):
                                        "(10 for reverse/addition, max_len + 10 = 160 for walk)")
     # the RL algorithm
     steps: int = Field(150, gt=0)
-    prompts_per_step: int = Field(32, gt=0)
-    group_size: int = Field(8, gt=1, description="G samples per prompt (GRPO groups)")
+    prompts_per_step: int = Field(32, gt=0, description="prompts sampled per step; task=dataset: 4 when unset "
+                                  "(DATASET_DEFAULTS: a real model on a CPU)")
+    group_size: int = Field(8, gt=1, description="G samples per prompt (GRPO groups); task=dataset: 8 when unset")
     ppo_epochs: int = Field(1, gt=0)
     minibatches: int = Field(1, gt=0, description="optimizer steps per epoch over the rollout batch; 1 (with "
                              "ppo_epochs=1, max_staleness=0) makes π_old = π_θ, so its forward is skipped")
-    lr: float = Field(3e-4, gt=0)
+    lr: float = Field(3e-4, gt=0, description="AdamW's learning rate: 3e-4 suits the embedded 0.8M model; "
+                      "task=dataset (a pretrained model): 1e-6 when unset, TRL's default (DATASET_DEFAULTS)")
     max_grad_norm: float = Field(1.0, gt=0)
     max_staleness: int = Field(0, ge=0, description="0 = synchronous; s ≥ 1 = the engine generates the next "
                                "batches in its own thread while the trainer trains, rollouts up to s versions old")
@@ -163,17 +209,23 @@ class TrainConfig(_Strict):
                                          "about one more forward per update")
     micro_batch_tokens: int | None = Field(None, gt=0, description="split each optimizer step's rows into "
                                            "micro-batches of at most this many prompt + response tokens (a longer "
-                                           "row goes alone); exact: the loss is divided by the step's global count")
+                                           "row goes alone); exact: the loss is divided by the step's global count. "
+                                           "task=dataset: 2048 when unset (DATASET_DEFAULTS); null = one batch")
     engine_gpu_memory_utilization: float = Field(0.3, gt=0, le=1, description="vLLM on CUDA: share of the GPU's "
                                                  "memory vLLM may take (weights + KV cache); the trainer uses the rest")
     engine_sleep: bool = Field(True, description="vLLM on CUDA, max_staleness=0: sleep(level=1) after generating "
                                "(KV cache freed, weights to host) and wake before the weight sync, so training has "
                                "the GPU's memory; with staleness ≥ 1 both run at once and the fixed share applies")
+    vllm: VLLMConfig = Field(default_factory=VLLMConfig, description="engine=vllm: token budget, sequences, chunked "
+                             "prefill, eager mode (vllm.max_num_batched_tokens=16384 …)")
     # bookkeeping
     seed: int = 0
     eval_every: int = Field(15, gt=0)
     eval_problems: int = Field(128, gt=0)
     checkpoint_every: int = Field(20, gt=0)
+    samples_per_step: int = Field(4, ge=0, description="rows per step written as text to samples.jsonl and "
+                                  "TensorBoard (prompt, completion, reference, reward, mean/max |log ρ|), one per "
+                                  "group first; 0 = none (no extra forward)")
     out_dir: str | None = Field(None, description="run directory; default runs/<task>-<time>")
     warm_start: WarmStartConfig = Field(default_factory=WarmStartConfig)
     # task: dataset (issue #21): a real data file, a verifiable reward, prompt limits for a real model
@@ -206,10 +258,14 @@ class TrainConfig(_Strict):
 
     @model_validator(mode="after")
     def _task_defaults(self) -> TrainConfig:
-        """Unset ``max_new_tokens`` and warm-start fields take the task's values."""
+        """Unset ``max_new_tokens`` and warm-start fields take the task's values; task=dataset's unset
+        ``lr`` / ``prompts_per_step`` / ``group_size`` take ``DATASET_DEFAULTS`` (a real model)."""
         if self.task == "dataset":  # no warm start (model=DIR); GSM8K-style reasoning needs room
             for key, default in (("max_new_tokens", DATASET_MAX_NEW_TOKENS), ("max_prompt_tokens", DATASET_MAX_PROMPT)):
                 if getattr(self, key) is None:
+                    object.__setattr__(self, key, default)
+            for key, default in DATASET_DEFAULTS.items():
+                if key not in self.model_fields_set:  # set by the user (or a saved config.yaml): kept
                     object.__setattr__(self, key, default)
             return self
         if self.max_new_tokens is None:  # the task's own limit (a frozen model: set once, here)
@@ -282,13 +338,22 @@ class TrainConfig(_Strict):
         return self
 
     @model_validator(mode="after")
+    def _vllm_options_need_vllm(self) -> TrainConfig:
+        if self.engine != "vllm" and self.vllm != VLLMConfig():  # (a saved config.yaml writes the defaults out)
+            raise ValueError(f"vllm.* options are read with engine=vllm only (engine is {self.engine!r}). "
+                             "Fix: engine=vllm, or drop them")
+        return self
+
+    @model_validator(mode="after")
     def _micro_batches_exact(self) -> TrainConfig:
         loss = self.loss_config()
         if self.micro_batch_tokens is not None and loss.agg == "seq-mean-token-sum-norm" and loss.max_len is None:
             raise ValueError(
-                f"micro_batch_tokens={self.micro_batch_tokens} with loss.agg 'seq-mean-token-sum-norm' and no "
-                "loss.max_len: each micro-batch would divide by its own padded length, so they would not add up to "
-                f"the whole batch's loss. Fix: loss.max_len={self.max_new_tokens} (the response limit)")
+                f"micro_batch_tokens={self.micro_batch_tokens}"
+                f"{'' if 'micro_batch_tokens' in self.model_fields_set else ' (task=dataset default)'} with "
+                "loss.agg 'seq-mean-token-sum-norm' and no loss.max_len: each micro-batch would divide by its own "
+                "padded length, so they would not add up to the whole batch's loss. Fix: "
+                f"loss.max_len={self.max_new_tokens} (the response limit), or micro_batch_tokens=null")
         return self
 
     def loss_config(self) -> LossConfig:

@@ -1,5 +1,5 @@
-"""Run logging: one JSON line per step, TensorBoard scalars, a progress bar, and at the end
-PNG plots and a summary table."""
+"""Run logging: one JSON line per step, TensorBoard scalars, a progress bar, a few sample completions
+per step (``samples.jsonl`` and TensorBoard text), and at the end PNG plots and a summary table."""
 
 from __future__ import annotations
 
@@ -22,7 +22,8 @@ PLOTS = [
 ]
 
 
-STAGES = ["generate", "wait", "score", "pi_old", "train", "sync", "log", "write"]
+STAGES = ["generate", "wait", "score", "pi_old", "samples", "train", "sync", "log", "write"]
+SUMMARY_WINDOW = 5  # steps averaged at each end of the run summary (fewer for short runs: see summary)
 
 
 class StageTimer:
@@ -40,6 +41,27 @@ class StageTimer:
             self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
 
 
+def sample_records(problems, completions: list[str], rewards, advantages, log_ratio, mask,
+                   finished: list[bool]) -> list[dict[str, Any]]:
+    """One JSON-able record per sampled row: its prompt, the completion as the reward read it, the reference
+    answer, reward, advantage, length, whether it stopped on its own, and its per-token log ρ = log π_old −
+    log μ (``log_ratio``, ``mask`` ``[k, T]``): mean and max |log ρ| over the row's tokens that have a ratio
+    (a token outside the trainer's top-k/top-p support has log π = −inf and none: it is counted in
+    ``outside_support``, as the loss leaves it out)."""
+    out = []
+    for i, problem in enumerate(problems):
+        valid = mask[i].bool()
+        finite = valid & (log_ratio[i].abs() < math.inf)  # excludes ±inf and NaN
+        lr = log_ratio[i][finite].abs()
+        out.append({"prompt": problem.prompt, "completion": completions[i], "answer": problem.answer,
+                    "reward": float(rewards[i]), "advantage": float(advantages[i]), "tokens": int(valid.sum()),
+                    "outside_support": int((valid & ~finite).sum()),
+                    "finished": bool(finished[i]),
+                    "abs_log_ratio_mean": float(lr.mean()) if lr.numel() else None,
+                    "abs_log_ratio_max": float(lr.max()) if lr.numel() else None})
+    return out
+
+
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
     if not path.exists():
         return []
@@ -55,6 +77,9 @@ class RunLogger:
         kept = [r for r in read_jsonl(self.path) if r["step"] < start_step]
         self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
         self.records = kept
+        self.samples_path = run_dir / "samples.jsonl"
+        kept_samples = [r for r in read_jsonl(self.samples_path) if r["step"] < start_step]
+        self.samples_path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in kept_samples))
         self.write_seconds: list[float] = []
         self.console = console or Console()
         try:
@@ -87,6 +112,24 @@ class RunLogger:
         self.progress.update(self.task, completed=step + 1, status=status)
         self.write_seconds.append(time.perf_counter() - start)  # this call's own cost: the "write" stage
 
+    def log_samples(self, step: int, samples: list[dict[str, Any]]) -> None:
+        """Append ``samples`` (``sample_records``) to ``samples.jsonl`` and to TensorBoard as text."""
+        if not samples:
+            return
+        start = time.perf_counter()
+        with self.samples_path.open("a") as f:
+            for record in samples:
+                f.write(json.dumps({"step": step, **record}, ensure_ascii=False) + "\n")
+        if self.tb is not None:
+            blocks = [f"**reward {r['reward']:g}** · advantage {r['advantage']:+.3f} · {r['tokens']} tokens"
+                      f"{'' if r['finished'] else ' (truncated)'} · mean/max \\|log ρ\\| "
+                      f"{r['abs_log_ratio_mean'] or 0:.2e} / {r['abs_log_ratio_max'] or 0:.2e}\n\n"
+                      f"prompt:\n\n    {_indent(r['prompt'])}\n\ncompletion:\n\n    {_indent(r['completion'])}\n\n"
+                      f"reference: `{r['answer']}`" for r in samples]
+            self.tb.add_text("samples", "\n\n---\n\n".join(blocks), step)
+        if self.write_seconds:  # this step's logger cost (log, then log_samples)
+            self.write_seconds[-1] += time.perf_counter() - start
+
     def close(self) -> None:
         self.progress.stop()
         if self.tb is not None:
@@ -116,19 +159,23 @@ class RunLogger:
         return path
 
     def summary(self) -> dict[str, float]:
-        """First and last values of the headline metrics (means over the first/last 5 steps)."""
+        """First and last values of the headline metrics: means over the first and last w of the n steps
+        that have the metric, w = min(5, n // 2) (at least 1) — the two windows never overlap, so a run
+        of ≤ 5 steps does not show the same mean twice (one step: both columns are that step)."""
         def window(key: str, last: bool) -> float:
             values = [r[key] for r in self.records if r.get(key) is not None]
             if not values:
                 return math.nan
-            part = values[-5:] if last else values[:5]
+            w = max(1, min(SUMMARY_WINDOW, len(values) // 2))
+            part = values[-w:] if last else values[:w]
             return sum(part) / len(part)
 
         keys = ["reward", "eval/accuracy", "offpolicy/kl_k3", "offpolicy/masked_fraction", "offpolicy/ess",
-                "staleness", "generate/tokens_per_s", "truncated_share",
-                # issue #21: throughput, where the step goes, and GPU memory (CUDA runs only)
-                "time/tokens_per_s", "time/generate_share", "time/train_share", "memory/peak_gib"]
-        keys = [k for k in keys if k != "memory/peak_gib" or any(r.get(k) is not None for r in self.records)]
+                "staleness", "generate/tokens_per_s", "truncated_share", "skipped_update",
+                # issue #21: throughput, where the step goes; memory: host everywhere, GPU (CUDA runs only)
+                "time/tokens_per_s", "time/generate_share", "time/train_share", "memory/peak_rss_gib",
+                "memory/peak_gib", "memory/engine_gib"]
+        keys = [k for k in keys if not k.startswith("memory/") or any(r.get(k) is not None for r in self.records)]
         table = Table(title=f"run summary — {self.run_dir}")
         table.add_column("metric")
         table.add_column("start", justify="right")
@@ -167,3 +214,8 @@ class RunLogger:
         table.add_row("step", f"{1e3 * per_step:.1f}", f"{1 / per_step:.2f} steps/s")
         self.console.print(table)
         return means
+
+
+def _indent(text: str) -> str:
+    """``text`` as a Markdown code block's body (TensorBoard renders its text plugin as Markdown)."""
+    return text.replace("\n", "\n    ")

@@ -10,6 +10,15 @@ is taken before any weight changes, so π_old's extra forward is skipped (``reco
 
 Each step logs its time per stage (``time/generate`` … ``time/log``); overlapped, ``time/generate``
 is the engine's time in its own thread and ``time/wait`` what the trainer waited for it.
+
+A step whose advantages are all 0 (every group's rewards equal) with no other loss term (``loss.kl_coef``
+= 0) has a zero gradient: its forward and backward are skipped (``skipped_update`` = 1). Nothing changes:
+weights, optimizer state (Adam's moments and step count) and the policy version stay where they were —
+the batch counts as filtered out, as DAPO's dynamic sampling drops zero-variance groups — and the engine,
+whose weights are already these, gets no sync.
+
+SIGTERM (a scheduler's, a container's or ``timeout``'s stop) ends the run like Ctrl-C, with a checkpoint;
+mid-update it first lets the step finish (``GracefulStop``).
 """
 
 from __future__ import annotations
@@ -17,6 +26,8 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+import signal
+import threading
 import time
 from dataclasses import dataclass
 from datetime import datetime
@@ -26,11 +37,10 @@ from typing import Any
 import torch
 import yaml
 from rich.console import Console
-from transformers import AutoModelForCausalLM
 
 import offpolicy as op
 from offpolicy.config import ConfigError
-from offpolicy.engines import SamplingConfig, make_engine, perturb
+from offpolicy.engines import EngineError, SamplingConfig, make_engine, perturb
 from offpolicy.metrics import Metrics
 from offpolicy.tasks import make_task, problems
 from offpolicy.tasks.dataset import load_dataset_task
@@ -38,9 +48,10 @@ from offpolicy.tasks.tokenizer import ensure_pad_token, load_tokenizer
 from offpolicy.train.batch import grpo_advantages, to_batch
 from offpolicy.train.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint
 from offpolicy.train.config import TrainConfig, resolve_device, resolve_engine_dtype, resolve_trainer_dtype
-from offpolicy.train.logger import RunLogger, StageTimer
+from offpolicy.train.logger import RunLogger, StageTimer, sample_records
+from offpolicy.train.memory import memory_metrics, reset_memory_peaks
 from offpolicy.train.pipeline import RolloutPipeline
-from offpolicy.train.update import old_logprobs, optimizer_step
+from offpolicy.train.update import device_index, load_policy, old_logprobs, optimizer_step
 from offpolicy.train.warmstart import default_model, exact_match_accuracy
 
 log = logging.getLogger(__name__)
@@ -51,6 +62,40 @@ class RunResult:
     run_dir: Path
     summary: dict[str, float]
     interrupted: bool = False
+    stop_signal: int = signal.SIGINT  # what interrupted it (the CLI exits 128 + it: 130 Ctrl-C, 143 SIGTERM)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, handled like Ctrl-C (a KeyboardInterrupt): checkpoint, then a clean end."""
+
+
+class GracefulStop:
+    """SIGTERM for the run's duration. Where the weights, optimizer and queued rollouts are consistent
+    (sampling, scoring, π_old, logging) it raises ``Terminated`` at once; mid-update (``updating``) it
+    waits for the step to end, where the loop calls ``check()``. Signal handlers can be set only in the
+    main thread: elsewhere (a run started from a worker thread) SIGTERM keeps its handler. ``close()``
+    restores the previous handler."""
+
+    def __init__(self) -> None:
+        self.updating = self.pending = False
+        self.previous = None
+        if threading.current_thread() is threading.main_thread():
+            self.previous = signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        if self.updating:
+            self.pending = True
+        else:
+            raise Terminated()
+
+    def check(self) -> None:
+        if self.pending:
+            self.pending = False
+            raise Terminated()
+
+    def close(self) -> None:
+        if self.previous is not None:
+            signal.signal(signal.SIGTERM, self.previous)
 
 
 def resolve_model(cfg: TrainConfig, console: Console) -> Path:
@@ -138,18 +183,40 @@ def staleness_metrics(version: int, row_versions: torch.Tensor, pipeline: Rollou
             "dropped_rollouts": float(pipeline.last_dropped), "dropped_rollouts_total": float(pipeline.dropped)}
 
 
-def throughput(values: dict[str, float], n_tokens: float, device: torch.device, overlapped: bool) -> dict[str, float]:
+def throughput(values: dict[str, float], n_tokens: float, device: torch.device, overlapped: bool,
+               engine_bytes: int = 0) -> dict[str, float]:
     """What a user watches (issue #21): response tokens per second of the whole step
     (``time/tokens_per_s``; the engine's own rate, per second of generation, is
     ``generate/tokens_per_s``), the share of the step spent generating (waiting, when overlapped)
-    and training, and on CUDA the step's peak GPU memory (absent on CPU, never a NaN)."""
+    and training, and the step's memory (``memory_metrics``)."""
     step = max(values["step_seconds"], 1e-9)
     engine = values["time/wait"] if overlapped else values["time/generate"]  # what held the trainer up
     out = {"time/tokens_per_s": n_tokens / step, "time/generate_share": min(1.0, engine / step),
            "time/train_share": values.get("time/train", 0.0) / step}
-    if device.type == "cuda":
-        out["memory/peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
-    return out
+    return {**out, **memory_metrics(device, engine_bytes)}
+
+
+def step_samples(cfg: TrainConfig, policy, tokenizer, item, batch, texts: list[str], rewards: torch.Tensor,
+                 advantages: torch.Tensor, old: torch.Tensor | None, sampling: SamplingConfig, device: torch.device,
+                 trainer_dtype: str) -> list[dict]:
+    """``cfg.samples_per_step`` rows of this step as text (``logger.sample_records``): one row from each of
+    the first groups (the first response of group 0, 1, …; then the second of each), with log ρ = log π_old
+    − log μ per token — from the π_old forward where one ran, else from a no-grad forward on those rows
+    only, before the update (π_old = the weights that start the step)."""
+    if cfg.samples_per_step == 0:
+        return []
+    n_rows, n_groups = len(rewards), len(rewards) // cfg.group_size
+    rows = torch.tensor([(i % n_groups) * cfg.group_size + i // n_groups for i in range(min(cfg.samples_per_step,
+                                                                                          n_rows))])
+    if old is not None:
+        trainer = old[rows.to(old.device)].float().cpu()
+    else:
+        trainer = old_logprobs(policy, batch.select(rows), sampling, device, trainer_dtype, None).float().cpu()
+    # −inf where a token lies outside the trainer's top-k/top-p support (sample_records leaves it out)
+    log_ratio = torch.where(batch.mask[rows].bool(), trainer - batch.rollout_logprobs[rows], 0.0)  # [k, T]
+    return sample_records([item.problems[i] for i in rows.tolist()], [texts[i] for i in rows.tolist()],
+                          rewards[rows], advantages[rows], log_ratio, batch.mask[rows],
+                          [item.rollouts.finished[i] for i in rows.tolist()])
 
 
 def train(cfg: TrainConfig, resume: Path | None = None, console: Console | None = None,
@@ -184,7 +251,7 @@ def train(cfg: TrainConfig, resume: Path | None = None, console: Console | None 
         for note in filter(None, (padded, dropped)):
             console.print(f"  data: {note}")
         # fp32 master weights on the device; bf16 is autocast compute (update.precision)
-        policy = AutoModelForCausalLM.from_pretrained(load_from, dtype=torch.float32).to(device).train()
+        policy = load_policy(load_from, device).train()
         if cfg.gradient_checkpointing:
             policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             policy.config.use_cache = False
@@ -199,10 +266,13 @@ def train(cfg: TrainConfig, resume: Path | None = None, console: Console | None 
                       f"loss {cfg.loss_summary()} · staleness ≤ "
                       f"{cfg.max_staleness} · run {run_dir}")
         context = cfg.max_prompt_tokens + cfg.max_new_tokens if cfg.task == "dataset" else 1024
+        engine_bytes = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
         engine = make_engine(cfg.engine, str(load_from), tokenizer, engine_dtype, seed=cfg.seed,
                              logit_noise=cfg.engine_logit_noise, max_model_len=context, log_path=run_dir / "engine.log",
                              device=device, gpu_memory_utilization=cfg.engine_gpu_memory_utilization,
-                             sleep=cfg.engine_sleep and cfg.max_staleness == 0)
+                             sleep=cfg.engine_sleep and cfg.max_staleness == 0, vllm_options=cfg.vllm.model_dump())
+        # the engine's share of the trainer device's allocations (memory_metrics)
+        engine_bytes = torch.cuda.memory_allocated(device) - engine_bytes if device.type == "cuda" else 0
         engine.sync_weights(engine_weights(policy, cfg, version, snapshot=False))
         # no π_old forward where it equals sg(π_θ) exactly, or where the loss never reads it
         skip_old = single_update(cfg, policy) or (not uses_old(loss_cfg) and not cfg.recompute_old)
@@ -213,17 +283,17 @@ def train(cfg: TrainConfig, resume: Path | None = None, console: Console | None 
         if cfg.task == "dataset":  # the held-out rows, scored by the reward: eval/accuracy = mean reward, greedy
             eval_set = list(task.held_out[: cfg.eval_problems])
         logger = RunLogger(run_dir, cfg.steps, start_step, console, progress=progress)
-    except BaseException:
-        if created:
-            shutil.rmtree(run_dir, ignore_errors=True)  # nothing half-written
+    except BaseException as err:
+        if created and not isinstance(err, EngineError):
+            shutil.rmtree(run_dir, ignore_errors=True)  # nothing half-written (an engine failure keeps engine.log)
         raise
 
-    completed, updating, interrupted, failed = start_step, False, False, False
+    completed, updating, interrupted, failed, saved = start_step, False, False, False, start_step
+    stop = GracefulStop()
     try:
         for step in range(start_step, cfg.steps):
             t0, timer = time.perf_counter(), StageTimer()
-            if device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(device)
+            reset_memory_peaks(device)
             # ------------------------------------------------ sample (bounded staleness) and score
             item, waited = pipeline.next(step, version)
             with timer("score"):
@@ -244,14 +314,20 @@ def train(cfg: TrainConfig, resume: Path | None = None, console: Console | None 
                                                  current_version=version + 1)
                 if skip_old:
                     return logprobs.detach()
-                return old[rows.to(device), : mb.mask.shape[1]]
+                return old[device_index(rows, device), : mb.mask.shape[1]]
 
+            with timer("samples"):  # a few rows as text, with their log ρ under the weights that start the step
+                samples = step_samples(cfg, policy, tokenizer, item, batch, texts, rewards, advantages, old, sampling,
+                                       device, trainer_dtype)
             # ------------------------------------------------ corrected loss, PPO mini-batches, micro-batches
             metrics = Metrics()
             order = torch.Generator().manual_seed(cfg.seed * 31 + step)
-            updating = True  # from here until the step is logged, the weights are mid-update
+            # no advantage signal and no other loss term: a zero gradient, so no forward/backward (module doc)
+            skipped = bool((advantages == 0).all()) and loss_cfg.kl_coef == 0
+            trained_on = version  # the weights this step starts from (the version does not advance on a skip)
+            updating = stop.updating = True  # from here until the step is logged, the weights are mid-update
             with timer("train"):
-                for _ in range(cfg.ppo_epochs):
+                for _ in range(0 if skipped else cfg.ppo_epochs):
                     for rows in torch.randperm(len(rewards), generator=order).chunk(cfg.minibatches):
                         if batch.mask[rows].sum() == 0:  # the CPU batch: no device read
                             continue
@@ -260,9 +336,10 @@ def train(cfg: TrainConfig, resume: Path | None = None, console: Console | None 
                                        micro_batch_tokens=cfg.micro_batch_tokens, max_grad_norm=cfg.max_grad_norm,
                                        metrics=metrics)
             # ------------------------------------------------ new weights to the engine
-            version += 1
             with timer("sync"):
-                pipeline.sync(engine_weights(policy, cfg, version, snapshot=pipeline.overlapped))
+                if not skipped:
+                    version += 1
+                    pipeline.sync(engine_weights(policy, cfg, version, snapshot=pipeline.overlapped))
             # ------------------------------------------------ log
             with timer("log"):
                 n_tokens = float(batch.mask.sum())
@@ -273,40 +350,49 @@ def train(cfg: TrainConfig, resume: Path | None = None, console: Console | None 
                     "finished_fraction": sum(item.rollouts.finished) / len(rewards),
                     # responses cut by max_new_tokens (or the context) before their stop token
                     "truncated_share": 1.0 - sum(item.rollouts.finished) / len(rewards),
-                    "staleness": float(step - item.rollouts.version),
-                    **staleness_metrics(version - 1, batch.versions, pipeline),
+                    "staleness": float(trained_on - item.rollouts.version),
+                    **staleness_metrics(trained_on, batch.versions, pipeline),
                     "generate/tokens_per_s": n_tokens / max(item.seconds, 1e-9),  # the engine's rate
                     "policy_version": float(version),
+                    "skipped_update": float(skipped),
                 }
                 if eval_set and (step % cfg.eval_every == 0 or step == cfg.steps - 1):
                     values["eval/accuracy"] = exact_match_accuracy(policy, tokenizer, task, eval_set,
                                                                    cfg.max_new_tokens, sample_seed=None,
-                                                                   score=task.reward if cfg.task == "dataset" else None)
+                                                                   score=task.reward if cfg.task == "dataset" else None,
+                                                                   trainer_dtype=trainer_dtype)
             values.update({"time/generate": item.seconds, "time/wait": waited,
                            **{f"time/{k}": v for k, v in timer.seconds.items()},
                            "step_seconds": time.perf_counter() - t0})
-            values.update(throughput(values, n_tokens, device, pipeline.overlapped))
+            values.update(throughput(values, n_tokens, device, pipeline.overlapped, engine_bytes))
             logger.log(step, values)
+            logger.log_samples(step, samples)
             pipeline.commit(step)
             completed, updating = step + 1, False
+            stop.updating = False
             if completed % cfg.checkpoint_every == 0 or completed == cfg.steps:
                 save_checkpoint(run_dir, completed, policy, tokenizer, optimizer,
                                 {"step": completed, "version": version, "pending": pipeline.state(),
                                  "pipeline": {"last": pipeline.last, "dropped": pipeline.dropped}})
-    except KeyboardInterrupt:
+                saved = completed
+            stop.check()  # a SIGTERM that came mid-update ends the run here, the step done
+    except KeyboardInterrupt as err:
         interrupted = True
-        if not updating and completed > start_step:
+        stop_signal = signal.SIGTERM if isinstance(err, Terminated) else signal.SIGINT
+        if not updating and completed > saved:
             # between updates the weights, optimizer and queued rollouts are consistent: save them
             save_checkpoint(run_dir, completed, policy, tokenizer, optimizer,
                             {"step": completed, "version": version, "pending": pipeline.state(),
                              "pipeline": {"last": pipeline.last, "dropped": pipeline.dropped}})
         where = latest_checkpoint(run_dir).name if (run_dir / "checkpoints" / "latest").exists() else "none yet"
-        console.print(f"[yellow]interrupted after {completed} steps; checkpoint: {where}. Continue with "
+        how = "terminated (SIGTERM)" if stop_signal == signal.SIGTERM else "interrupted"
+        console.print(f"[yellow]{how} after {completed} steps; checkpoint: {where}. Continue with "
                       f"offpolicy train --resume {run_dir}[/yellow]")
-    except BaseException:
-        failed = True
+    except BaseException as err:
+        failed = not isinstance(err, EngineError)  # an engine failure keeps the run directory and its engine.log
         raise
     finally:
+        stop.close()
         pipeline.close()
         logger.close()
         engine.close()
@@ -315,4 +401,4 @@ def train(cfg: TrainConfig, resume: Path | None = None, console: Console | None 
     plot = logger.plot()
     summary = logger.summary()
     console.print(f"metrics: {logger.path}  plots: {plot}  tensorboard: {run_dir / 'tensorboard'}")
-    return RunResult(run_dir, summary, interrupted)
+    return RunResult(run_dir, summary, interrupted, stop_signal if interrupted else signal.SIGINT)

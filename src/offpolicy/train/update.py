@@ -9,8 +9,10 @@ Micro-batching is exact (issue #21): with micro-batches b = 1 … M of one optim
 where N_global is the step's count (tokens for token-mean, rows for the seq-mean aggregations)
 from ``op.with_global_normalizer``: each micro-batch's backward adds its share of the one
 big batch's gradient. Counting the surviving tokens of a correction needs log π_old (and, for
-rules on π_θ, log π_θ) before the backward passes: a no-grad forward per micro-batch gives them;
-this costs one extra forward, paid only when the step splits into more than one micro-batch.
+rules on π_θ, log π_θ) before the backward passes, and so does top-k/top-p sampling (a token the
+engine drew outside the trainer's support leaves the loss, ``within_support``): a no-grad forward
+per micro-batch gives them; this costs one extra forward, paid only when the step splits into
+more than one micro-batch.
 
 Exact for every option (issue #32): a bound chosen from the data (quantile, ESS, M2PO) and
 ``weight.normalize``'s mean are fixed over the whole step by ``op.resolve_thresholds`` — split or
@@ -39,7 +41,16 @@ from offpolicy.config import M2Rule
 from offpolicy.engines import SamplingConfig
 from offpolicy.kernels.common import row_aggregation
 from offpolicy.metrics import Metrics
-from offpolicy.train.batch import Batch, trainer_logprobs
+from offpolicy.train.batch import Batch
+from offpolicy.train.head import trainer_logprobs, truncates
+
+
+def load_policy(path, device: torch.device):
+    """The trainer's model: fp32 master weights on ``device`` — what ``train`` updates and what
+    ``diagnose`` scores with (its bf16 is ``precision``'s autocast too, never bf16 weights)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
 
 
 def precision(device: torch.device, trainer_dtype: str) -> contextlib.AbstractContextManager:
@@ -104,15 +115,50 @@ def forward(policy, mb: Batch, sampling: SamplingConfig, device: torch.device, t
 def old_logprobs(policy, batch: Batch, sampling: SamplingConfig, device: torch.device, trainer_dtype: str,
                  micro_batch_tokens: int | None) -> torch.Tensor:
     """log π_old ``[B, T]`` fp32 on ``device`` for the whole CPU ``batch``, in micro-batches; the
-    columns past a micro-batch's longest response stay 0 (masked everywhere)."""
-    out = None
-    for rows in micro_batches(batch, torch.arange(len(batch.mask)), micro_batch_tokens):
+    columns past a micro-batch's longest response stay 0 (masked everywhere). The rows' order goes
+    to the device once, after the last forward, without a host wait (``device_index``)."""
+    groups = micro_batches(batch, torch.arange(len(batch.mask)), micro_batch_tokens)
+    parts = []
+    for rows in groups:
         mb = to_device(trim(batch.select(rows)), device)
         logprobs = forward(policy, mb, sampling, device, trainer_dtype)  # [b, T'] fp32 (fp64 for a fp64 model)
-        if out is None:
-            out = torch.zeros(batch.mask.shape, dtype=logprobs.dtype, device=logprobs.device)
-        out[rows.to(device), : mb.mask.shape[1]] = logprobs
-    return out
+        parts.append(torch.nn.functional.pad(logprobs, (0, batch.mask.shape[1] - logprobs.shape[1])))
+    order = torch.cat(groups)  # row of each stacked part
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(len(order))
+    return torch.cat(parts)[device_index(inverse, device)]  # [B, T]
+
+
+def device_index(index: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A CPU index on ``device`` without a host wait: on CUDA through pinned memory, non-blocking (a
+    plain ``.to(device)`` waits for every kernel queued before it)."""
+    if device.type == "cuda":
+        return index.pin_memory().to(device, non_blocking=True)
+    return index.to(device)
+
+
+def within_support(mb: Batch, logprobs: torch.Tensor, old: torch.Tensor | None, metrics: Metrics | None = None
+                   ) -> tuple[Batch, torch.Tensor, torch.Tensor | None]:
+    """Drop the tokens the engine sampled outside the trainer's top-k/top-p support from the loss.
+
+    A bf16 engine and a fp32 trainer can keep different top-k/top-p sets, so a token the engine
+    drew can have log π̃ = −inf under π_θ or π_old (``trainer_logprobs`` marks exactly those with
+    −inf). Its ratio π̃/μ is 0 and PPO's π_θ/π_old is undefined: it leaves ``mb.mask`` like a
+    rejected token, the log-probs there become 0, and ``outside_support_tokens`` (count) and
+    ``outside_support_share`` (of the tokens that counted) record it. NaN is not touched: it meets
+    the loss's ``nonfinite`` policy. Returns (micro-batch with the mask, log π_θ, log π_old).
+    """
+    outside = logprobs == float("-inf")
+    if old is not None:
+        outside |= old == float("-inf")
+    counted = mb.mask.bool()
+    if metrics is not None:
+        metrics.sum("outside_support_tokens", (outside & counted).sum())
+        metrics.mean("outside_support_share", outside.float(), counted)
+    zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
+    logprobs = torch.where(outside, zero, logprobs)
+    old = None if old is None else torch.where(outside, zero.to(old.dtype), old)
+    return replace(mb, mask=mb.mask * ~outside), logprobs, old
 
 
 def step_config(loss_cfg: op.LossConfig, parts: list[dict[str, torch.Tensor]],
@@ -215,36 +261,51 @@ def optimizer_step(policy, optimizer, batch: Batch, rows: torch.Tensor, advantag
     width = int(batch.mask[rows].sum(dim=1).max())  # the step's response width (the CPU batch: no sync)
     groups = micro_batches(batch, rows, micro_batch_tokens)
     mbs = [to_device(trim(batch.select(g)), device) for g in groups]
-    # the loss side of each micro-batch at the step's width
-    views = [replace(mb, mask=widen(mb.mask, width), rollout_logprobs=widen(mb.rollout_logprobs, width))
-             for mb in mbs]
     advs = [advantages[g][:, :width].to(device, non_blocking=True) for g in groups]
+    truncated = truncates(sampling)
 
-    def loss_inputs(g, mb, logprobs):
-        old = old_of(g, mb, logprobs)
-        return widen(logprobs, width), None if old is None else widen(old, width)
+    def loss_inputs(g, mb, logprobs, support_metrics=None):
+        """(the micro-batch's loss view at the step's width, without the tokens outside the
+        trainer's support; log π_θ; log π_old), all ``[b, width]``."""
+        mb, logprobs, old = within_support(mb, logprobs, old_of(g, mb, logprobs), support_metrics)
+        view = replace(mb, mask=widen(mb.mask, width), rollout_logprobs=widen(mb.rollout_logprobs, width))
+        return view, widen(logprobs, width), None if old is None else widen(old, width)
+
+    def counts(view: Batch) -> bool:
+        # under top-k/top-p a micro-batch can lose every token to the support (one host read, only then)
+        return not truncated or bool(view.mask.any())
 
     step = Metrics()
+    total = torch.zeros((), dtype=torch.float64, device=device)
     if len(groups) == 1:  # the update's own forward gives π_θ for the step's bounds: no extra forward
-        (g,), (mb,), (view,), (adv,) = groups, mbs, views, advs
-        logprobs, old = loss_inputs(g, mb, forward(policy, mb, sampling, device, trainer_dtype, metrics))
-        parts = [{"mask": view.mask}] if loss_cfg.correction is None else [_part(view, adv, logprobs.detach(), old)]
-        total = accumulate(logprobs, old, adv, view, step_config(loss_cfg, parts, step), step)
+        (g,), (mb,), (adv,) = groups, mbs, advs
+        view, logprobs, old = loss_inputs(g, mb, forward(policy, mb, sampling, device, trainer_dtype, metrics),
+                                          metrics if truncated else None)
+        if counts(view):
+            parts = [{"mask": view.mask}] if loss_cfg.correction is None else [_part(view, adv, logprobs.detach(), old)]
+            total = accumulate(logprobs, old, adv, view, step_config(loss_cfg, parts, step), step)
     else:
-        parts = []
-        for g, mb, view, adv in zip(groups, mbs, views, advs):
-            if loss_cfg.correction is None:  # the count needs the masks only
-                parts.append({"mask": view.mask})
+        # the step's count and bounds need each micro-batch's surviving tokens before any backward:
+        # a correction's inputs, and under top-k/top-p the tokens inside the trainer's support
+        parts, kept = [], []
+        for g, mb, adv in zip(groups, mbs, advs):
+            if loss_cfg.correction is None and not truncated:  # the count needs the masks only
+                parts.append({"mask": widen(mb.mask, width)})
+                kept.append(True)
                 continue
             with torch.no_grad():  # π_θ is the same for every micro-batch of this step
-                current, old = loss_inputs(g, mb, forward(policy, mb, sampling, device, trainer_dtype))
-            parts.append(_part(view, adv, current, old))
-        cfg = step_config(loss_cfg, parts, step)
-        total = torch.zeros((), dtype=torch.float64, device=device)
-        for g, mb, view, adv in zip(groups, mbs, views, advs):
+                view, current, old = loss_inputs(g, mb, forward(policy, mb, sampling, device, trainer_dtype),
+                                                 metrics if truncated else None)
+            kept.append(counts(view))
+            if kept[-1]:
+                parts.append({"mask": view.mask} if loss_cfg.correction is None else _part(view, adv, current, old))
+        cfg = step_config(loss_cfg, parts, step) if parts else loss_cfg
+        for g, mb, adv, keep in zip(groups, mbs, advs, kept):
+            if not keep:
+                continue
             # π_old from the update's own forward where it is sg(π_θ), as in the unsplit step (the
             # no-grad forward above may take other kernels and differ in the last bit)
-            logprobs, old = loss_inputs(g, mb, forward(policy, mb, sampling, device, trainer_dtype, metrics))
+            view, logprobs, old = loss_inputs(g, mb, forward(policy, mb, sampling, device, trainer_dtype, metrics))
             total = total + accumulate(logprobs, old, adv, view, cfg, step)
     metrics.update(step.renamed(rule_names(loss_cfg)))
     metrics.mean("loss", total.reshape(1))

@@ -23,10 +23,11 @@ from filelock import FileLock  # a dependency of torch
 from transformers import PreTrainedTokenizerBase
 
 from offpolicy.engines.base import left_pad, stop_token_ids
+from offpolicy.engines.generation import explicit_config, generate
 from offpolicy.tasks import Problem, Task, make_task, problems
 from offpolicy.tasks.tasks import exact_match
 from offpolicy.tasks.model import build_tiny_qwen2
-from offpolicy.tasks.tokenizer import build_char_tokenizer
+from offpolicy.tasks.tokenizer import build_char_tokenizer, plain_text_ids
 from offpolicy.train.config import TrainConfig
 
 log = logging.getLogger(__name__)
@@ -40,8 +41,7 @@ def cache_root() -> Path:
 def prompt_ids(tokenizer: PreTrainedTokenizerBase, problem: Problem) -> list[int]:
     if problem.prompt_ids is not None:  # task=dataset rendered it (chat template, BOS) when it loaded
         return list(problem.prompt_ids)
-    bos = [] if tokenizer.bos_token_id is None else [tokenizer.bos_token_id]
-    return [*bos, *tokenizer(problem.prompt, add_special_tokens=False).input_ids]
+    return plain_text_ids(tokenizer, problem.prompt)
 
 
 def answer_ids(tokenizer: PreTrainedTokenizerBase, problem: Problem) -> list[int]:
@@ -65,23 +65,27 @@ def sft_batch(tokenizer, batch: list[Problem]) -> tuple[torch.Tensor, torch.Tens
 
 @torch.no_grad()
 def exact_match_accuracy(model, tokenizer, task: Task, batch: list[Problem], max_new_tokens: int,
-                         sample_seed: int | None, score=None) -> float:
+                         sample_seed: int | None, score=None, trainer_dtype: str = "fp32") -> float:
     """Exact-match accuracy of one completion per problem: a temperature-1 sample seeded with
     ``sample_seed`` (what RL sees), or greedy decoding when it is None (the eval metric).
-    ``score(problem, completion)`` replaces exact match (task=dataset: its reward; mean over the batch)."""
+    ``score(problem, completion)`` replaces exact match (task=dataset: its reward; mean over the batch).
+    Decoding uses this explicit config alone (never the model's ``generation_config.json``), under
+    the trainer's precision (``trainer_dtype``: bf16 is autocast over the fp32 weights, as in the update)."""
+    from offpolicy.train.update import precision
+
     input_ids, attention = left_pad([prompt_ids(tokenizer, p) for p in batch], tokenizer.pad_token_id)
-    if sample_seed is None:
-        sampling = {"do_sample": False}
-    else:
+    if sample_seed is not None:
         torch.manual_seed(sample_seed)
-        sampling = {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0}
+    config = explicit_config(do_sample=sample_seed is not None, max_new_tokens=max_new_tokens,
+                             stop=stop_token_ids(tokenizer, model), pad=tokenizer.pad_token_id)
     was_training = model.training
     model.eval()
     input_ids, attention = input_ids.to(model.device), attention.to(model.device)  # the trainer's device
-    out = model.generate(input_ids=input_ids, attention_mask=attention, max_new_tokens=max_new_tokens,
-                         pad_token_id=tokenizer.pad_token_id, eos_token_id=stop_token_ids(tokenizer, model),
-                         **sampling)
-    model.train(was_training)
+    try:
+        with precision(model.device, trainer_dtype):
+            out = generate(model, input_ids, attention, config)
+    finally:
+        model.train(was_training)
     texts = tokenizer.batch_decode(out[:, input_ids.shape[1]:], skip_special_tokens=True)
     score = score or exact_match  # not task.reward for synthetic tasks: no partial credit
     return sum(score(p, t) for p, t in zip(batch, texts)) / len(batch)

@@ -1,0 +1,373 @@
+"""The trainer's head: the one path from a causal LM to per-token numbers (DESIGN.md, "The trainer's head").
+
+π_θ in the update, π_old, and ``diagnose``'s trainer side all come from ``trainer_logprobs``:
+
+    h   = decoder(prompt + response)                       [B, L, H]   no lm_head over L
+    h_n = h[row_n, position_n]                             [N, H]      N = response tokens with mask = 1
+    for each chunk c of C tokens (C · V · 4 bytes ≤ CHUNK_BYTES: 128 MiB on CUDA, 32 MiB on the CPU):
+        z_c = W h_c + b   (Gemma: cap · tanh(z / cap)), cast to ≥ fp32        [C, V]
+        log π̃(y_n) = renormalize_logprobs(z_c; τ, top-k, top-p)[y_n]           (SPEC §6)
+        H_n = −Σ_v π̃_v log π̃_v,   outside mass_n = 1 − Σ_{kept} softmax(z_c / τ)
+    backward: each chunk is recomputed, so memory is O(C · V) whatever B·T.
+
+How the field avoids the ``[B, T, V]`` logits, and why this module takes what it takes:
+
+* TRL (``trl/trainer/utils.py`` ``selective_log_softmax``, ``logits_to_keep``) drops the prompt
+  positions and takes the log-softmax row by row, but the model still returns ``[B, T, V]``
+  logits that autograd keeps for the backward: memory grows with B·T·V.
+* Liger's fused linear losses (``fused_linear_cross_entropy``) chunk the tokens and compute the
+  gradient *during the forward*, because their loss is the last op. Here the log-probs feed a
+  loss that is computed later (PPO ratio, IS weights, rejection masks, a global normaliser), so
+  d loss / d log π is known only in the backward: gradients in the forward do not apply.
+* Cut Cross-Entropy never holds even a chunk of logits (blockwise log-sum-exp in Triton, recompute
+  in the backward, gradient filtering). Top-k / top-p renormalisation needs a sort over V per
+  token, which its blockwise scheme does not express, and it is one kernel per CUDA target.
+* verl's ``FusedLinearForPPO`` (``verl/utils/experimental/torch_functional.py``) is an autograd
+  Function over chunks of tokens: log-prob and entropy per chunk in the forward, each chunk
+  recomputed in the backward with hand-written gradients (temperature only, no top-k/top-p).
+
+Taken: verl's shape — ``_ChunkedHead``, an autograd Function over chunks of tokens whose backward
+recomputes each chunk — with the per-chunk numbers computed by ``renormalize_logprobs`` itself, in
+the forward and in the backward: the gradient of log π̃(y) = z_y − logsumexp_K z is 1[v = y] − π̃_v
+on the kept set K (0 off it), so temperature, top-k, top-p and a soft cap have one definition for
+the values and the gradients (``_chunk_grad``), and the backward holds no more [C, V] buffers than
+the forward. The linear layer's backward is written out so the weight gradient accumulates in
+place (no [V, H] temporary per chunk in fp32). Hidden states of
+padding and prompt positions never reach the head: the response tokens that count are gathered
+first (a ``nonzero`` of the mask, taken before the decoder runs; on CUDA its one host wait is for
+work already queued).
+
+Precision: the head runs in the caller's autocast context, like the decoder (bf16 compute over
+fp32 master weights), and the logits are cast to fp32 before any log-sum-exp; log-probs are fp32
+(float64 for a float64 model, for exactness tests).
+
+Architectures: a plain linear head (Llama, SmolLM2, Qwen2, Qwen3, Mistral, ...), with or without a
+bias, tied or not; Gemma's ``final_logit_softcapping`` is applied exactly. A head that scales its
+logits (Cohere's ``logit_scale``, Granite's ``logits_scaling``, Falcon-H1's ``lm_head_multiplier``)
+is refused with one error, and any other difference from the model's own logits is caught by
+``check_head`` on the first call: never silently wrong.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from offpolicy.config import ConfigError
+from offpolicy.engines.base import SamplingConfig
+from offpolicy.metrics import Metrics
+from offpolicy.sampling import outside_mass_metrics, renormalize_logprobs
+
+if TYPE_CHECKING:
+    from offpolicy.train.batch import Batch
+
+# one fp32 [C, V] buffer (a chunk's peak holds a handful): on CUDA large enough that a chunk's kernels
+# are not launch-bound (128 MiB: 220 tokens at V = 151,936); on the CPU, where nothing is launched,
+# small, and within glibc's mmap threshold ceiling (see ``_release_freed``)
+CHUNK_BYTES = {"cuda": 128 * 2**20, "cpu": 32 * 2**20}
+MIN_CHUNK = 16  # tokens: a huge vocabulary still gets matmuls worth launching
+PROBE_TOKENS = 8  # check_head compares this many positions of the first row with the model's logits
+# config fields of heads that do more than W·h + b, which this head does not reproduce
+REFUSED_HEADS = {
+    "logit_scale": "multiplies its logits by config.logit_scale (Cohere)",
+    "logits_scaling": "rescales its logits by config.logits_scaling (Granite, HyperCLOVA X)",
+    "lm_head_multiplier": "multiplies its logits by config.lm_head_multiplier (Falcon-H1)",
+}
+
+
+@dataclass(frozen=True)
+class LinearHead:
+    """The output layer z = W h + b, then (Gemma) z = cap · tanh(z / cap)."""
+
+    weight: torch.Tensor  # [V, H]
+    bias: torch.Tensor | None  # [V]
+    softcap: float | None
+
+
+def truncates(sampling: SamplingConfig) -> bool:
+    """Whether the sampler's support is truncated (top-k or top-p on): the outside-mass metrics apply."""
+    return sampling.top_k != -1 or sampling.top_p < 1.0
+
+
+def chunk_tokens(vocab: int, device: torch.device | str = "cpu") -> int:
+    """Tokens per chunk on ``device``: C · V · 4 bytes ≤ ``CHUNK_BYTES`` (at least ``MIN_CHUNK``)."""
+    budget = CHUNK_BYTES["cuda" if torch.device(device).type == "cuda" else "cpu"]
+    return max(MIN_CHUNK, budget // (4 * vocab))
+
+
+def linear_head(model) -> LinearHead:
+    """``model``'s output layer as a ``LinearHead``.
+
+    Raises:
+        ConfigError: the model has no linear output embedding, or its head scales the logits
+            (``REFUSED_HEADS``).
+    """
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    name = type(model).__name__
+    for key, what in REFUSED_HEADS.items():
+        value = getattr(config, key, None)
+        if value is not None and value != 1:
+            raise ConfigError(
+                f"model: {name} {what} ({key}={value}); offpolicy's trainer head (offpolicy/train/head.py) "
+                "reproduces a linear head and Gemma's soft cap only. Use a model with a plain head")
+    out = model.get_output_embeddings()
+    weight = getattr(out, "weight", None)
+    if not isinstance(out, torch.nn.Linear) or weight is None or weight.dim() != 2:
+        raise ConfigError(f"model: {name}'s output embedding is {type(out).__name__}, not a linear layer; "
+                          "offpolicy's trainer head (offpolicy/train/head.py) needs logits = W h + b")
+    softcap = getattr(config, "final_logit_softcapping", None)
+    return LinearHead(weight, out.bias, float(softcap) if softcap else None)
+
+
+def decoder_hidden(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """The last hidden states ``[B, L, H]`` of ``model``'s decoder (after its final norm), no logits."""
+    out = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+    return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+
+
+def capped(lin: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """The head's output ``W h + b`` (in the autocast dtype) as ≥ fp32 logits, soft-capped if the
+    model caps them: z = cap · tanh(z / cap)."""
+    logits = lin.to(torch.promote_types(lin.dtype, torch.float32))
+    return logits if softcap is None else softcap * torch.tanh(logits / softcap)
+
+
+def head_logits(hidden: torch.Tensor, head: LinearHead) -> torch.Tensor:
+    """z = W h + b, then the soft cap, as ≥ fp32 ``[..., V]``."""
+    return capped(F.linear(hidden, head.weight, head.bias), head.softcap)
+
+
+def check_head(model, head: LinearHead, input_ids: torch.Tensor) -> None:
+    """Once per model: ``head_logits`` of the decoder's hidden states equal the model's own logits on
+    ``input_ids`` ``[1, n]`` (eval mode, no autocast), so an architecture that does anything else
+    after its decoder is refused instead of scored wrongly.
+
+    Raises:
+        ConfigError: the logits differ beyond the model dtype's rounding.
+    """
+    if getattr(model, "_offpolicy_head_checked", False):
+        return
+    modes = [(m, m.training) for m in model.modules()]  # restored module by module (a frozen part stays eval)
+    model.eval()  # no dropout: both sides must be deterministic
+    try:
+        with torch.no_grad(), torch.autocast(input_ids.device.type, enabled=False):
+            ones = torch.ones_like(input_ids)
+            want = model(input_ids=input_ids, attention_mask=ones).logits.to(torch.float64)  # [1, n, V]
+            got = head_logits(decoder_hidden(model, input_ids, ones), head).to(torch.float64)
+    finally:
+        for module, training in modes:
+            module.training = training
+    scale = 1.0 + float(want.abs().max())
+    tolerance = 64 * torch.finfo(head.weight.dtype).eps * scale
+    error = float((got - want).abs().max()) if got.shape == want.shape else float("inf")
+    if not error <= tolerance:
+        raise ConfigError(
+            f"model: {type(model).__name__}'s logits are not W·h + b of its decoder's hidden states (max "
+            f"difference {error:.3g} on a probe, tolerance {tolerance:.3g}); offpolicy's trainer head "
+            "(offpolicy/train/head.py) would score it wrongly. Use a model with a plain linear head")
+    model._offpolicy_head_checked = True
+
+
+def _chunk_numbers(lin: torch.Tensor, tokens: torch.Tensor, sampling: SamplingConfig, softcap: float | None,
+                   stats: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """One chunk: head output ``lin`` ``[C, V]`` → log π̃(y) ``[C]`` and, with ``stats``, the token
+    entropy ``[C]`` and (truncated sampling) the outside mass ``[C]``."""
+    logits = capped(lin, softcap)
+    want_outside = stats and truncates(sampling)
+    result = renormalize_logprobs(logits, top_p=sampling.top_p, top_k=sampling.top_k,
+                                  temperature=sampling.temperature, return_outside_mass=want_outside)
+    logprobs, outside = result if want_outside else (result, None)
+    token_lp = logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    return token_lp, token_entropy(logprobs) if stats else None, outside
+
+
+def _chunk_grad(lin: torch.Tensor, tokens: torch.Tensor, grad: torch.Tensor, sampling: SamplingConfig,
+                softcap: float | None) -> torch.Tensor:
+    """∂(Σ_n g_n log π̃(y_n)) / ∂lin ``[c, V]`` in ``lin``'s dtype, for head outputs ``lin``:
+
+        z = c·tanh(l / c) / τ   (no cap: z = l / τ);  log π̃(y) = z_y − logsumexp_{v ∈ K} z_v
+        ∂ log π̃(y) / ∂z_v = 1[v = y] − π̃_v        (π̃_v = 0 for v ∉ K: the kept set K is constant
+                                                     in z almost everywhere, as for autograd)
+        ∂z_v / ∂l_v = (1 − tanh²(l_v / c)) / τ
+
+    with π̃ = exp(``renormalize_logprobs``) — the forward's own definition. A row with g = 0 (a
+    token outside the support, a masked one) gets 0, even where its logits are not finite."""
+    logits = lin.to(torch.promote_types(lin.dtype, torch.float32))
+    squash = None
+    if softcap is not None:
+        squash = torch.tanh(logits / softcap)
+        logits = softcap * squash
+    d = renormalize_logprobs(logits, top_p=sampling.top_p, top_k=sampling.top_k, temperature=sampling.temperature)
+    del logits
+    g = grad.to(d.dtype).unsqueeze(-1)  # [c, 1]
+    d.exp_().mul_(-g)  # −g π̃
+    d.scatter_add_(-1, tokens.unsqueeze(-1), g)  # + g 1[v = y]
+    d.masked_fill_(g == 0, 0.0)  # 0 · NaN stays out of the weight gradient
+    if sampling.temperature != 1.0:
+        d.div_(sampling.temperature)
+    if squash is not None:
+        d.mul_(1 - squash * squash)
+    return d.to(lin.dtype)
+
+
+def _mark_nonfinite(token_lp: torch.Tensor, lin: torch.Tensor) -> torch.Tensor:
+    """−inf stays only where it means "outside the kept support": with finite logits nothing else can
+    be −inf, so any other non-finite value (a model that overflowed) becomes NaN and meets ``nonfinite``."""
+    finite = torch.isfinite(lin).all(dim=-1)
+    return torch.where(finite | torch.isfinite(token_lp), token_lp, torch.full_like(token_lp, float("nan")))
+
+
+def _malloc_trim():
+    """glibc's ``malloc_trim`` (None elsewhere: musl, macOS)."""
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
+_TRIM = _malloc_trim()
+
+
+def _release_freed(device: torch.device, several_chunks: bool) -> None:
+    """On the CPU, give a chunk's freed buffers back to the OS before the next chunk.
+
+    A chunk's [C, V] buffers are at most 32 MiB, the ceiling of glibc's dynamic mmap threshold, so after
+    the first one is freed glibc serves them from its heap; small tensors allocated between chunks
+    (the [C] results) then split the freed blocks, and without a trim the heap — and the process's
+    RSS — grows by about a chunk's buffers per chunk: linear in B·T after all. ``malloc_trim`` returns
+    the free pages (measured: peak RSS flat from T to 4T). CUDA's caching allocator reuses its blocks."""
+    if several_chunks and device.type == "cpu" and _TRIM is not None:
+        _TRIM(0)
+
+
+class _ChunkedHead(torch.autograd.Function):
+    """log π̃(y_n) ``[N]`` from hidden states ``[N, H]``, one chunk of tokens at a time; the backward
+    recomputes each chunk's logits under the forward's autocast state and takes its gradient from the
+    same ``renormalize_logprobs`` (``_chunk_grad``): memory O(chunk · V)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, tokens, sampling, softcap, chunk, stats):
+        n = hidden.shape[0]
+        dtype = torch.promote_types(weight.dtype, torch.float32)
+        token_lp = torch.empty(n, dtype=dtype, device=hidden.device)
+        extra = torch.zeros((n, 2 if stats else 0), dtype=dtype, device=hidden.device)  # entropy, outside mass
+        for start in range(0, n, chunk):
+            end = min(n, start + chunk)
+            lin = F.linear(hidden[start:end], weight, bias)  # [c, V] in the autocast dtype
+            lp, entropy, outside = _chunk_numbers(lin, tokens[start:end], sampling, softcap, stats)
+            token_lp[start:end] = _mark_nonfinite(lp, lin)
+            if stats:
+                extra[start:end, 0] = entropy
+                if outside is not None:
+                    extra[start:end, 1] = outside
+            del lin, lp, entropy, outside  # before the next chunk's: one chunk's buffers at a time
+            _release_freed(hidden.device, n > chunk)
+        device = hidden.device.type
+        ctx.autocast = (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
+        ctx.sampling, ctx.softcap, ctx.chunk = sampling, softcap, chunk
+        ctx.save_for_backward(hidden, weight, bias, tokens, token_lp)
+        ctx.mark_non_differentiable(extra)
+        return token_lp, extra
+
+    @staticmethod
+    def backward(ctx, grad_lp, _grad_extra):
+        hidden, weight, bias, tokens, token_lp = ctx.saved_tensors
+        need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
+        device, autocast, autocast_dtype = ctx.autocast
+        # log π̃ = −inf (outside the support) is constant in the logits; NaN was flagged upstream
+        grad_lp = torch.where(torch.isfinite(token_lp), grad_lp, torch.zeros((), dtype=grad_lp.dtype,
+                                                                              device=grad_lp.device))
+        d_hidden = torch.zeros_like(hidden) if need_hidden else None
+        d_weight = torch.zeros_like(weight) if need_weight else None
+        d_bias = torch.zeros_like(bias) if need_bias else None
+        weight_c = None  # W in the compute dtype, cast once
+        for start in range(0, hidden.shape[0], ctx.chunk):
+            end = min(hidden.shape[0], start + ctx.chunk)
+            h = hidden[start:end]
+            with torch.autocast(device, dtype=autocast_dtype, enabled=autocast):
+                lin = F.linear(h, weight, bias)  # the forward's [c, V], recomputed
+            d_lin = _chunk_grad(lin, tokens[start:end], grad_lp[start:end], ctx.sampling, ctx.softcap)
+            del lin
+            # the linear layer's backward in the compute dtype, as autograd does under autocast
+            if weight_c is None:
+                weight_c = weight if weight.dtype == d_lin.dtype else weight.to(d_lin.dtype)
+            if need_hidden:
+                d_hidden[start:end] = d_lin.mm(weight_c).to(hidden.dtype)
+            if need_weight:
+                h_c = h.to(d_lin.dtype)
+                if d_weight.dtype == d_lin.dtype:
+                    d_weight.addmm_(d_lin.t(), h_c)
+                else:  # bf16 product, accumulated in the fp32 master gradient
+                    d_weight.add_(d_lin.t().mm(h_c))
+            if need_bias:
+                d_bias.add_(d_lin.sum(dim=0))
+            del d_lin  # before the next chunk's: one chunk's buffers at a time
+            _release_freed(hidden.device, hidden.shape[0] > ctx.chunk)
+        return d_hidden, d_weight, d_bias, None, None, None, None, None
+
+
+def token_logprobs(hidden: torch.Tensor, tokens: torch.Tensor, head: LinearHead, sampling: SamplingConfig, *,
+                   stats: bool = False, chunk: int | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """log π̃(y_n) ``[N]`` of tokens ``[N]`` from their hidden states ``[N, H]``, flat in N.
+
+    ``stats``: also the token entropy ``[N]`` and, under top-k/top-p, the outside mass ``[N]``
+    (detached; else None). A token outside the kept support gets exactly −inf; NaN marks any other
+    non-finite value. ``chunk`` tokens per chunk (default ``chunk_tokens(V, device)``).
+    """
+    chunk = chunk or chunk_tokens(head.weight.shape[0], hidden.device)
+    token_lp, extra = _ChunkedHead.apply(hidden, head.weight, head.bias, tokens, sampling, head.softcap, chunk,
+                                         stats)
+    if not stats:
+        return token_lp, None, None
+    return token_lp, extra[:, 0], extra[:, 1] if truncates(sampling) else None
+
+
+def trainer_logprobs(model, batch: Batch, sampling: SamplingConfig, metrics: Metrics | None = None, *,
+                     chunk: int | None = None) -> torch.Tensor:
+    """log π(y_t) ``[B, T]`` (fp32; float64 for a float64 model) under ``model`` on the engine's
+    sampling support (SPEC §6), 0 where ``batch.mask`` is 0; −inf exactly where the sampled token
+    lies outside the trainer's top-k/top-p support (the caller masks those, see
+    ``update.within_support``).
+
+    With ``metrics`` given, the mean token entropy of the sampling distribution is recorded as
+    ``entropy`` (``token_entropy``; the denominator of prime-rl's mismatch KL / entropy, issue #25)
+    and, with top-k/top-p, the mass the sampler truncated away (``outside_mass``,
+    ``outside_mass_max``; see ``outside_mass_metrics``).
+
+    Raises:
+        ConfigError: a head this module does not reproduce (``linear_head``, ``check_head``).
+    """
+    counted = batch.mask.bool()
+    rows, cols = counted.nonzero(as_tuple=True)  # [N] each, the response tokens that count
+    head = linear_head(model)
+    check_head(model, head, batch.input_ids[:1, :PROBE_TOKENS])
+    hidden = decoder_hidden(model, batch.input_ids, batch.attention_mask)  # [B, L, H]
+    token_lp, entropy, outside = token_logprobs(hidden[rows, batch.positions[rows, cols]],  # [N, H]
+                                                batch.response_ids[rows, cols], head, sampling,
+                                                stats=metrics is not None, chunk=chunk)
+    if metrics is not None:
+        metrics.mean("entropy", entropy)
+        if outside is not None:
+            outside_mass_metrics(outside, torch.ones_like(outside, dtype=torch.bool), metrics)
+    out = torch.zeros(counted.shape, dtype=token_lp.dtype, device=token_lp.device)
+    return out.index_put((rows, cols), token_lp)  # [B, T]
+
+
+@torch.no_grad()
+def token_entropy(logprobs: torch.Tensor) -> torch.Tensor:
+    """H_t = −Σ_v p_v log p_v of each position's distribution, ``[..., V]`` log-probs → ``[...]`` fp32.
+
+    prime-rl's ``compute_entropy`` (src/prime_rl/trainer/rl/loss.py) takes the same quantity from the
+    logits as logsumexp(z) − Σ softmax(z)·z; tokens outside a top-k/top-p support have log p = −inf and
+    p = 0, and contribute 0 (not 0 · −inf = NaN).
+    """
+    lp = logprobs.float()
+    plogp = lp.exp()  # p, then p · log p in place: one [.., V] buffer besides a mask
+    zero = plogp == 0
+    return -plogp.mul_(lp).masked_fill_(zero, 0.0).sum(-1)

@@ -1,0 +1,235 @@
+"""The trainer's head (issue #31, train/head.py): the chunked path from hidden states to log π̃ equals
+the full-logits path it replaced — values and gradients, at a small and at real vocabularies, with and
+without temperature / top-k / top-p, in fp32, bf16 autocast and float64, on rows of different lengths
+with chunks that split rows — never holds a [B, T, V] tensor, handles or refuses every head, and marks
+tokens outside the kept support with −inf exactly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from offpolicy.config import ConfigError
+from offpolicy.engines import SamplingConfig
+from offpolicy.metrics import Metrics
+from offpolicy.sampling import renormalize_logprobs
+from offpolicy.train.batch import Batch
+from offpolicy.train.head import chunk_tokens, token_entropy, trainer_logprobs
+
+SAMPLINGS = {
+    "plain": SamplingConfig(),
+    "temperature": SamplingConfig(temperature=0.7),
+    "top_k": SamplingConfig(top_k=5),
+    "top_p": SamplingConfig(temperature=1.3, top_p=0.8),
+    "all": SamplingConfig(temperature=0.7, top_k=10, top_p=0.9),
+}
+
+
+def full_logits_logprobs(model, batch: Batch, sampling: SamplingConfig) -> torch.Tensor:
+    """The head before issue #31 (train/batch.py at 4efb1a7), kept here as the reference: the model's
+    logits at every position [B, L, V], gathered at the response positions [B, T, V], renormalised."""
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits  # [B, L, V]
+    index = batch.positions.unsqueeze(-1).expand(-1, -1, logits.shape[-1])
+    response_logits = logits.gather(1, index).to(torch.promote_types(logits.dtype, torch.float32))  # [B, T, V]
+    logprobs = renormalize_logprobs(response_logits, top_p=sampling.top_p, top_k=sampling.top_k,
+                                    temperature=sampling.temperature)
+    token_lp = logprobs.gather(-1, batch.response_ids.unsqueeze(-1)).squeeze(-1)
+    return torch.where(batch.mask.bool(), token_lp, torch.zeros((), dtype=token_lp.dtype))
+
+
+def tiny_causal_lm(family: str, vocab: int, hidden: int = 16, seed: int = 0, **extra):
+    """A two-layer causal LM of ``family`` built in code (no file, no download)."""
+    import transformers
+
+    config_cls, model_cls = {
+        "llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+        "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM"),
+        "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"), "cohere": ("CohereConfig", "CohereForCausalLM"),
+    }[family]
+    config = getattr(transformers, config_cls)(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=hidden // 2, max_position_embeddings=64, **extra)
+    torch.manual_seed(seed)
+    return getattr(transformers, model_cls)(config).eval()
+
+
+def ragged_batch(model, vocab: int, seed: int = 0, b: int = 4, t: int = 7) -> Batch:
+    """Right-padded rows of different prompt and response lengths. Most response tokens are among the
+    model's three likeliest at their position (inside a top-k/top-p support), some are drawn uniformly
+    (mostly outside it): both kinds are checked."""
+    g = torch.Generator().manual_seed(seed)
+    prompt_len = torch.tensor([3, 5, 2, 4])[:b]
+    response_len = torch.tensor([7, 2, 5, 1])[:b]
+    width = int((prompt_len + response_len).max())
+    input_ids = torch.randint(0, vocab, (b, width), generator=g)
+    attention = (torch.arange(width)[None] < (prompt_len + response_len)[:, None]).long()
+    positions = (prompt_len[:, None] - 1 + torch.arange(t)[None]).clamp(max=width - 1)
+    mask = (torch.arange(t)[None] < response_len[:, None]).float()
+    with torch.no_grad():
+        logits = model(input_ids=input_ids, attention_mask=attention).logits.float()  # [B, L, V]
+    ranked = logits.gather(1, positions.unsqueeze(-1).expand(-1, -1, vocab)).argsort(-1, descending=True)
+    likely = ranked.gather(-1, torch.randint(0, 3, (b, t, 1), generator=g)).squeeze(-1)
+    uniform = torch.randint(0, vocab, (b, t), generator=g)
+    response = torch.where(torch.rand(b, t, generator=g) < 0.8, likely, uniform)
+    return Batch(input_ids, attention, positions, response, mask, torch.zeros(b, t), torch.zeros(b, dtype=torch.long))
+
+
+def value_and_grads(fn, model, batch: Batch, weights: torch.Tensor):
+    """log π̃ [B, T] and ∇ of Σ w·log π̃ over the finite tokens, for every parameter."""
+    model.zero_grad(set_to_none=True)
+    lp = fn()
+    finite = torch.isfinite(lp)
+    (torch.where(finite, lp, 0.0) * weights.to(lp.dtype)).sum().backward()
+    return lp.detach(), [p.grad.clone() for p in model.parameters()]
+
+
+# every setting at V = 97; the real vocabularies, 49,152 (SmolLM2) and 151,936 (Qwen2.5) with a hidden
+# size of 16, untruncated and truncated, in fp32 and bf16 autocast
+CASES = [(97, precision, name) for precision in ("fp32", "bf16", "fp64") for name in SAMPLINGS] + [
+    (49_152, "fp32", "plain"), (49_152, "bf16", "all"), (151_936, "bf16", "temperature"), (151_936, "fp32", "all")]
+
+
+@pytest.mark.parametrize(("vocab", "precision", "name"), CASES)
+def test_chunked_head_equals_the_full_logits_path(vocab, precision, name):
+    sampling = SAMPLINGS[name]
+    model = tiny_causal_lm("llama", vocab)
+    if precision == "fp64":
+        model = model.double()
+    batch = ragged_batch(model, vocab)
+    weights = torch.randn(batch.mask.shape, generator=torch.Generator().manual_seed(1))
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16")
+    with autocast:
+        want, want_grads = value_and_grads(lambda: full_logits_logprobs(model, batch, sampling), model, batch, weights)
+    assert int(batch.mask.sum()) == 15
+    for chunk in (None, 4):  # one chunk for everything; chunks of 4 split rows 0 and 2 across chunks
+        with autocast:
+            got, grads = value_and_grads(lambda: trainer_logprobs(model, batch, sampling, chunk=chunk), model,
+                                         batch, weights)
+        assert got.dtype == (torch.float64 if precision == "fp64" else torch.float32)
+        assert torch.equal(torch.isneginf(got), torch.isneginf(want))  # the same tokens outside the support
+        assert torch.isfinite(got[batch.mask.bool() & ~torch.isneginf(got)]).all()
+        if name in ("top_k", "all"):
+            assert torch.isneginf(got).any() and torch.isfinite(got[batch.mask.bool()]).any()  # both kinds
+        # bf16: the same bf16 products, summed per chunk rather than over all rows at once
+        rtol, atol = {"fp32": (1e-5, 1e-5), "bf16": (1e-2, 1e-2), "fp64": (1e-12, 1e-12)}[precision]
+        torch.testing.assert_close(torch.where(torch.isfinite(got), got, 0), torch.where(torch.isfinite(want), want, 0),
+                                   rtol=rtol, atol=atol)
+        for a, b in zip(grads, want_grads):
+            scale = float(b.abs().max()) + 1e-30
+            torch.testing.assert_close(a, b, rtol=rtol, atol=atol * scale)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "mistral", "gemma2"])
+def test_architectures_score_as_their_own_logits(family):
+    """Qwen2, Qwen3 and Mistral heads are W·h; Gemma 2 soft-caps its logits (cap · tanh(z / cap)),
+    which the head applies exactly. Logits scaled up so a missing soft cap would show."""
+    extra = {"final_logit_softcapping": 3.0} if family == "gemma2" else {}
+    model = tiny_causal_lm(family, 97, seed=2, **extra)
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(40.0)  # logits of order 10: tanh(z / 3) is far from z / 3
+    batch = ragged_batch(model, 97, seed=2)
+    for sampling in (SAMPLINGS["plain"], SAMPLINGS["all"]):
+        with torch.no_grad():
+            want = full_logits_logprobs(model, batch, sampling)
+            got = trainer_logprobs(model, batch, sampling, chunk=3)
+        torch.testing.assert_close(torch.where(torch.isfinite(got), got, 0), torch.where(torch.isfinite(want), want, 0),
+                                   rtol=1e-5, atol=1e-5)
+
+
+def test_a_head_that_scales_its_logits_is_refused():
+    model = tiny_causal_lm("cohere", 97, logit_scale=0.0625)
+    batch = ragged_batch(model, 97)
+    with pytest.raises(ConfigError, match=r"model: CohereForCausalLM multiplies its logits by config.logit_scale"):
+        trainer_logprobs(model, batch, SAMPLINGS["plain"])
+
+
+def test_any_other_difference_from_the_model_logits_is_refused():
+    """An architecture the head does not know (here: logits doubled after lm_head) is caught by the probe."""
+    from transformers import LlamaForCausalLM
+
+    class Doubled(LlamaForCausalLM):
+        def forward(self, *args, **kwargs):
+            out = super().forward(*args, **kwargs)
+            out.logits = out.logits * 2
+            return out
+
+    base = tiny_causal_lm("llama", 97)
+    model = Doubled(base.config)
+    model.load_state_dict(base.state_dict())
+    with pytest.raises(ConfigError, match=r"model: Doubled's logits are not W·h \+ b of its decoder's hidden states"):
+        trainer_logprobs(model, ragged_batch(base, 97), SAMPLINGS["plain"])
+
+
+class _LargestTensor(TorchDispatchMode):
+    """The largest number of elements of any tensor an op returns while the mode is on."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+def test_no_tensor_grows_with_tokens_times_vocabulary():
+    """Forward and backward at 4 rows × 32 response tokens, chunks of 8: no op returns more than one
+    chunk's [8, V] (the [V, H] gradient of the embedding is smaller here), where the old path held
+    [4, 38, V] logits — 19 times more."""
+    vocab, chunk = 2048, 8
+    model = tiny_causal_lm("llama", vocab, hidden=8)
+    g = torch.Generator().manual_seed(0)
+    b, t = 4, 32
+    input_ids = torch.randint(0, vocab, (b, t + 6), generator=g)
+    positions = (5 + torch.arange(t))[None].expand(b, t)
+    batch = Batch(input_ids, torch.ones_like(input_ids), positions, input_ids[:, 6:], torch.ones(b, t),
+                  torch.zeros(b, t), torch.zeros(b, dtype=torch.long))
+    trainer_logprobs(model, batch, SAMPLINGS["all"], chunk=chunk)  # the one-time head check runs outside the count
+    with _LargestTensor() as seen:
+        lp = trainer_logprobs(model, batch, SAMPLINGS["all"], Metrics(), chunk=chunk)
+        torch.where(torch.isfinite(lp), lp, 0).sum().backward()
+    assert seen.largest <= chunk * vocab < b * (t + 6) * vocab // 16
+
+
+def test_chunk_size_is_bounded_in_bytes():
+    assert chunk_tokens(151_936) == 55 and chunk_tokens(49_152) == 170  # CPU: 32 MiB / (4 · V)
+    assert chunk_tokens(151_936, "cuda") == 220 and chunk_tokens(49_152, "cuda:1") == 682  # CUDA: 128 MiB
+    assert chunk_tokens(10_000_000) == 16  # never fewer than 16 tokens per matmul
+
+
+def test_outside_the_support_is_exactly_minus_inf_and_overflow_is_nan():
+    model = tiny_causal_lm("llama", 97)
+    batch = ragged_batch(model, 97)
+    with torch.no_grad():
+        lp = trainer_logprobs(model, batch, SAMPLINGS["top_k"])
+        assert torch.isneginf(lp).any() and not torch.isnan(lp).any()
+        model.get_output_embeddings().weight[5].fill_(float("inf"))  # a model that overflows
+        model._offpolicy_head_checked = True  # past the one-time probe, as in the middle of a run
+        broken = trainer_logprobs(model, batch, SAMPLINGS["plain"])
+    counted = batch.mask.bool()
+    assert torch.isnan(broken[counted]).all()  # never −inf: NaN meets the loss's `nonfinite` policy
+
+
+def test_metrics_are_the_full_distributions_entropy_and_outside_mass():
+    model = tiny_causal_lm("llama", 97)
+    batch = ragged_batch(model, 97)
+    sampling = SAMPLINGS["all"]
+    metrics = Metrics()
+    with torch.no_grad():
+        trainer_logprobs(model, batch, sampling, metrics, chunk=4)
+        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+        response = logits.gather(1, batch.positions.unsqueeze(-1).expand(-1, -1, 97))
+        full, outside = renormalize_logprobs(response, top_p=0.9, top_k=10, temperature=0.7, return_outside_mass=True)
+    counted = batch.mask.bool()
+    values = metrics.to_dict()
+    assert values["offpolicy/entropy"] == pytest.approx(token_entropy(full)[counted].double().mean().item(), rel=1e-6)
+    assert values["offpolicy/outside_mass"] == pytest.approx(outside[counted].double().mean().item(), rel=1e-6)
+    assert values["offpolicy/outside_mass_max"] == pytest.approx(outside[counted].max().item(), rel=1e-6)
+    plain = Metrics()
+    with torch.no_grad():
+        trainer_logprobs(model, batch, SAMPLINGS["plain"], plain)
+    assert "offpolicy/outside_mass" not in plain.to_dict() and plain.to_dict()["offpolicy/entropy"] > 0

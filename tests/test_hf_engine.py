@@ -1,0 +1,226 @@
+"""The hf engine and the eval after issue #31: sampling bit for bit what the ``output_scores`` path drew,
+without keeping a step's scores; μ drawn from the logged sampling config alone (never the model's
+``generation_config.json``), with one line naming what was ignored; noise drawn reproducibly."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LogitsProcessor, LogitsProcessorList
+
+from offpolicy import diagnose
+from offpolicy.engines import SamplingConfig, perturb
+from offpolicy.engines.base import left_pad
+from offpolicy.engines.generation import generate, explicit_config, without_model_defaults
+from offpolicy.engines.hf import HFEngine
+from offpolicy.tasks import make_task, problems
+from offpolicy.tasks.model import build_tiny_qwen2
+from offpolicy.tasks.tokenizer import build_char_tokenizer
+from offpolicy.train.warmstart import exact_match_accuracy, prompt_ids
+
+# what Qwen2.5-Instruct-like files ask for: sampling fields (temperature/top-k/top-p) and processors that
+# change the distribution, one of them (suppress_tokens) off only as None
+GREEDY_CHANGING = {"repetition_penalty": 1.1, "no_repeat_ngram_size": 1, "top_k": 20, "temperature": 0.7}
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("tiny-engine")
+    tok = build_char_tokenizer()
+    build_tiny_qwen2(tok, hidden_size=64, num_layers=2, seed=3).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def opinionated_dir(tiny_dir, tmp_path_factory) -> Path:
+    """The same model, with a generation_config.json that asks for more than offpolicy samples with."""
+    import shutil
+
+    path = tmp_path_factory.mktemp("tiny-opinionated")
+    shutil.copytree(tiny_dir, path, dirs_exist_ok=True)
+    config = json.loads((path / "generation_config.json").read_text())
+    (path / "generation_config.json").write_text(json.dumps({**config, **GREEDY_CHANGING}))
+    return path
+
+
+class _OldLogitNoise(LogitsProcessor):
+    """engines/hf.py's noise at 4efb1a7: drawn on a CPU generator, then moved."""
+
+    def __init__(self, sigma, generator):
+        self.sigma, self.generator = sigma, generator
+
+    def __call__(self, input_ids, scores):
+        noise = torch.randn(scores.shape, generator=self.generator, dtype=torch.float32).to(scores.device, scores.dtype)
+        return torch.where(torch.isfinite(scores), scores + self.sigma * noise, scores)
+
+
+def output_scores_generate(engine: HFEngine, prompts, sampling: SamplingConfig, seed: int):
+    """HFEngine.generate at 4efb1a7, kept as the reference: every step's scores, stacked [B, steps, V]."""
+    pad = engine.tokenizer.pad_token_id
+    input_ids, attention = left_pad(prompts, pad)
+    torch.manual_seed(seed)
+    processors = LogitsProcessorList()
+    if engine.logit_noise > 0:
+        processors.append(_OldLogitNoise(engine.logit_noise, torch.Generator().manual_seed(seed + 1)))
+    out = engine.model.generate(input_ids=input_ids, attention_mask=attention, do_sample=True,
+                                temperature=sampling.temperature, top_p=sampling.top_p,
+                                top_k=sampling.top_k if sampling.top_k > 0 else 0, max_new_tokens=sampling.max_tokens,
+                                logits_processor=processors, output_scores=True, return_dict_in_generate=True,
+                                pad_token_id=pad, eos_token_id=engine.stop)
+    new_tokens = out.sequences[:, input_ids.shape[1]:]
+    scores = torch.stack(out.scores, dim=1).float().log_softmax(-1)
+    return new_tokens, scores.gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)
+
+
+@pytest.mark.parametrize(("dtype", "noise", "sampling"), [
+    ("fp32", 0.0, SamplingConfig(max_tokens=10)),
+    ("fp32", 0.5, SamplingConfig(max_tokens=10, temperature=0.7, top_k=10, top_p=0.9)),
+    ("bf16", 0.0, SamplingConfig(max_tokens=10, temperature=1.3, top_p=0.8)),
+])
+def test_sampling_is_bit_for_bit_the_output_scores_path(tiny_dir, dtype, noise, sampling):
+    tok = build_char_tokenizer()
+    engine = HFEngine(str(tiny_dir), tok, dtype=dtype, logit_noise=noise)
+    prompts = [prompt_ids(tok, p) for p in problems(make_task("reverse"), 6, seed=4)]
+    rollouts = engine.generate(prompts, sampling, seed=7, version=0)
+    tokens, logprobs = output_scores_generate(engine, prompts, sampling, seed=7)
+    assert any(not f for f in rollouts.finished) and any(rollouts.finished)  # rows that stop, rows cut at the limit
+    for i, (ids, lps) in enumerate(zip(rollouts.response_ids, rollouts.logprobs)):
+        assert ids == tokens[i, : len(ids)].tolist()
+        assert torch.equal(torch.tensor(lps), logprobs[i, : len(ids)])  # the same float32 numbers
+
+
+def test_generate_keeps_no_step_scores(tiny_dir, monkeypatch):
+    """O(B·V) memory: generate is never asked for per-step scores or logits (B·steps·V each)."""
+    tok = build_char_tokenizer()
+    engine = HFEngine(str(tiny_dir), tok)
+    seen = {}
+    original = engine.model.generate
+
+    def spy(*args, **kwargs):
+        config = kwargs.get("generation_config")
+        seen.update(kwargs, scores=getattr(config, "output_scores", None), logits=getattr(config, "output_logits", None),
+                    as_dict=getattr(config, "return_dict_in_generate", None))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(engine.model, "generate", spy)
+    engine.generate([[1, 5, 6]] * 2, SamplingConfig(max_tokens=4, top_k=5), seed=0, version=0)
+    assert not seen.get("output_scores") and not seen.get("output_logits") and not seen.get("return_dict_in_generate")
+    assert not seen["scores"] and not seen["logits"] and not seen["as_dict"]
+
+
+def test_mu_ignores_the_models_generation_config(opinionated_dir, tiny_dir, caplog):
+    """A fp32 engine against a fp32 trainer is at the rounding floor although the model's own file asks
+    for a repetition penalty and top-k 20 (4efb1a7 sampled from them: kl_k3 ~1e-3 here), and one
+    warning line names what was ignored."""
+    tok = build_char_tokenizer()
+    prompts = [prompt_ids(tok, p) for p in problems(make_task("reverse"), 16, seed=5)]
+    with caplog.at_level(logging.WARNING, logger="offpolicy.engines.hf"):
+        s = diagnose.sample(opinionated_dir, tok, prompts, "hf", "fp32", "fp32", SamplingConfig(max_tokens=12), seed=1)
+    m = diagnose.mismatch(s)
+    assert m["kl_k3"] < 1e-10 and m["abs_logp_diff_max"] < 1e-5, m
+    lines = [r.getMessage() for r in caplog.records if "generation_config.json" in r.getMessage()]
+    assert len(lines) == 1
+    for asked in ("repetition_penalty=1.1", "no_repeat_ngram_size=1", "top_k=20", "temperature=0.7"):
+        assert asked in lines[0]
+    # the same draws as from a model whose file asks for nothing
+    plain = HFEngine(str(tiny_dir), tok).generate(prompts, SamplingConfig(max_tokens=12), seed=1, version=0)
+    again = HFEngine(str(opinionated_dir), tok).generate(prompts, SamplingConfig(max_tokens=12), seed=1, version=0)
+    assert plain.response_ids == again.response_ids
+
+
+def test_the_eval_decodes_with_its_own_config_alone(opinionated_dir, tiny_dir):
+    """Greedy and sampled evals give the same completions whatever the model's file asks for (its
+    no_repeat_ngram_size = 1 alone changes a greedy decode), and the file is untouched afterwards."""
+    from transformers import AutoModelForCausalLM
+
+    tok = build_char_tokenizer()
+    task = make_task("reverse")
+    batch = problems(task, 8, seed=6)
+
+    def completions(path, seed):
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        texts = []
+        exact_match_accuracy(model, tok, task, batch, 12, sample_seed=seed, score=lambda p, t: texts.append(t) or 0.0)
+        return texts, model
+
+    for seed in (None, 11):
+        want, _ = completions(tiny_dir, seed)
+        got, model = completions(opinionated_dir, seed)
+        assert got == want
+        assert model.generation_config.no_repeat_ngram_size == 1  # restored after the eval
+    # and the file really would change a greedy decode if generate read it
+    model = AutoModelForCausalLM.from_pretrained(opinionated_dir, dtype=torch.float32)
+    ids, attention = left_pad([prompt_ids(tok, p) for p in batch], tok.pad_token_id)
+    own = generate(model, ids, attention, explicit_config(do_sample=False, max_new_tokens=12, stop=[tok.eos_token_id],
+                                                          pad=tok.pad_token_id))
+    with_file = model.generate(input_ids=ids, attention_mask=attention, do_sample=False, max_new_tokens=12,
+                               pad_token_id=tok.pad_token_id, eos_token_id=[tok.eos_token_id])
+    assert not torch.equal(own, with_file)
+    with without_model_defaults(model):
+        assert model.generation_config.no_repeat_ngram_size is None
+
+
+def test_noise_is_drawn_on_the_weights_device_and_reproducible_on_cpu():
+    """perturb: on the CPU the same draws as the CPU generator always gave (seed → same ε, tensor after
+    tensor); the generator is the tensor's device's."""
+    weights = [("a", torch.randn(3, 4)), ("b", torch.randn(5)), ("n", torch.tensor([1, 2]))]
+    got = dict(perturb(weights, 0.1, seed=9))
+    g = torch.Generator().manual_seed(9)
+    for name, w in weights[:2]:
+        want = w + 0.1 * w.std() * torch.randn(w.shape, generator=g, dtype=torch.float32)
+        assert torch.equal(got[name], want)
+    assert torch.equal(got["n"], weights[2][1])  # integers untouched
+    assert all(torch.equal(a, b) for a, b in zip(dict(perturb(weights, 0.1, seed=9)).values(), got.values()))
+    if torch.cuda.is_available():
+        cuda = [(n, w.cuda()) for n, w in weights]
+        on_gpu = dict(perturb(cuda, 0.1, seed=9))
+        assert all(t.device.type == "cuda" for t in on_gpu.values())
+        assert torch.equal(on_gpu["a"], dict(perturb(cuda, 0.1, seed=9))["a"])  # deterministic per seed
+
+
+def test_the_eval_generates_under_the_trainers_precision(tiny_dir, monkeypatch):
+    """trainer_dtype=bf16: the eval's generate runs under bf16 autocast over the fp32 weights, as the
+    update's forward does (4efb1a7 generated in fp32 without autocast)."""
+    from transformers import AutoModelForCausalLM
+
+    from offpolicy.train import warmstart
+
+    seen = []
+    real = warmstart.generate
+
+    def spy(model, *args, **kwargs):
+        seen.append((torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"),
+                     next(model.parameters()).dtype))
+        return real(model, *args, **kwargs)
+
+    monkeypatch.setattr(warmstart, "generate", spy)
+    tok = build_char_tokenizer()
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32)
+    batch = problems(make_task("reverse"), 2, seed=0)
+    exact_match_accuracy(model, tok, make_task("reverse"), batch, 4, sample_seed=None, trainer_dtype="bf16")
+    exact_match_accuracy(model, tok, make_task("reverse"), batch, 4, sample_seed=None)
+    assert seen == [(True, torch.bfloat16, torch.float32), (False, seen[1][1], torch.float32)]
+
+
+def test_diagnose_scores_with_trains_loader_and_forward(tiny_dir):
+    """--trainer-dtype bf16 is bf16 autocast over fp32 weights — update.load_policy + update.forward, the
+    very numbers train computes — not bf16 weights (4efb1a7); and the CLI's default is train's `auto`."""
+    from offpolicy import cli
+    from offpolicy.train import update
+
+    tok = build_char_tokenizer()
+    prompts = [prompt_ids(tok, p) for p in problems(make_task("reverse"), 8, seed=2)]
+    sampling = SamplingConfig(max_tokens=8)
+    s = diagnose.sample(tiny_dir, tok, prompts, "hf", "fp32", "bf16", sampling, seed=0)
+    cpu = torch.device("cpu")
+    with torch.no_grad():
+        want = update.forward(update.load_policy(tiny_dir, cpu).eval(), s.batch, sampling, cpu, "bf16")
+    counted = s.batch.mask.bool()
+    assert torch.equal(s.trainer[counted], want[counted])
+    assert 0 < float((s.trainer - s.batch.rollout_logprobs)[counted].abs().max()) < 0.5  # bf16 compute really ran
+    assert cli.build_parser().parse_args(["diagnose"]).trainer_dtype == "auto"

@@ -1,0 +1,83 @@
+"""Memory flat in the response length at a real vocabulary (issue #31): `offpolicy train` as a user types
+it, in a subprocess, on a tiny Llama with a 49,152-token vocabulary (SmolLM2's), at T and 4T new
+tokens. The child's peak RSS comes from the kernel (``os.wait4``'s rusage of that one child).
+
+At 4efb1a7 the trainer held [B, L, V] logits, a gathered [B, T, V] and its fp32 temporaries, and the hf
+engine stacked every step's [B, V] scores three times: 4T costs ~1.5 GB more than T here. With the
+chunked head and the O(B·V) engine the growth is what the [B, T] tensors and the tiny model's
+activations need — a few MB — and the bound is a quarter of one fp32 [B, 4T, V] tensor (50 MB)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("datasets", reason="task=dataset reads files through `datasets` (install.sh installs it)")
+
+from hf_fixtures import DATA, train_bpe  # noqa: E402
+
+VOCAB = 49_152
+ROWS = 8  # prompts_per_step=2 × group_size=4
+T = 32
+
+
+@pytest.fixture(scope="module")
+def no_stop_llama(tmp_path_factory) -> Path:
+    """A tiny Llama (2 layers, width 64) with a 49,152-token head whose stop token is never drawn: its
+    output row is 0 while the others are scaled so the logits have σ ≈ 8 — the stop token's logit 0 sits
+    ~4σ below the best one at every step, P(stop) < e^-30. Every response runs to max_new_tokens,
+    so the two runs really differ by 4× in length."""
+    import torch
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    directory = tmp_path_factory.mktemp("no-stop-llama")
+    tokenizer = train_bpe(family="llama")
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=1024,
+                         tie_word_embeddings=False, bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        head = model.get_output_embeddings().weight  # [V, 64], N(0, 0.02²)
+        head.mul_(50.0)  # N(0, 1): |h| = 8 after the final RMSNorm, so logits ~ N(0, 64)
+        head[tokenizer.eos_token_id].zero_()
+    model.generation_config = GenerationConfig(eos_token_id=[tokenizer.eos_token_id])
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+def peak_rss_of_train(model: Path, out: Path, new_tokens: int) -> tuple[int, dict]:
+    """Run `offpolicy train` for one step; return the child's peak RSS in bytes and its metrics row."""
+    args = [sys.executable, "-m", "offpolicy", "train", f"model={model}", "task=dataset", f"data.path={DATA}",
+            "reward=number", "engine=hf", "engine_dtype=fp32", "device=cpu", "prompts_per_step=2", "group_size=4",
+            f"max_new_tokens={new_tokens}", "steps=1", "eval_problems=1", "eval_every=100", f"out_dir={out}",
+            "--no-progress"]
+    with open(out.with_suffix(".log"), "w") as log:
+        child = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env={**os.environ})
+        _, status, usage = os.wait4(child.pid, 0)
+        child.returncode = os.waitstatus_to_exitcode(status)
+    assert child.returncode == 0, out.with_suffix(".log").read_text()[-3000:]
+    row = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
+    return usage.ru_maxrss * 1024, row  # Linux reports kilobytes
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("real-model")  # one SmolLM2-sized run at a time: a step peaks near 11 GB RSS
+def test_a_training_step_at_4x_the_response_length_costs_almost_no_more_memory(no_stop_llama, tmp_path):
+    short_rss, short = peak_rss_of_train(no_stop_llama, tmp_path / "short", T)
+    long_rss, long = peak_rss_of_train(no_stop_llama, tmp_path / "long", 4 * T)
+    # the measurement means something: every response ran to its limit, and a real step was taken
+    assert short["response_length"] == T and long["response_length"] == 4 * T
+    assert short["truncated_share"] == 1.0 and long["truncated_share"] == 1.0
+    assert long["offpolicy/grad_norm"] >= 0
+    one_fp32_btv = ROWS * 4 * T * VOCAB * 4  # 201 MB
+    growth = long_rss - short_rss
+    assert growth < one_fp32_btv / 4, (f"peak RSS {short_rss / 2**20:.0f} MiB at T={T}, {long_rss / 2**20:.0f} MiB "
+                                       f"at 4T: +{growth / 2**20:.0f} MiB")
