@@ -12,10 +12,13 @@ Each step logs its time per stage (``time/generate`` … ``time/log``); overlapp
 is the engine's time in its own thread and ``time/wait`` what the trainer waited for it.
 
 A step whose advantages are all 0 (every group's rewards equal) with no other loss term (``loss.kl_coef``
-= 0) has a zero gradient: its forward and backward are skipped (``skipped_update`` = 1). Nothing changes:
-weights, optimizer state (Adam's moments and step count) and the policy version stay where they were —
-the batch counts as filtered out, as DAPO's dynamic sampling drops zero-variance groups — and the engine,
-whose weights are already these, gets no sync.
+= 0) has a zero gradient: its backward and optimizer step are skipped (``skipped_update`` = 1). Nothing
+changes: weights, optimizer state (Adam's moments and step count) and the policy version stay where they
+were — the batch counts as filtered out, as DAPO's dynamic sampling drops zero-variance groups — and the
+engine, whose weights are already these, gets no sync. The mismatch is still measured: one no-grad
+forward over the batch gives the step's ``offpolicy/*`` statistics (kl_k3, ess, rejected shares, …) as
+an update would, without ``loss`` and ``grad_norm`` — a run of flat rewards is where a user most needs
+to see whether μ and π_θ still agree.
 
 SIGTERM (a scheduler's, a container's or ``timeout``'s stop) ends the run like Ctrl-C, with a checkpoint;
 mid-update it first lets the step finish (``GracefulStop``).
@@ -327,14 +330,17 @@ def train(cfg: TrainConfig, resume: Path | None = None, console: Console | None 
             trained_on = version  # the weights this step starts from (the version does not advance on a skip)
             updating = stop.updating = True  # from here until the step is logged, the weights are mid-update
             with timer("train"):
+                step_args = dict(old_of=old_of, loss_cfg=loss_cfg, sampling=sampling, device=device,
+                                 trainer_dtype=trainer_dtype, micro_batch_tokens=cfg.micro_batch_tokens,
+                                 max_grad_norm=cfg.max_grad_norm, metrics=metrics)
+                if skipped:  # the mismatch is still measured: one no-grad pass over the batch (module doc)
+                    optimizer_step(policy, optimizer, batch, torch.arange(len(rewards)), adv_tokens, **step_args,
+                                   update=False)
                 for _ in range(0 if skipped else cfg.ppo_epochs):
                     for rows in torch.randperm(len(rewards), generator=order).chunk(cfg.minibatches):
                         if batch.mask[rows].sum() == 0:  # the CPU batch: no device read
                             continue
-                        optimizer_step(policy, optimizer, batch, rows, adv_tokens, old_of=old_of, loss_cfg=loss_cfg,
-                                       sampling=sampling, device=device, trainer_dtype=trainer_dtype,
-                                       micro_batch_tokens=cfg.micro_batch_tokens, max_grad_norm=cfg.max_grad_norm,
-                                       metrics=metrics)
+                        optimizer_step(policy, optimizer, batch, rows, adv_tokens, **step_args)
             # ------------------------------------------------ new weights to the engine
             with timer("sync"):
                 if not skipped:

@@ -179,9 +179,9 @@ def step_config(loss_cfg: op.LossConfig, parts: list[dict[str, torch.Tensor]],
 
 
 def accumulate(logprobs: torch.Tensor, old_logprobs: torch.Tensor | None, advantages: torch.Tensor, mb: Batch,
-               loss_cfg: op.LossConfig, metrics: Metrics) -> torch.Tensor:
-    """One micro-batch's corrected loss, backpropagated (gradients add up in ``.grad``); returns
-    its value, detached, in float64.
+               loss_cfg: op.LossConfig, metrics: Metrics, backward: bool = True) -> torch.Tensor:
+    """One micro-batch's corrected loss, backpropagated (gradients add up in ``.grad``; not with
+    ``backward=False``, which only measures); returns its value, detached, in float64.
 
     ``policy_loss`` gives the per-token terms (``reduce=False``); they are aggregated here with the
     loss's own rule (``row_aggregation``: Σ / N_tokens, or the row means over N_rows) in float64,
@@ -193,7 +193,8 @@ def accumulate(logprobs: torch.Tensor, old_logprobs: torch.Tensor | None, advant
     numerator, count, _ = row_aggregation(per_token.double().sum(-1), agg_mask.double().sum(-1), loss_cfg,
                                           per_token.shape[-1])
     loss = numerator / count.clamp(min=1)
-    loss.backward()
+    if backward:
+        loss.backward()
     metrics.update(m.renamed(lambda key: None if key == "loss" else key))
     return loss.detach()
 
@@ -238,8 +239,14 @@ def _part(mb: Batch, advantages: torch.Tensor, logprobs: torch.Tensor, old: torc
 def optimizer_step(policy, optimizer, batch: Batch, rows: torch.Tensor, advantages: torch.Tensor, *,
                    old_of: Callable[[torch.Tensor, Batch, torch.Tensor | None], torch.Tensor | None],
                    loss_cfg: op.LossConfig, sampling: SamplingConfig, device: torch.device, trainer_dtype: str,
-                   micro_batch_tokens: int | None, max_grad_norm: float, metrics: Metrics) -> None:
+                   micro_batch_tokens: int | None, max_grad_norm: float, metrics: Metrics,
+                   update: bool = True) -> None:
     """One optimizer step on ``rows`` of the CPU ``batch`` (``advantages`` ``[B, T]`` CPU).
+
+    ``update=False`` measures without updating: the same forwards under ``no_grad``, the same
+    correction and metrics (the mismatch of μ against π_θ: ``kl_k3``, ``ess``, the rejected
+    shares, …), but no backward, no ``loss`` and no optimizer step — a step whose gradient is
+    known to be 0 (``loop.py``) still reports what the engine's μ was against the trainer.
 
     ``old_of(rows, mb, logprobs)`` gives log π_old of a device micro-batch: from a π_old forward,
     from ``logprobs`` (the update's own forward, detached, when π_old = sg(π_θ)), or AReaL's
@@ -254,10 +261,29 @@ def optimizer_step(policy, optimizer, batch: Batch, rows: torch.Tensor, advantag
     ``offpolicy/loss`` is the mean over the optimizer steps (mini-batches × PPO epochs) of each
     step's loss.
     """
+    if not update:
+        with torch.no_grad():
+            _step(policy, batch, rows, advantages, old_of, loss_cfg, sampling, device, trainer_dtype,
+                  micro_batch_tokens, metrics, backward=False)
+        return
     optimizer.zero_grad(set_to_none=True)
+    total = _step(policy, batch, rows, advantages, old_of, loss_cfg, sampling, device, trainer_dtype,
+                  micro_batch_tokens, metrics, backward=True)
+    if total is None:
+        return
+    metrics.mean("loss", total.reshape(1))
+    apply(policy, optimizer, max_grad_norm, metrics)
+
+
+def _step(policy, batch: Batch, rows: torch.Tensor, advantages: torch.Tensor, old_of, loss_cfg: op.LossConfig,
+          sampling: SamplingConfig, device: torch.device, trainer_dtype: str, micro_batch_tokens: int | None,
+          metrics: Metrics, backward: bool) -> torch.Tensor | None:
+    """The forwards, the correction and (``backward``) the backward passes of one optimizer step
+    (``optimizer_step``'s docstring); records the step's metrics but ``loss`` in ``metrics`` and
+    returns the step's loss (float64, detached), or None for rows without a response token."""
     rows = rows[batch.mask[rows].sum(dim=1) > 0]  # a row without a response token has no loss term
     if rows.numel() == 0:
-        return
+        return None
     width = int(batch.mask[rows].sum(dim=1).max())  # the step's response width (the CPU batch: no sync)
     groups = micro_batches(batch, rows, micro_batch_tokens)
     mbs = [to_device(trim(batch.select(g)), device) for g in groups]
@@ -283,7 +309,7 @@ def optimizer_step(policy, optimizer, batch: Batch, rows: torch.Tensor, advantag
                                           metrics if truncated else None)
         if counts(view):
             parts = [{"mask": view.mask}] if loss_cfg.correction is None else [_part(view, adv, logprobs.detach(), old)]
-            total = accumulate(logprobs, old, adv, view, step_config(loss_cfg, parts, step), step)
+            total = accumulate(logprobs, old, adv, view, step_config(loss_cfg, parts, step), step, backward)
     else:
         # the step's count and bounds need each micro-batch's surviving tokens before any backward:
         # a correction's inputs, and under top-k/top-p the tokens inside the trainer's support
@@ -306,7 +332,6 @@ def optimizer_step(policy, optimizer, batch: Batch, rows: torch.Tensor, advantag
             # π_old from the update's own forward where it is sg(π_θ), as in the unsplit step (the
             # no-grad forward above may take other kernels and differ in the last bit)
             view, logprobs, old = loss_inputs(g, mb, forward(policy, mb, sampling, device, trainer_dtype, metrics))
-            total = total + accumulate(logprobs, old, adv, view, cfg, step)
+            total = total + accumulate(logprobs, old, adv, view, cfg, step, backward)
     metrics.update(step.renamed(rule_names(loss_cfg)))
-    metrics.mean("loss", total.reshape(1))
-    apply(policy, optimizer, max_grad_norm, metrics)
+    return total
