@@ -14,6 +14,8 @@ einops, numpy, pyyaml are already dependencies of the stack here), and the packa
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -21,9 +23,15 @@ import offpolicy as op
 
 from conftest import require_host  # noqa: E402
 
+# AReaL's logging setup (areal/utils/logging.py) runs dictConfig with disable_existing_loggers=True when
+# its modules import: every logger created before then — offpolicy's own warnings among them — goes
+# silent for the rest of the process, and so for every later test on this xdist worker. Undo that.
+_enabled = [lg for lg in logging.Logger.manager.loggerDict.values() if isinstance(lg, logging.Logger) and not lg.disabled]
 functional, cli_args = require_host(
     "areal.utils.functional.functional", "areal.api.cli_args",
     why="AReaL 1.0.4 is not importable (install.sh installs it with colorlog tenacity torchdata aiofiles flask)")
+for _logger in _enabled:
+    _logger.disabled = False
 
 # preset -> AReaL rejection_sampling (None = use_decoupled_loss without it)
 CASES = {

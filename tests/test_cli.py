@@ -11,8 +11,13 @@ import yaml
 import offpolicy as op
 
 
-def offpolicy(*args: str) -> subprocess.CompletedProcess:
-    # from the interpreter, never from PATH: a shell without the venv's bin must pass too (issue #9)
+def offpolicy(*args: str, process: bool = False) -> subprocess.CompletedProcess:
+    """In this process (tests/cli_inprocess.py), or with ``process`` as ``python -m offpolicy``: from the
+    interpreter, never from PATH — a shell without the venv's bin must pass too (issue #9)."""
+    if not process:
+        from cli_inprocess import run_cli
+
+        return run_cli(*args)
     return subprocess.run([sys.executable, "-m", "offpolicy", *args], capture_output=True, text=True, timeout=120)
 
 
@@ -26,7 +31,7 @@ def test_console_script_is_installed():
 
 
 def test_presets_lists_every_preset():
-    result = offpolicy("presets")
+    result = offpolicy("presets", process=True)
     assert result.returncode == 0, result.stderr
     for name in op.presets.names():
         assert name in result.stdout

@@ -20,6 +20,8 @@ from offpolicy.tasks.model import build_tiny_qwen2
 from offpolicy.tasks.tokenizer import build_char_tokenizer
 from offpolicy.train.warmstart import prompt_ids
 
+from cli_inprocess import run_cli  # noqa: E402
+
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory) -> Path:
@@ -30,8 +32,12 @@ def tiny_model(tmp_path_factory) -> Path:
     return path
 
 
-def diag(*args: str, cache: Path | None = None) -> subprocess.CompletedProcess:
+def diag(*args: str, cache: Path | None = None, process: bool = False) -> subprocess.CompletedProcess:
+    """``offpolicy diagnose ARGS``: in this process (tests/cli_inprocess.py), or with ``process`` as its own
+    ``python -m offpolicy`` (the report test: the command as typed, end to end)."""
     env = {**os.environ, **({"OFFPOLICY_CACHE": str(cache)} if cache else {})}
+    if not process:
+        return run_cli("diagnose", *args, env=env)
     return subprocess.run([sys.executable, "-m", "offpolicy", "diagnose", *args], capture_output=True, text=True,
                           timeout=600, env=env)
 
@@ -112,7 +118,7 @@ def test_cli_report_and_plots(tiny_model, tmp_path):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("\n".join(json.dumps({"prompt": f"rev {n}="}) for n in (123, 4567, 89)) + "\n")
     result = diag("--model", str(tiny_model), "--engine", "hf", "--prompts", str(prompts), "--n", "24",
-                  "--max-tokens", "8", "--out", str(out))
+                  "--max-tokens", "8", "--out", str(out), process=True)
     assert result.returncode == 0, result.stderr[-2000:]
     report = json.loads((out / "report.json").read_text())
     assert {"setting", "samples", "tokens", "mismatch", "breakdowns", "what_if", "plots"} <= report.keys()

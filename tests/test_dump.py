@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import math
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -62,8 +61,9 @@ def test_bad_dumps_name_the_problem(tmp_path):
 
 
 def _diagnose(*args: str, cwd) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "offpolicy.cli", "diagnose", *args], capture_output=True, text=True,
-                          cwd=cwd, timeout=300)
+    from cli_inprocess import run_cli  # the CLI in this process (tests/cli_inprocess.py)
+
+    return run_cli("diagnose", *args, cwd=cwd)
 
 
 def test_diagnose_batch_cli_reports_like_the_engine_path(tmp_path):

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -139,8 +138,9 @@ def test_roll_segment_is_weights_each_turn():
 
 
 def test_new_presets_are_listed_with_summaries():
-    out = subprocess.run([sys.executable, "-m", "offpolicy.cli", "presets"], capture_output=True, text=True,
-                         timeout=120)
+    from cli_inprocess import run_cli  # the CLI in this process (tests/cli_inprocess.py)
+
+    out = run_cli("presets")
     assert out.returncode == 0, out.stderr[-2000:]
     for name in ("areal:decoupled", "areal:token_mask", "areal:token_clamp", "areal:seq_mask", "areal:seq_clamp",
                  "nemorl:tis", "nemorl:icepop", "nemorl:seq-mask-tis", "roll:token_is", "roll:geometric_is",
@@ -167,9 +167,9 @@ def test_staleness_without_correction_is_refused_in_python():
 def _train(*args: str, cache) -> subprocess.CompletedProcess:
     import os
 
-    env = {**os.environ, "OFFPOLICY_CACHE": str(cache)}
-    return subprocess.run([sys.executable, "-m", "offpolicy.cli", "train", *args], capture_output=True, text=True,
-                          env=env, timeout=600)
+    from cli_inprocess import run_cli  # the CLI in this process (tests/cli_inprocess.py)
+
+    return run_cli("train", *args, env={**os.environ, "OFFPOLICY_CACHE": str(cache)})
 
 
 def test_async_guard_as_a_user_types_it(offpolicy_cache, tmp_path):

@@ -5,8 +5,6 @@ user's ``loss.*`` keys on top, resolved and validated once when the config loads
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -111,8 +109,9 @@ def test_the_preset_combinations_of_the_issue_load_and_bad_ones_fail_at_load():
 
 def test_cli_refuses_a_bad_combination_in_one_line_before_anything_loads(tmp_path):
     out = tmp_path / "run"
-    result = subprocess.run([sys.executable, "-m", "offpolicy", "train", "preset=slime:current", "loss.kind=cispo",
-                             f"out_dir={out}"], capture_output=True, text=True, timeout=300)
+    from cli_inprocess import run_cli  # the CLI in this process (tests/cli_inprocess.py)
+
+    result = run_cli("train", "preset=slime:current", "loss.kind=cispo", f"out_dir={out}")
     assert result.returncode == 2, result.stderr[-2000:]
     assert len(result.stderr.strip().splitlines()) == 1 and "anchor 'current'" in result.stderr
     assert not out.exists()

@@ -350,6 +350,8 @@ def test_gpu_peak_leaves_out_the_engine_share(monkeypatch):
 
 
 def test_peak_resident_memory_is_per_step():
+    import mmap
+
     from offpolicy.train.memory import memory_metrics, reset_memory_peaks
 
     try:
@@ -358,8 +360,12 @@ def test_peak_resident_memory_is_per_step():
         pytest.skip("no writable /proc/self/clear_refs (not Linux): the peak is the run's, not the step's")
     cpu = torch.device("cpu")
     reset_memory_peaks(cpu)
-    block = torch.ones(64 * 2**20 // 4)  # 64 MiB, touched, then freed (returned to the OS: a large block is mmap'd)
-    del block
+    # 64 MiB mapped, touched page by page, then unmapped: straight from the OS, since a malloc'd block may reuse
+    # pages an earlier test left resident in the heap (under xdist a worker has run other tests before this)
+    block = mmap.mmap(-1, 64 * 2**20)
+    for offset in range(0, len(block), mmap.PAGESIZE):
+        block[offset] = 1
+    block.close()
     during = memory_metrics(cpu)
     assert during["memory/peak_rss_gib"] - during["memory/rss_gib"] > 48 / 1024  # the block is in this step's peak
     reset_memory_peaks(cpu)

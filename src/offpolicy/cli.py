@@ -54,7 +54,6 @@ def _cmd_train(args: argparse.Namespace, console: Console) -> int:
     from pathlib import Path
 
     from offpolicy.train.config import load_train_config
-    from offpolicy.train.loop import train
 
     items = list(args.items)
     config_path = None
@@ -71,6 +70,8 @@ def _cmd_train(args: argparse.Namespace, console: Console) -> int:
             raise ConfigError(f"--resume {resume}: no config.yaml there; is it an offpolicy run directory?")
         config_path = resume / "config.yaml"
     cfg = load_train_config(config_path, items)
+    from offpolicy.train.loop import train  # after the config: a typo is refused before transformers imports (~5 s)
+
     _quiet_libraries()
     result = train(cfg, resume=resume, console=console, progress=not args.no_progress)
     return 128 + int(result.stop_signal) if result.interrupted else 0  # 130: Ctrl-C, 143: SIGTERM
@@ -102,6 +103,12 @@ def _cmd_diagnose(args: argparse.Namespace, console: Console) -> int:
             and all(s["engine"] != "vllm" for s in _diagnose_settings(args)):  # as train refuses vllm.* without vllm
         raise ConfigError(f"{_vllm_flags(args)[0]} is read with --engine vllm only (engine is {args.engine!r}). "
                           "Fix: --engine vllm, or drop it")
+    if not args.batch:  # the flags' own checks, before transformers and the engines import (~5 s)
+        if args.n <= 0 or args.max_tokens <= 0:
+            raise ConfigError("--n and --max-tokens must be positive")
+        for setting in _diagnose_settings(args):
+            if setting["trainer_dtype"] not in ("auto", "fp32", "bf16"):
+                raise ConfigError(f"--trainer-dtype {setting['trainer_dtype']!r}: expected auto, fp32 or bf16")
     import json
     from pathlib import Path
 
@@ -117,16 +124,12 @@ def _cmd_diagnose(args: argparse.Namespace, console: Console) -> int:
     bounds = _diagnose_bounds(args)  # a mistyped gate fails now, not after sampling
     if args.batch:
         return _diagnose_batch(args, console, bounds)
-    if args.n <= 0 or args.max_tokens <= 0:
-        raise ConfigError("--n and --max-tokens must be positive")
     settings = _diagnose_settings(args)
     _quiet_libraries()
     sampling = SamplingConfig(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                               top_k=args.top_k)
     device = resolve_device(TrainConfig(model=args.model, task=args.task, engine="hf", device=args.device))
     for setting in settings:  # the trainer's numerics are train's: its dtype resolution, its forward
-        if setting["trainer_dtype"] not in ("auto", "fp32", "bf16"):
-            raise ConfigError(f"--trainer-dtype {setting['trainer_dtype']!r}: expected auto, fp32 or bf16")
         setting["trainer_dtype"] = resolve_trainer_dtype(TrainConfig(trainer_dtype=setting["trainer_dtype"]), device)[0]
     args.trainer_dtype = resolve_trainer_dtype(TrainConfig(trainer_dtype=args.trainer_dtype), device)[0]
     vllm_options = VLLMConfig(max_num_batched_tokens=args.vllm_max_num_batched_tokens,  # train's vllm.* rules

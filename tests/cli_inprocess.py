@@ -1,0 +1,90 @@
+"""The CLI in this test process: ``offpolicy.cli.main(argv)`` with what a subprocess would give —
+its own environment, working directory, stdout and stderr, and an exit code — without a new
+interpreter's start (~4 s of torch, ~8 s with transformers, for every call of a suite that makes
+dozens).
+
+``python -m offpolicy`` itself (the entry point, a fresh process) stays covered by the tests that
+must run apart: the README's commands as typed (tests/test_readme.py), signals (Ctrl-C, SIGTERM),
+peak memory, the real model and the vLLM engines, and one run of each command in its own module.
+
+What a subprocess would show and this reproduces:
+
+* stdout and stderr as text, rich's console included (it writes to ``sys.stdout`` at print time);
+* ``logging`` warnings on stderr, as Python's last-resort handler prints them in a process that
+  configured no logging (``%(message)s``): pytest's own handlers on the root logger would otherwise
+  take them;
+* the exit code: ``main``'s return value, ``SystemExit``'s code (argparse), and 1 with the
+  traceback on stderr for any other exception, as the interpreter does;
+* afterwards, nothing leaks into the next test: the environment, the working directory and
+  transformers' logging verbosity and progress bars (``main`` quiets them) are put back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import os
+import subprocess
+import traceback
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+
+@contextlib.contextmanager
+def _environment(env: Mapping[str, str] | None, cwd: str | Path | None) -> Iterator[None]:
+    saved_env, saved_cwd = dict(os.environ), os.getcwd()
+    try:
+        if env is not None:
+            os.environ.clear()
+            os.environ.update(env)
+        if cwd is not None:
+            os.chdir(cwd)
+        yield
+    finally:
+        os.chdir(saved_cwd)
+        os.environ.clear()
+        os.environ.update(saved_env)
+
+
+@contextlib.contextmanager
+def _transformers_logging() -> Iterator[None]:
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:  # the core install: main() never touches it
+        yield
+        return
+    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        (hf_logging.enable_progress_bar if bars else hf_logging.disable_progress_bar)()
+
+
+def run_cli(*args: str, env: Mapping[str, str] | None = None, cwd: str | Path | None = None
+            ) -> subprocess.CompletedProcess:
+    """``offpolicy ARGS`` in this process; ``env`` replaces the environment for the call (pass
+    ``{**os.environ, ...}`` to add to it), as ``subprocess.run(env=...)`` does."""
+    from offpolicy.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    handler = logging.StreamHandler(err)  # the last-resort handler's place and format
+    handler.setLevel(logging.WARNING)
+    root = logging.getLogger()
+    root.addHandler(handler)
+    try:
+        with _environment(env, cwd), _transformers_logging(), \
+                contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = main(list(args))
+            except SystemExit as stop:  # argparse's usage errors (2), --help (0)
+                code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+                if stop.code is not None and not isinstance(stop.code, int):
+                    print(stop.code, file=err)
+            except Exception:  # noqa: BLE001 - an uncaught exception ends a process with 1 and its traceback
+                traceback.print_exc(file=err)
+                code = 1
+    finally:
+        root.removeHandler(handler)
+    return subprocess.CompletedProcess(["offpolicy", *args], code, out.getvalue(), err.getvalue())
