@@ -82,7 +82,13 @@ def test_gate_bounds_and_usage_errors():
         gate(values, [("kl_over_entropy", 1.0)], [], ["kl_over_entropy: left out, no logits"])
 
 
-def _diagnose(*args: str, cwd) -> subprocess.CompletedProcess:
+def _diagnose(*args: str, cwd, process: bool = False) -> subprocess.CompletedProcess:
+    """``offpolicy diagnose ARGS`` in this process (tests/cli_inprocess.py), or with ``process`` as its own
+    ``python -m offpolicy`` — the exit status a CI script reads."""
+    if not process:
+        from cli_inprocess import run_cli
+
+        return run_cli("diagnose", *args, cwd=cwd)
     return subprocess.run([sys.executable, "-m", "offpolicy", "diagnose", *args], capture_output=True, text=True,
                           cwd=cwd, timeout=300)
 
@@ -104,7 +110,7 @@ def test_fail_above_as_a_user_types_it_exit_0_3_and_2(tmp_path):
     assert summary["mult_prob_error"] == pytest.approx(want["mult_prob_error"], rel=1e-6)
     assert "kl_over_entropy" not in summary  # a dump holds no logits
     fail = _diagnose(*args, "--fail-above", f"kl_k3={kl / 2}", "--fail-above", "mult_prob_error=1.0",
-                     "--fail-below", "ess=0.9", cwd=tmp_path)
+                     "--fail-below", "ess=0.9", cwd=tmp_path, process=True)
     assert fail.returncode == 3, fail.stderr
     lines = [line for line in fail.stderr.splitlines() if "FAIL" in line]
     assert len(lines) == 2 and "kl_k3" in lines[0] and "mult_prob_error" in lines[1]

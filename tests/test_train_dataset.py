@@ -44,10 +44,10 @@ def test_the_issue_command_trains_a_local_model(tiny_qwen2_dir, tmp_path):
     out = tmp_path / "run"
     result = offpolicy("train", f"model={tiny_qwen2_dir}", "task=dataset", f"data.path={DATA}",
                        "data.prompt_field=question", "data.answer_field=answer", "reward=number", "device=cpu", "engine=hf",
-                       "prompts_per_step=32", "steps=3", f"out_dir={out}", "--no-progress")
+                       "prompts_per_step=32", "steps=2", f"out_dir={out}", "--no-progress")
     assert result.returncode == 0, result.stderr[-3000:]
     rows = records(out)
-    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert [r["step"] for r in rows] == [0, 1]
     # An untrained model's next token is close to uniform over the 384-token vocabulary, and it stops on
     # either of 2 end tokens (<|im_end|>, and <|endoftext|> from generation_config): P(no stop in 256
     # tokens) = (1 − 2/384)^256 = 0.263 (one stop token only: 0.513). 256 responses a step: σ ≈ 0.028.
@@ -58,7 +58,7 @@ def test_the_issue_command_trains_a_local_model(tiny_qwen2_dir, tmp_path):
         assert 0 <= r["reward"] <= 1 and r["offpolicy/kl_k3"] < 1e-6  # fp32 engine = fp32 trainer
     assert "eval/accuracy" in rows[0]  # 40 held-out rows (data.eval_fraction 0.1 of 400)
     assert "truncated_share" in result.stdout  # the run summary reports it
-    assert (out / "checkpoints" / "latest").read_text() == "step-3"
+    assert (out / "checkpoints" / "latest").read_text() == "step-2"
     saved = yaml_load(out / "config.yaml")["train"]
     assert (saved["max_prompt_tokens"], saved["max_new_tokens"]) == (512, 256)
     assert (saved["lr"], saved["group_size"]) == (1e-6, 8)  # task=dataset's defaults (issue #30)
@@ -119,7 +119,9 @@ def test_dataset_on_vllm_checkpoint_and_resume(tiny_qwen2_dir, tmp_path):
     assert first.returncode == 0, first.stderr[-3000:]
     # resumed on the hf engine: the checkpoint a vLLM run wrote is what is checked here (a second vLLM start
     # costs ~25 s of CI; resuming onto the same engine is tested with hf in test_dataset_resume_continues_identically)
-    resumed = offpolicy("train", "--resume", str(out), "steps=3", "engine=hf", "--no-progress")
+    from cli_inprocess import run_cli  # the resume on the hf engine in this process (tests/cli_inprocess.py)
+
+    resumed = run_cli("train", "--resume", str(out), "steps=3", "engine=hf", "--no-progress")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     rows = records(out)
     assert [r["step"] for r in rows] == [0, 1, 2]
