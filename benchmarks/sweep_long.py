@@ -304,12 +304,12 @@ def final_jobs(results: list[dict], tasks: list[str], spec: str, seeds: list[int
 # ----------------------------------------------------------------------------- quick (CI)
 
 # --quick: every stage of the machinery at a size CI affords (< 3 minutes on 2 cores, warm start
-# included): a 10-step warm start, 3 RL steps of 4 prompts × 4, staleness 0 and 2, a greedy eval of 16
+# included): a 10-step warm start, 3 RL steps of 2 prompts × 4, staleness 0 and 2, a greedy eval of 8
 # problems at the first and last step (the full runs' 128 were most of the quick sweep's time).
 QUICK_METHODS = ("none", "recommended")
 QUICK_STALENESS = (0, 2)
 QUICK_OVERRIDES: dict[str, Any] = {
-    "steps": 3, "prompts_per_step": 4, "group_size": 4, "eval_problems": 16,
+    "steps": 3, "prompts_per_step": 2, "group_size": 4, "eval_problems": 8,
     "warm_start": {"max_steps": 10, "eval_every": 5, "eval_problems": 16},
 }
 QUICK_FINITE = ("final_reward", "reward_auc", "kl_k3", "abs_logp_diff_mean", "ess", "masked_fraction",

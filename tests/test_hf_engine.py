@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -113,17 +114,28 @@ def test_generate_keeps_no_step_scores(tiny_dir, monkeypatch):
     assert not seen["scores"] and not seen["logits"] and not seen["as_dict"]
 
 
-def test_mu_ignores_the_models_generation_config(opinionated_dir, tiny_dir, caplog):
+def test_mu_ignores_the_models_generation_config(opinionated_dir, tiny_dir):
     """A fp32 engine against a fp32 trainer is at the rounding floor although the model's own file asks
     for a repetition penalty and top-k 20 (4efb1a7 sampled from them: kl_k3 ~1e-3 here), and one
     warning line names what was ignored."""
     tok = build_char_tokenizer()
     prompts = [prompt_ids(tok, p) for p in problems(make_task("reverse"), 16, seed=5)]
-    with caplog.at_level(logging.WARNING, logger="offpolicy.engines.hf"):
-        s = diagnose.sample(opinionated_dir, tok, prompts, "hf", "fp32", "fp32", SamplingConfig(max_tokens=12), seed=1)
+    # the engine's own logger, read directly: under xdist a worker has run other tests first, and host
+    # frameworks' logging setups (AReaL's dictConfig, Ray's) can disable or reroute loggers caplog reads at root
+    records: list[logging.LogRecord] = []
+    engine_log = logging.getLogger("offpolicy.engines.hf")
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append
+    engine_log.addHandler(handler)
+    try:
+        with mock.patch.object(engine_log, "disabled", False), mock.patch.object(engine_log, "level", logging.WARNING):
+            s = diagnose.sample(opinionated_dir, tok, prompts, "hf", "fp32", "fp32", SamplingConfig(max_tokens=12),
+                                seed=1)
+    finally:
+        engine_log.removeHandler(handler)
     m = diagnose.mismatch(s)
     assert m["kl_k3"] < 1e-10 and m["abs_logp_diff_max"] < 1e-5, m
-    lines = [r.getMessage() for r in caplog.records if "generation_config.json" in r.getMessage()]
+    lines = [r.getMessage() for r in records if "generation_config.json" in r.getMessage()]
     assert len(lines) == 1
     for asked in ("repetition_penalty=1.1", "no_repeat_ngram_size=1", "top_k=20", "temperature=0.7"):
         assert asked in lines[0]

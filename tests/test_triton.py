@@ -89,8 +89,10 @@ def assert_same(batch, cfg, reduce=True):
             math.isnan(value) and math.isnan(fast_m[key])), (key, value, fast_m[key])
 
 
-def _batch(seed, device, t=40, noise=0.4):
-    return {k: v.to(device) for k, v in random_batch(seed, b=6, t=t, noise=noise).items()}
+def _batch(seed, device, t=40, noise=0.4, b=4):
+    # 4 rows by default: the interpreter runs each row's program block by block at ~0.1 s a program, and
+    # rows of up to 40 tokens over blocks of 16 still span up to three blocks
+    return {k: v.to(device) for k, v in random_batch(seed, b=b, t=t, noise=noise).items()}
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -142,7 +144,7 @@ def test_global_normalisers_and_max_len(device):
 @pytest.mark.parametrize("policy", ["mask_token", "mask_sequence"])
 def test_nonfinite_policies_match_the_reference(device, policy):
     """NaN/±inf in every input, in valid tokens and in padding: the rung applies the policy itself."""
-    batch = _batch(5, device)
+    batch = _batch(5, device, b=6)
     batch["old"][0, 3] = float("nan")
     batch["rollout"][2, 1] = float("-inf")
     batch["logprobs"][3, 0] = float("nan")
