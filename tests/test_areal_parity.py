@@ -14,6 +14,8 @@ einops, numpy, pyyaml are already dependencies of the stack here), and the packa
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import logging
 
 import pytest
@@ -23,15 +25,43 @@ import offpolicy as op
 
 from conftest import require_host  # noqa: E402
 
-# AReaL's logging setup (areal/utils/logging.py) runs dictConfig with disable_existing_loggers=True when
-# its modules import: every logger created before then — offpolicy's own warnings among them — goes
-# silent for the rest of the process, and so for every later test on this xdist worker. Undo that.
-_enabled = [lg for lg in logging.Logger.manager.loggerDict.values() if isinstance(lg, logging.Logger) and not lg.disabled]
-functional, cli_args = require_host(
-    "areal.utils.functional.functional", "areal.api.cli_args",
-    why="AReaL 1.0.4 is not importable (install.sh installs it with colorlog tenacity torchdata aiofiles flask)")
-for _logger in _enabled:
-    _logger.disabled = False
+if importlib.util.find_spec("areal") is None:  # the package's presence only: its __init__ is the expensive part
+    pytest.skip("AReaL 1.0.4 is not installed (install.sh installs it with colorlog tenacity torchdata aiofiles "
+                "flask)", allow_module_level=True)
+
+# one worker imports AReaL for all of this file's tests: the import (its runtime, from the package __init__)
+# costs ~12 s, which every xdist worker paid at collection when it ran at module level
+pytestmark = pytest.mark.xdist_group("areal")
+
+
+@functools.cache
+def _areal():
+    """AReaL's two modules, imported on first use; a failed import skips the test with the reason.
+
+    AReaL's logging setup (areal/utils/logging.py) runs dictConfig with disable_existing_loggers=True when
+    its modules import: every logger created before then — offpolicy's own warnings among them — would go
+    silent for the rest of the process, and so for every later test on this xdist worker. It is undone."""
+    enabled = [lg for lg in logging.Logger.manager.loggerDict.values()
+               if isinstance(lg, logging.Logger) and not lg.disabled]
+    modules = require_host("areal.utils.functional.functional", "areal.api.cli_args",
+                           why="AReaL 1.0.4 is not importable (install.sh installs it with colorlog tenacity "
+                               "torchdata aiofiles flask)")
+    for logger in enabled:
+        logger.disabled = False
+    return modules
+
+
+class _Lazy:
+    """A module of AReaL's, imported when an attribute is first read (``_areal``)."""
+
+    def __init__(self, index: int):
+        self.index = index
+
+    def __getattr__(self, name: str):
+        return getattr(_areal()[self.index], name)
+
+
+functional, cli_args = _Lazy(0), _Lazy(1)
 
 # preset -> AReaL rejection_sampling (None = use_decoupled_loss without it)
 CASES = {

@@ -340,6 +340,15 @@ def test_an_incomplete_tokenizer_is_refused_before_the_model_loads(tiny_qwen2_di
         load_dataset_task(data(), bad, "number", 512, 8)  # without the model's size: the prompts give it away
 
 
+def test_a_small_working_tokenizer_under_a_larger_head_is_accepted():
+    """A 384-token BPE under a 49,152-row head (a test model's shapes; a head padded for tokens to come):
+    every prompt encodes, so nothing is broken and nothing is refused."""
+    from hf_fixtures import train_bpe
+
+    task = load_dataset_task(data(), train_bpe(), "number", 512, 8, vocab_size=49_152)
+    assert task.train and all(p.prompt_ids for p in task.train)
+
+
 def test_cli_refuses_an_incomplete_tokenizer_in_one_line(tiny_qwen2_dir, tmp_path):
     import subprocess
 

@@ -229,13 +229,15 @@ def check_tokenizer(tokenizer, texts: list[str], vocab_size: int | None, where: 
     ``tokenizer_config.json``, which loads a tokenizer of a couple of special tokens that turns every
     prompt into nothing (the engine then failed deep inside generate): a vocabulary far smaller than
     the model's ``vocab_size`` (under a quarter of it; padded embeddings are a few percent larger at
-    most), or a non-empty prompt that encodes to no token.
+    most) that is also smaller than a byte-level alphabet (256), or a non-empty prompt that encodes to
+    no token. A working tokenizer smaller than its model's head (a test model's 384-token BPE under a
+    49,152-row head, a head padded for later tokens) is the user's choice, not a broken file.
 
     Raises:
         ConfigError: naming the model's tokenizer files and the fix.
     """
     size = len(tokenizer)
-    if vocab_size and size * 4 < vocab_size:
+    if vocab_size and size * 4 < vocab_size and size < 256:
         raise ConfigError(f"model: the tokenizer has {size} tokens but the model's vocab_size is {vocab_size} "
                           "(config.json): the tokenizer files next to the weights are incomplete (tokenizer.json, "
                           "or vocab.json + merges.txt, missing?). Fix: save the model's own tokenizer there "
