@@ -15,8 +15,8 @@ What a subprocess would show and this reproduces:
   take them;
 * the exit code: ``main``'s return value, ``SystemExit``'s code (argparse), and 1 with the
   traceback on stderr for any other exception, as the interpreter does;
-* afterwards, nothing leaks into the next test: the environment, the working directory and
-  transformers' logging verbosity and progress bars (``main`` quiets them) are put back.
+* afterwards, nothing leaks into the next test: the environment, the working directory, torch's thread
+  count and transformers' logging verbosity and progress bars (``main`` quiets them) are put back.
 """
 
 from __future__ import annotations
@@ -62,6 +62,13 @@ def _transformers_logging() -> Iterator[None]:
         (hf_logging.enable_progress_bar if bars else hf_logging.disable_progress_bar)()
 
 
+def _torch_threads() -> int | None:
+    import sys
+
+    torch = sys.modules.get("torch")  # the core CLI never imports torch for --help or presets: nor does this
+    return None if torch is None else torch.get_num_threads()
+
+
 def run_cli(*args: str, env: Mapping[str, str] | None = None, cwd: str | Path | None = None
             ) -> subprocess.CompletedProcess:
     """``offpolicy ARGS`` in this process; ``env`` replaces the environment for the call (pass
@@ -69,6 +76,7 @@ def run_cli(*args: str, env: Mapping[str, str] | None = None, cwd: str | Path | 
     from offpolicy.cli import main
 
     out, err = io.StringIO(), io.StringIO()
+    threads = _torch_threads()  # an engine may set its own (vLLM's CPU worker does): put back after
     handler = logging.StreamHandler(err)  # the last-resort handler's place and format
     handler.setLevel(logging.WARNING)
     root = logging.getLogger()
@@ -87,4 +95,8 @@ def run_cli(*args: str, env: Mapping[str, str] | None = None, cwd: str | Path | 
                 code = 1
     finally:
         root.removeHandler(handler)
+        if threads is not None:
+            import torch
+
+            torch.set_num_threads(threads)
     return subprocess.CompletedProcess(["offpolicy", *args], code, out.getvalue(), err.getvalue())

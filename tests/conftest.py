@@ -11,6 +11,13 @@ import torch
 # Triton kernels run on the CPU under Triton's interpreter; it must be chosen before they are defined
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("TRITON_INTERPRET") == "1":
+    import importlib.util
+
+    if importlib.util.find_spec("triton") is not None:
+        import triton_interpreter  # tests/triton_interpreter.py: the interpreter patches once per launch
+
+        triton_interpreter.install()
 from hypothesis import HealthCheck, settings
 
 settings.register_profile(

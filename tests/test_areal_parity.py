@@ -14,6 +14,7 @@ einops, numpy, pyyaml are already dependencies of the stack here), and the packa
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import logging
@@ -34,21 +35,39 @@ if importlib.util.find_spec("areal") is None:  # the package's presence only: it
 pytestmark = pytest.mark.xdist_group("areal")
 
 
+@contextlib.contextmanager
+def _logging_kept():
+    """Logging as it was before, whatever AReaL did to it meanwhile.
+
+    AReaL's ``getLogger`` (areal/utils/logging.py), run by its modules as they import and by its code
+    later, replaces ``logging.Logger.root`` and ``logging.Logger.manager`` with new ones and runs
+    dictConfig with disable_existing_loggers=True. Left so, ``logging.getLogger(name)`` returns a new
+    logger, not the one a module (offpolicy's among them) already holds, and the old ones may be
+    disabled: a later test on this xdist worker that reads a logger's records reads nothing."""
+    root, manager = logging.Logger.root, logging.Logger.manager
+    enabled = [lg for lg in manager.loggerDict.values() if isinstance(lg, logging.Logger) and not lg.disabled]
+    try:
+        yield
+    finally:
+        logging.Logger.root, logging.Logger.manager = root, manager
+        for logger in enabled:
+            logger.disabled = False
+
+
+@pytest.fixture(autouse=True)
+def _areal_leaves_logging_alone():
+    with _logging_kept():
+        yield
+
+
 @functools.cache
 def _areal():
-    """AReaL's two modules, imported on first use; a failed import skips the test with the reason.
-
-    AReaL's logging setup (areal/utils/logging.py) runs dictConfig with disable_existing_loggers=True when
-    its modules import: every logger created before then — offpolicy's own warnings among them — would go
-    silent for the rest of the process, and so for every later test on this xdist worker. It is undone."""
-    enabled = [lg for lg in logging.Logger.manager.loggerDict.values()
-               if isinstance(lg, logging.Logger) and not lg.disabled]
-    modules = require_host("areal.utils.functional.functional", "areal.api.cli_args",
-                           why="AReaL 1.0.4 is not importable (install.sh installs it with colorlog tenacity "
-                               "torchdata aiofiles flask)")
-    for logger in enabled:
-        logger.disabled = False
-    return modules
+    """AReaL's two modules, imported on first use; a failed import skips the test with the reason
+    (logging is put back afterwards: :func:`_logging_kept`)."""
+    with _logging_kept():
+        return require_host("areal.utils.functional.functional", "areal.api.cli_args",
+                            why="AReaL 1.0.4 is not importable (install.sh installs it with colorlog tenacity "
+                                "torchdata aiofiles flask)")
 
 
 class _Lazy:
@@ -58,6 +77,8 @@ class _Lazy:
         self.index = index
 
     def __getattr__(self, name: str):
+        if name.startswith("__"):  # pytest's collection probes module attributes (__test__, __wrapped__, …):
+            raise AttributeError(name)  # answering it must not import AReaL on every worker
         return getattr(_areal()[self.index], name)
 
 
@@ -162,16 +183,16 @@ from offpolicy.integrations import areal as areal_map  # noqa: E402
 
 
 
-def _m2po_masking():
+@functools.cache
+def apply_m2po_masking():
     """AReaL's own ``_apply_m2po_masking`` (areal/trainer/ppo/actor.py): importing that module pulls
     AReaL's whole trainer (swanlab, wandb, ...), so its two M2PO functions are read from the
     installed file and run as they are."""
     import ast
     from pathlib import Path
 
-    import areal
-
-    source = (Path(areal.__file__).parent / "trainer" / "ppo" / "actor.py").read_text()
+    package = Path(importlib.util.find_spec("areal").submodule_search_locations[0])  # no `import areal`: 8 s
+    source = (package / "trainer" / "ppo" / "actor.py").read_text()
     wanted = {"_apply_m2po_masking", "_get_m2po_loss_mask"}
     tree = ast.parse(source)
     tree.body = [node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name in wanted]
@@ -179,9 +200,6 @@ def _m2po_masking():
     namespace = {"torch": torch}
     exec(compile(tree, "areal/trainer/ppo/actor.py", "exec"), namespace)
     return namespace["_apply_m2po_masking"]
-
-
-apply_m2po_masking = _m2po_masking()
 
 
 def _rs(**kw):
@@ -247,7 +265,7 @@ def areal_truth(theta, prox, mu, adv, mask, setting):
     theta = theta.clone().requires_grad_(True)
     loss_mask = mask.clone()
     if s.get("m2_threshold") is not None:
-        loss_mask = apply_m2po_masking(mu, prox, loss_mask, s["m2_threshold"])
+        loss_mask = apply_m2po_masking()(mu, prox, loss_mask, s["m2_threshold"])
     level = s.get("importance_sampling_level", "token")
     if s.get("use_sapo_loss"):
         # not decoupled: AReaL's "old" log-probs are the policy the PPO ratio compares with

