@@ -4,8 +4,11 @@ tokens. The child's peak RSS comes from the kernel (``os.wait4``'s rusage of tha
 
 At 4efb1a7 the trainer held [B, L, V] logits, a gathered [B, T, V] and its fp32 temporaries, and the hf
 engine stacked every step's [B, V] scores three times: 4T costs ~1.5 GB more than T here. With the
-chunked head and the O(B·V) engine the growth is what the [B, T] tensors and the tiny model's
-activations need — a few MB — and the bound is a quarter of one fp32 [B, 4T, V] tensor (50 MB)."""
+chunked head and the O(B·V) engine both runs peak inside a head chunk (a sampler of the child's RSS puts
+the peak in ``_ChunkedHead.forward`` at T and at 4T alike), and what differs is the heap's state when
+they get there: 22 to 76 MiB over six paired runs on the 2-core box (2026-11-26). The bound is half of
+one fp32 [B, 4T, V] tensor (100 MB): above that noise, and below what keeping a single fp32 [B, T, V]
+adds from T to 4T (151 MB), a fifteenth of the old growth."""
 
 from __future__ import annotations
 
@@ -85,5 +88,5 @@ def test_a_training_step_at_4x_the_response_length_costs_almost_no_more_memory(n
     assert long["offpolicy/grad_norm"] >= 0
     one_fp32_btv = ROWS * 4 * T * VOCAB * 4  # 201 MB
     growth = long_rss - short_rss
-    assert growth < one_fp32_btv / 4, (f"peak RSS {short_rss / 2**20:.0f} MiB at T={T}, {long_rss / 2**20:.0f} MiB "
+    assert growth < one_fp32_btv / 2, (f"peak RSS {short_rss / 2**20:.0f} MiB at T={T}, {long_rss / 2**20:.0f} MiB "
                                        f"at 4T: +{growth / 2**20:.0f} MiB")
