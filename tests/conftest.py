@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 import os
+import types
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -89,6 +91,21 @@ def require_host(*modules: str, why: str):
         except Exception as err:  # noqa: BLE001 - any failure of the host's own import is a skip
             pytest.skip(f"{why}: `import {name}` failed with {type(err).__name__}: {err}", allow_module_level=True)
     return loaded[0] if len(loaded) == 1 else tuple(loaded)
+
+
+class LazyModule:
+    """A module imported when a test first reads one of its attributes: ``load()`` returns it. Keeps a heavy
+    host import (AReaL's, vLLM's) off the collection path, which every xdist worker pays for every test
+    module. Dunder lookups never load it: pytest's collection probes module-level objects for
+    ``__test__``, ``__wrapped__``, … and would otherwise import it on every worker."""
+
+    def __init__(self, load: Callable[[], types.ModuleType]):
+        self._load = load
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(self._load(), name)
 
 
 LN2 = math.log(2.0)

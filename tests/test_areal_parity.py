@@ -24,7 +24,7 @@ import torch
 
 import offpolicy as op
 
-from conftest import require_host  # noqa: E402
+from conftest import LazyModule, require_host  # noqa: E402
 
 if importlib.util.find_spec("areal") is None:  # the package's presence only: its __init__ is the expensive part
     pytest.skip("AReaL 1.0.4 is not installed (install.sh installs it with colorlog tenacity torchdata aiofiles "
@@ -70,19 +70,8 @@ def _areal():
                                 "torchdata aiofiles flask)")
 
 
-class _Lazy:
-    """A module of AReaL's, imported when an attribute is first read (``_areal``)."""
-
-    def __init__(self, index: int):
-        self.index = index
-
-    def __getattr__(self, name: str):
-        if name.startswith("__"):  # pytest's collection probes module attributes (__test__, __wrapped__, …):
-            raise AttributeError(name)  # answering it must not import AReaL on every worker
-        return getattr(_areal()[self.index], name)
-
-
-functional, cli_args = _Lazy(0), _Lazy(1)
+# AReaL's two modules, imported when a test first reads them (``_areal``)
+functional, cli_args = LazyModule(lambda: _areal()[0]), LazyModule(lambda: _areal()[1])
 
 # preset -> AReaL rejection_sampling (None = use_decoupled_loss without it)
 CASES = {

@@ -6,6 +6,7 @@ Skipped, with the reason, where vLLM is not installed."""
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import logging
 import sys
@@ -20,24 +21,13 @@ if importlib.util.find_spec("vllm") is None:
 # fakes bind to) are imported by one worker, when the first test here runs, not by every worker at collection
 pytestmark = pytest.mark.xdist_group("real-model")
 
-
-class _Fakes:
-    """tests/vllm_fakes.py, imported on first use (it imports vLLM's engine and model-runner modules)."""
-
-    def __getattr__(self, name: str):
-        if name.startswith("__"):  # pytest's collection probes module attributes: no import for those
-            raise AttributeError(name)
-        import vllm_fakes
-
-        return getattr(vllm_fakes, name)
-
-
-vllm_fakes = _Fakes()
+from conftest import LazyModule  # noqa: E402
 
 from offpolicy.cli import main  # noqa: E402
 from offpolicy.engines import EngineError, SamplingConfig  # noqa: E402
 from offpolicy.engines.vllm import VLLMEngine, check_engine_args, llm_kwargs  # noqa: E402
 
+vllm_fakes = LazyModule(lambda: importlib.import_module("vllm_fakes"))  # it imports vLLM's engine and runner
 DATA = Path(__file__).parents[1] / "examples" / "data" / "arith_word_problems.jsonl"
 SAMPLING = SamplingConfig(max_tokens=3)
 
