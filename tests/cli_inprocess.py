@@ -100,3 +100,15 @@ def run_cli(*args: str, env: Mapping[str, str] | None = None, cwd: str | Path | 
 
             torch.set_num_threads(threads)
     return subprocess.CompletedProcess(["offpolicy", *args], code, out.getvalue(), err.getvalue())
+
+
+def run_vllm_cli(*args: str) -> subprocess.CompletedProcess:
+    """``offpolicy ARGS`` that starts vLLM: in this process (one vLLM import per worker), or as its own
+    ``python -m offpolicy`` where this worker has imported Flask (AReaL's tests do). vLLM's CPU platform
+    walks every loaded module's attributes at start-up (``_rebind_kernels``), and Flask's context proxies
+    (``current_app``) raise RuntimeError there: "Working outside of application context"."""
+    import sys
+
+    if "flask" not in sys.modules:
+        return run_cli(*args)
+    return subprocess.run([sys.executable, "-m", "offpolicy", *args], capture_output=True, text=True, timeout=900)

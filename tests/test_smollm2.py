@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
 from pathlib import Path
 
@@ -30,10 +29,10 @@ DATA = Path(__file__).resolve().parents[1] / "examples" / "data" / "arith_word_p
 def offpolicy(*args: str) -> subprocess.CompletedProcess:
     """``offpolicy ARGS`` inside this worker (tests/cli_inprocess.py): vLLM's import (~20 s of CPU) is paid
     once by the worker running the ``real-model`` group, not once per command; ``python -m offpolicy`` with
-    vLLM as its own process stays covered by tests/test_vllm.py and tests/test_train_dataset.py."""
-    from cli_inprocess import run_cli
+    vLLM as its own process stays covered by tests/test_vllm.py's CLI run."""
+    from cli_inprocess import run_vllm_cli
 
-    return run_cli(*args, env={**os.environ})
+    return run_vllm_cli(*args)
 
 
 def need_vllm() -> None:

@@ -112,9 +112,9 @@ def test_dataset_on_vllm_checkpoint_and_resume(tiny_qwen2_dir, tmp_path):
     args = [a for a in SMALL if not a.startswith("engine")] + ["engine=vllm", "engine_dtype=fp32"]
     # both runs in this worker (tests/cli_inprocess.py), in the real-model group that imports vLLM once a run;
     # `python -m offpolicy` on vLLM as its own process is tests/test_vllm.py's
-    from cli_inprocess import run_cli
+    from cli_inprocess import run_cli, run_vllm_cli
 
-    first = run_cli("train", *args, f"model={tiny_qwen2_dir}", "steps=2", f"out_dir={out}", "--no-progress")
+    first = run_vllm_cli("train", *args, f"model={tiny_qwen2_dir}", "steps=2", f"out_dir={out}", "--no-progress")
     assert first.returncode == 0, first.stderr[-3000:]
     # resumed on the hf engine: the checkpoint a vLLM run wrote is what is checked here (a second vLLM start
     # costs ~25 s of CI; resuming onto the same engine is tested with hf in test_dataset_resume_continues_identically)
