@@ -11,7 +11,9 @@ the same inputs:
 * ``OpenRLHF PolicyLoss`` — optional, when ``openrlhf`` is importable (``pip install openrlhf
   --no-deps``; its loss module imports once ``deepspeed`` is stubbed); it computes no IS metrics.
 
-Reported: median wall time of ≥ 5 runs after a warm-up, and peak extra resident memory of one
+Reported: median wall time of ≥ 5 runs after a warm-up, the first call's seconds at each shape and dtype
+(compilation included: the first row of a process pays Triton's JIT or torch.compile, unless their on-disk
+caches hold the kernels), and peak extra resident memory of one
 forward + backward, measured in a fresh process (Linux VmHWM), in MB and in units of B·T fp32.
 Ratios are against ``offpolicy readable`` measured in the same run.
 
@@ -202,6 +204,19 @@ def peak_extra_mb(fn: Callable, inputs: dict[str, torch.Tensor]) -> float:
     return math.nan if before is None or peak is None else (peak - before) / 1024
 
 
+def first_call_s(fn: Callable, inputs: dict[str, torch.Tensor]) -> float:
+    """Seconds of the first forward + backward + metric read at this shape and dtype in this process: what
+    a new configuration costs before its first step (Triton's JIT and torch.compile included, unless their
+    on-disk caches already hold it)."""
+    if inputs["mask"].is_cuda:
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    run_once(fn, inputs)
+    if inputs["mask"].is_cuda:
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
 def median_ms(fn: Callable, inputs: dict[str, torch.Tensor], repeats: int) -> float:
     """Median wall time of forward + backward + reading the metrics on the host (a sync on a GPU)."""
     cuda = inputs["mask"].is_cuda
@@ -217,6 +232,20 @@ def median_ms(fn: Callable, inputs: dict[str, torch.Tensor], repeats: int) -> fl
             torch.cuda.synchronize()
         times.append((time.perf_counter() - start) * 1e3)
     return statistics.median(times)
+
+
+def kernel_table(fn: Callable, inputs: dict[str, torch.Tensor], rows: int = 15) -> str:
+    """torch.profiler's table of one warm call: where the device time goes, kernel by kernel."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if inputs["mask"].is_cuda else [])
+    run_once(fn, inputs)
+    with profile(activities=activities) as prof:
+        run_once(fn, inputs)
+        if inputs["mask"].is_cuda:
+            torch.cuda.synchronize()
+    key = "self_device_time_total" if inputs["mask"].is_cuda else "self_cpu_time_total"
+    return prof.key_averages().table(sort_by=key, row_limit=rows)
 
 
 def kernels_and_syncs(fn: Callable, inputs: dict[str, torch.Tensor]) -> tuple[int, int]:
@@ -287,6 +316,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=None, help="timed calls per row (default 7 CPU, 50 CUDA)")
     parser.add_argument("--bandwidth", type=float, default=3.0, help="TB/s for the traffic bound (CUDA)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--profile", action="store_true", help="also print torch.profiler's kernel table of "
+                        "`offpolicy auto` (one warm forward + backward) at each size and dtype")
     parser.add_argument("--memory-of", default=None, help=argparse.SUPPRESS)  # internal: one memory probe
     args = parser.parse_args(argv)
     cuda = args.device.startswith("cuda")
@@ -306,17 +337,19 @@ def main(argv: list[str] | None = None) -> None:
     where = torch.cuda.get_device_name() if cuda else f"CPU, {torch.get_num_threads()} threads"
     table = Table(title=f"correct + policy_loss, fwd+bwd + metrics read on the host, {where}, median of {repeats}")
     columns = ["B×T", "dtype", "implementation", "median ms", "× OpenRLHF" if cuda and _openrlhf else "× readable",
-               "peak extra MB", "peak / (B·T fp32)"]
+               "peak extra MB", "peak / (B·T fp32)", "first call s"]
     if cuda:
         columns += ["kernels", "syncs", "traffic bound ms"]
     for col in columns:
         table.add_column(col, justify="left" if col in ("implementation", "dtype") else "right")
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+    profiles: list[tuple[str, str]] = []
     for size in sizes.split(","):
         b, t = (int(x) for x in size.lower().split("x"))
         for dtype_name in args.dtypes.split(","):
             dtype = dtypes[dtype_name]
             inputs = make_inputs(b, t, device=args.device, dtype=dtype)
+            first = {name: first_call_s(fn, inputs) for name, fn in IMPLEMENTATIONS.items()}
             check_agreement(inputs)
             unit_mb = b * t * 4 / 2**20
             rows = {}
@@ -329,13 +362,18 @@ def main(argv: list[str] | None = None) -> None:
                     # each input read once (4 [B, T] tensors + the mask) and the gradient written once
                     traffic = b * t * (4 * inputs["old"].element_size() + 4 + inputs["old"].element_size())
                     extra = [str(kernels), str(syncs), f"{traffic / (args.bandwidth * 1e12) * 1e3:.3f}"]
-                rows[name] = (ms, mb, extra)
+                rows[name] = (ms, mb, [f"{first[name]:.2f}", *extra])
+            if args.profile:
+                profiles.append((f"{b}×{t} {dtype_name}", kernel_table(fused_impl, inputs)))
             baseline = rows.get("OpenRLHF PolicyLoss (optional)", rows["offpolicy readable"])[0] if cuda else \
                 rows["offpolicy readable"][0]
             for name, (ms, mb, extra) in rows.items():
                 table.add_row(f"{b}×{t}", dtype_name, name, f"{ms:.3f}", f"{ms / baseline:.2f}", f"{mb:.1f}",
                               f"{mb / unit_mb:.1f}", *extra)
     console.print(table)
+    for title, text in profiles:
+        print(f"\noffpolicy auto, {title}: one warm forward + backward + metric read, by self time")
+        print(text)
 
 
 if __name__ == "__main__":

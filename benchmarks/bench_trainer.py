@@ -260,9 +260,9 @@ def main() -> None:
         import trl  # noqa: F401
 
         names = [TRL]
-    except ImportError:
+    except Exception as exc:  # noqa: BLE001 - ImportError, or a carried TRL whose own imports fail
         names = []
-        print("TRL not installed: no TRL baseline in this run")
+        print(f"TRL unavailable ({type(exc).__name__}: {exc}): no TRL baseline in this run")
     from offpolicy.engines.vllm import vllm_available
 
     names += [n for n in TRAINERS if "vllm" not in n or vllm_available()]
@@ -276,13 +276,25 @@ def main() -> None:
         for threads in args.threads:
             for length in args.lengths:
                 results: dict[str, list[dict]] = {n: [] for n in names}
+                failed: set[str] = set()
                 for run in range(args.runs):
                     for name in names if run % 2 == 0 else names[::-1]:  # paired, alternating order
-                        results[name].append(measure(name, model, device, threads, args.steps, length))
+                        if name in failed:
+                            continue
+                        try:
+                            results[name].append(measure(name, model, device, threads, args.steps, length))
+                        except RuntimeError as exc:  # one trainer's failure leaves the others' numbers
+                            print(f"  {model} length {length} run {run}: {exc}", flush=True)
+                            failed.add(name)
+                            continue
                         r = results[name][-1]
                         print(f"  {model} threads={threads} length {length} run {run}: {name}: "
                               f"{r['steps_per_s']:.2f} steps/s ({r['threads']} threads)", flush=True)
-                report(results, names, model, device, threads, length, args)
+                kept = [n for n in names if n not in failed]
+                if failed:
+                    print(f"  left out of the table (failed): {', '.join(sorted(failed))}")
+                if kept:
+                    report({n: results[n] for n in kept}, kept, model, device, threads, length, args)
     load = os.getloadavg()
     print(f"load average at end: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
 
