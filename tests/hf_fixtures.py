@@ -24,9 +24,14 @@ CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\
 LLAMA = "{{ bos_token }}" + CHATML  # Llama 3's template starts with the BOS it wants
 
 
-def train_bpe(vocab_size: int = 384, family: str = "qwen2"):
+def train_bpe(vocab_size: int = 384, family: str = "qwen2", pad_vocab_to: int | None = None):
     """A byte-level BPE (``tokenizers``) trained on the shipped questions and answers, as a
-    ``PreTrainedTokenizerFast`` with Qwen2-Instruct's special tokens and ChatML template."""
+    ``PreTrainedTokenizerFast`` with Qwen2-Instruct's special tokens and ChatML template.
+
+    ``pad_vocab_to``: a real vocabulary's size (49,152; 151,936) without a corpus to learn it from: the
+    trained vocabulary is extended with entries no merge produces (``<reserved_i>``), in the BPE model
+    itself. Not as added tokens: transformers deep-copies every added token when it loads or saves a
+    tokenizer (~4 s each way for 49k of them), and a real vocabulary lives in the model too."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -37,6 +42,14 @@ def train_bpe(vocab_size: int = 384, family: str = "qwen2"):
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     core.train_from_iterator((t for r in rows for t in (r["question"], r["answer"])), trainer=trainer)
+    if pad_vocab_to is not None:
+        spec = json.loads(core.to_str())
+        vocab = spec["model"]["vocab"]
+        start = max(vocab.values()) + 1
+        if start > pad_vocab_to:
+            raise ValueError(f"the trained vocabulary ({start}) is already larger than {pad_vocab_to}")
+        vocab.update({f"<reserved_{i}>": i for i in range(start, pad_vocab_to)})
+        core = Tokenizer.from_str(json.dumps(spec))
     if family == "llama":
         return PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<|begin_of_text|>", eos_token="<|im_end|>",
                                        additional_special_tokens=["<|im_start|>"], chat_template=LLAMA,

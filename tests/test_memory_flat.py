@@ -39,10 +39,9 @@ def no_stop_llama(tmp_path_factory) -> Path:
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
     directory = tmp_path_factory.mktemp("no-stop-llama")
-    tokenizer = train_bpe(family="llama")
-    # a tokenizer that covers the head, as a real model's does (Llama 3 reserves special tokens the same way);
-    # offpolicy refuses one far smaller than the model's vocab_size as incomplete tokenizer files
-    tokenizer.add_tokens([f"<|reserved_{i}|>" for i in range(VOCAB - len(tokenizer))], special_tokens=True)
+    # a tokenizer that covers the head, as a real model's does: offpolicy refuses one far smaller than the
+    # model's vocab_size as incomplete tokenizer files
+    tokenizer = train_bpe(family="llama", pad_vocab_to=VOCAB)
     assert len(tokenizer) == VOCAB
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=1024,
