@@ -4,6 +4,8 @@ rows, extreme ratios, every weighting, rule, anchor, aggregation and non-finite 
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import math
 
 import pytest
@@ -181,20 +183,45 @@ def test_compiled_core_equals_reference(monkeypatch, kind):
     monkeypatch.setenv("OFFPOLICY_COMPILE", "1")
     before = compiled._compiled.cache_info().misses
     k = KINDS.index(kind)
-    # reduced (every aggregation in turn) or unreduced, alternately
-    for seed in (1, 2):  # same shapes: the second seed reuses the compiled graphs (dynamic=True)
-        batch = next_batch(seed)
-        for i, correction in enumerate(CORRECTIONS):
-            if i % len(KINDS) != k:
-                continue
-            extra = {"dual_clip": 3.0} if kind == "ppo" and (i // 2) % 2 else {}
-            if i % 2 == 0:
-                agg = AGGS[(i // 2) % len(AGGS)]
-                assert_equivalent(batch, op.LossConfig(kind=kind, agg=agg, correction=correction, **extra))
-            else:
-                assert_equivalent(batch, op.LossConfig(kind=kind, correction=correction, **extra), reduce=False)
+    with dynamo_restarts() as restarts:
+        # reduced (every aggregation in turn) or unreduced, alternately
+        for seed in (1, 2):  # same shapes: the second seed reuses the compiled graphs (dynamic=True)
+            batch = next_batch(seed)
+            for i, correction in enumerate(CORRECTIONS):
+                if i % len(KINDS) != k:
+                    continue
+                extra = {"dual_clip": 3.0} if kind == "ppo" and (i // 2) % 2 else {}
+                if i % 2 == 0:
+                    agg = AGGS[(i // 2) % len(AGGS)]
+                    assert_equivalent(batch, op.LossConfig(kind=kind, agg=agg, correction=correction, **extra))
+                else:
+                    assert_equivalent(batch, op.LossConfig(kind=kind, correction=correction, **extra), reduce=False)
     assert compiled._compiled.cache_info().misses > before, "the compiled core was never used"
     assert not compiled._compile_failed, "torch.compile failed and the eager path answered instead"
+    # the spec's floats are constants of the graph: dynamo traces each configuration once (torch 2.13 with
+    # specialize_float=False logged "Restarting analysis due to ..._tensorify_python_scalars" at every one)
+    assert restarts == [], restarts
+
+
+@contextlib.contextmanager
+def dynamo_restarts():
+    """The "Restarting analysis" lines dynamo logs (at INFO) while the block runs."""
+    seen: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            if "Restarting analysis" in record.getMessage():
+                seen.append(record.getMessage())
+
+    logger = logging.getLogger("torch._dynamo.convert_frame")
+    handler, level = Keep(logging.INFO), logger.level
+    logger.setLevel(logging.INFO)
+    logger.addHandler(handler)
+    try:
+        yield seen
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
 
 
 @pytest.mark.parametrize("compile_setting, correction_index", [("0", 7), ("1", 2)])  # eager / compiled core

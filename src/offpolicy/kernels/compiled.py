@@ -9,6 +9,7 @@ derivatives as ``kernels/eager.py`` (see its docstring).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
@@ -230,6 +231,18 @@ def _compiled(spec: CoreSpec):
     return torch.compile(functools.partial(_core, spec=spec), dynamic=True, options={"cpp.dynamic_threads": True})
 
 
+def _constant_floats():
+    """The spec's floats (bounds, clip ranges, the log clamp) as constants of the graph. Under dynamo's default
+    (``specialize_float=False``, torch ≥ 2.6) they are traced as symbolic inputs first; inductor cannot turn them
+    into tensors, and dynamo restarts the whole analysis with them specialised (the log: "Restarting analysis due
+    to _tensorify_python_scalars"): ~2 s more per configuration's first call on the 2-core box, for a graph that
+    compiles once per spec anyway. The setting is read while tracing; the context costs microseconds on the calls
+    that do not trace."""
+    if hasattr(torch._dynamo.config, "specialize_float"):
+        return torch._dynamo.config.patch(specialize_float=True)
+    return contextlib.nullcontext()
+
+
 def policy_loss(logprobs, old_logprobs, advantages, mask, rollout_logprobs, config: LossConfig, reduce: bool,
                 ref_logprobs: torch.Tensor | None = None):
     """The compiled fast path; None when it does not apply or the readable path must handle the inputs."""
@@ -253,7 +266,7 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, rollout_logprobs, conf
         old = old_logprobs.to(f32) if old_logprobs is not None else lp
     adv, m = advantages.to(f32), mask.to(f32)
     try:
-        with torch.no_grad():
+        with torch.no_grad(), _constant_floats():
             out, names_s, names_m = _compiled(spec)(lp, old, roll, adv, m)
     except Exception as err:  # noqa: BLE001 — no compiler, unsupported backend: stay correct, go eager
         _compile_failed = True
