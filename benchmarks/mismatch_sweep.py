@@ -32,7 +32,6 @@ from rich.console import Console
 from rich.table import Table
 
 from offpolicy.train.config import TrainConfig
-from offpolicy.train.loop import train
 
 # method → (correction preset or None for measure-only, extra overrides)
 METHODS: dict[str, tuple[str | None, dict]] = {
@@ -57,6 +56,7 @@ CONDITIONS: dict[str, dict] = {
 def run_one(method: str, condition: str, seed: int, steps: int, out: Path) -> dict:
     from offpolicy import presets
     from offpolicy.config import CorrectionConfig
+    from offpolicy.train.loop import train  # here, not at the top: --help and argument errors answer at once
 
     preset, loss_extra = METHODS[method]
     correction = CorrectionConfig() if preset is None else presets.correction(preset)  # none = measure only
