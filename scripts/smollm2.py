@@ -47,11 +47,11 @@ MARKER = "offpolicy-build.json"  # written last, inside the temporary directory:
 
 
 def cache_root() -> Path:
-    """offpolicy's cache directory: ``$OFFPOLICY_CACHE`` or ``~/.cache/offpolicy``, the rule of
+    """offpolicy's cache directory: ``$OFFPOLICY_CACHE`` (unless empty) or ``~/.cache/offpolicy``, the rule of
     ``offpolicy.train.warmstart.cache_root`` (tests/test_smollm2_script.py checks they agree). Not
     imported from there: that import loads torch and transformers, seconds that ``--print-path`` and
     install.sh's second run do not need."""
-    return Path(os.environ.get("OFFPOLICY_CACHE", Path.home() / ".cache" / "offpolicy"))
+    return Path(os.environ.get("OFFPOLICY_CACHE") or Path.home() / ".cache" / "offpolicy")  # empty = unset
 
 
 def model_dir(root: Path | None = None) -> Path:

@@ -51,10 +51,11 @@ def test_the_script_and_the_package_share_one_cache(tmp_path, monkeypatch):
     spec = importlib.util.spec_from_file_location("offpolicy_smollm2_script", SCRIPT)
     builder = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(builder)
-    for value in (str(tmp_path), None):
+    default = Path.home() / ".cache" / "offpolicy"
+    for value, expected in ((str(tmp_path), tmp_path), (None, default), ("", default)):  # empty: unset, not cwd
         if value is None:
             monkeypatch.delenv("OFFPOLICY_CACHE", raising=False)
         else:
             monkeypatch.setenv("OFFPOLICY_CACHE", value)
-        assert builder.cache_root() == cache_root()
+        assert builder.cache_root() == cache_root() == expected
         assert builder.model_dir() == cache_root() / "models" / "SmolLM2-135M-Instruct"

@@ -35,7 +35,9 @@ WARMSTART_VERSION = 1  # bump when the procedure changes: old cache entries are 
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("OFFPOLICY_CACHE", Path.home() / ".cache" / "offpolicy"))
+    """``$OFFPOLICY_CACHE``, or ``~/.cache/offpolicy`` where it is unset or empty (``OFFPOLICY_CACHE=`` must
+    not put the cache in the working directory)."""
+    return Path(os.environ.get("OFFPOLICY_CACHE") or Path.home() / ".cache" / "offpolicy")
 
 
 def prompt_ids(tokenizer: PreTrainedTokenizerBase, problem: Problem) -> list[int]:
