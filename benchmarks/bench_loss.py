@@ -204,10 +204,8 @@ def peak_extra_mb(fn: Callable, inputs: dict[str, torch.Tensor]) -> float:
     return math.nan if before is None or peak is None else (peak - before) / 1024
 
 
-def first_call_s(fn: Callable, inputs: dict[str, torch.Tensor]) -> float:
-    """Seconds of the first forward + backward + metric read at this shape and dtype in this process: what
-    a new configuration costs before its first step (Triton's JIT and torch.compile included, unless their
-    on-disk caches already hold it)."""
+def timed_s(fn: Callable, inputs: dict[str, torch.Tensor]) -> float:
+    """Seconds of one forward + backward + metric read, the device synchronised on both sides."""
     if inputs["mask"].is_cuda:
         torch.cuda.synchronize()
     start = time.perf_counter()
@@ -217,21 +215,18 @@ def first_call_s(fn: Callable, inputs: dict[str, torch.Tensor]) -> float:
     return time.perf_counter() - start
 
 
+def first_call_s(fn: Callable, inputs: dict[str, torch.Tensor]) -> float:
+    """Seconds of the first forward + backward + metric read at this shape and dtype in this process: what
+    a new configuration costs before its first step (Triton's JIT and torch.compile included, unless their
+    on-disk caches already hold it)."""
+    return timed_s(fn, inputs)
+
+
 def median_ms(fn: Callable, inputs: dict[str, torch.Tensor], repeats: int) -> float:
     """Median wall time of forward + backward + reading the metrics on the host (a sync on a GPU)."""
-    cuda = inputs["mask"].is_cuda
     for _ in range(3):
         run_once(fn, inputs)  # warm-up: compiles, autotuning, caches
-    times = []
-    for _ in range(repeats):
-        if cuda:
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        run_once(fn, inputs)
-        if cuda:
-            torch.cuda.synchronize()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
+    return statistics.median(timed_s(fn, inputs) * 1e3 for _ in range(repeats))
 
 
 def kernel_table(fn: Callable, inputs: dict[str, torch.Tensor], rows: int = 15) -> str:
