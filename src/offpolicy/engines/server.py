@@ -336,7 +336,8 @@ def _held_back(tokenizer, ids: list[int], skip: bool) -> Iterator[int]:
     when they share its token (SmolLM2's ``Ġâī``: a space and two of ``≈``'s three bytes)."""
     cut = len(ids)
     yield cut
-    while cut > 0 and tokenizer.decode(ids[:cut], skip_special_tokens=skip).endswith("\ufffd"):
+    # whether a text ends inside a character depends on its last bytes only (≤ 4, each token holds ≥ 1)
+    while cut > 0 and tokenizer.decode(ids[max(0, cut - 8):cut], skip_special_tokens=skip).endswith("\ufffd"):
         cut -= 1
         yield cut
 
