@@ -7,6 +7,7 @@ errors a user can fix are printed as one line on stderr with exit code 2.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from collections.abc import Sequence
 
@@ -110,6 +111,9 @@ def _cmd_diagnose(args: argparse.Namespace, console: Console) -> int:
         for setting in _diagnose_settings(args):
             if setting["trainer_dtype"] not in ("auto", "fp32", "bf16"):
                 raise ConfigError(f"--trainer-dtype {setting['trainer_dtype']!r}: expected auto, fp32 or bf16")
+            noise = setting["logit_noise"]
+            if not (math.isfinite(noise) and noise >= 0):  # the hf engine adds noise only where σ > 0
+                raise ConfigError(f"--logit-noise {noise:g}: expected a finite σ ≥ 0 (0: no noise)")
     import json
     from pathlib import Path
 
@@ -183,8 +187,6 @@ def _check_sampling_flags(args: argparse.Namespace) -> None:
     Raises:
         ConfigError: temperature not a finite number > 0, top-p outside (0, 1], top-k neither -1 nor ≥ 1.
     """
-    import math
-
     if not (math.isfinite(args.temperature) and args.temperature > 0):
         raise ConfigError(f"--temperature {args.temperature:g}: expected a finite number > 0 (greedy decoding, "
                           "temperature 0, samples no distribution whose log-probs a ratio could compare; a small "
