@@ -808,3 +808,6 @@ def test_a_tls_certificate_failure_is_said_and_not_retried(tok, tmp_path, monkey
         assert fake.requests == []
         monkeypatch.setenv("SSL_CERT_FILE", str(cert))
         assert served_model(ServerConfig(url=url, retries=0))["id"] == "m"
+    with FakeServer(lambda body: (500, "unused")) as plain:  # https:// to a plain-http server: said, not retried
+        with pytest.raises(ServerError, match=r"the TLS handshake failed .*does the server speak https at this port"):
+            served_model(ServerConfig(url=plain.url.replace("http://", "https://"), retries=3, backoff=5.0))

@@ -190,6 +190,10 @@ class SameOriginRedirects(urllib.request.HTTPRedirectHandler):
 OPENER = urllib.request.build_opener(SameOriginRedirects)  # the default handlers, this redirect rule
 
 
+# a TLS connection cut (a server restarting, a proxy timing out): retried as any connection error
+TLS_TRANSIENT = (ssl.SSLEOFError, ssl.SSLZeroReturnError, ssl.SSLSyscallError)
+
+
 def _tls_error(method: str, url: str, reason: BaseException) -> ServerError:
     """A TLS failure in words: not retried, never "is the server up?" — the server answered."""
     if isinstance(reason, ssl.SSLCertVerificationError):
@@ -239,7 +243,7 @@ def request_json(config: ServerConfig, path: str, body: dict[str, Any] | None = 
                 wait_s = min(float(retry_after), 60.0)
         except (TimeoutError, urllib.error.URLError, ConnectionError, http.client.HTTPException, OSError) as err:
             reason = getattr(err, "reason", err)
-            if isinstance(reason, ssl.SSLError) and not isinstance(reason, ssl.SSLEOFError):
+            if isinstance(reason, ssl.SSLError) and not isinstance(reason, TLS_TRANSIENT):
                 raise _tls_error(method, url, reason) from None  # asking again gets the same certificate
             last = (f"timed out after {config.timeout:g} s" if isinstance(reason, TimeoutError)
                     else f"{type(reason).__name__}: {reason}")
