@@ -346,7 +346,8 @@ def _held_back(tokenizer, ids: list[int], skip: bool) -> Iterator[int]:
         yield cut
 
 
-def expected_texts(tokenizer, ids: list[int], prompt: list[int], stopped: bool) -> Iterator[tuple[str, tuple[str, ...]]]:
+def expected_texts(tokenizer, ids: list[int], prompt: list[int],
+                   stopped: bool) -> Iterator[tuple[str, tuple[str, ...]]]:
     """The texts (U+FFFD removed) a correct server may send for the sampled ``ids`` that follow ``prompt``,
     each with what set it apart from the plain decode: ``"stop_token_left_out"`` (a finished response's last
     token, the stop token, is not in a vLLM server's text: ``stopped``), ``"held_back"`` (``_held_back``),
@@ -532,7 +533,8 @@ def bounded(job, count: int, workers: int):
 
 
 def generate(config: ServerConfig, tokenizer, prompts: list[list[int]], sampling: SamplingConfig, seed: int = 0,
-             model_path: Path | None = None, console=None, vocab_size: int | None = None) -> tuple[Rollouts, dict[str, Any]]:
+             model_path: Path | None = None, console=None,
+             vocab_size: int | None = None) -> tuple[Rollouts, dict[str, Any]]:
     """Sample one response per prompt from the server; returns the rollouts and what the report
     says about the server (URL, model, the request's fields, alignment evidence, notes, seconds).
     Request ``i`` carries seed ``seed · 1000003 + i`` (the vllm engine's per-request seeds);
