@@ -60,14 +60,15 @@ def train_bpe(vocab_size: int = 384, family: str = "qwen2", pad_vocab_to: int | 
 
 
 def save_tiny_qwen2(directory: Path, hidden_size: int = 64, num_layers: int = 2, seed: int = 0,
-                    with_tokenizer: bool = True, family: str = "qwen2") -> Path:
-    """Build, initialise (seeded) and save the tiny model (+ its tokenizer) into ``directory``. Heads of
-    width 32: vLLM's CPU attention supports head sizes 32, 64, 80, 96, 112, 128 ..., not 16."""
+                    with_tokenizer: bool = True, family: str = "qwen2", tokenizer=None) -> Path:
+    """Build, initialise (seeded) and save the tiny model (+ its tokenizer: ``train_bpe``'s unless given)
+    into ``directory``. Heads of width 32: vLLM's CPU attention supports head sizes 32, 64, 80, 96, 112,
+    128 ..., not 16."""
     import torch
     from transformers import (GenerationConfig, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM,
                               Qwen3Config, Qwen3ForCausalLM)
 
-    tokenizer = train_bpe(family=family)
+    tokenizer = tokenizer if tokenizer is not None else train_bpe(family=family)
     config_cls, model_cls = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM),
                              "llama": (LlamaConfig, LlamaForCausalLM)}[family]
     config = config_cls(vocab_size=64 * -(-len(tokenizer) // 64), hidden_size=hidden_size,

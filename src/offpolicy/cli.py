@@ -7,6 +7,7 @@ errors a user can fix are printed as one line on stderr with exit code 2.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from collections.abc import Sequence
 
@@ -106,9 +107,13 @@ def _cmd_diagnose(args: argparse.Namespace, console: Console) -> int:
     if not args.batch:  # the flags' own checks, before transformers and the engines import (~5 s)
         if args.n <= 0 or args.max_tokens <= 0:
             raise ConfigError("--n and --max-tokens must be positive")
+        _check_sampling_flags(args)
         for setting in _diagnose_settings(args):
             if setting["trainer_dtype"] not in ("auto", "fp32", "bf16"):
                 raise ConfigError(f"--trainer-dtype {setting['trainer_dtype']!r}: expected auto, fp32 or bf16")
+            noise = setting["logit_noise"]
+            if not (math.isfinite(noise) and noise >= 0):  # the hf engine adds noise only where σ > 0
+                raise ConfigError(f"--logit-noise {noise:g}: expected a finite σ ≥ 0 (0: no noise)")
     import json
     from pathlib import Path
 
@@ -148,6 +153,10 @@ def _cmd_diagnose(args: argparse.Namespace, console: Console) -> int:
     else:
         prompts = [prompt_ids(tokenizer, p) for p in problems(make_task(args.task), args.n, seed=args.seed)]
     prompts = [prompts[i % len(prompts)] for i in range(args.n)]
+    empty = next((i for i, p in enumerate(prompts) if not p), None)
+    if empty is not None:  # before a request goes out or an engine starts (diagnose.score refuses it too)
+        raise ConfigError(f"prompt {empty} renders to no token; the first response token is scored from the "
+                          "prompt's last one: give every prompt some text")
     if server is not None:
         return _diagnose_server(args, console, server, model_path, tokenizer, prompts, sampling, device, bounds)
     out = Path(args.out)
@@ -169,6 +178,24 @@ def _cmd_diagnose(args: argparse.Namespace, console: Console) -> int:
     _print_diagnosis(console, reports)
     console.print(f"report: {out / 'report.json'}  plots: {', '.join(p for r in reports for p in r.get('plots', []))}")
     return _diagnose_gate(reports, bounds)
+
+
+def _check_sampling_flags(args: argparse.Namespace) -> None:
+    """``--temperature``, ``--top-p``, ``--top-k`` a sampler can use, checked before anything loads or a request
+    goes out (the trainer's ``sampling.renormalize_logprobs`` would refuse them only after sampling).
+
+    Raises:
+        ConfigError: temperature not a finite number > 0, top-p outside (0, 1], top-k neither -1 nor ≥ 1.
+    """
+    if not (math.isfinite(args.temperature) and args.temperature > 0):
+        raise ConfigError(f"--temperature {args.temperature:g}: expected a finite number > 0 (greedy decoding, "
+                          "temperature 0, samples no distribution whose log-probs a ratio could compare; a small "
+                          "value such as 0.1 samples almost greedily)")
+    if not 0 < args.top_p <= 1:  # NaN fails too
+        raise ConfigError(f"--top-p {args.top_p:g}: expected a value in (0, 1]; 1 keeps the whole distribution")
+    if args.top_k == 0 or args.top_k < -1:
+        raise ConfigError(f"--top-k {args.top_k}: expected -1 (no top-k; vLLM also reads 0 as off, offpolicy takes "
+                          "-1 only) or a number of tokens ≥ 1")
 
 
 def _vllm_flags(args: argparse.Namespace) -> list[str]:

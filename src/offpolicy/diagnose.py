@@ -62,7 +62,8 @@ def read_prompts(path: Path, tokenizer) -> list[list[int]]:
     tokenizer itself adds one — SmolLM2's "BOS" ``<|im_start|>`` opens a chat turn and stays out).
 
     Raises:
-        ConfigError: missing/empty file, invalid JSON, or a line without a string ``prompt``.
+        ConfigError: missing/empty file, invalid JSON, a line without a string ``prompt``, or a prompt of
+            no token (the first response token is scored from the last prompt position: there is none).
     """
     if not path.is_file():
         raise ConfigError(f"--prompts {path}: file not found")
@@ -76,7 +77,11 @@ def read_prompts(path: Path, tokenizer) -> list[list[int]]:
             raise ConfigError(f"--prompts {path}:{number}: not valid JSON ({err.msg})") from None
         if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
             raise ConfigError(f"--prompts {path}:{number}: each line needs a string field \"prompt\"")
-        prompts.append(plain_text_ids(tokenizer, record["prompt"]))  # the tokenizer's own BOS rule
+        ids = plain_text_ids(tokenizer, record["prompt"])  # the tokenizer's own BOS rule
+        if not ids:
+            raise ConfigError(f"--prompts {path}:{number}: the prompt {record['prompt']!r} is no token long; the "
+                              "first response token is scored from the prompt's last one: give it some text")
+        prompts.append(ids)
     if not prompts:
         raise ConfigError(f"--prompts {path}: the file holds no prompt")
     return prompts
@@ -113,7 +118,12 @@ def score(rollouts: Rollouts, model_path: Path, tokenizer, trainer_dtype: str, s
 
     Raises:
         RuntimeError: every response is empty (nothing to compare).
+        ConfigError: a prompt of no token (its first response token has no position to be scored from:
+            ``to_batch`` would read position −1, the row's last).
     """
+    empty = next((i for i, p in enumerate(rollouts.prompt_ids) if not p), None)
+    if empty is not None:
+        raise ConfigError(f"prompt {empty} has no token: the first response token is scored from the prompt's last one")
     if not any(rollouts.response_ids):
         raise RuntimeError("the engine returned only empty responses: nothing to compare")
     return score_batch(model_path, to_batch(rollouts, tokenizer.pad_token_id), sampling, trainer_dtype, seconds,
@@ -174,10 +184,13 @@ def sample_server(config, model_path: Path, tokenizer, prompts: list[list[int]],
     Raises:
         ServerError: the server failed, broke the alignment contract, or reports raw log-probs.
     """
+    from transformers import AutoConfig
+
     from offpolicy.engines import server
 
+    vocab_size = AutoConfig.from_pretrained(model_path).get_text_config().vocab_size  # the trainer's embedding rows
     rollouts, info = server.generate(config, tokenizer, prompts, sampling, seed=seed, model_path=model_path,
-                                     console=console)
+                                     console=console, vocab_size=vocab_size)
     s = score(rollouts, model_path, tokenizer, trainer_dtype, sampling, device=device, seconds=info["seconds"])
     if (sampling.temperature, sampling.top_p, sampling.top_k) == (1.0, 1.0, -1):
         info["logprob_check"] = {"verdict": "not needed: at temperature 1, top_p 1, top_k -1 the sampling "

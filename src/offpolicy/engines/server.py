@@ -18,9 +18,22 @@ must); the sampled ids must come back as ids, agree between the two fields that 
 decode here to the text the server returned (else the server's tokenizer is not ``--model``'s).
 A failure is a ``ServerError`` naming the cause; nothing is written before all responses are in.
 
+A correct server's text may differ from the plain decode of its ids in three ways, each accepted
+(``expected_texts``): a response cut by ``max_tokens`` inside a multi-byte character ends short of
+the tokens that hold the incomplete character (an incremental detokenizer — vLLM's, SGLang's —
+holds them back until the character completes, which never happens); the stop token that ended a
+finished response is left out of the text (vLLM never detokenizes it, while
+``skip_special_tokens: false`` keeps every other special token); and the decode runs on after the
+prompt (vLLM primes its ``DecodeStream`` with the prompt ids), which keeps a first word's leading
+space that a SentencePiece decoder strips at the start of a text.
+
 Requests run concurrently on a bounded thread pool, each with a timeout and retries with
 exponential backoff on connection errors, timeouts, HTTP 429 and 5xx (never on another 4xx: a
-refusal is reported as it came, status and body). The standard library only: no HTTP dependency.
+refusal is reported as it came, status and body; never on a TLS failure: a certificate the client
+does not trust is no server that is down). The API key never leaves the origin of ``--engine-url``:
+a redirect to another scheme, host or port is refused, not followed (urllib's default handler would
+copy the ``Authorization`` header to any host), and the key and a URL's credentials are never
+echoed. The standard library only: no HTTP dependency.
 """
 
 from __future__ import annotations
@@ -29,6 +42,7 @@ import http.client
 import json
 import math
 import re
+import ssl
 import threading
 import time
 import urllib.error
@@ -36,9 +50,10 @@ import urllib.parse
 import urllib.request
 import queue
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 
 from offpolicy.engines.base import Rollouts, SamplingConfig
 from offpolicy.errors import ConfigError
@@ -59,11 +74,13 @@ class ServerError(ConfigError):
 class ServerConfig(BaseModel):
     """Where the server is and how to talk to it (``offpolicy diagnose --engine-url ...``)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # a refused value never appears in a ValidationError's text: it may be a key or a URL's password
+    model_config = ConfigDict(extra="forbid", frozen=True, hide_input_in_errors=True)
 
     url: str = Field(description="base URL of the OpenAI-compatible API, e.g. http://127.0.0.1:8000 (a trailing /v1 "
-                     "is accepted)")
-    api_key: str | None = Field(None, description="sent as 'Authorization: Bearer KEY'; read from --api-key-env")
+                     "is accepted); no user:password@ in it (the key goes in api_key)")
+    api_key: SecretStr | None = Field(None, description="sent as 'Authorization: Bearer KEY' to the URL's origin only; "
+                                      "read from --api-key-env; printable ASCII (hidden in repr and errors)")
     served_model: str | None = Field(None, description="the model name for requests; None = the one /v1/models lists")
     concurrency: int = Field(8, ge=1, description="requests in flight at once")
     timeout: float = Field(300.0, gt=0, description="seconds one request may take (a long generation included)")
@@ -74,12 +91,43 @@ class ServerConfig(BaseModel):
     @classmethod
     def url_is_http(cls, url: str) -> str:
         """Normalise to ``scheme://host[:port][/prefix]`` without the ``/v1`` and trailing slashes."""
-        parts = urllib.parse.urlsplit(url.strip())
+        url = url.strip()
+        if "@" in url:  # user[:password]@host: never echoed (a password may hold any character), never sent
+            rest = url.rpartition("@")[2]
+            scheme = "https" if url.lower().startswith("https://") else "http"
+            raise ValueError(f"--engine-url …@{rest}: the URL holds a user name or password (not shown), which "
+                             "offpolicy does not send; give the server's API key through an environment variable "
+                             f"instead: --engine-url {scheme}://{rest} --api-key-env VAR, with VAR holding the key")
+        parts = urllib.parse.urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.netloc:
             raise ValueError(f"--engine-url {url!r}: expected http(s)://HOST:PORT, e.g. http://127.0.0.1:8000")
         path = parts.path.rstrip("/")
         path = path[: -len("/v1")] if path.endswith("/v1") else path
         return urllib.parse.urlunsplit((parts.scheme, parts.netloc, path, "", ""))
+
+    @field_validator("api_key")
+    @classmethod
+    def key_fits_a_header(cls, key: SecretStr | None) -> SecretStr | None:
+        """A key that cannot go into an HTTP header is refused here, in words that never show it."""
+        problem = None if key is None else key_problem(key.get_secret_value()) or (
+            "no character" if not key.get_secret_value() else None)
+        if problem:
+            raise ValueError(f"the API key holds {problem}; it cannot go into an HTTP header (key not shown)")
+        return key
+
+
+def key_problem(key: str) -> str | None:
+    """Why ``key`` cannot be a bearer token, without showing it: the first character outside printable
+    ASCII without spaces (RFC 6750's token characters are a subset), and where it is; None when it fits.
+    http.client would refuse a CR or LF itself — with an error message that repeats the whole header."""
+    for position, char in enumerate(key):
+        if not "!" <= char <= "~":
+            name = {"\r": "a carriage return (\\r)", "\n": "a line feed (\\n)", "\t": "a tab", " ": "a space"}.get(
+                char, f"the character U+{ord(char):04X}")
+            where = ("at its end" if position == len(key) - 1 else "at its start" if position == 0
+                     else f"at character {position + 1} of {len(key)}")
+            return f"{name} {where}"
+    return None
 
 
 def api_key_from_env(variable: str | None, environ: dict[str, str]) -> str | None:
@@ -95,6 +143,11 @@ def api_key_from_env(variable: str | None, environ: dict[str, str]) -> str | Non
     if not key:
         raise ConfigError(f"--api-key-env {variable}: the environment variable {variable} is unset or empty; "
                           f"export {variable}=<the server's --api-key>")
+    problem = key_problem(key)
+    if problem:
+        raise ConfigError(f"--api-key-env {variable}: the key holds {problem} (key not shown), which cannot go "
+                          "into an HTTP header — a key file with Windows line endings leaves a \\r. Fix: "
+                          f"export {variable}=\"$(tr -d '\\r\\n' < KEYFILE)\"")
     return key
 
 
@@ -111,30 +164,72 @@ def _hint(status: int, path: str) -> str:
     return ""
 
 
+def _origin(url: str) -> tuple[str, str, int | None]:
+    parts = urllib.parse.urlsplit(url)
+    scheme = parts.scheme.lower()
+    return scheme, (parts.hostname or "").lower(), parts.port or {"http": 80, "https": 443}.get(scheme)
+
+
+class SameOriginRedirects(urllib.request.HTTPRedirectHandler):
+    """Follow a redirect of a GET within the origin (scheme, host, port) of the URL asked; refuse any other.
+
+    urllib's default handler re-sends every header, ``Authorization`` included, to wherever ``Location``
+    points: another host would receive the API key. A redirected POST would lose its body (301–303
+    turn it into a GET). A refusal names the target's origin only (its path and query stay out)."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        if _origin(newurl) != _origin(req.full_url) or req.get_method() != "GET":
+            scheme, host, port = _origin(newurl)
+            fp.close()
+            raise ServerError(f"{req.get_method()} {req.full_url} answered HTTP {code} {msg}, a redirect to "
+                              f"{scheme}://{host}:{port}: not followed (the request would lose its body, or the API "
+                              "key would go to another origin). Pass the server's own address as --engine-url")
+        return super().redirect_request(req, fp, code, msg, headers, newurl)
+
+
+OPENER = urllib.request.build_opener(SameOriginRedirects)  # the default handlers, this redirect rule
+
+
+# a TLS connection cut (a server restarting, a proxy timing out): retried as any connection error
+TLS_TRANSIENT = (ssl.SSLEOFError, ssl.SSLZeroReturnError, ssl.SSLSyscallError)
+
+
+def _tls_error(method: str, url: str, reason: BaseException) -> ServerError:
+    """A TLS failure in words: not retried, never "is the server up?" — the server answered."""
+    if isinstance(reason, ssl.SSLCertVerificationError):
+        return ServerError(f"{method} {url}: the server's TLS certificate is not trusted here ({reason.verify_message}"
+                           "): a certificate problem, not a server that is down. Fix: SSL_CERT_FILE=CA.pem (the "
+                           "CA that signed it, or the self-signed certificate itself) in the environment, or a "
+                           "certificate for the host name used in --engine-url")
+    return ServerError(f"{method} {url}: the TLS handshake failed ({reason}): does the server speak https at this "
+                       "port? (a plain-http server: --engine-url http://…)")
+
+
 def request_json(config: ServerConfig, path: str, body: dict[str, Any] | None = None,
                  stop: threading.Event | None = None) -> dict[str, Any]:
     """One JSON exchange (GET without ``body``, POST with it), retried on a connection error, a
     timeout, HTTP 429 or 5xx after ``backoff · 2^k`` seconds (or the server's Retry-After), at most
-    ``retries`` times; ``stop`` set (another request failed) ends the retries early.
+    ``retries`` times; ``stop`` set (another request failed) ends the retries early. Redirects:
+    ``SameOriginRedirects``.
 
     Raises:
         ServerError: another HTTP status (with its body), retries exhausted (with the last cause),
-            or an answer that is not a JSON object.
+            a TLS failure (at once), a redirect to another origin, or an answer that is not a JSON object.
     """
     url = config.url + path
     method = "GET" if body is None else "POST"
     headers = {"Accept": "application/json"}
     if body is not None:
         headers["Content-Type"] = "application/json"
-    if config.api_key:
-        headers["Authorization"] = f"Bearer {config.api_key}"
+    if config.api_key is not None:
+        headers["Authorization"] = f"Bearer {config.api_key.get_secret_value()}"
     data = None if body is None else json.dumps(body).encode()
     last = ""
     for attempt in range(config.retries + 1):
         wait_s = config.backoff * 2 ** attempt
         try:
             request = urllib.request.Request(url, data=data, headers=headers, method=method)
-            with urllib.request.urlopen(request, timeout=config.timeout) as response:
+            with OPENER.open(request, timeout=config.timeout) as response:
                 raw = response.read()
             break
         except urllib.error.HTTPError as err:
@@ -148,6 +243,8 @@ def request_json(config: ServerConfig, path: str, body: dict[str, Any] | None = 
                 wait_s = min(float(retry_after), 60.0)
         except (TimeoutError, urllib.error.URLError, ConnectionError, http.client.HTTPException, OSError) as err:
             reason = getattr(err, "reason", err)
+            if isinstance(reason, ssl.SSLError) and not isinstance(reason, TLS_TRANSIENT):
+                raise _tls_error(method, url, reason) from None  # asking again gets the same certificate
             last = (f"timed out after {config.timeout:g} s" if isinstance(reason, TimeoutError)
                     else f"{type(reason).__name__}: {reason}")
         if attempt == config.retries or (stop is not None and stop.is_set()):
@@ -225,21 +322,81 @@ def prompt_change(sent: list[int], scored: list[int], tokenizer) -> str:
             "another chat template or tokenizer on the server")
 
 
-def _strip_replacement(text: str) -> str:
-    # an incremental detokenizer holds back a split UTF-8 character (U+FFFD here, absent there)
+def _clean(text: str) -> str:
+    # a character split over tokens decodes to U+FFFD here where an incremental detokenizer (its window
+    # starts elsewhere) may show it, or not: both sides are compared without it
     return text.replace("\ufffd", "")
 
 
-def parse_completion(answer: dict[str, Any], index: int, sent: list[int], tokenizer) -> dict[str, Any]:
+CONTEXT_TOKENS = 8  # prompt tokens before a response decoded "after the prompt" (a leading space needs one)
+
+
+def _held_back(tokenizer, ids: list[int], skip: bool) -> Iterator[int]:
+    """Lengths of the prefixes of ``ids`` a correct server may have put into text: all of them, then —
+    while the decode ends inside a character (U+FFFD last) — one token fewer each, down to the first
+    prefix that ends on a whole character. An incremental detokenizer (vLLM's ``DecodeStream``,
+    SGLang's) emits a token's text only once it ends on a whole character; a response cut there by
+    ``max_tokens`` keeps the held-back tokens' text out, the space or characters before the cut one too
+    when they share its token (SmolLM2's ``Ġâī``: a space and two of ``≈``'s three bytes)."""
+    cut = len(ids)
+    yield cut
+    # whether a text ends inside a character depends on its last bytes only (≤ 4, each token holds ≥ 1)
+    while cut > 0 and tokenizer.decode(ids[max(0, cut - 8):cut], skip_special_tokens=skip).endswith("\ufffd"):
+        cut -= 1
+        yield cut
+
+
+def expected_texts(tokenizer, ids: list[int], prompt: list[int],
+                   stopped: bool) -> Iterator[tuple[str, tuple[str, ...]]]:
+    """The texts (U+FFFD removed) a correct server may send for the sampled ``ids`` that follow ``prompt``,
+    each with what set it apart from the plain decode: ``"stop_token_left_out"`` (a finished response's last
+    token, the stop token, is not in a vLLM server's text: ``stopped``), ``"held_back"`` (``_held_back``),
+    ``"after_prompt"`` (decoded on from the prompt's last tokens, as vLLM's detokenizer primed with the prompt
+    does: a SentencePiece decoder strips a leading space only at the start of a text), ``"special_skipped"``
+    (a server that ignores ``skip_special_tokens: false``). The plain decode comes first."""
+    bases = [(ids, ())] + ([(ids[:-1], ("stop_token_left_out",))] if stopped and ids else [])
+    for skip in (False, True):
+        for base, why in bases:
+            for cut in _held_back(tokenizer, base, skip):
+                form = why + (("held_back",) if cut < len(base) else ()) + (("special_skipped",) if skip else ())
+                part = base[:cut]
+                yield _clean(tokenizer.decode(part, skip_special_tokens=skip)), form
+                context = list(prompt[-CONTEXT_TOKENS:])
+                before = tokenizer.decode(context, skip_special_tokens=skip)
+                after = tokenizer.decode(context + part, skip_special_tokens=skip)
+                if context and after.startswith(before):
+                    yield _clean(after[len(before):]), form + ("after_prompt",)
+
+
+def text_form(text: str, tokenizer, ids: list[int], prompt: list[int], stopped: bool) -> tuple[str, ...] | None:
+    """How the server's ``text`` came from ``ids`` (``expected_texts``; ``()``: the plain decode), or None
+    when no correct server with ``--model``'s tokenizer sends it."""
+    server = _clean(text)
+    return next((form for expected, form in expected_texts(tokenizer, ids, prompt, stopped) if expected == server),
+                None)
+
+
+def text_difference(text: str, local: str, width: int = 24) -> str:
+    """Where ``text`` (the server's) and ``local`` (the decode here) first differ, with a little context."""
+    at = next((k for k, (a, b) in enumerate(zip(local, text)) if a != b), min(len(local), len(text)))
+    lo = max(0, at - width)
+    return (f"they differ at character {at}: here …{local[lo:at + width]!r}, the server's …{text[lo:at + width]!r} "
+            f"({len(local)} and {len(text)} characters)")
+
+
+def parse_completion(answer: dict[str, Any], index: int, sent: list[int], tokenizer,
+                     vocab_size: int | None = None) -> dict[str, Any]:
     """Token ids, log μ and alignment evidence of one ``/v1/completions`` answer.
 
-    Returns ``{"ids", "logprobs", "finished", "prompt", "text"}`` with ``prompt`` one of ``"ids"``
-    (the server reported the ids it scored: equal), ``"count"`` (only its prompt-token count:
-    equal), ``"none"``; ``text`` ``"checked"`` or ``"none"`` (no text returned).
+    Returns ``{"ids", "logprobs", "finished", "prompt", "text", "text_form"}`` with ``prompt`` one of
+    ``"ids"`` (the server reported the ids it scored: equal), ``"count"`` (only its prompt-token count:
+    equal), ``"none"``; ``text`` ``"checked"`` or ``"none"`` (no text returned); ``text_form`` what
+    set the text apart from the plain decode (``expected_texts``; empty: nothing).
 
     Raises:
-        ServerError: no choice, no log-probs, no token ids, ids that disagree with each other or
-            with the returned text, a non-finite or positive log-prob, or a changed prompt.
+        ServerError: no choice, no log-probs, no token ids, ids that disagree with each other,
+            lie outside ``vocab_size`` (--model's embedding rows) or do not give the returned text
+            (``text_form``), a non-finite or positive log-prob, or a changed prompt.
     """
     where = f"response {index}"
     choices = answer.get("choices")
@@ -286,18 +443,26 @@ def parse_completion(answer: dict[str, Any], index: int, sent: list[int], tokeni
             raise ServerError(f"{where}: the server counts {count} prompt tokens, {len(sent)} were sent: it changed "
                               "the prompt (an added BOS, its own chat template?)")
         prompt = "count" if isinstance(count, int) else "none"
+    ids = list(ids)
+    limit = math.inf if vocab_size is None else vocab_size
+    bad = next(((t, v) for t, v in enumerate(ids) if not 0 <= v < limit), None)
+    if bad is not None:  # the trainer's embedding would fail on it (IndexError), the decode drop it silently
+        shown = "" if vocab_size is None else f" (ids 0 to {vocab_size - 1})"
+        raise ServerError(f"{where}, token {bad[0]}: id {bad[1]} lies outside --model's vocabulary{shown}: the server "
+                          "runs another model than --model")
     text = choice.get("text")
-    checked = "none"
+    stopped = choice.get("finish_reason") == "stop"
+    checked, form = "none", ()
     if isinstance(text, str):
-        server = _strip_replacement(text)
-        local = {_strip_replacement(tokenizer.decode(ids, skip_special_tokens=skip)) for skip in (False, True)}
-        if server not in local:
-            raise ServerError(f"{where}: the returned token ids decode here to "
-                              f"{_one_line(repr(tokenizer.decode(ids, skip_special_tokens=False)), 80)}, the server's "
-                              f"text is {_one_line(repr(text), 80)}: the server's tokenizer is not --model's")
+        form = text_form(text, tokenizer, ids, list(sent), stopped)
+        if form is None:
+            raise ServerError(f"{where}: the server's text is not what its token ids decode to here ("
+                              f"{text_difference(text, tokenizer.decode(ids, skip_special_tokens=False))}, even "
+                              "allowing a held-back last character and a left-out stop token): the server's "
+                              "tokenizer is not --model's")
         checked = "checked"
-    return {"ids": list(ids), "logprobs": [float(v) for v in values], "finished": choice.get("finish_reason") == "stop",
-            "prompt": prompt, "text": checked}
+    return {"ids": ids, "logprobs": [float(v) for v in values], "finished": stopped, "prompt": prompt,
+            "text": checked, "text_form": form}
 
 
 PROMPT_CHECK = {"ids": "verified: the server reported the prompt token ids it scored, equal to those sent",
@@ -306,6 +471,10 @@ PROMPT_CHECK = {"ids": "verified: the server reported the prompt token ids it sc
                 "none": "not verified: the server reports neither the prompt ids it scored nor their count"}
 TEXT_CHECK = {"checked": "verified: the sampled ids decode here to the text the server returned",
               "none": "not verified: the server returned no text"}
+TEXT_FORMS = {"held_back": "cut by max_tokens inside a multi-byte character, the incomplete character held back",
+              "stop_token_left_out": "the stop token left out of the text",
+              "after_prompt": "decoded on from the prompt (a leading space kept)",
+              "special_skipped": "special tokens left out (skip_special_tokens ignored)"}
 
 
 def generation_config_note(model_path: Path | None, sent: dict[str, Any]) -> str | None:
@@ -364,10 +533,12 @@ def bounded(job, count: int, workers: int):
 
 
 def generate(config: ServerConfig, tokenizer, prompts: list[list[int]], sampling: SamplingConfig, seed: int = 0,
-             model_path: Path | None = None, console=None) -> tuple[Rollouts, dict[str, Any]]:
+             model_path: Path | None = None, console=None,
+             vocab_size: int | None = None) -> tuple[Rollouts, dict[str, Any]]:
     """Sample one response per prompt from the server; returns the rollouts and what the report
     says about the server (URL, model, the request's fields, alignment evidence, notes, seconds).
-    Request ``i`` carries seed ``seed · 1000003 + i`` (the vllm engine's per-request seeds).
+    Request ``i`` carries seed ``seed · 1000003 + i`` (the vllm engine's per-request seeds);
+    ``vocab_size`` is --model's number of embedding rows (a sampled id beyond it is refused).
 
     Raises:
         ServerError: see ``request_json``, ``served_model``, ``parse_completion``.
@@ -379,7 +550,7 @@ def generate(config: ServerConfig, tokenizer, prompts: list[list[int]], sampling
 
     def one(i: int, stop: threading.Event) -> None:
         answer = request_json(config, "/v1/completions", bodies[i], stop)
-        results[i] = parse_completion(answer, i, prompts[i], tokenizer)
+        results[i] = parse_completion(answer, i, prompts[i], tokenizer, vocab_size)
 
     start = time.perf_counter()
     progress = None
@@ -416,6 +587,10 @@ def generate(config: ServerConfig, tokenizer, prompts: list[list[int]], sampling
     levels = {r["prompt"] for r in rows}  # the report states the weakest evidence any response gave
     prompt_level = "none" if "none" in levels else "count" if "count" in levels else "ids"
     text_level = "none" if any(r["text"] == "none" for r in rows) else "checked"
+    forms = {name: sum(name in r["text_form"] for r in rows) for name in TEXT_FORMS}
+    text_check = TEXT_CHECK[text_level]
+    if text_level == "checked" and any(forms.values()):
+        text_check += " (" + "; ".join(f"{n} response(s) {TEXT_FORMS[k]}" for k, n in forms.items() if n) + ")"
     info = {
         "url": config.url, "served_model": name, "server_model_root": card.get("root"),
         "server_max_model_len": card.get("max_model_len"), "request": sent,
@@ -423,7 +598,7 @@ def generate(config: ServerConfig, tokenizer, prompts: list[list[int]], sampling
         "concurrency": config.concurrency, "seconds": seconds,
         "alignment": {"prompt_ids": PROMPT_CHECK[prompt_level],
                       "response_ids": "verified: returned as ids (return_token_ids / return_tokens_as_token_ids)",
-                      "text": TEXT_CHECK[text_level]},
+                      "text": text_check, "text_forms": forms},
         "notes": notes,
     }
     return rollouts, info
