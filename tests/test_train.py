@@ -315,13 +315,15 @@ def test_sigterm_waits_for_the_update_and_the_handler_is_restored():
 
 
 @pytest.mark.slow
-def test_flat_rewards_skip_the_update(offpolicy_cache, tmp_path, monkeypatch):
-    # every reward 0 → every advantage 0 and no KL term: a zero gradient, so no backward and no optimizer step
-    # (issue #30); the mismatch is still measured by a no-grad forward
+@pytest.mark.parametrize("reward", [0.0, 0.7])
+def test_flat_rewards_skip_the_update(offpolicy_cache, tmp_path, monkeypatch, reward):
+    # every reward equal → every advantage 0 and no KL term: a zero gradient, so no backward and no optimizer step
+    # (issue #30); the mismatch is still measured by a no-grad forward. A partial credit of 0.7 for every
+    # response (issue #43): at 3be706e its float32 mean rounded off, every row got +0.06 and the run trained
     from offpolicy.tasks.tasks import Reverse
     from offpolicy.train.checkpoint import load_trainer_state
 
-    monkeypatch.setattr(Reverse, "reward", lambda self, problem, completion: 0.0)
+    monkeypatch.setattr(Reverse, "reward", lambda self, problem, completion: reward)
     result = run(tmp_path, "flat", "steps=2", "checkpoint_every=1", "minibatches=1")
     rows = records(result.run_dir)
     assert [r["skipped_update"] for r in rows] == [1.0, 1.0] and [r["policy_version"] for r in rows] == [0.0, 0.0]
