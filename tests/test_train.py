@@ -87,6 +87,11 @@ def test_cli_run_writes_everything(offpolicy_cache, tmp_path):
 def test_resume_continues_identically(offpolicy_cache, tmp_path, staleness):
     straight = run(tmp_path, "straight", "steps=4", f"max_staleness={staleness}")
     run(tmp_path, "split", "steps=2", f"max_staleness={staleness}")
+    # a hard stop while writing step 2's lines (issue #43): at 3be706e --resume died on a JSONDecodeError
+    with (tmp_path / "split" / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 2, "reward": 0.2')
+    with (tmp_path / "split" / "samples.jsonl").open("ab") as f:
+        f.write('{"step": 2, "completion": "caf\u00e9'.encode()[:-1])  # a multi-byte character cut too
     resumed = run(tmp_path, "split", "steps=4", f"max_staleness={staleness}", resume=True)
     assert resumed.run_dir == tmp_path / "split"
     a, b = records(straight.run_dir), records(tmp_path / "split")
