@@ -119,8 +119,18 @@ def test_any_local_hf_model_by_path(offpolicy_cache, tmp_path):
     model_dir = tmp_path / "my-model"
     build_tiny_qwen2(tok, hidden_size=64, num_layers=2, seed=3).save_pretrained(model_dir)
     tok.save_pretrained(model_dir)
-    result = run(tmp_path, "local", "steps=2", f"model={model_dir}", "preset=trl:token_truncate")
+    from rich.console import Console
+
+    console = Console(record=True, width=300)
+    cfg = load_train_config(None, [*FAST, f"out_dir={tmp_path / 'local'}", "steps=2", f"model={model_dir}",
+                                   "preset=trl:token_truncate"])
+    result = train(cfg, console=console, progress=False)
     assert [r["step"] for r in records(result.run_dir)] == [0, 1]
+    # a pretrained model on a synthetic task takes a pretrained model's defaults, and says so (issue #43)
+    assert "a pretrained model's (model=DIR) defaults: lr 1e-06, micro_batch_tokens 2048" in console.export_text()
+    import yaml
+
+    assert yaml.safe_load((result.run_dir / "config.yaml").read_text())["train"]["lr"] == 1e-6
 
 
 def test_hf_engine_sync_and_logprobs(tmp_path):

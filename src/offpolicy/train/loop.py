@@ -268,6 +268,8 @@ def train(cfg: TrainConfig, resume: Path | None = None, console: Console | None 
                       f"engine {cfg.engine} ({engine_dtype}) · "
                       f"loss {cfg.loss_summary()} · staleness ≤ "
                       f"{cfg.max_staleness} · run {run_dir}")
+        if cfg.model_defaults():  # chosen by the model, not the task: say which applied
+            console.print(f"  {cfg.model_defaults()}")
         context = cfg.max_prompt_tokens + cfg.max_new_tokens if cfg.task == "dataset" else 1024
         engine_bytes = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
         engine = make_engine(cfg.engine, str(load_from), tokenizer, engine_dtype, seed=cfg.seed,
