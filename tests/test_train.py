@@ -274,6 +274,60 @@ def test_ctrl_c_saves_a_checkpoint_and_resume_continues(offpolicy_cache, tmp_pat
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("second", ["SIGTERM", "SIGINT"])
+def test_a_second_signal_during_the_interrupt_checkpoint_waits_for_it(offpolicy_cache, tmp_path, monkeypatch, second):
+    """Issue #43: a SIGTERM at step 1 starts the interrupt checkpoint; a second SIGTERM (or Ctrl-C) while it is
+    written cut it short at 3be706e — a KeyboardInterrupt out of train(), a traceback, no checkpoint of step 1."""
+    import os
+    import signal
+
+    from offpolicy.train.pipeline import RolloutPipeline
+
+    real_next, real_save = RolloutPipeline.next, train_loop.save_checkpoint
+
+    def next_then_stop(self, step, version):
+        if step == 1:  # between updates: Terminated at once
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real_next(self, step, version)
+
+    def save_interrupted(*args, **kwargs):
+        os.kill(os.getpid(), getattr(signal, second))  # the second signal, mid-checkpoint
+        return real_save(*args, **kwargs)
+
+    monkeypatch.setattr(RolloutPipeline, "next", next_then_stop)
+    monkeypatch.setattr(train_loop, "save_checkpoint", save_interrupted)
+    before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    result = run(tmp_path, "twice", "steps=4", "checkpoint_every=10", "samples_per_step=0")
+    assert result.interrupted and result.stop_signal == signal.SIGTERM
+    checkpoints = result.run_dir / "checkpoints"
+    assert (checkpoints / "latest").read_text() == "step-1"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["latest", "step-1"]  # nothing half-written
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
+
+
+def test_a_failed_checkpoint_write_leaves_nothing_and_latest_untouched(tmp_path):
+    from offpolicy.train.checkpoint import latest_checkpoint, save_checkpoint
+
+    tok = build_char_tokenizer()
+    model = build_tiny_qwen2(tok, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=32)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    save_checkpoint(tmp_path, 1, model, tok, optimizer, {"step": 1})
+
+    class Interrupted:  # a tokenizer whose save is cut short (a signal, a full disk)
+        def save_pretrained(self, path):
+            (Path(path) / "partial").write_text("x")
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(tmp_path, 2, model, Interrupted(), optimizer, {"step": 2})
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", "step-1"]
+    assert latest_checkpoint(tmp_path).name == "step-1"
+    save_checkpoint(tmp_path, 1, model, tok, optimizer, {"step": 1, "again": True})  # the same step, replaced
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", "step-1"]
+    assert torch.load(tmp_path / "checkpoints" / "step-1" / "trainer_state.pt", weights_only=False)["again"]
+
+
+@pytest.mark.slow
 def test_sigterm_saves_a_checkpoint_and_resume_continues(offpolicy_cache, tmp_path):
     # issue #30: a scheduler's, a container's or `timeout`'s SIGTERM ended the run with no checkpoint
     import os
