@@ -48,7 +48,7 @@ import time
 from pathlib import Path
 
 PROMPTS, GROUP = 8, 8
-# per model: prompts a step, learning rate (smollm2: task=dataset's defaults, DATASET_DEFAULTS)
+# per model: prompts a step, learning rate (smollm2: a pretrained model's defaults, PRETRAINED_DEFAULTS)
 SETTINGS = {"embedded": (PROMPTS, 3e-4), "qwen2-0.5b": (PROMPTS, 3e-4), "smollm2": (4, 1e-6)}
 DATA = Path(__file__).resolve().parents[1] / "examples" / "data" / "arith_word_problems.jsonl"
 TRAINERS = {

@@ -236,3 +236,25 @@ def test_diagnose_scores_with_trains_loader_and_forward(tiny_dir):
     assert torch.equal(s.trainer[counted], want[counted])
     assert 0 < float((s.trainer - s.batch.rollout_logprobs)[counted].abs().max()) < 0.5  # bf16 compute really ran
     assert cli.build_parser().parse_args(["diagnose"]).trainer_dtype == "auto"
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("top_k", [-1, 3])
+@pytest.mark.parametrize("top_p", [0.3, 0.5, 0.9])
+def test_engine_and_trainer_keep_the_same_tokens_under_exact_ties(temperature, top_k, top_p):
+    """Issue #43: with exactly tied probabilities at the top-p cut, the hf engine's warpers (transformers'
+    sort, ascending) and the trainer's renormalize_logprobs (descending) kept different tokens at 3be706e.
+    Both now take one tie rule (offpolicy.sampling.top_p_keep): the kept sets agree, row by row."""
+    from offpolicy.engines.hf import warpers
+    from offpolicy.sampling import renormalize_logprobs
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randint(0, 4, (256, 12), generator=g).float()  # few distinct values: ties everywhere
+    sampling = SamplingConfig(max_tokens=1, temperature=temperature, top_k=top_k, top_p=top_p)
+    scores = logits.clone()
+    for warper in warpers(sampling):
+        scores = warper(None, scores)
+    engine_kept = torch.isfinite(scores)
+    trainer_kept = torch.isfinite(renormalize_logprobs(logits, top_p=top_p, top_k=top_k, temperature=temperature))
+    assert (engine_kept.sum(-1) < (logits > -1).sum(-1)).any()  # the nucleus cuts somewhere
+    assert torch.equal(engine_kept, trainer_kept)

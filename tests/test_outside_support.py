@@ -61,7 +61,7 @@ def tiny_setup(seed: int = 0):
     return model, batch, adv.unsqueeze(-1).expand_as(batch.mask).contiguous()
 
 
-def step_gradient(model, batch, adv, loss_cfg, budget, old=None):
+def step_gradient(model, batch, adv, loss_cfg, budget, old=None, update_weights=True):
     before = [p.detach().clone() for p in model.parameters()]
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
     metrics = Metrics()
@@ -71,7 +71,7 @@ def step_gradient(model, batch, adv, loss_cfg, budget, old=None):
 
     update.optimizer_step(model, opt, batch, torch.arange(6), adv, old_of=old_of, loss_cfg=loss_cfg, sampling=TOP3,
                           device=torch.device("cpu"), trainer_dtype="fp32", micro_batch_tokens=budget,
-                          max_grad_norm=1e12, metrics=metrics)
+                          max_grad_norm=1e12, metrics=metrics, update=update_weights)
     grads = [b - p.detach() for b, p in zip(before, model.parameters())]
     with torch.no_grad():
         for p, b in zip(model.parameters(), before):
@@ -79,9 +79,12 @@ def step_gradient(model, batch, adv, loss_cfg, budget, old=None):
     return grads, metrics.to_dict()
 
 
-@pytest.mark.parametrize("preset", [None, "verl:decoupled_token_is"])
-def test_micro_batched_step_drops_outside_tokens_exactly_as_the_whole_batch(preset):
-    """The step's global count is taken after the support mask: split and whole give one gradient."""
+@pytest.mark.parametrize("budget", [20, 30])
+@pytest.mark.parametrize("preset", [None, "verl:decoupled_token_is", "verl:decoupled_seq_is_rs"])
+def test_micro_batched_step_drops_outside_tokens_exactly_as_the_whole_batch(preset, budget):
+    """The step's global count is taken after the support mask: split and whole give one gradient — and every
+    metric the same (issue #43: a micro-batch whose tokens all fell outside the support got no forward that
+    recorded entropy and outside mass; float64, top_k=3: entropy 1.08380 whole against 1.08192 split)."""
     model, batch, adv = tiny_setup()
     loss_cfg = op.LossConfig() if preset is None else op.LossConfig.from_preset(preset)
     with torch.no_grad():
@@ -89,7 +92,7 @@ def test_micro_batched_step_drops_outside_tokens_exactly_as_the_whole_batch(pres
         old = update.old_logprobs(other, batch, TOP3, torch.device("cpu"), "fp32", 20)  # π_old's support too
         assert torch.isneginf(old).any()
     whole, m_whole = step_gradient(model, batch, adv, loss_cfg, None, old)
-    split, m_split = step_gradient(model, batch, adv, loss_cfg, 20, old)
+    split, m_split = step_gradient(model, batch, adv, loss_cfg, budget, old)
     tokens = int(batch.mask.sum())
     assert 0 < m_whole["offpolicy/outside_support_tokens"] < tokens  # some tokens left, some stayed
     assert m_split["offpolicy/outside_support_tokens"] == m_whole["offpolicy/outside_support_tokens"]
@@ -97,6 +100,20 @@ def test_micro_batched_step_drops_outside_tokens_exactly_as_the_whole_batch(pres
     scale = max(g.abs().max().item() for g in whole)
     for a, b in zip(whole, split):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6 * scale)
+    assert_same_metrics(m_whole, m_split)
+    # the measuring pass of a skipped update (loop.py) reports the same numbers split or whole too
+    _, measured_whole = step_gradient(model, batch, adv, loss_cfg, None, old, update_weights=False)
+    _, measured_split = step_gradient(model, batch, adv, loss_cfg, budget, old, update_weights=False)
+    assert_same_metrics(measured_whole, measured_split)
+    assert "offpolicy/entropy" in measured_split and "offpolicy/loss" not in measured_split
+
+
+def assert_same_metrics(whole: dict[str, float], split: dict[str, float]) -> None:
+    """Every key, every value: the float64 model gives the unsplit step's numbers to float64 rounding."""
+    assert whole.keys() == split.keys()
+    assert {"offpolicy/entropy", "offpolicy/outside_mass", "offpolicy/outside_mass_max"} <= whole.keys()
+    for key, value in whole.items():
+        assert math.isclose(value, split[key], rel_tol=1e-9, abs_tol=1e-12), (key, value, split[key])
 
 
 def test_old_logprobs_puts_each_micro_batch_back_in_its_rows():

@@ -88,3 +88,22 @@ def test_outside_mass_metrics_merge_to_the_whole_batch():
     assert whole["offpolicy/outside_mass"] == pytest.approx(outside[mask.bool()].double().mean().item(), rel=1e-9)
     assert 0 < whole["offpolicy/outside_mass"] < whole["offpolicy/outside_mass_max"] < 1
     assert got == pytest.approx(whole, rel=1e-12)
+
+
+def test_tied_probabilities_at_the_top_p_cut_keep_the_larger_token_id():
+    """Issue #43: ties at the cut are broken by token id, the larger first — the order of the stable
+    ascending sort vLLM's and transformers' top-p take. probs [0.4, 0.2, 0.2, 0.2], p = 0.5: 0.4, then one
+    of the three tied 0.2s (mass above it 0.4 < 0.5); the next has 0.6 above it. The kept one is id 3."""
+    logits = torch.tensor([[0.4, 0.2, 0.2, 0.2]]).log()
+    lp = op.renormalize_logprobs(logits, top_p=0.5)
+    assert torch.isfinite(lp[0]).tolist() == [True, False, False, True]
+    # float64 too, and behind a top-k that keeps every tie (z ≥ the k-th largest)
+    lp64 = op.renormalize_logprobs(torch.tensor([[0.1, 0.2, 0.2, 0.2, 0.3]], dtype=torch.float64).log(), top_p=0.6,
+                                   top_k=2)
+    assert torch.isfinite(lp64[0]).tolist() == [False, False, True, True, True]  # top-k keeps all three 0.2s
+    # renormalised over those four, mass above: id 4 → 0, id 3 → 0.3/0.9, id 2 → 0.5/0.9 < 0.6, id 1 → 0.7/0.9
+    # the rule does not depend on where the ties sit in the vocabulary
+    wide = torch.full((1, 1000), -30.0)
+    wide[0, [17, 500, 998]] = 0.0
+    kept = torch.isfinite(op.renormalize_logprobs(wide, top_p=0.5))[0].nonzero().flatten().tolist()
+    assert kept == [500, 998]

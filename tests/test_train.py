@@ -87,6 +87,11 @@ def test_cli_run_writes_everything(offpolicy_cache, tmp_path):
 def test_resume_continues_identically(offpolicy_cache, tmp_path, staleness):
     straight = run(tmp_path, "straight", "steps=4", f"max_staleness={staleness}")
     run(tmp_path, "split", "steps=2", f"max_staleness={staleness}")
+    # a hard stop while writing step 2's lines (issue #43): at 3be706e --resume died on a JSONDecodeError
+    with (tmp_path / "split" / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 2, "reward": 0.2')
+    with (tmp_path / "split" / "samples.jsonl").open("ab") as f:
+        f.write('{"step": 2, "completion": "caf\u00e9'.encode()[:-1])  # a multi-byte character cut too
     resumed = run(tmp_path, "split", "steps=4", f"max_staleness={staleness}", resume=True)
     assert resumed.run_dir == tmp_path / "split"
     a, b = records(straight.run_dir), records(tmp_path / "split")
@@ -114,8 +119,18 @@ def test_any_local_hf_model_by_path(offpolicy_cache, tmp_path):
     model_dir = tmp_path / "my-model"
     build_tiny_qwen2(tok, hidden_size=64, num_layers=2, seed=3).save_pretrained(model_dir)
     tok.save_pretrained(model_dir)
-    result = run(tmp_path, "local", "steps=2", f"model={model_dir}", "preset=trl:token_truncate")
+    from rich.console import Console
+
+    console = Console(record=True, width=300)
+    cfg = load_train_config(None, [*FAST, f"out_dir={tmp_path / 'local'}", "steps=2", f"model={model_dir}",
+                                   "preset=trl:token_truncate"])
+    result = train(cfg, console=console, progress=False)
     assert [r["step"] for r in records(result.run_dir)] == [0, 1]
+    # a pretrained model on a synthetic task takes a pretrained model's defaults, and says so (issue #43)
+    assert "a pretrained model's (model=DIR) defaults: lr 1e-06, micro_batch_tokens 2048" in console.export_text()
+    import yaml
+
+    assert yaml.safe_load((result.run_dir / "config.yaml").read_text())["train"]["lr"] == 1e-6
 
 
 def test_hf_engine_sync_and_logprobs(tmp_path):
@@ -259,6 +274,60 @@ def test_ctrl_c_saves_a_checkpoint_and_resume_continues(offpolicy_cache, tmp_pat
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("second", ["SIGTERM", "SIGINT"])
+def test_a_second_signal_during_the_interrupt_checkpoint_waits_for_it(offpolicy_cache, tmp_path, monkeypatch, second):
+    """Issue #43: a SIGTERM at step 1 starts the interrupt checkpoint; a second SIGTERM (or Ctrl-C) while it is
+    written cut it short at 3be706e — a KeyboardInterrupt out of train(), a traceback, no checkpoint of step 1."""
+    import os
+    import signal
+
+    from offpolicy.train.pipeline import RolloutPipeline
+
+    real_next, real_save = RolloutPipeline.next, train_loop.save_checkpoint
+
+    def next_then_stop(self, step, version):
+        if step == 1:  # between updates: Terminated at once
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real_next(self, step, version)
+
+    def save_interrupted(*args, **kwargs):
+        os.kill(os.getpid(), getattr(signal, second))  # the second signal, mid-checkpoint
+        return real_save(*args, **kwargs)
+
+    monkeypatch.setattr(RolloutPipeline, "next", next_then_stop)
+    monkeypatch.setattr(train_loop, "save_checkpoint", save_interrupted)
+    before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    result = run(tmp_path, "twice", "steps=4", "checkpoint_every=10", "samples_per_step=0")
+    assert result.interrupted and result.stop_signal == signal.SIGTERM
+    checkpoints = result.run_dir / "checkpoints"
+    assert (checkpoints / "latest").read_text() == "step-1"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["latest", "step-1"]  # nothing half-written
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
+
+
+def test_a_failed_checkpoint_write_leaves_nothing_and_latest_untouched(tmp_path):
+    from offpolicy.train.checkpoint import latest_checkpoint, save_checkpoint
+
+    tok = build_char_tokenizer()
+    model = build_tiny_qwen2(tok, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=32)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    save_checkpoint(tmp_path, 1, model, tok, optimizer, {"step": 1})
+
+    class Interrupted:  # a tokenizer whose save is cut short (a signal, a full disk)
+        def save_pretrained(self, path):
+            (Path(path) / "partial").write_text("x")
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(tmp_path, 2, model, Interrupted(), optimizer, {"step": 2})
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", "step-1"]
+    assert latest_checkpoint(tmp_path).name == "step-1"
+    save_checkpoint(tmp_path, 1, model, tok, optimizer, {"step": 1, "again": True})  # the same step, replaced
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", "step-1"]
+    assert torch.load(tmp_path / "checkpoints" / "step-1" / "trainer_state.pt", weights_only=False)["again"]
+
+
+@pytest.mark.slow
 def test_sigterm_saves_a_checkpoint_and_resume_continues(offpolicy_cache, tmp_path):
     # issue #30: a scheduler's, a container's or `timeout`'s SIGTERM ended the run with no checkpoint
     import os
@@ -315,13 +384,15 @@ def test_sigterm_waits_for_the_update_and_the_handler_is_restored():
 
 
 @pytest.mark.slow
-def test_flat_rewards_skip_the_update(offpolicy_cache, tmp_path, monkeypatch):
-    # every reward 0 → every advantage 0 and no KL term: a zero gradient, so no backward and no optimizer step
-    # (issue #30); the mismatch is still measured by a no-grad forward
+@pytest.mark.parametrize("reward", [0.0, 0.7])
+def test_flat_rewards_skip_the_update(offpolicy_cache, tmp_path, monkeypatch, reward):
+    # every reward equal → every advantage 0 and no KL term: a zero gradient, so no backward and no optimizer step
+    # (issue #30); the mismatch is still measured by a no-grad forward. A partial credit of 0.7 for every
+    # response (issue #43): at 3be706e its float32 mean rounded off, every row got +0.06 and the run trained
     from offpolicy.tasks.tasks import Reverse
     from offpolicy.train.checkpoint import load_trainer_state
 
-    monkeypatch.setattr(Reverse, "reward", lambda self, problem, completion: 0.0)
+    monkeypatch.setattr(Reverse, "reward", lambda self, problem, completion: reward)
     result = run(tmp_path, "flat", "steps=2", "checkpoint_every=1", "minibatches=1")
     rows = records(result.run_dir)
     assert [r["skipped_update"] for r in rows] == [1.0, 1.0] and [r["policy_version"] for r in rows] == [0.0, 0.0]

@@ -59,20 +59,38 @@ def test_the_issue_command_trains_a_local_model(tiny_qwen2_dir, tmp_path):
 
 
 def test_dataset_defaults_fit_a_real_model():
-    """task=dataset takes DATASET_DEFAULTS where the user set nothing (issue #30: the embedded model's lr 3e-4
-    wrecked SmolLM2 in two updates); what the user sets, a saved config.yaml included, is kept."""
-    from offpolicy.train.config import DATASET_DEFAULTS, TrainConfig
+    """A pretrained model takes PRETRAINED_DEFAULTS where the user set nothing (issue #30: the embedded model's
+    lr 3e-4 wrecked SmolLM2 in two updates); what the user sets, a saved config.yaml included, is kept."""
+    from offpolicy.train.config import PRETRAINED_DEFAULTS, TrainConfig
 
     base = ["model=/models/any", "task=dataset", f"data.path={DATA}", "reward=number"]
     cfg = load_train_config(None, base)
     assert (cfg.lr, cfg.prompts_per_step, cfg.group_size, cfg.micro_batch_tokens) == (1e-6, 4, 8, 2048)
-    assert DATASET_DEFAULTS == {"lr": 1e-6, "prompts_per_step": 4, "group_size": 8, "micro_batch_tokens": 2048}
+    assert PRETRAINED_DEFAULTS == {"lr": 1e-6, "prompts_per_step": 4, "group_size": 8, "micro_batch_tokens": 2048}
     mine = load_train_config(None, [*base, "lr=3e-5", "prompts_per_step=2"])
     assert (mine.lr, mine.prompts_per_step, mine.group_size) == (3e-5, 2, 8)
     again = TrainConfig(**yaml.safe_load(yaml.safe_dump(mine.model_dump(mode="json"))))  # what --resume reads
     assert (again.lr, again.prompts_per_step) == (3e-5, 2)
     synthetic = load_train_config(None, [])
     assert (synthetic.lr, synthetic.prompts_per_step, synthetic.group_size) == (3e-4, 32, 8)
+
+
+@pytest.mark.parametrize("task", ["reverse", "addition", "walk"])
+def test_a_pretrained_model_on_a_synthetic_task_takes_the_pretrained_defaults(task):
+    """Issue #43: the defaults follow the model, not the task — SmolLM2 on task=reverse ran at the embedded
+    model's lr 3e-4 at 3be706e; the console line says which defaults applied."""
+    cfg = load_train_config(None, ["model=/models/any", f"task={task}"])
+    assert (cfg.lr, cfg.prompts_per_step, cfg.group_size, cfg.micro_batch_tokens) == (1e-6, 4, 8, 2048)
+    assert cfg.model_defaults() == ("a pretrained model's (model=DIR) defaults: lr 1e-06, prompts_per_step 4, "
+                                    "group_size 8, micro_batch_tokens 2048 (set any of them to override)")
+    embedded = load_train_config(None, [f"task={task}", "lr=1e-3"])
+    assert (embedded.lr, embedded.prompts_per_step, embedded.micro_batch_tokens) == (1e-3, 32, None)
+    assert embedded.model_defaults() == ("the embedded model's defaults: prompts_per_step 32, group_size 8, "
+                                         "micro_batch_tokens None (set any of them to override)")
+    mine = load_train_config(None, ["model=/models/any", f"task={task}", "lr=3e-4", "prompts_per_step=8",
+                                    "group_size=4", "micro_batch_tokens=null"])
+    assert (mine.lr, mine.prompts_per_step, mine.group_size, mine.micro_batch_tokens) == (3e-4, 8, 4, None)
+    assert mine.model_defaults() is None
 
 
 def yaml_load(path: Path) -> dict:

@@ -7,7 +7,8 @@ For the ratio π/μ to compare like with like, the trainer must compute π the s
     z = logits / τ
     top-k:  keep tokens with z ≥ the k-th largest z (ties kept)
     top-p:  sort the top-k-renormalised probabilities descending; keep the smallest prefix
-            whose mass reaches p (the token that crosses p is kept; at least one token)
+            whose mass reaches p (the token that crosses p is kept; at least one token). Equal
+            probabilities are ordered by token id, the larger id first (``top_p_keep``)
     log π̃(v) = z_v − logsumexp_{kept} z   on kept tokens, −inf elsewhere
 
 ``outside_mass`` = 1 − Σ_{kept} softmax(z): how much of the untruncated distribution the
@@ -63,13 +64,7 @@ def renormalize_logprobs(
         kth = torch.topk(z, top_k, dim=-1).values[..., -1:]  # [..., 1]
         keep &= z >= kth
     if top_p < 1.0:
-        masked = z.masked_fill(~keep, float("-inf"))
-        probs = torch.softmax(masked, dim=-1)
-        sorted_probs, order = probs.sort(dim=-1, descending=True)
-        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass strictly above each token
-        keep_sorted = mass_before < top_p
-        keep_sorted[..., 0] = True
-        keep &= torch.zeros_like(keep).scatter(-1, order, keep_sorted)
+        keep &= top_p_keep(torch.softmax(z.masked_fill(~keep, float("-inf")), dim=-1), top_p)
     kept_logits = z.masked_fill(~keep, float("-inf"))
     kept_lse = torch.logsumexp(kept_logits, dim=-1, keepdim=True)
     logprobs = kept_logits - kept_lse
@@ -78,6 +73,24 @@ def renormalize_logprobs(
     # Σ_kept softmax(z) = exp(lse_kept − lse_all): one more reduction, no second [..., V] tensor
     inside = (kept_lse - torch.logsumexp(z, dim=-1, keepdim=True)).squeeze(-1).exp()
     return logprobs, (1.0 - inside).clamp(min=0.0)
+
+
+def top_p_keep(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """The nucleus of ``probs`` ``[..., V]`` as a bool mask: in descending order, each token whose mass
+    strictly above it is < ``top_p`` (the token that crosses p is kept; the first always is).
+
+    Ties at the cut are broken by token id, the larger id first: the order of a stable ascending sort,
+    read backwards — the sort vLLM's and transformers' top-p take (ascending, then drop from the small
+    end), which is stable for a real vocabulary on the GPU and on the CPU. The hf engine samples with
+    this very function (``engines/hf.py``), so with exactly tied probabilities the trainer keeps the
+    tokens the engine kept; a plain descending sort kept the smaller id instead.
+    """
+    ascending, order = probs.sort(dim=-1, stable=True)  # ties in id order
+    descending, order = ascending.flip(-1), order.flip(-1)  # ties: the larger id first
+    mass_before = descending.cumsum(dim=-1) - descending  # mass strictly above each token
+    keep_sorted = mass_before < top_p
+    keep_sorted[..., 0] = True
+    return torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
 
 
 def outside_mass_metrics(outside_mass: torch.Tensor, mask: torch.Tensor, metrics: Metrics | None = None) -> Metrics:

@@ -21,7 +21,9 @@ order with the same arguments — noise, ``TemperatureLogitsWarper``, ``TopKLogi
 ``TopPLogitsWarper`` — followed by ``_SampledLogprobs``, which keeps the step's processed
 log-softmax ``[B, V]`` and, as a stopping criterion (called once the token is appended), gathers
 it at the token just drawn and drops it. The draws are the same as with transformers' own
-warpers, bit for bit (``tests/test_hf_engine.py``).
+warpers, bit for bit (``tests/test_hf_engine.py``); top-p is transformers' nucleus computed by the
+trainer's own function (``offpolicy.sampling.top_p_keep``), so that exactly tied probabilities at
+the cut keep the same tokens on both sides.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from transformers import (AutoModelForCausalLM, LogitsProcessor, LogitsProcessor
 
 from offpolicy.engines.base import Rollouts, SamplingConfig, left_pad, stop_token_ids
 from offpolicy.engines.generation import explicit_config, generate, ignored_line
+from offpolicy.sampling import top_p_keep
 
 log = logging.getLogger(__name__)
 
@@ -86,16 +89,29 @@ class _GatherDrawn(StoppingCriteria):
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
 
+class _TopP(TopPLogitsWarper):
+    """Top-p on the trainer's definition (``offpolicy.sampling.top_p_keep``): the same nucleus as
+    transformers' ``TopPLogitsWarper`` (min_tokens_to_keep = 1), with one tie rule for both sides —
+    equal probabilities at the cut ordered by token id, the larger first. transformers' own warper
+    sorts with an unstable sort, ascending, while the trainer sorted descending: with exactly tied
+    probabilities the two kept different tokens."""
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        keep = top_p_keep(scores.float().softmax(dim=-1), self.top_p)
+        return scores.masked_fill(~keep, self.filter_value)
+
+
 def warpers(sampling: SamplingConfig) -> list[LogitsProcessor]:
-    """transformers' own warpers for ``sampling``, as ``_get_logits_processor`` builds them for
-    ``do_sample`` with one beam (min_tokens_to_keep = 1): temperature if τ ≠ 1, top-k if on, top-p if < 1."""
+    """transformers' warpers for ``sampling``, as ``_get_logits_processor`` builds them for
+    ``do_sample`` with one beam (min_tokens_to_keep = 1): temperature if τ ≠ 1, top-k if on, top-p if
+    < 1 (``_TopP``: transformers' warper with the trainer's tie rule)."""
     out: list[LogitsProcessor] = []
     if sampling.temperature != 1.0:
         out.append(TemperatureLogitsWarper(sampling.temperature))
     if sampling.top_k > 0:
         out.append(TopKLogitsWarper(top_k=sampling.top_k, min_tokens_to_keep=1))
     if sampling.top_p < 1.0:
-        out.append(TopPLogitsWarper(top_p=sampling.top_p, min_tokens_to_keep=1))
+        out.append(_TopP(top_p=sampling.top_p, min_tokens_to_keep=1))
     return out
 
 

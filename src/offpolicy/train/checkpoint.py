@@ -18,12 +18,20 @@ def save_checkpoint(run_dir: Path, step: int, model, tokenizer, optimizer, state
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{step}"
     tmp = Path(tempfile.mkdtemp(dir=root, prefix=".tmp-"))
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    torch.save({"optimizer": optimizer.state_dict(), **state}, tmp / "trainer_state.pt")
-    if final.exists():
-        shutil.rmtree(final)
-    tmp.rename(final)
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        torch.save({"optimizer": optimizer.state_dict(), **state}, tmp / "trainer_state.pt")
+    except BaseException:  # a failed or interrupted write leaves nothing behind, ``latest`` untouched
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if final.exists():  # the same step saved again: the old copy goes aside first, then away
+        aside = Path(tempfile.mkdtemp(dir=root, prefix=".old-"))
+        final.rename(aside / final.name)
+        tmp.rename(final)
+        shutil.rmtree(aside, ignore_errors=True)
+    else:
+        tmp.rename(final)
     pointer = root / ".latest.tmp"
     pointer.write_text(final.name)
     os.replace(pointer, root / "latest")

@@ -19,9 +19,11 @@ from offpolicy.tasks import TASKS, make_task
 
 NO_CORRECTION = "none"  # preset value that turns the correction off explicitly (async guard)
 DATASET_MAX_NEW_TOKENS, DATASET_MAX_PROMPT = 256, 512  # task=dataset limits when unset
-# task=dataset (a real pretrained model, model=DIR) when unset; the synthetic tasks keep the field defaults,
-# tuned for the 0.8M-parameter embedded model (issue #30). Each value with its reason:
-DATASET_DEFAULTS = {
+# a pretrained model (model=DIR), on any task, when unset; the embedded model (model=default) keeps the field
+# defaults, tuned for its 0.8M parameters (issue #30). Chosen by the model, not the task (issue #43: SmolLM2
+# on task=reverse ran at the embedded model's 3e-4 and said "left left left" after two updates). Each value
+# with its reason:
+PRETRAINED_DEFAULTS = {
     # TRL's GRPOConfig default. 3e-4 (the embedded model's) turned SmolLM2-135M-Instruct's answers into
     # "left left left" in two updates, every response truncated (issue #30)
     "lr": 1e-6,
@@ -170,14 +172,14 @@ class TrainConfig(_Strict):
                                        "(10 for reverse/addition, max_len + 10 = 160 for walk)")
     # the RL algorithm
     steps: int = Field(150, gt=0)
-    prompts_per_step: int = Field(32, gt=0, description="prompts sampled per step; task=dataset: 4 when unset "
-                                  "(DATASET_DEFAULTS: a real model on a CPU)")
-    group_size: int = Field(8, gt=1, description="G samples per prompt (GRPO groups); task=dataset: 8 when unset")
+    prompts_per_step: int = Field(32, gt=0, description="prompts sampled per step; a pretrained model (model=DIR): "
+                                  "4 when unset (PRETRAINED_DEFAULTS: a real model on a CPU)")
+    group_size: int = Field(8, gt=1, description="G samples per prompt (GRPO groups); a pretrained model: 8 when unset")
     ppo_epochs: int = Field(1, gt=0)
     minibatches: int = Field(1, gt=0, description="optimizer steps per epoch over the rollout batch; 1 (with "
                              "ppo_epochs=1, max_staleness=0) makes π_old = π_θ, so its forward is skipped")
     lr: float = Field(3e-4, gt=0, description="AdamW's learning rate: 3e-4 suits the embedded 0.8M model; "
-                      "task=dataset (a pretrained model): 1e-6 when unset, TRL's default (DATASET_DEFAULTS)")
+                      "a pretrained model (model=DIR), any task: 1e-6 when unset, TRL's default (PRETRAINED_DEFAULTS)")
     max_grad_norm: float = Field(1.0, gt=0)
     max_staleness: int = Field(0, ge=0, description="0 = synchronous; s ≥ 1 = the engine generates the next "
                                "batches in its own thread while the trainer trains, rollouts up to s versions old")
@@ -210,7 +212,8 @@ class TrainConfig(_Strict):
     micro_batch_tokens: int | None = Field(None, gt=0, description="split each optimizer step's rows into "
                                            "micro-batches of at most this many prompt + response tokens (a longer "
                                            "row goes alone); exact: the loss is divided by the step's global count. "
-                                           "task=dataset: 2048 when unset (DATASET_DEFAULTS); null = one batch")
+                                           "a pretrained model (model=DIR): 2048 when unset (PRETRAINED_DEFAULTS); "
+                                           "null = one batch")
     engine_gpu_memory_utilization: float = Field(0.3, gt=0, le=1, description="vLLM on CUDA: share of the GPU's "
                                                  "memory vLLM may take (weights + KV cache); the trainer uses the rest")
     engine_sleep: bool = Field(True, description="vLLM on CUDA, max_staleness=0: sleep(level=1) after generating "
@@ -258,14 +261,16 @@ class TrainConfig(_Strict):
 
     @model_validator(mode="after")
     def _task_defaults(self) -> TrainConfig:
-        """Unset ``max_new_tokens`` and warm-start fields take the task's values; task=dataset's unset
-        ``lr`` / ``prompts_per_step`` / ``group_size`` take ``DATASET_DEFAULTS`` (a real model)."""
+        """Unset ``max_new_tokens`` and warm-start fields take the task's values; a pretrained model's
+        (``model=DIR``) unset ``lr`` / ``prompts_per_step`` / ``group_size`` / ``micro_batch_tokens``
+        take ``PRETRAINED_DEFAULTS``, whatever the task (``model_defaults`` says which applied)."""
+        if self.model != "default":
+            for key, default in PRETRAINED_DEFAULTS.items():
+                if key not in self.model_fields_set:  # set by the user (or a saved config.yaml): kept
+                    object.__setattr__(self, key, default)
         if self.task == "dataset":  # no warm start (model=DIR); GSM8K-style reasoning needs room
             for key, default in (("max_new_tokens", DATASET_MAX_NEW_TOKENS), ("max_prompt_tokens", DATASET_MAX_PROMPT)):
                 if getattr(self, key) is None:
-                    object.__setattr__(self, key, default)
-            for key, default in DATASET_DEFAULTS.items():
-                if key not in self.model_fields_set:  # set by the user (or a saved config.yaml): kept
                     object.__setattr__(self, key, default)
             return self
         if self.max_new_tokens is None:  # the task's own limit (a frozen model: set once, here)
@@ -279,6 +284,17 @@ class TrainConfig(_Strict):
         if task_ws:
             object.__setattr__(self, "warm_start", self.warm_start.model_copy(update=task_ws))
         return self
+
+    def model_defaults(self) -> str | None:
+        """One line for the run's console: which model-dependent defaults this run took (the options in
+        ``PRETRAINED_DEFAULTS`` the user left unset), or None when every one was set (a resumed run's
+        config.yaml sets them all)."""
+        unset = [key for key in PRETRAINED_DEFAULTS if key not in self.model_fields_set]
+        if not unset:
+            return None
+        which = "the embedded model's" if self.model == "default" else "a pretrained model's (model=DIR)"
+        values = ", ".join(f"{key} {getattr(self, key)}" for key in unset)
+        return f"{which} defaults: {values} (set any of them to override)"
 
     @model_validator(mode="after")
     def _dataset_task(self) -> TrainConfig:

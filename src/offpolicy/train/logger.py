@@ -62,10 +62,33 @@ def sample_records(problems, completions: list[str], rewards, advantages, log_ra
     return out
 
 
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
+def read_jsonl(path: Path, torn: list[str] | None = None) -> list[dict[str, Any]]:
+    """The records of a JSON-lines file the run appends to, one ``write`` per line (empty lines skipped).
+
+    A hard stop (SIGKILL, out of memory, a full disk) can leave the last line incomplete: a last line
+    that does not parse is left out, and a note naming it is appended to ``torn`` (the step it was
+    writing is past the checkpoint, so resuming recomputes it). A line that does not parse anywhere
+    else was not torn by a stop: that is an error.
+
+    Raises:
+        ValueError: a line before the last is not JSON (file, line number and the fix named).
+    """
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    # bytes, split on newlines: a stop can also cut a multi-byte character (samples.jsonl keeps non-ASCII text)
+    lines = [(n, line) for n, line in enumerate(path.read_bytes().split(b"\n"), 1) if line.strip()]
+    records = []
+    for i, (n, line) in enumerate(lines):
+        try:
+            records.append(json.loads(line.decode("utf-8")))
+        except ValueError as err:  # JSONDecodeError and UnicodeDecodeError
+            if i < len(lines) - 1:
+                raise ValueError(f"{path}: line {n} is not JSON ({err}) and is not the last line, so it was not "
+                                 "torn by a stop; repair or delete that line to resume") from None
+            if torn is not None:
+                torn.append(f"{path.name}: left out its incomplete last line {n} ({len(line)} characters), "
+                            "written when the run was stopped")
+    return records
 
 
 class RunLogger:
@@ -73,15 +96,18 @@ class RunLogger:
                  progress: bool = True):
         self.run_dir = run_dir
         self.path = run_dir / "metrics.jsonl"
-        # on resume, drop lines past the checkpoint: they are recomputed, identically
-        kept = [r for r in read_jsonl(self.path) if r["step"] < start_step]
+        self.console = console or Console()
+        # on resume, drop lines past the checkpoint: they are recomputed, identically (a torn last line too)
+        torn: list[str] = []
+        kept = [r for r in read_jsonl(self.path, torn) if r["step"] < start_step]
+        self.samples_path = run_dir / "samples.jsonl"
+        kept_samples = [r for r in read_jsonl(self.samples_path, torn) if r["step"] < start_step]
         self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
         self.records = kept
-        self.samples_path = run_dir / "samples.jsonl"
-        kept_samples = [r for r in read_jsonl(self.samples_path) if r["step"] < start_step]
         self.samples_path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in kept_samples))
+        for note in torn:
+            self.console.print(f"[yellow]  resume: {note}[/yellow]")
         self.write_seconds: list[float] = []
-        self.console = console or Console()
         try:
             from torch.utils.tensorboard import SummaryWriter
 

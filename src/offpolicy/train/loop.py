@@ -21,11 +21,13 @@ an update would, without ``loss`` and ``grad_norm`` — a run of flat rewards is
 to see whether μ and π_θ still agree.
 
 SIGTERM (a scheduler's, a container's or ``timeout``'s stop) ends the run like Ctrl-C, with a checkpoint;
-mid-update it first lets the step finish (``GracefulStop``).
+mid-update it first lets the step finish (``GracefulStop``); a second SIGTERM or Ctrl-C while that
+checkpoint is written waits for it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import shutil
@@ -95,6 +97,21 @@ class GracefulStop:
         if self.pending:
             self.pending = False
             raise Terminated()
+
+    @contextlib.contextmanager
+    def deferred(self):
+        """The interrupt checkpoint's window: a second SIGTERM or Ctrl-C waits for it (the run is
+        stopping anyway) instead of cutting it short with a traceback and no checkpoint."""
+        updating, self.updating = self.updating, True
+        previous = None
+        if threading.current_thread() is threading.main_thread():
+            previous = signal.signal(signal.SIGINT, lambda signum, frame: None)
+        try:
+            yield
+        finally:
+            self.updating, self.pending = updating, False
+            if previous is not None:
+                signal.signal(signal.SIGINT, previous)
 
     def close(self) -> None:
         if self.previous is not None:
@@ -268,6 +285,8 @@ def train(cfg: TrainConfig, resume: Path | None = None, console: Console | None 
                       f"engine {cfg.engine} ({engine_dtype}) · "
                       f"loss {cfg.loss_summary()} · staleness ≤ "
                       f"{cfg.max_staleness} · run {run_dir}")
+        if cfg.model_defaults():  # chosen by the model, not the task: say which applied
+            console.print(f"  {cfg.model_defaults()}")
         context = cfg.max_prompt_tokens + cfg.max_new_tokens if cfg.task == "dataset" else 1024
         engine_bytes = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
         engine = make_engine(cfg.engine, str(load_from), tokenizer, engine_dtype, seed=cfg.seed,
@@ -379,7 +398,7 @@ def train(cfg: TrainConfig, resume: Path | None = None, console: Console | None 
             if completed % cfg.checkpoint_every == 0 or completed == cfg.steps:
                 save_checkpoint(run_dir, completed, policy, tokenizer, optimizer,
                                 {"step": completed, "version": version, "pending": pipeline.state(),
-                                 "pipeline": {"last": pipeline.last, "dropped": pipeline.dropped}})
+                                 "pipeline": pipeline.counters()})
                 saved = completed
             stop.check()  # a SIGTERM that came mid-update ends the run here, the step done
     except KeyboardInterrupt as err:
@@ -387,9 +406,10 @@ def train(cfg: TrainConfig, resume: Path | None = None, console: Console | None 
         stop_signal = signal.SIGTERM if isinstance(err, Terminated) else signal.SIGINT
         if not updating and completed > saved:
             # between updates the weights, optimizer and queued rollouts are consistent: save them
-            save_checkpoint(run_dir, completed, policy, tokenizer, optimizer,
-                            {"step": completed, "version": version, "pending": pipeline.state(),
-                             "pipeline": {"last": pipeline.last, "dropped": pipeline.dropped}})
+            with stop.deferred():
+                save_checkpoint(run_dir, completed, policy, tokenizer, optimizer,
+                                {"step": completed, "version": version, "pending": pipeline.state(),
+                                 "pipeline": pipeline.counters()})
         where = latest_checkpoint(run_dir).name if (run_dir / "checkpoints" / "latest").exists() else "none yet"
         how = "terminated (SIGTERM)" if stop_signal == signal.SIGTERM else "interrupted"
         console.print(f"[yellow]{how} after {completed} steps; checkpoint: {where}. Continue with "

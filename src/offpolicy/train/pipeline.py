@@ -55,7 +55,8 @@ class Pending:
 class RolloutPipeline:
     def __init__(self, engine: RolloutEngine, task: Task, tokenizer, sampling: SamplingConfig, prompts_per_step: int,
                  group_size: int, max_staleness: int, seed: int, pending: list[Pending] | None = None,
-                 staleness_policy: str = "wait", last: int | None = None, dropped: int = 0):
+                 staleness_policy: str = "wait", last: int | None = None, dropped: int = 0, step_dropped: int = 0,
+                 filled: bool = False):
         self.engine, self.task, self.tokenizer, self.sampling = engine, task, tokenizer, sampling
         self.prompts_per_step, self.group_size = prompts_per_step, group_size
         self.max_staleness, self.seed = max_staleness, seed
@@ -64,6 +65,10 @@ class RolloutPipeline:
         # newest batch index requested (a checkpoint's, where a drop emptied the queue)
         self._last = self.pending[-1].step if self.pending else last
         self.dropped = dropped  # rollouts (rows) discarded as too old, over the whole run
+        # of those, the ones dropped for the step not yet committed: a stop while ``next`` waits after a
+        # drop keeps them with the queue they left, so the resumed step reports them as an uninterrupted one
+        self.step_dropped = step_dropped
+        self.filled = filled  # the uncommitted step's request has topped the queue up (once per request)
         self.last_dropped, self._taken = 0, None
         # one worker = one engine user at a time, jobs in submission order
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="offpolicy-engine") if max_staleness > 0 else None
@@ -97,14 +102,14 @@ class RolloutPipeline:
         Requests what the staleness window needs with ``version`` first, so those generate while
         ``step`` trains."""
         depth = self.max_staleness + (2 if self.policy == "drop" else 1)  # batches queued after the request
-        waited, dropped = 0.0, 0
-        fill = True  # once per request (and again only if drops emptied the queue): the engine's pace
+        waited = 0.0
+        fill = not self.filled  # once per request (again only if drops empty the queue): the engine's pace
         while True:
             while fill and len(self.pending) < depth or not self.pending:
                 target = step if self._last is None else self._last + 1
                 self.pending.append(self._submit(self._generate, target, version))
                 self._last = target
-            fill = False
+            fill, self.filled = False, True
             start = time.perf_counter()
             head = self.pending[0]
             item = head.result() if isinstance(head, Future) else head
@@ -113,11 +118,12 @@ class RolloutPipeline:
             staleness = version - item.rollouts.version
             if self.policy == "drop" and staleness > self.max_staleness:
                 self.pending.popleft()  # too old: discard it and pull the next, newer one
-                dropped += len(item.rollouts)
+                # counted at once: a stop in the next wait (SIGTERM) checkpoints the queue without it
+                self.dropped += len(item.rollouts)
+                self.step_dropped += len(item.rollouts)
                 continue
             break
-        self.dropped += dropped
-        self.last_dropped, self._taken = dropped, item
+        self.last_dropped, self._taken = self.step_dropped, item
         if self.policy == "wait" and item.step != step:
             raise RuntimeError(f"rollout pipeline out of order: wanted step {step}, have {item.step}")
         if not 0 <= staleness <= self.max_staleness:
@@ -135,6 +141,11 @@ class RolloutPipeline:
         """The batch ``next`` gave for ``step`` has been trained on: drop it."""
         if self.pending and self.pending[0] is self._taken:
             self.pending.popleft()
+        self.step_dropped, self.filled = 0, False
+
+    def counters(self) -> dict[str, int | None]:
+        """What a checkpoint keeps beside the queue (``state``): the keyword arguments that restore it."""
+        return {"last": self._last, "dropped": self.dropped, "step_dropped": self.step_dropped, "filled": self.filled}
 
     @property
     def last(self) -> int | None:
