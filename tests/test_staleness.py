@@ -143,7 +143,7 @@ def test_train_logs_staleness_and_drops_and_resumes_exactly(offpolicy_cache, tmp
     if staleness == 0:  # generated and trained on the same version: nothing in flight or queued
         assert all(r["staleness/in_flight"] == r["staleness/in_queue"] == 0 for r in straight)
     for key in ("offpolicy/mult_prob_error", "offpolicy/abs_logp_diff_mean", "offpolicy/entropy",
-                "offpolicy/kl_over_entropy"):
+                "offpolicy/kl_over_entropy", "offpolicy/drift/abs_logp_mean", "offpolicy/kl_k3_kept"):  # + issue #46
         assert key in straight[0], key
     run("split", 2)
     run("split", 4, resume=True)

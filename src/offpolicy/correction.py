@@ -563,6 +563,53 @@ def weight_metrics(metrics: Metrics, weights: torch.Tensor, mask: torch.Tensor) 
     metrics.ess("is_ess", weights, mask)
 
 
+def split_metrics(out: Correction, config: CorrectionConfig | dict[str, Any] | str | None = None,
+                  advantages: torch.Tensor | None = None) -> Metrics:
+    """Metrics the field added in 2026 (issue #46), from a ``correct`` result (its valid and
+    surviving masks, its clamped log ρ). ``masked`` = valid tokens the rejection removed, ``kept``
+    = the survivors:
+
+    * ``kl_k3_kept`` / ``kl_k3_masked``: mean k3 = ρ − 1 − log ρ over the kept / masked tokens —
+      prime-rl's mismatch KL split by its mask (``mismatch_kl/unmasked``, ``/masked``): how far the
+      tokens the loss still trains on are from μ, apart from the ones it dropped;
+    * ``masked_advantage_positive`` / ``_negative``: of the masked tokens, the share with A > 0 /
+      A < 0 (prime-rl #2481, on its DPPO mask): whether the mask mostly withholds pushes up or
+      pushes down (needs ``advantages``);
+    * ``seq_fraction_above_high`` / ``_below_low`` (a weight with a fixed bound): the share of rows
+      whose *raw* weight — the row's mean ρ_t over its kept tokens at token level, the row ratio at
+      sequence / geometric level — is above ``weight.high`` / below ``weight.low`` (verl #6806,
+      ``rollout_is_seq_fraction_high/low`` in verl 0.9.1 ``rollout_corr_helper.py``: read from the
+      truncated weights, whose row mean can never exceed the cap, the high fraction was always 0).
+
+    Every entry is a mean or a ratio of counts, so ``merge`` over micro-batches and ranks gives the
+    whole batch's value; an empty selection reports NaN (no data)."""
+    cfg = as_correction_config(config)
+    valid, kept = out.valid_mask.bool(), out.mask.bool()
+    masked = valid & ~kept
+    clamp = ops.effective_log_clamp(cfg.log_clamp)
+    metrics = Metrics()
+    k3 = ops.k3(out.log_ratio, clamp)
+    metrics.mean("kl_k3_kept", k3, kept)
+    metrics.mean("kl_k3_masked", k3, masked)
+    if advantages is not None:
+        a = advantages.float()
+        metrics.ratio("masked_advantage_positive", (masked & (a > 0)).sum(), masked.sum())
+        metrics.ratio("masked_advantage_negative", (masked & (a < 0)).sum(), masked.sum())
+    w = cfg.weight
+    if w is None or cfg.anchor == "rollout" or w.level == "segment":
+        return metrics
+    rows = kept.any(dim=-1)
+    if w.level == "token":
+        raw = ops.masked_mean(ops.safe_exp(out.log_ratio, clamp), kept, dim=-1)  # [B] mean raw ρ_t
+    else:
+        raw = ops.safe_exp(ops.row_log_ratio(out.log_ratio, kept, geometric=w.level == "geometric"), clamp)
+    for key, bound, beyond in (("seq_fraction_above_high", w.high, lambda x, b: x > b),
+                               ("seq_fraction_below_low", w.low, lambda x, b: x < b)):
+        if isinstance(bound, (int, float)):  # a data-chosen bound is resolved by resolve_thresholds first
+            metrics.mean(key, beyond(raw, bound), rows)
+    return metrics
+
+
 # =========================================================================== correct
 def as_correction_config(config: CorrectionConfig | dict[str, Any] | str | None) -> CorrectionConfig:
     """Accept a config, a dict of its fields, a preset name, or None (measure only)."""
