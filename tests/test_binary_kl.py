@@ -189,13 +189,14 @@ def test_compiled_and_triton_refuse_and_auto_falls_back(rung):
 
 
 # --------------------------------------------------------------------------- the frameworks' code
-def test_matches_skyrl_dppo_binary_kl_mask():
-    """SkyRL 0.4.0 ``dppo_policy_loss`` (dppo_type binary_kl, delta_high 0.05, delta_low 0.03): its
-    loss is Σ −ρ·A·mask over the loss mask (``reduce_loss`` sums; the advantages carry the
-    normalisation) with ρ = π_θ/μ; ours with anchor rollout, kind ppo without a clip, the
-    by_advantage rule and a fixed denominator is that sum over the valid-token count, wherever no
-    token's bkl lies within 1e-5 of a bound (SkyRL's ε = 1e-8 in place of our clamp moves bkl by
-    < 1e-6)."""
+@pytest.mark.parametrize("preset, dppo_type, delta", [("skyrl:dppo_binary_kl", "binary_kl", 0.05),
+                                                      ("skyrl:dppo_binary_tv", "binary_tv", 0.2)])
+def test_skyrl_dppo_presets_match_skyrl(preset, dppo_type, delta):
+    """SkyRL 0.4.0 ``dppo_policy_loss``: its loss is Σ −ρ·A·mask over the loss mask (``reduce_loss``
+    sums; the advantages carry the token-mean normalisation) with ρ = π_θ/μ; the preset (anchor
+    rollout, PPO without a clip, the by-advantage rule, a fixed denominator) is that sum over the
+    valid-token count, loss and gradient, on a batch where no token's statistic lies within 1e-5 of
+    a bound (SkyRL's ε = 1e-8 in place of our clamp moves bkl by < 1e-6)."""
     pytest.importorskip("skyrl")
     from host_packages import import_skyrl_module
     try:
@@ -205,17 +206,17 @@ def test_matches_skyrl_dppo_binary_kl_mask():
         pytest.skip(f"SkyRL's ppo_utils does not import here: {err}")
     lp, _, adv, mask, rollout = _batch(3)
     config = AlgorithmConfig(policy_loss_type="dppo")
-    config.dppo.dppo_type, config.dppo.delta_high, config.dppo.delta_low = "binary_kl", 0.05, 0.03
-    config.loss_reduction = "token_mean"
-    bkl = ops.binary_kl(rollout, lp)
-    assert bool(((bkl - 0.05).abs() > 1e-5).all() and ((bkl - 0.03).abs() > 1e-5).all())
-    host_loss, _ = pu.dppo_policy_loss(lp, lp, adv, config, loss_mask=mask, rollout_logprobs=rollout)
-    cfg = op.LossConfig(kind="ppo", clip_low=None, clip_high=None, correction=op.CorrectionConfig(
-        anchor="rollout", denominator="fixed",
-        reject=[{"stat": "binary_kl", "level": "token", "high": 0.05, "by_advantage": True, "high_negative": 0.03}]))
-    ours, metrics = op.policy_loss(lp, rollout, adv, mask, rollout_logprobs=rollout, config=cfg)
-    assert 0 < metrics.to_dict()["offpolicy/masked_fraction"] < 1
+    config.dppo.dppo_type, config.dppo.delta_high, config.dppo.delta_low = dppo_type, delta, delta
+    stat = ops.binary_kl(rollout, lp) if dppo_type == "binary_kl" else (lp.exp() - rollout.exp()).abs()
+    assert bool(((stat - delta).abs() > 1e-5).all())
+    host_lp, ours_lp = lp.clone().requires_grad_(True), lp.clone().requires_grad_(True)
+    host_loss, _ = pu.dppo_policy_loss(host_lp, host_lp.detach(), adv, config, loss_mask=mask, rollout_logprobs=rollout)
+    host_loss.backward()
+    ours, metrics = op.policy_loss(ours_lp, rollout, adv, mask, rollout_logprobs=rollout, config=preset)
+    (ours * mask.sum()).backward()
+    assert 0 < metrics.to_dict()["offpolicy/masked_fraction"] < 1  # the mask bites
     torch.testing.assert_close(ours * mask.sum(), host_loss.to(ours.dtype), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ours_lp.grad, host_lp.grad, rtol=1e-5, atol=1e-6)
 
 
 def test_openrlhf_token_gating_rejects_fp32_negatives_and_ours_does_not():
