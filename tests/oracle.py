@@ -290,7 +290,8 @@ def _rule(rule, seen, log_rho, rho, trainer, rollout, lp, adv, L) -> torch.Tenso
                         keep[b, t] = v <= rule.high
                         continue
                     hn = rule.high if rule.high_negative is None else rule.high_negative
-                    rose, fell = float(trainer[b, t]) > float(rollout[b, t]), float(trainer[b, t]) < float(rollout[b, t])
+                    pi_t, mu_t = float(trainer[b, t]), float(rollout[b, t])
+                    rose, fell = pi_t > mu_t, pi_t < mu_t
                     keep[b, t] = not ((a_t > 0 and rose and v > rule.high) or (a_t < 0 and fell and v > hn))
                 continue
             ok = sum(bkl(t) for t in idx) / max(len(idx), 1) <= rule.high

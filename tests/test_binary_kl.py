@@ -128,7 +128,8 @@ def test_validation_names_the_option(bad, match):
 def test_by_advantage_needs_advantages():
     with pytest.raises(ValueError, match="binary_kl.*advantages="):
         op.correct(torch.tensor(PI).log(), torch.tensor(MU).log(), torch.ones(1, 3),
-                   op.CorrectionConfig(reject=[{"stat": "binary_kl", "level": "token", "high": 0.1, "by_advantage": True}]))
+                   op.CorrectionConfig(reject=[{"stat": "binary_kl", "level": "token", "high": 0.1,
+                                                "by_advantage": True}]))
 
 
 # --------------------------------------------------------------------------- the kernel ladder
@@ -255,7 +256,9 @@ def test_direction_pi_mu_and_both_kpop():
     assert _kept({**base, "high": 0.135, "direction": "both"})[0] == 0
     assert _kept({**base, "high": 0.144, "direction": "both"})[0] == 1
     rollout, old = torch.tensor(MU).log(), torch.tensor(PI).log()
-    out = op.correct(old, rollout, torch.ones(1, 3), op.CorrectionConfig(reject=[{**base, "high": 1.0, "direction": "pi_mu"}]))
+    cfg = op.CorrectionConfig(reject=[{**base, "high": 1.0, "direction": "pi_mu"}])
+    out = op.correct(old, rollout, torch.ones(1, 3), cfg)
     # pi_mu per token: [0.1308, 0, 0.9 ln(0.9/0.5) + 0.1 ln(0.1/0.5) = 0.3681]; the metric is their mean
     expected = (0.25 * math.log(0.5) + 0.75 * math.log(1.5) + 0.9 * math.log(1.8) + 0.1 * math.log(0.2)) / 3
-    assert out.metrics.to_dict()["offpolicy/reject/0_binary_kl_token/binary_kl_mean"] == pytest.approx(expected, rel=1e-6)
+    mean = out.metrics.to_dict()["offpolicy/reject/0_binary_kl_token/binary_kl_mean"]
+    assert mean == pytest.approx(expected, rel=1e-6)

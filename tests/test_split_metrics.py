@@ -13,7 +13,7 @@ import torch
 
 import offpolicy as op
 from offpolicy.metrics import Metrics
-from offpolicy.train.update import issue_46_metrics
+from offpolicy.train.update import drift_and_split_metrics
 
 K3 = {r: r - 1 - math.log(r) for r in (0.5, 2.0, 4.0)}  # 0.193147, 0.306853, 1.613706
 ADV = torch.tensor([[1.0, 0.0, -1.0], [1.0, 1.0, 0.0], [-1.0, -1.0, -1.0], [0.0, 0.0, 0.0]])
@@ -59,7 +59,8 @@ def test_sequence_fraction_below_low_and_only_with_a_weight(gb):
     m = _split(gb, weight={"level": "token", "mode": "truncate", "low": 1.2, "high": 5.0})
     assert m["offpolicy/seq_fraction_below_low"] == pytest.approx(1 / 3)  # row 2's mean 1 < 1.2; 1.83, 1.5 are not
     assert "offpolicy/seq_fraction_above_high" in m and m["offpolicy/seq_fraction_above_high"] == 0.0
-    assert "offpolicy/seq_fraction_above_high" not in _split(gb, reject=[{"stat": "ratio", "level": "token", "high": 3}])
+    no_weight = _split(gb, reject=[{"stat": "ratio", "level": "token", "high": 3}])
+    assert "offpolicy/seq_fraction_above_high" not in no_weight
 
 
 def test_split_metrics_merge_like_one_batch(gb):
@@ -89,11 +90,11 @@ def test_minibatch_drift_is_against_the_ratios_denominator(anchor, want):
     mb = SimpleNamespace(mask=torch.tensor([[1.0, 1.0, 0.0]]), rollout_logprobs=torch.tensor([[-1.5, -1.8, -1.0]]))
     cfg = op.LossConfig(correction=op.CorrectionConfig(anchor=anchor))
     metrics = Metrics()
-    issue_46_metrics(logprobs, old, torch.ones(1, 3), mb, cfg, metrics)
+    drift_and_split_metrics(logprobs, old, torch.ones(1, 3), mb, cfg, metrics)
     values = metrics.to_dict()
     assert values["offpolicy/drift/abs_logp_mean"] == pytest.approx(sum(want) / 2, rel=1e-5)
     assert values["offpolicy/drift/abs_logp_max"] == pytest.approx(max(want), rel=1e-5)
     assert "offpolicy/kl_k3_kept" in values
     no_corr = Metrics()
-    issue_46_metrics(logprobs, None, torch.ones(1, 3), mb, op.LossConfig(), no_corr)
+    drift_and_split_metrics(logprobs, None, torch.ones(1, 3), mb, op.LossConfig(), no_corr)
     assert no_corr.to_dict()["offpolicy/drift/abs_logp_mean"] == pytest.approx(0.35, rel=1e-5)  # vs μ: 0.5, 0.2

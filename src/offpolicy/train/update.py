@@ -196,12 +196,12 @@ def accumulate(logprobs: torch.Tensor, old_logprobs: torch.Tensor | None, advant
     if backward:
         loss.backward()
     metrics.update(m.renamed(lambda key: None if key == "loss" else key))
-    issue_46_metrics(logprobs, old_logprobs, advantages, mb, loss_cfg, metrics)
+    drift_and_split_metrics(logprobs, old_logprobs, advantages, mb, loss_cfg, metrics)
     return loss.detach()
 
 
-def issue_46_metrics(logprobs: torch.Tensor, old_logprobs: torch.Tensor | None, advantages: torch.Tensor, mb: Batch,
-                     loss_cfg: op.LossConfig, metrics: Metrics) -> None:
+def drift_and_split_metrics(logprobs: torch.Tensor, old_logprobs: torch.Tensor | None, advantages: torch.Tensor,
+                            mb: Batch, loss_cfg: op.LossConfig, metrics: Metrics) -> None:
     """The field's 2026 metrics for one micro-batch (they add up over micro-batches and mini-batches):
 
     * ``drift/abs_logp_mean`` / ``drift/abs_logp_max``: |log π_θ − log π_ref| over the loss's tokens,
@@ -212,7 +212,8 @@ def issue_46_metrics(logprobs: torch.Tensor, old_logprobs: torch.Tensor | None, 
       advantage signs, the raw-weight row fractions): one more ``correct`` on the micro-batch, O(B·T).
     """
     corr = loss_cfg.correction
-    ref = mb.rollout_logprobs if old_logprobs is None or (corr is not None and corr.anchor == "rollout") else old_logprobs
+    bypass = old_logprobs is None or (corr is not None and corr.anchor == "rollout")
+    ref = mb.rollout_logprobs if bypass else old_logprobs
     mask = mb.mask.bool()
     drift = (logprobs.detach().float() - ref.float()).abs()
     metrics.mean("drift/abs_logp_mean", drift, mask)
