@@ -269,14 +269,32 @@ def _rule(rule, seen, log_rho, rho, trainer, rollout, lp, adv, L) -> torch.Tenso
             mean_a = sum(float(adv[b, t]) for t in idx) / n
             drift = sum(float(rollout[b, t] - lp[b, t]) for t in idx) / n
             ok = not (mean_a < 0 and drift > rule.delta)
-        else:  # binary_kl
+        else:  # binary_kl: KL(Bern(μ) ‖ Bern(π_train)) of the sampled token, ≥ 0
             eps = 1e-6
-            tot = 0.0
-            for t in idx:
-                p = min(max(math.exp(float(rollout[b, t])), eps), 1 - eps)
-                q = min(max(math.exp(float(trainer[b, t])), eps), 1 - eps)
-                tot += p * math.log(p / q) + (1 - p) * math.log((1 - p) / (1 - q))
-            ok = tot / max(len(idx), 1) <= rule.high
+
+            def bkl1(x: float, y: float) -> float:
+                p, q = min(max(math.exp(x), eps), 1 - eps), min(max(math.exp(y), eps), 1 - eps)
+                return max(0.0, p * math.log(p / q) + (1 - p) * math.log((1 - p) / (1 - q)))
+
+            def bkl(t):
+                mu, pi = float(rollout[b, t]), float(trainer[b, t])
+                direction = getattr(rule, "direction", "mu_pi")
+                if direction == "mu_pi":
+                    return bkl1(mu, pi)
+                return bkl1(pi, mu) if direction == "pi_mu" else max(bkl1(mu, pi), bkl1(pi, mu))
+
+            if rule.level == "token":
+                for t in idx:
+                    v, a_t = bkl(t), float(adv[b, t]) if rule.by_advantage else 0.0
+                    if not rule.by_advantage:
+                        keep[b, t] = v <= rule.high
+                        continue
+                    hn = rule.high if rule.high_negative is None else rule.high_negative
+                    pi_t, mu_t = float(trainer[b, t]), float(rollout[b, t])
+                    rose, fell = pi_t > mu_t, pi_t < mu_t
+                    keep[b, t] = not ((a_t > 0 and rose and v > rule.high) or (a_t < 0 and fell and v > hn))
+                continue
+            ok = sum(bkl(t) for t in idx) / max(len(idx), 1) <= rule.high
         keep[b, :] = ok
     return keep
 

@@ -344,6 +344,26 @@ def test_a_well_behaved_server_gets_ids_seeds_and_the_key(tiny_qwen2_dir, tok, p
     assert "report.json" in out and not list((tmp_path / "d").glob(".report-*"))  # no staging file left
 
 
+def test_one_fresh_cache_salt_per_run_and_none_when_asked(tiny_qwen2_dir, tok, prompts, tmp_path, capsys):
+    """Issue #46: every request of a run carries the same vLLM cache_salt (its prefixes are shared
+    within the run), the next run another one (no KV computed before it — by weights the server
+    held earlier — is reused); --no-cache-salt sends none. The salt stays out of the report."""
+    salts, reports = [], []
+    for i, flags in enumerate(([], [], ["--no-cache-salt"])):
+        with FakeServer(lambda body: answer(tok, body)) as fake:
+            code, _, err = run(capsys, "--engine-url", fake.url, "--model", str(tiny_qwen2_dir), "--prompts",
+                               str(prompts), "--n", "4", "--max-tokens", "3", "--out", str(tmp_path / f"d{i}"), *flags)
+        assert code == 0, err
+        salts.append({b.get("cache_salt") for b in fake.completions()})
+        reports.append(json.loads((tmp_path / f"d{i}" / "report.json").read_text())["setting"]["server"])
+    (first,), (second,), (none,) = salts
+    assert first.startswith("offpolicy-diagnose-") and second.startswith("offpolicy-diagnose-") and first != second
+    assert none is None
+    assert reports[0]["prefix_cache"].startswith("cache_salt: one fresh salt")
+    assert reports[2]["prefix_cache"].startswith("no cache_salt sent")
+    assert first not in json.dumps(reports[0]) and "cache_salt" not in reports[0]["request"]
+
+
 def test_logprob_semantics_tells_raw_from_processed():
     """Hand-made: the trainer's tempered log π̃ and raw log π differ by 0.3 on every token; a μ 0.01
     below π̃ passes (one token outside π̃'s support, −inf, moves no median), a μ equal to π is refused."""
@@ -433,7 +453,8 @@ def test_an_unreachable_server_and_the_model_name(tiny_qwen2_dir, prompts, tmp_p
     (["--engine-url", "http://h:1", "--compare", "engine_dtype=bf16,fp32"], "--compare starts engines"),
     (["--engine-url", "http://h:1", "--batch", "dump"], "--engine-url samples from a server, --batch reads a dump"),
     (["--engine-url", "http://h:1", "--concurrency", "0"], "--concurrency: Input should be greater than or equal to 1"),
-], ids=["no-scheme", "key-unset", "key-without-url", "compare", "batch", "concurrency"])
+    (["--no-cache-salt"], "--no-cache-salt needs --engine-url URL"),
+], ids=["no-scheme", "key-unset", "key-without-url", "compare", "batch", "concurrency", "salt-without-url"])
 def test_usage_errors_before_anything_loads(flags, message, capsys, monkeypatch):
     # a model directory that does not exist: the error comes before anything would load it
     monkeypatch.delenv("OFFPOLICY_TEST_UNSET_KEY", raising=False)

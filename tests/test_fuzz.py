@@ -132,6 +132,12 @@ def rules(draw):
                 "direction": draw(directions)}
     if stat == "opsm":
         return {"stat": stat, "delta": draw(st.sampled_from([-0.1, 0.0, 0.05, 1.0]))}
+    if draw(st.booleans()):  # binary_kl per token (issue #46), optionally split by the advantage's sign
+        rule = {"stat": stat, "level": "token", "high": draw(st.sampled_from([0.0, 0.01, 0.3])),
+                "direction": draw(st.sampled_from(["mu_pi", "pi_mu", "both"]))}
+        if draw(st.booleans()):
+            rule.update(by_advantage=True, high_negative=draw(st.sampled_from([None, 0.0, 0.05])))
+        return rule
     return {"stat": stat, "high": draw(st.sampled_from([0.0, 0.01, 0.3]))}
 
 

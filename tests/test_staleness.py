@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 
 import pytest
 import torch
@@ -112,6 +113,51 @@ def test_a_stop_while_waiting_after_a_drop_resumes_exactly(monkeypatch, stalenes
     assert resumed.dropped == total  # dropped_rollouts_total
 
 
+class HeldEngine(RecordingEngine):
+    """Holds the generation of batch k until the trainer has published version ``hold[k]``."""
+
+    def __init__(self, hold: dict[int, int]):
+        super().__init__()
+        self.hold, self.pipe = hold, None
+
+    def generate(self, prompt_ids, sampling, seed, version):
+        deadline = time.monotonic() + 30
+        while self.pipe.published < self.hold.get(seed, -1):  # seed = batch index (pipeline seed 0)
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"batch {seed} held for version {self.hold[seed]}, never published")
+            time.sleep(0.001)
+        return super().generate(prompt_ids, sampling, seed, version)
+
+
+def test_staleness_splits_into_in_flight_and_in_queue():
+    """Issue #46 (prime-rl #3313, verl #6736): max_staleness 1, wait. Batch k ≥ 1 is sampled on
+    version k − 1 and trained on version k. Batches 1 and 3 are held until the trainer published
+    k: the version went by while they were generating (in flight 1, in queue 0). Batch 2 is done
+    before the trainer publishes 2: it waited in the queue (in flight 0, in queue 1)."""
+    engine = HeldEngine({1: 1, 3: 3})
+    pipe = _pipe(engine, 1, "wait")
+    engine.pipe = pipe
+    version, got = 0, []
+    for step in range(4):
+        item, _ = pipe.next(step, version)
+        got.append((version - item.rollouts.version, *pipe.split_staleness(item, version), item.version_span))
+        if step == 1:
+            pipe.pending[-1].result()  # batch 2, on version 1, finishes before version 2 is published
+        version += 1
+        pipe.sync([("version", torch.tensor(version))], version)
+        pipe.commit(step)
+    pipe.close()
+    # (staleness, in flight, in queue, version span)
+    assert got == [(0, 0, 0, 0), (1, 1, 0, 0), (1, 0, 1, 0), (1, 1, 0, 0)]
+
+
+def test_split_of_a_batch_from_an_older_checkpoint_is_all_in_queue():
+    item, _ = _pipe(RecordingEngine(), 0, "wait").next(0, 0)
+    item.finished_version = None  # what unpickling a Pending saved before issue #46 gives
+    item.rollouts.version = 2
+    assert RolloutPipeline.split_staleness(item, 5) == (0, 3)
+
+
 def _records(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
@@ -130,13 +176,21 @@ def test_train_logs_staleness_and_drops_and_resumes_exactly(offpolicy_cache, tmp
     assert [r["dropped_rollouts"] for r in straight] == drops
     assert [r["dropped_rollouts_total"] for r in straight] == [sum(drops[: i + 1]) for i in range(4)]
     assert all(r["staleness_max"] <= staleness and r["staleness_mean"] <= r["staleness_max"] for r in straight)
+    # issue #46: the split adds up to the staleness; one job, one set of weights (no version span)
+    assert all(r["staleness/in_flight"] + r["staleness/in_queue"] == r["staleness"] for r in straight)
+    assert all(r["staleness/in_flight"] >= 0 and r["staleness/in_queue"] >= 0 for r in straight)
+    assert all(r["staleness/version_span"] == 0 for r in straight)
+    if staleness == 0:  # generated and trained on the same version: nothing in flight or queued
+        assert all(r["staleness/in_flight"] == r["staleness/in_queue"] == 0 for r in straight)
     for key in ("offpolicy/mult_prob_error", "offpolicy/abs_logp_diff_mean", "offpolicy/entropy",
-                "offpolicy/kl_over_entropy"):
+                "offpolicy/kl_over_entropy", "offpolicy/drift/abs_logp_mean", "offpolicy/kl_k3_kept"):  # + issue #46
         assert key in straight[0], key
     run("split", 2)
     run("split", 4, resume=True)
     split = _records(tmp_path / "split")
     for a, b in zip(straight, split):
-        for key in {k for k in a if not k.startswith(("time/", "memory/"))  # timings, the process's memory
-                    and k not in ("step_seconds", "generate/tokens_per_s")}:
+        # timings, the process's memory, and where the staleness accrued (in flight or queued: thread timing)
+        for key in {k for k in a if not k.startswith(("time/", "memory/"))
+                    and k not in ("step_seconds", "generate/tokens_per_s", "staleness/in_flight",
+                                  "staleness/in_queue")}:
             assert (a[key] is None and b[key] is None) or math.isclose(a[key], b[key], rel_tol=1e-6, abs_tol=1e-9), key

@@ -23,9 +23,9 @@ pytestmark = [
 HERE = Path(__file__).parent
 
 
-def run_check(dtype: str) -> dict:
+def run_check(dtype: str, script: str = "vllm_sync_check.py") -> dict:
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    result = subprocess.run([sys.executable, str(HERE / "vllm_sync_check.py"), dtype], capture_output=True,
+    result = subprocess.run([sys.executable, str(HERE / script), dtype], capture_output=True,
                             text=True, timeout=600, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     line = next(line for line in result.stdout.splitlines() if line.startswith("RESULT "))
@@ -48,6 +48,19 @@ def test_weight_sync_fp32_engine_matches_trainer():
     assert over["prompt_tokens"] == 4800 and over["tokens"] >= 48  # 2 new tokens a row, fewer where one stopped
     assert over["max"] < 1e-4
     assert over["same_tokens_alone"] and over["max_logprob_diff_alone"] < 1e-4
+
+
+def test_no_request_is_served_from_kv_of_older_weights():
+    """Issue #46 (NeMo-RL #4018, SkyRL #1836): requests carry a per-version cache_salt, so after a
+    sync — even one whose prefix-cache reset freed nothing — no request hits a block the older
+    weights computed, and the engine's log-probs are the new weights' (fp32: the rounding floor).
+    Within a version the cache still serves (384 hit tokens = 4 prompts × 3 full 32-token blocks).
+    The control without a per-version salt is served the stale KV (gap ~2 nats)."""
+    r = run_check("fp32", "vllm_prefix_check.py")
+    assert r["v0_first"]["hits"] == 0 and r["v0_again"]["hits"] > 0  # the cache is on and reused
+    assert r["v1_after_sync"]["hits"] == 0  # nothing computed by version 0 serves version 1
+    assert r["v1_after_sync"]["max_gap"] < 1e-4  # the new weights' log-probs
+    assert r["v2_unsalted"]["hits"] > 0 and r["v2_unsalted"]["max_gap"] > 1e-2  # the failure the salt prevents
 
 
 def test_train_cli_on_vllm_bf16(offpolicy_cache, tmp_path):

@@ -5,7 +5,7 @@ Public API (SPEC §8); everything else is internal.
 
 from offpolicy import presets
 from offpolicy.config import ConfigError, CorrectionConfig, LossConfig
-from offpolicy.correction import Correction, correct
+from offpolicy.correction import Correction, correct, split_metrics
 from offpolicy.kl import kl_penalty
 from offpolicy.losses import policy_loss, with_global_normalizer
 from offpolicy.metrics import Metrics
@@ -29,5 +29,6 @@ __all__ = [
     "presets",
     "renormalize_logprobs",
     "resolve_thresholds",
+    "split_metrics",
     "with_global_normalizer",
 ]

@@ -221,7 +221,8 @@ def _diagnose_server_config(args: argparse.Namespace):
 
     if args.engine_url is None:
         given = [flag for flag, value in (("--api-key-env", args.api_key_env),
-                                          ("--served-model-name", args.served_model_name)) if value is not None]
+                                          ("--served-model-name", args.served_model_name),
+                                          ("--no-cache-salt", args.no_cache_salt or None)) if value is not None]
         if given:
             raise ConfigError(f"{given[0]} needs --engine-url URL (the server to sample from)")
         return None
@@ -238,7 +239,8 @@ def _diagnose_server_config(args: argparse.Namespace):
     try:
         return ServerConfig(url=args.engine_url, api_key=api_key_from_env(args.api_key_env, os.environ),
                             served_model=args.served_model_name, concurrency=args.concurrency,
-                            timeout=args.request_timeout, retries=args.retries)
+                            timeout=args.request_timeout, retries=args.retries,
+                            cache_salt=not args.no_cache_salt)
     except ValidationError as err:
         first = err.errors()[0]
         if first["type"] == "value_error":  # our validator's message names the flag itself
@@ -443,6 +445,10 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--request-timeout", type=float, default=300.0, metavar="SECONDS", help="per request")
     srv.add_argument("--retries", type=int, default=3,
                      help="retries with backoff after a connection error, timeout, HTTP 429 or 5xx (never other 4xx)")
+    srv.add_argument("--no-cache-salt", action="store_true",
+                     help="do not send vLLM's cache_salt (sent by default: one fresh salt per run, so no request "
+                          "reuses prefix-cache KV computed before the run by older weights); for a server that "
+                          "refuses the field")
     d.set_defaults(func=_cmd_diagnose)
     p = sub.add_parser("presets", help="list the correction presets, or show one")
     p.add_argument("name", nargs="?", help="a preset name, e.g. verl:decoupled_token_is")

@@ -334,12 +334,54 @@ class OPSMRule(_Strict):
 
 
 class BinaryKLRule(_Strict):
-    """OpenRLHF 0.11 gating: with p = clamp(e^{log μ}, 1e-6, 1−1e-6), q likewise from π_old,
-    bkl_t = p log(p/q) + (1−p) log((1−p)/(1−q)); drop a row unless mean_t bkl ≤ high."""
+    """Binary KL between μ and π_train on the sampled token, KL(Bern(μ(y_t)) ‖ Bern(π_train(y_t))):
+
+        p = clamp(e^{log μ}, 1e-6, 1−1e-6), q = clamp(e^{log π_train}, 1e-6, 1−1e-6)
+        bkl_t = max(0, p (log p − log q) + (1−p) (log(1−p) − log(1−q)))
+
+    computed in fp32 and clamped at zero: the exact value is ≥ 0, but for p ≈ q the two terms
+    cancel and fp32 rounding leaves a small negative number (OpenRLHF #1354 rejected valid
+    samples on such values). π_train is the anchor's trainer side (π_old under anchor old,
+    sg(π_θ) under rollout / current).
+
+    level ``seq_mean`` (OpenRLHF 0.11 FlashREINFORCE gating): drop a row unless mean_t bkl_t ≤ high.
+    level ``token`` (OpenRLHF 0.11.2 ``is_correction_level=token, gating=binary_kl``; SkyRL 0.4.0
+    DPPO ``dppo_type=binary_kl``; AReaL v2 KPop): drop a token with bkl_t > high.
+    ``by_advantage`` (token level only; SkyRL DPPO Binary-KL, ``dppo_policy_loss`` in
+    skyrl/backends/skyrl_train/utils/ppo_utils.py): only a token pushed further the way it already
+    moved is dropped — A_t > 0 with π_train > μ and bkl_t > high, or A_t < 0 with π_train < μ and
+    bkl_t > ``high_negative`` (SkyRL's ``delta_low``; default ``high``). Tokens with A_t = 0 stay.
+
+    ``direction``: ``mu_pi`` KL(Bern(μ) ‖ Bern(π_train)) (OpenRLHF, SkyRL; the default),
+    ``pi_mu`` KL(Bern(π_train) ‖ Bern(μ)), ``both`` the larger of the two — AReaL's KPop
+    (areal-project/AReaL #1405, ``areal/utils/functional/functional.py``: a token is kept iff
+    both directions are below ``kpop_phi``; AReaL's test is strict, ours ≤ like every bound).
+    """
 
     stat: Literal["binary_kl"]
-    level: Literal["seq_mean"] = "seq_mean"
-    high: float = Field(ge=0)
+    level: Literal["seq_mean", "token"] = "seq_mean"
+    high: float = Field(ge=0, description="bound on bkl (token) or on its row mean (seq_mean)")
+    by_advantage: bool = Field(False, description="token level: drop only A>0 tokens whose probability rose and "
+                               "A<0 tokens whose probability fell (SkyRL DPPO Binary-KL; needs advantages)")
+    high_negative: float | None = Field(None, ge=0, description="with by_advantage: the bound for A<0 tokens "
+                                        "(SkyRL delta_low); None = high")
+    direction: Literal["mu_pi", "pi_mu", "both"] = Field(
+        "mu_pi", description="mu_pi: KL(Bern(μ)‖Bern(π_train)) (OpenRLHF, SkyRL); pi_mu: the reverse; both: the "
+        "larger of the two (AReaL KPop)")
+
+    @model_validator(mode="after")
+    def _advantage_split_is_per_token(self) -> BinaryKLRule:
+        if self.level != "token" and (self.by_advantage or self.high_negative is not None):
+            raise ValueError(
+                f"reject rule 'binary_kl': by_advantage / high_negative need level 'token' (got level "
+                f"'{self.level}'); a row mean has no single advantage sign. Set level: token"
+            )
+        if self.high_negative is not None and not self.by_advantage:
+            raise ValueError(
+                f"reject rule 'binary_kl': high_negative={self.high_negative} is the bound for A<0 tokens and "
+                "applies only with by_advantage: true; set by_advantage: true or remove high_negative"
+            )
+        return self
 
 
 class M2Rule(_Strict):

@@ -255,14 +255,35 @@ def reject_opsm(rule: OPSMRule, b: RuleInputs, mask: torch.Tensor) -> torch.Tens
     return ops.broadcast_rows(~(negative & drifted), mask)
 
 
+def binary_kl_values(rule: BinaryKLRule, b: RuleInputs) -> torch.Tensor:
+    """bkl_t of ``rule.direction``: mu_pi KL(Bern(μ)‖Bern(π_train)), pi_mu the reverse, both the max."""
+    if rule.direction == "mu_pi":
+        return ops.binary_kl(b.rollout, b.trainer)
+    if rule.direction == "pi_mu":
+        return ops.binary_kl(b.trainer, b.rollout)
+    return torch.maximum(ops.binary_kl(b.rollout, b.trainer), ops.binary_kl(b.trainer, b.rollout))
+
+
 def reject_binary_kl(rule: BinaryKLRule, b: RuleInputs, mask: torch.Tensor) -> torch.Tensor:
-    """OpenRLHF 0.11: keep a row if mean_t [p log(p/q) + (1−p) log((1−p)/(1−q))] ≤ high,
-    p = clamp(μ(y_t), 1e-6, 1−1e-6), q = clamp(π_old(y_t), 1e-6, 1−1e-6)."""
-    eps = 1e-6
-    p = torch.exp(b.rollout).clamp(eps, 1 - eps)
-    q = torch.exp(b.trainer).clamp(eps, 1 - eps)
-    bkl = p * torch.log(p / q) + (1 - p) * torch.log((1 - p) / (1 - q))
-    return ops.broadcast_rows(ops.masked_mean(bkl, mask, dim=-1) <= rule.high, mask)
+    """Binary KL gate, bkl_t = max(0, KL(Bern(μ(y_t)) ‖ Bern(π_train(y_t)))) (``ops.binary_kl``;
+    ``direction`` pi_mu swaps the arguments, both takes the larger of the two).
+
+    seq_mean (OpenRLHF 0.11): keep a row if mean_t bkl_t ≤ high.
+    token: keep a token if bkl_t ≤ high; with ``by_advantage`` (SkyRL DPPO Binary-KL) drop only
+    A_t > 0 tokens with π_train > μ and bkl_t > high, and A_t < 0 tokens with π_train < μ and
+    bkl_t > high_negative (default high)."""
+    bkl = binary_kl_values(rule, b)
+    if rule.level == "seq_mean":
+        return ops.broadcast_rows(ops.masked_mean(bkl, mask, dim=-1) <= rule.high, mask)
+    if not rule.by_advantage:
+        return bkl <= rule.high
+    if b.advantages is None:
+        raise ValueError("reject rule 'binary_kl' with by_advantage needs advantages= passed to correct()")
+    high_negative = rule.high if rule.high_negative is None else rule.high_negative
+    rose = b.trainer > b.rollout  # π_train > μ (log is monotone: no exp needed)
+    drop = ((b.advantages > 0) & rose & (bkl > rule.high)) | ((b.advantages < 0) & (b.trainer < b.rollout)
+                                                                & (bkl > high_negative))
+    return ~drop
 
 
 def reject_mult_error(rule: MultErrorRule, b: RuleInputs, mask: torch.Tensor) -> torch.Tensor:
@@ -357,7 +378,8 @@ def apply_rejection(cfg: CorrectionConfig, b: RuleInputs, valid: torch.Tensor, i
     independent: every rule is evaluated on ``valid``; results are ANDed (verl).
     sequential:  each rule sees the mask left by the rules before it (SkyRL).
     Per rule, ``reject/<i>_<stat>_<level>/masked_fraction`` is the fraction of input tokens it
-    removed and ``.../masked_fraction_seq`` the fraction of non-empty input rows it touched.
+    removed and ``.../masked_fraction_seq`` the fraction of non-empty input rows it touched; a
+    binary_kl rule adds ``.../binary_kl_mean``, the mean bkl_t over the tokens it saw.
     """
     n_tokens = input_mask.sum()
     n_rows = input_mask.any(dim=-1).sum()
@@ -372,6 +394,8 @@ def apply_rejection(cfg: CorrectionConfig, b: RuleInputs, valid: torch.Tensor, i
         metrics.ratio(f"{name}/masked_fraction_seq", removed.any(dim=-1).sum(), n_rows)
         if isinstance(rule, M2Rule):
             metrics.mean(f"{name}/m2_after", b.log_ratio * b.log_ratio, keep)
+        elif isinstance(rule, BinaryKLRule):  # mean bkl the rule read (≥ 0: ops.binary_kl clamps fp32's negatives)
+            metrics.mean(f"{name}/binary_kl_mean", binary_kl_values(rule, b), seen)
         current = current & keep
     return current
 
@@ -537,6 +561,53 @@ def weight_metrics(metrics: Metrics, weights: torch.Tensor, mask: torch.Tensor) 
     metrics.min("is_min", weights, mask)
     metrics.max("is_max", weights, mask)
     metrics.ess("is_ess", weights, mask)
+
+
+def split_metrics(out: Correction, config: CorrectionConfig | dict[str, Any] | str | None = None,
+                  advantages: torch.Tensor | None = None) -> Metrics:
+    """Metrics the field added in 2026 (issue #46), from a ``correct`` result (its valid and
+    surviving masks, its clamped log ρ). ``masked`` = valid tokens the rejection removed, ``kept``
+    = the survivors:
+
+    * ``kl_k3_kept`` / ``kl_k3_masked``: mean k3 = ρ − 1 − log ρ over the kept / masked tokens —
+      prime-rl's mismatch KL split by its mask (``mismatch_kl/unmasked``, ``/masked``): how far the
+      tokens the loss still trains on are from μ, apart from the ones it dropped;
+    * ``masked_advantage_positive`` / ``_negative``: of the masked tokens, the share with A > 0 /
+      A < 0 (prime-rl #2481, on its DPPO mask): whether the mask mostly withholds pushes up or
+      pushes down (needs ``advantages``);
+    * ``seq_fraction_above_high`` / ``_below_low`` (a weight with a fixed bound): the share of rows
+      whose *raw* weight — the row's mean ρ_t over its kept tokens at token level, the row ratio at
+      sequence / geometric level — is above ``weight.high`` / below ``weight.low`` (verl #6806,
+      ``rollout_is_seq_fraction_high/low`` in verl 0.9.1 ``rollout_corr_helper.py``: read from the
+      truncated weights, whose row mean can never exceed the cap, the high fraction was always 0).
+
+    Every entry is a mean or a ratio of counts, so ``merge`` over micro-batches and ranks gives the
+    whole batch's value; an empty selection reports NaN (no data)."""
+    cfg = as_correction_config(config)
+    valid, kept = out.valid_mask.bool(), out.mask.bool()
+    masked = valid & ~kept
+    clamp = ops.effective_log_clamp(cfg.log_clamp)
+    metrics = Metrics()
+    k3 = ops.k3(out.log_ratio, clamp)
+    metrics.mean("kl_k3_kept", k3, kept)
+    metrics.mean("kl_k3_masked", k3, masked)
+    if advantages is not None:
+        a = advantages.float()
+        metrics.ratio("masked_advantage_positive", (masked & (a > 0)).sum(), masked.sum())
+        metrics.ratio("masked_advantage_negative", (masked & (a < 0)).sum(), masked.sum())
+    w = cfg.weight
+    if w is None or cfg.anchor == "rollout" or w.level == "segment":
+        return metrics
+    rows = kept.any(dim=-1)
+    if w.level == "token":
+        raw = ops.masked_mean(ops.safe_exp(out.log_ratio, clamp), kept, dim=-1)  # [B] mean raw ρ_t
+    else:
+        raw = ops.safe_exp(ops.row_log_ratio(out.log_ratio, kept, geometric=w.level == "geometric"), clamp)
+    for key, bound, beyond in (("seq_fraction_above_high", w.high, lambda x, b: x > b),
+                               ("seq_fraction_below_low", w.low, lambda x, b: x < b)):
+        if isinstance(bound, (int, float)):  # a data-chosen bound is resolved by resolve_thresholds first
+            metrics.mean(key, beyond(raw, bound), rows)
+    return metrics
 
 
 # =========================================================================== correct

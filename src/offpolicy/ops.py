@@ -7,6 +7,8 @@ All arithmetic is fp32 (the callers cast on entry).
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 # exp(88.72) overflows fp32 — but a weight is then multiplied by A and summed over tokens, so a
@@ -37,6 +39,31 @@ def k3(log_ratio: torch.Tensor, log_clamp: float | None) -> torch.Tensor:
     """
     bound = effective_log_clamp(log_clamp)
     return torch.expm1(log_ratio.clamp(-bound, bound)) - log_ratio
+
+
+BINARY_KL_EPS = 1e-6  # OpenRLHF 0.11's clamp of both probabilities, keeps every log finite
+_LOG_EPS, _LOG_1M_EPS = math.log(BINARY_KL_EPS), math.log1p(-BINARY_KL_EPS)
+
+
+def binary_kl(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
+    """KL(Bern(p) ‖ Bern(q)) of the sampled token from its log-probs, p and q clamped to
+    [1e-6, 1 − 1e-6] (as OpenRLHF 0.11 does), in fp32 and clamped at zero:
+
+        bkl = max(0, p·d + (1 − p)·log1p(−q·expm1(d) / (1 − q))),   d = log p − log q
+
+    which is p log(p/q) + (1 − p) log((1 − p)/(1 − q)) written so that no term rounds a
+    probability first: (1 − p)/(1 − q) = 1 + (q − p)/(1 − q) and q − p = −q·expm1(d), and
+    1 − q = −expm1(log q). For p ≈ q the two terms are of size |d| with opposite signs and cancel
+    to ≈ q d²/(2(1 − q)); the textbook fp32 form p·log(p/q) + … rounds each term at ~6e-8 and
+    comes out negative about half the time (OpenRLHF #1354 rejected valid tokens on such values
+    under a band with lower bound 0). This form's rounding scales with |d|, and the clamp
+    removes what is left, so the value is never negative."""
+    lp = log_p.float().clamp(_LOG_EPS, _LOG_1M_EPS)
+    lq = log_q.float().clamp(_LOG_EPS, _LOG_1M_EPS)
+    d = lp - lq
+    p, q = torch.exp(lp), torch.exp(lq)
+    second = torch.log1p(-q * torch.expm1(d) / -torch.expm1(lq))
+    return (p * d - torch.expm1(lp) * second).clamp(min=0.0)
 
 
 def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:

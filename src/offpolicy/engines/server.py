@@ -10,7 +10,12 @@
   auto`` (its default) fills only the fields a request leaves out from the model's
   ``generation_config.json``, so none of its values can change μ behind the report's back;
 * ``logprobs: 1`` asks for log μ of each sampled token; ``return_token_ids`` (vLLM 0.32,
-  recent SGLang) and ``return_tokens_as_token_ids`` (vLLM) ask for the sampled token ids.
+  recent SGLang) and ``return_tokens_as_token_ids`` (vLLM) ask for the sampled token ids;
+* ``cache_salt`` (vLLM; ``--no-cache-salt`` leaves it out for a server that refuses the field):
+  one fresh salt per diagnose run, so no request is served from prefix-cache KV computed before
+  the run — by weights the server held earlier, if a trainer updated them without resetting its
+  cache (NeMo-RL #4018, SkyRL #1836). The run's own requests share it, so a prompt's prefix is
+  still prefilled once.
 
 Alignment is checked on every response, never assumed (``parse_completion``): the prompt ids the
 server reports it scored must equal those sent (or, where it reports none, its prompt-token count
@@ -42,6 +47,7 @@ import http.client
 import json
 import math
 import re
+import secrets
 import ssl
 import threading
 import time
@@ -86,6 +92,8 @@ class ServerConfig(BaseModel):
     timeout: float = Field(300.0, gt=0, description="seconds one request may take (a long generation included)")
     retries: int = Field(3, ge=0, description="retries after a connection error, timeout, HTTP 429 or 5xx")
     backoff: float = Field(1.0, ge=0, description="seconds before the first retry; doubled at each next one")
+    cache_salt: bool = Field(True, description="send one fresh vLLM cache_salt per run: no request reuses "
+                             "prefix-cache KV computed before the run (by older weights)")
 
     @field_validator("url")
     @classmethod
@@ -288,11 +296,17 @@ def served_model(config: ServerConfig) -> dict[str, Any]:
     return cards[0]
 
 
-def completion_body(model: str, prompt_ids: list[int], sampling: SamplingConfig, seed: int) -> dict[str, Any]:
+def run_cache_salt() -> str:
+    """A salt no earlier run used: 128 random bits (vLLM allows ≤ 128 characters, no '/' or '@')."""
+    return f"offpolicy-diagnose-{secrets.token_hex(16)}"
+
+
+def completion_body(model: str, prompt_ids: list[int], sampling: SamplingConfig, seed: int,
+                    salt: str | None = None) -> dict[str, Any]:
     """The ``/v1/completions`` request for one prompt: token ids in, every sampling field explicit
     (neutral penalties, ``min_p`` 0, no stop strings, ``min_tokens`` 0), the sampled tokens'
-    log-probs and ids out."""
-    return {
+    log-probs and ids out; ``salt``: vLLM's ``cache_salt`` (module doc)."""
+    return {**({"cache_salt": salt} if salt is not None else {}),
         "model": model, "prompt": list(prompt_ids), "n": 1, "stream": False, "echo": False,
         "max_tokens": sampling.max_tokens, "temperature": sampling.temperature, "top_p": sampling.top_p,
         "top_k": sampling.top_k, "min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0,
@@ -545,7 +559,8 @@ def generate(config: ServerConfig, tokenizer, prompts: list[list[int]], sampling
     """
     card = served_model(config)
     name = card["id"]
-    bodies = [completion_body(name, p, sampling, seed * 1_000_003 + i) for i, p in enumerate(prompts)]
+    salt = run_cache_salt() if config.cache_salt else None
+    bodies = [completion_body(name, p, sampling, seed * 1_000_003 + i, salt) for i, p in enumerate(prompts)]
     results: list[dict[str, Any] | None] = [None] * len(prompts)
 
     def one(i: int, stop: threading.Event) -> None:
@@ -574,7 +589,7 @@ def generate(config: ServerConfig, tokenizer, prompts: list[list[int]], sampling
     rollouts = Rollouts(prompt_ids=[list(p) for p in prompts], response_ids=[r["ids"] for r in rows],
                         logprobs=[r["logprobs"] for r in rows], finished=[r["finished"] for r in rows], version=0)
     rollouts.validate("server")
-    sent = {k: v for k, v in bodies[0].items() if k not in ("prompt", "seed")}
+    sent = {k: v for k, v in bodies[0].items() if k not in ("prompt", "seed", "cache_salt")}
     notes = []
     note = generation_config_note(model_path, sent)
     if note:
@@ -596,6 +611,9 @@ def generate(config: ServerConfig, tokenizer, prompts: list[list[int]], sampling
         "server_max_model_len": card.get("max_model_len"), "request": sent,
         "seeds": f"request i: seed·1000003 + i (seed {seed})", "requests": len(prompts),
         "concurrency": config.concurrency, "seconds": seconds,
+        "prefix_cache": ("cache_salt: one fresh salt for this run's requests (no KV computed before the run is "
+                         "reused)" if salt else "no cache_salt sent (--no-cache-salt): the server may reuse "
+                         "prefix-cache KV computed before the run"),
         "alignment": {"prompt_ids": PROMPT_CHECK[prompt_level],
                       "response_ids": "verified: returned as ids (return_token_ids / return_tokens_as_token_ids)",
                       "text": text_check, "text_forms": forms},

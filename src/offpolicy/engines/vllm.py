@@ -180,6 +180,14 @@ class _EngineLog:
             self.logger.addHandler(handler)
 
 
+def cache_salt(version: int) -> str:
+    """vLLM's ``cache_salt`` for requests sampled by policy ``version``: prefix-cache blocks are
+    keyed by it, so KV computed by one version's weights never serves another's requests (NeMo-RL
+    #4018 found KV up to 17 refits old; SkyRL #1836 salts per version the same way). Requests of one
+    version still share their prefixes (a GRPO group's prompt is prefilled once)."""
+    return f"offpolicy-policy-v{int(version)}"
+
+
 class VLLMEngine:
     name = "vllm"
 
@@ -250,7 +258,10 @@ class VLLMEngine:
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingConfig, seed: int, version: int) -> Rollouts:
         from vllm import SamplingParams
 
-        requests = [{"prompt_token_ids": list(p)} for p in prompt_ids]
+        # cache_salt (vLLM ≥ 0.9, the first KV block's hash; SkyRL #1836): a request can reuse only KV
+        # computed under the same salt, i.e. by the same weights — whatever a reset left behind
+        salt = cache_salt(version)
+        requests = [{"prompt_token_ids": list(p), "cache_salt": salt} for p in prompt_ids]
         params = [
             SamplingParams(
                 n=1,
@@ -305,7 +316,10 @@ class VLLMEngine:
             finally:
                 quiet.setLevel(level)
             self.wake()
-            self.llm.reset_prefix_cache()  # cached KV of old weights must not serve new requests
+            # cached KV of old weights must not serve new requests: the reset frees it (False where
+            # running requests hold blocks — none here, generate returns first), the per-version
+            # cache_salt of generate() makes any block that survives unreachable
+            self.llm.reset_prefix_cache()
 
     def wake(self) -> None:
         """Back from ``sleep(level=1)``: whatever is still asleep (weights, KV cache) is reallocated."""

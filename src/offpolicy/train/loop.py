@@ -55,7 +55,7 @@ from offpolicy.train.checkpoint import latest_checkpoint, load_trainer_state, sa
 from offpolicy.train.config import TrainConfig, resolve_device, resolve_engine_dtype, resolve_trainer_dtype
 from offpolicy.train.logger import RunLogger, StageTimer, sample_records
 from offpolicy.train.memory import memory_metrics, reset_memory_peaks
-from offpolicy.train.pipeline import RolloutPipeline
+from offpolicy.train.pipeline import Pending, RolloutPipeline
 from offpolicy.train.update import device_index, load_policy, old_logprobs, optimizer_step
 from offpolicy.train.warmstart import default_model, exact_match_accuracy
 
@@ -194,13 +194,23 @@ def with_kl_over_entropy(values: dict[str, float]) -> dict[str, float]:
     return values
 
 
-def staleness_metrics(version: int, row_versions: torch.Tensor, pipeline: RolloutPipeline) -> dict[str, float]:
+def staleness_metrics(version: int, row_versions: torch.Tensor, pipeline: RolloutPipeline,
+                      item: Pending | None = None) -> dict[str, float]:
     """How stale the trained batch was, per rollout: version − the version that sampled it (``[B]``),
-    its mean and max, and the rollouts dropped as too old for this step and over the run (TRL's
-    async GRPO logs sample/staleness_mean/max and dropped_stale_total the same way)."""
+    its mean and max (``staleness_max`` is each trajectory's worst staleness, verl #6736: version −
+    the oldest version behind any of its tokens), and the rollouts dropped as too old for this step
+    and over the run (TRL's async GRPO logs sample/staleness_mean/max and dropped_stale_total the
+    same way). With ``item``, the split of issue #46 (``pipeline`` module doc):
+    ``staleness/in_flight`` + ``staleness/in_queue`` = ``staleness``, and ``staleness/version_span``
+    (the trajectory's newest − oldest weight version, 0 here: one job, one set of weights)."""
     staleness = (version - row_versions).float()
-    return {"staleness_mean": staleness.mean().item(), "staleness_max": staleness.max().item(),
-            "dropped_rollouts": float(pipeline.last_dropped), "dropped_rollouts_total": float(pipeline.dropped)}
+    out = {"staleness_mean": staleness.mean().item(), "staleness_max": staleness.max().item(),
+           "dropped_rollouts": float(pipeline.last_dropped), "dropped_rollouts_total": float(pipeline.dropped)}
+    if item is not None:
+        in_flight, in_queue = pipeline.split_staleness(item, version)
+        out.update({"staleness/in_flight": float(in_flight), "staleness/in_queue": float(in_queue),
+                    "staleness/version_span": float(item.version_span)})
+    return out
 
 
 def throughput(values: dict[str, float], n_tokens: float, device: torch.device, overlapped: bool,
@@ -364,7 +374,7 @@ def train(cfg: TrainConfig, resume: Path | None = None, console: Console | None 
             with timer("sync"):
                 if not skipped:
                     version += 1
-                    pipeline.sync(engine_weights(policy, cfg, version, snapshot=pipeline.overlapped))
+                    pipeline.sync(engine_weights(policy, cfg, version, snapshot=pipeline.overlapped), version)
             # ------------------------------------------------ log
             with timer("log"):
                 n_tokens = float(batch.mask.sum())
@@ -376,7 +386,7 @@ def train(cfg: TrainConfig, resume: Path | None = None, console: Console | None 
                     # responses cut by max_new_tokens (or the context) before their stop token
                     "truncated_share": 1.0 - sum(item.rollouts.finished) / len(rewards),
                     "staleness": float(trained_on - item.rollouts.version),
-                    **staleness_metrics(trained_on, batch.versions, pipeline),
+                    **staleness_metrics(trained_on, batch.versions, pipeline, item),
                     "generate/tokens_per_s": n_tokens / max(item.seconds, 1e-9),  # the engine's rate
                     "policy_version": float(version),
                     "skipped_update": float(skipped),

@@ -196,7 +196,32 @@ def accumulate(logprobs: torch.Tensor, old_logprobs: torch.Tensor | None, advant
     if backward:
         loss.backward()
     metrics.update(m.renamed(lambda key: None if key == "loss" else key))
+    drift_and_split_metrics(logprobs, old_logprobs, advantages, mb, loss_cfg, metrics)
     return loss.detach()
+
+
+def drift_and_split_metrics(logprobs: torch.Tensor, old_logprobs: torch.Tensor | None, advantages: torch.Tensor,
+                            mb: Batch, loss_cfg: op.LossConfig, metrics: Metrics) -> None:
+    """The field's 2026 metrics for one micro-batch (they add up over micro-batches and mini-batches):
+
+    * ``drift/abs_logp_mean`` / ``drift/abs_logp_max``: |log π_θ − log π_ref| over the loss's tokens,
+      π_ref the denominator of PPO's ratio (π_old; μ under anchor rollout or without a π_old) — SkyRL
+      #1813's per-mini-batch drift of the policy from what the loss optimizes against: 0 at the first
+      mini-batch of an on-policy step, growing over the step's mini-batches and PPO epochs;
+    * with a correction, ``op.split_metrics`` (kl_k3 on kept / masked tokens, the masked tokens'
+      advantage signs, the raw-weight row fractions): one more ``correct`` on the micro-batch, O(B·T).
+    """
+    corr = loss_cfg.correction
+    bypass = old_logprobs is None or (corr is not None and corr.anchor == "rollout")
+    ref = mb.rollout_logprobs if bypass else old_logprobs
+    mask = mb.mask.bool()
+    drift = (logprobs.detach().float() - ref.float()).abs()
+    metrics.mean("drift/abs_logp_mean", drift, mask)
+    metrics.max("drift/abs_logp_max", drift, mask)
+    if corr is not None:
+        out = op.correct(old_logprobs, mb.rollout_logprobs, mb.mask, corr, logprobs=logprobs.detach(),
+                         advantages=advantages)
+        metrics.update(op.split_metrics(out, corr, advantages))
 
 
 def apply(policy, optimizer: torch.optim.Optimizer, max_grad_norm: float, metrics: Metrics) -> None:
