@@ -90,6 +90,33 @@ def test_train_logs_to_every_tracker(offpolicy_cache, tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert "log_to:" not in result.stdout  # no tracker missing or failing
     check_stores(out, tmp_path)
+    check_view(out, tmp_path)
+
+
+def check_view(out: Path, tmp_path: Path) -> None:
+    """samples.jsonl keeps each sample's tokens with log π_old and log μ; ``offpolicy view`` pages the run,
+    and a copy cut off mid-line (a killed run) too."""
+    from cli_inprocess import run_cli
+    from offpolicy import viewer
+
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    for r in samples:
+        assert len(r["token_text"]) == len(r["log_pi"]) == len(r["log_mu"]) == r["tokens"]
+        assert all(v is not None and v <= 0 for v in r["log_mu"])
+        ratios = [abs(p - m) for p, m in zip(r["log_pi"], r["log_mu"]) if p is not None]
+        assert max(ratios) == pytest.approx(r["abs_log_ratio_max"], rel=1e-5, abs=1e-7)
+    result = run_cli("view", str(out))
+    assert result.returncode == 0 and (out / "report.html").is_file(), result.stderr
+    view, notes = viewer.run_view(out)
+    assert notes == [] and len(view["seqs"]) == len(samples)
+    cut = tmp_path / "cut"
+    cut.mkdir()
+    text = (out / "samples.jsonl").read_text()
+    (cut / "samples.jsonl").write_text(text[: len(text) - len(text.splitlines()[-1]) // 2 - 1])
+    result = run_cli("view", str(cut), "--out", str(cut / "page.html"))
+    assert result.returncode == 0 and (cut / "page.html").is_file(), result.stderr
+    assert "1 line(s) of samples.jsonl could not be read" in result.stdout
+    assert len(viewer.run_view(cut)[0]["seqs"]) == len(samples) - 1
 
 
 def check_stores(out: Path, tmp_path: Path) -> None:
@@ -155,6 +182,7 @@ def check_stores(out: Path, tmp_path: Path) -> None:
     assert stored["config"]["train"] == config["train"]
 
 
+@pytest.mark.slow
 def test_diagnose_logs_to_every_tracker(tiny_model_dir, tmp_path):
     """``diagnose --log-to``: report.json's summary, the what-if table and the plots, in each store."""
     from cli_inprocess import run_cli

@@ -97,6 +97,7 @@ def diagnosed(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.mark.slow
 def test_report_page_shows_report_json_tokens_tooltips_and_filter(browser, diagnosed):
     report = json.loads((diagnosed / "report.json").read_text())
     seqs = report["sequences"]
@@ -213,6 +214,7 @@ def test_markup_and_script_in_samples_are_text_and_nothing_runs(browser, tmp_pat
         page.close()
 
 
+@pytest.mark.slow
 def test_page_stays_usable_at_512_sequences_of_256_tokens(browser, tmp_path):
     """512 × 256 tokens: every token rendered, hover and filter answer (no timing is asserted)."""
     import torch
