@@ -59,6 +59,7 @@ class Sample:
     outside_mass: float | None = None
     token_entropy: torch.Tensor | None = None  # [B, T] the trainer's entropy at each token (the viewer's)
     token_text: list[list[str]] | None = None  # each response token as text (None: a dump holds no token ids)
+    prompt_text: list[str] | None = None  # each prompt as text (None: a dump holds no token ids)
 
 
 def read_prompts(path: Path, tokenizer) -> list[list[int]]:
@@ -121,8 +122,9 @@ def score(rollouts: Rollouts, model_path: Path, tokenizer, trainer_dtype: str, s
     if not any(rollouts.response_ids):
         raise RuntimeError("the engine returned only empty responses: nothing to compare")
     s = score_batch(model_path, to_batch(rollouts, tokenizer.pad_token_id), sampling, trainer_dtype, seconds, device)
-    # each response token as text, for the per-token viewer (report.html)
-    return replace(s, token_text=[[tokenizer.decode([t]) for t in ids] for ids in rollouts.response_ids])
+    # each response token as text, and each prompt, for the per-token viewer (report.html)
+    return replace(s, token_text=[[tokenizer.decode([t]) for t in ids] for ids in rollouts.response_ids],
+                   prompt_text=[tokenizer.decode(ids) for ids in rollouts.prompt_ids])
 
 
 def score_batch(model_path: Path, batch: Batch, sampling: SamplingConfig, trainer_dtype: str,
@@ -514,6 +516,6 @@ def report(s: Sample, setting: dict[str, Any], out_dir: Path, plots: bool = True
     # per token, for report.html (offpolicy.viewer): each response's tokens with log π, log μ, the trainer's
     # entropy, and what each preset does to each token (presets that agree share one group)
     result["sequences"] = viewer.sequences(s.trainer, s.batch.rollout_logprobs, s.batch.mask, s.token_text,
-                                           s.token_entropy)
+                                           s.token_entropy, s.prompt_text)
     result["token_verdicts"] = viewer.token_verdicts(s.trainer, s.batch.rollout_logprobs, s.batch.mask)
     return result

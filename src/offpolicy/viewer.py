@@ -69,14 +69,16 @@ def token_verdicts(trainer: torch.Tensor, rollout: torch.Tensor, mask: torch.Ten
 
 
 def sequences(trainer: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor,
-              token_text: list[list[str]] | None, entropy: torch.Tensor | None) -> list[dict[str, Any]]:
+              token_text: list[list[str]] | None, entropy: torch.Tensor | None,
+              prompts: list[str] | None = None) -> list[dict[str, Any]]:
     """Each row's response tokens (text, log π, log μ, entropy: ``[B, T]`` inputs, a row's tokens its first
-    ``row_lengths`` columns; log π null at a token without a ratio), as ``report.json`` keeps them for the
-    viewer."""
+    ``row_lengths`` columns; log π null at a token without a ratio) and its prompt, as ``report.json`` keeps
+    them for the viewer."""
     out = []
     for i, n in enumerate(row_lengths(mask)):
         valid = mask[i, :n].bool().tolist()
-        out.append({"tokens": list(token_text[i][:n]) if token_text is not None else None,
+        out.append({"prompt": prompts[i] if prompts is not None else None,
+                    "tokens": list(token_text[i][:n]) if token_text is not None else None,
                     "log_pi": [v if ok else None for v, ok in zip(_round(trainer[i, :n].tolist()), valid)],
                     "log_mu": _round(rollout[i, :n].tolist()),
                     "entropy": _round(entropy[i, :n].tolist()) if entropy is not None else None})
