@@ -182,14 +182,21 @@ def check_stores(out: Path, tmp_path: Path) -> None:
     assert stored["config"]["train"] == config["train"]
 
 
-@pytest.mark.slow
-def test_diagnose_logs_to_every_tracker(tiny_model_dir, tmp_path):
-    """``diagnose --log-to``: report.json's summary, the what-if table and the plots, in each store."""
-    from cli_inprocess import run_cli
+def test_diagnose_logs_to_every_tracker(tmp_path):
+    """``diagnose --log-to``: report.json's summary, the what-if table and the plots, in each store (on a
+    host's batch dump: no model to load, no sampling)."""
+    import torch
 
+    from cli_inprocess import run_cli
+    from offpolicy.integrations.dump import BatchDumper
+
+    g = torch.Generator().manual_seed(4)
+    old = -2 * torch.rand(8, 12, generator=g)
+    BatchDumper(tmp_path / "dump", every=1).maybe_dump(
+        0, old_logprobs=old, rollout_logprobs=(old + 0.3 * torch.randn(8, 12, generator=g)).clamp(max=0),
+        mask=torch.ones(8, 12))
     out = tmp_path / "diag"
-    result = run_cli("diagnose", "--model", str(tiny_model_dir), "--engine", "hf", "--n", "8", "--max-tokens", "6",
-                     "--out", str(out), "--log-to", ",".join(ALL))
+    result = run_cli("diagnose", "--batch", str(tmp_path / "dump"), "--out", str(out), "--log-to", ",".join(ALL))
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads((out / "report.json").read_text())
     summary = {k: v for k, v in report["summary"].items() if math.isfinite(v)}
@@ -227,18 +234,6 @@ def test_diagnose_logs_to_every_tracker(tiny_model_dir, tmp_path):
     for key, value in summary.items():
         assert events.Scalars(f"summary/{key}")[0].value == pytest.approx(value, rel=1e-6, abs=1e-30)
     assert "what_if/text_summary" in events.Tags()["tensors"] and plots <= set(events.Tags()["images"])
-
-
-@pytest.fixture(scope="module")
-def tiny_model_dir(tmp_path_factory) -> Path:
-    from offpolicy.tasks.model import build_tiny_qwen2
-    from offpolicy.tasks.tokenizer import build_char_tokenizer
-
-    path = tmp_path_factory.mktemp("tiny")
-    tok = build_char_tokenizer()
-    build_tiny_qwen2(tok, hidden_size=32, num_layers=1, seed=3).save_pretrained(path)
-    tok.save_pretrained(path)
-    return path
 
 
 class Flaky:
