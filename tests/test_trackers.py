@@ -6,6 +6,7 @@ start or fails mid-run never stops a run."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -21,10 +22,14 @@ from conftest import FAST
 from offpolicy.trackers import SAMPLE_COLUMNS, Trackers, open_trackers, parse_log_to
 
 ALL = ["tensorboard", "wandb", "mlflow", "trackio"]
-for _module in ("wandb", "mlflow", "trackio"):
-    pytest.importorskip(_module, reason=f"{_module} is not installed (pip install 'offpolicy[{_module}]')")
+# found, not imported: Trackio fixes its store's directory when first imported, and the in-process diagnose
+# run below must be the first import in this worker (its store then goes into the run directory)
+_missing = [m for m in ("wandb", "mlflow", "trackio") if importlib.util.find_spec(m) is None]
+if _missing:
+    pytest.skip(f"{', '.join(_missing)} not installed (pip install 'offpolicy[trackers]'; install.sh installs them)",
+                allow_module_level=True)
 
-import wandb_records  # noqa: E402 - tests/wandb_records.py, after wandb is known to import
+import wandb_records  # noqa: E402 - tests/wandb_records.py (imports wandb's protobuf only when reading)
 
 
 def finite(record: dict) -> dict[str, float]:
@@ -34,20 +39,25 @@ def finite(record: dict) -> dict[str, float]:
 
 def same_rows(got: list[list], want: list[list]) -> bool:
     """Table rows equal, floats to 10 decimal places: MLflow's log_table writes its JSON through pandas,
-    which keeps 10 (``double_precision=10``); the other trackers keep every digit."""
+    which keeps 10 (``double_precision=10``); the other trackers keep every digit. A NaN (a what-if row whose
+    preset rejects every token has no weights) matches NaN or null (MLflow's JSON writes null)."""
     def same(a, b):
+        missing = [v is None or (isinstance(v, float) and math.isnan(v)) for v in (a, b)]
+        if any(missing):
+            return all(missing)
         if isinstance(a, float) or isinstance(b, float):
-            return a is not None and b is not None and math.isclose(a, b, rel_tol=1e-9, abs_tol=5e-11)
+            return math.isclose(a, b, rel_tol=1e-9, abs_tol=5e-11)
         return a == b
     return len(got) == len(want) and all(len(g) == len(w) and all(map(same, g, w)) for g, w in zip(got, want))
 
 
-def trackio_read(store: str, project: str, run: str) -> dict:
-    """Trackio's own reader (SQLiteStorage) in a fresh process: Trackio fixes its directory when first imported."""
-    code = ("import json, sys; from trackio.sqlite_storage import SQLiteStorage as S; "
-            "p, r = sys.argv[1:3]; print(json.dumps({'logs': S.get_logs(p, r), 'config': S.get_run_config(p, r)}))")
-    out = subprocess.run([sys.executable, "-c", code, project, run], capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "TRACKIO_DIR": store})
+def trackio_read(where: dict) -> dict:
+    """Trackio's own reader (SQLiteStorage) on the run ``where`` names (trackers.json), in a fresh process:
+    Trackio fixes its directory when first imported."""
+    code = ("import json, sys; from trackio.sqlite_storage import SQLiteStorage as S; p, r, i = sys.argv[1:4]; "
+            "print(json.dumps({'logs': S.get_logs(p, r, run_id=i), 'config': S.get_run_config(p, r, run_id=i)}))")
+    out = subprocess.run([sys.executable, "-c", code, where["project"], where["run"], where["run_id"]],
+                         capture_output=True, text=True, timeout=120, env={**os.environ, "TRACKIO_DIR": where["dir"]})
     assert out.returncode == 0, out.stderr[-2000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -171,7 +181,7 @@ def check_stores(out: Path, tmp_path: Path) -> None:
     assert (artifacts / "plots" / "training.png").read_bytes() == (out / "training.png").read_bytes()
 
     # Trackio: its SQLite store, read by its own storage class
-    stored = trackio_read(where["trackio"]["dir"], where["trackio"]["project"], where["trackio"]["run"])
+    stored = trackio_read(where["trackio"])
     logs = by_step(stored["logs"])
     for step, values in expected.items():
         assert {k: logs[step][k] for k in values} == values
@@ -196,12 +206,18 @@ def test_diagnose_logs_to_every_tracker(tmp_path):
         0, old_logprobs=old, rollout_logprobs=(old + 0.3 * torch.randn(8, 12, generator=g)).clamp(max=0),
         mask=torch.ones(8, 12))
     out = tmp_path / "diag"
-    result = run_cli("diagnose", "--batch", str(tmp_path / "dump"), "--out", str(out), "--log-to", ",".join(ALL))
+    env = {k: v for k, v in os.environ.items() if k not in ("WANDB_MODE", "MLFLOW_TRACKING_URI", "TRACKIO_DIR")}
+    fresh = "trackio" not in sys.modules
+    result = run_cli("diagnose", "--batch", str(tmp_path / "dump"), "--out", str(out), "--log-to", ",".join(ALL),
+                     env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads((out / "report.json").read_text())
     summary = {k: v for k, v in report["summary"].items() if math.isfinite(v)}
     where = json.loads((out / "trackers.json").read_text())
     assert set(where) == set(ALL)
+    if fresh:  # Trackio's first import in this process: its store is the run directory's
+        assert Path(where["trackio"]["dir"]) == (out / "trackio").resolve()
+    assert any(math.isnan(r["ess"]) for r in report["what_if"])  # a preset rejecting all: NaN weights, kept
     what_if = [[r[c] for c in ("preset", "token_rejected", "seq_rejected", "weight_mean", "weight_min", "weight_max",
                                "ess")] for r in report["what_if"]]
     plots = {Path(p).stem for p in report["plots"]}
@@ -210,7 +226,7 @@ def test_diagnose_logs_to_every_tracker(tmp_path):
     assert {k: stored_summary[k] for k in summary} == summary
     history = wandb_records.history(wandb_file(where["wandb"]))
     table = json.loads((wandb_file(where["wandb"]).parent / "files" / history[0]["what_if/path"]).read_text())
-    assert table["data"] == what_if and plots <= {k.split("/")[0] for k in history[0]}
+    assert same_rows(table["data"], what_if) and plots <= {k.split("/")[0] for k in history[0]}
 
     from offpolicy.trackers.mlflow import metric_name
 
@@ -223,11 +239,11 @@ def test_diagnose_logs_to_every_tracker(tmp_path):
     assert same_rows(json.loads((artifacts / "what_if" / "step_000000.json").read_text())["data"], what_if)
     assert {p.stem for p in (artifacts / "plots").iterdir()} == plots
 
-    stored = trackio_read(where["trackio"]["dir"], where["trackio"]["project"], where["trackio"]["run"])
+    stored = trackio_read(where["trackio"])
     logs = by_step(stored["logs"])
     assert {k: logs[0][f"summary/{k}"] for k in summary} == summary
-    assert [[row[c] for c in ("preset", "token_rejected", "seq_rejected", "weight_mean", "weight_min", "weight_max",
-                              "ess")] for row in logs[0]["what_if"]["_value"]] == what_if
+    assert same_rows([[row[c] for c in ("preset", "token_rejected", "seq_rejected", "weight_mean", "weight_min",
+                                        "weight_max", "ess")] for row in logs[0]["what_if"]["_value"]], what_if)
     assert plots <= set(logs[0])
 
     events = tb_events(out / "tensorboard")

@@ -142,6 +142,9 @@ class Trackers:
         self._each(f"logging step {step}'s metrics", lambda t: t.log_metrics(step, scalars))
 
     def log_table(self, key: str, step: int, columns: list[str], rows: list[list[Any]]) -> None:
+        # a NaN cell (a preset that rejects every token has no weights) as null, as metrics.jsonl writes it:
+        # the trackers would otherwise store it three ways (NaN, null, the string "NaN")
+        rows = [[None if isinstance(v, float) and not math.isfinite(v) else v for v in row] for row in rows]
         self._each(f"logging the table {key!r}", lambda t: t.log_table(key, step, columns, rows))
 
     def log_samples(self, step: int, samples: list[dict[str, Any]]) -> None:

@@ -27,7 +27,8 @@ class TrackioTracker:
         # embed=False: no browser, no server; auto_log_*: no system-metrics thread
         self.run = trackio.init(project=project, name=name, config=config, embed=False, auto_log_gpu=False,
                                 auto_log_cpu=False)
-        self.where = {"dir": str(utils.TRACKIO_DIR), "project": project, "run": self.run.name}
+        # the run's id too: a store outside the run directory may hold other runs of the same name
+        self.where = {"dir": str(utils.TRACKIO_DIR), "project": project, "run": self.run.name, "run_id": self.run.id}
 
     def log_metrics(self, step: int, values: dict[str, float]) -> None:
         self.run.log(values, step=step)
