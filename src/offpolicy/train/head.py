@@ -329,7 +329,7 @@ def token_logprobs(hidden: torch.Tensor, tokens: torch.Tensor, head: LinearHead,
 
 
 def trainer_logprobs(model, batch: Batch, sampling: SamplingConfig, metrics: Metrics | None = None, *,
-                     chunk: int | None = None) -> torch.Tensor:
+                     chunk: int | None = None, entropy_out: list[torch.Tensor] | None = None) -> torch.Tensor:
     """log π(y_t) ``[B, T]`` (fp32; float64 for a float64 model) under ``model`` on the engine's
     sampling support (SPEC §6), 0 where ``batch.mask`` is 0; −inf exactly where the sampled token
     lies outside the trainer's top-k/top-p support (the caller masks those, see
@@ -338,7 +338,8 @@ def trainer_logprobs(model, batch: Batch, sampling: SamplingConfig, metrics: Met
     With ``metrics`` given, the mean token entropy of the sampling distribution is recorded as
     ``entropy`` (``token_entropy``; the denominator of prime-rl's mismatch KL / entropy, issue #25)
     and, with top-k/top-p, the mass the sampler truncated away (``outside_mass``,
-    ``outside_mass_max``; see ``outside_mass_metrics``).
+    ``outside_mass_max``; see ``outside_mass_metrics``). With ``entropy_out`` given, each token's entropy
+    ``[B, T]`` (0 where ``batch.mask`` is 0) is appended to it: the per-token viewer shows it.
 
     Raises:
         ConfigError: a head this module does not reproduce (``linear_head``, ``check_head``).
@@ -350,7 +351,10 @@ def trainer_logprobs(model, batch: Batch, sampling: SamplingConfig, metrics: Met
     hidden = decoder_hidden(model, batch.input_ids, batch.attention_mask)  # [B, L, H]
     token_lp, entropy, outside = token_logprobs(hidden[rows, batch.positions[rows, cols]],  # [N, H]
                                                 batch.response_ids[rows, cols], head, sampling,
-                                                stats=metrics is not None, chunk=chunk)
+                                                stats=metrics is not None or entropy_out is not None, chunk=chunk)
+    if entropy_out is not None:
+        per_token = torch.zeros(counted.shape, dtype=entropy.dtype, device=entropy.device)
+        entropy_out.append(per_token.index_put((rows, cols), entropy))
     if metrics is not None:
         metrics.mean("entropy", entropy)
         if outside is not None:

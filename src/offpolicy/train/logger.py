@@ -1,5 +1,7 @@
-"""Run logging: one JSON line per step, TensorBoard scalars, a progress bar, a few sample completions
-per step (``samples.jsonl`` and TensorBoard text), and at the end PNG plots and a summary table."""
+"""Run logging: one JSON line per step (``metrics.jsonl``), a progress bar, a few sample completions per
+step (``samples.jsonl``, with their per-token log-probs for ``offpolicy view``), the trackers of ``log_to``
+(TensorBoard by default; W&B, MLflow, Trackio: ``offpolicy.trackers``), and at the end PNG plots and a
+summary table."""
 
 from __future__ import annotations
 
@@ -42,24 +44,39 @@ class StageTimer:
 
 
 def sample_records(problems, completions: list[str], rewards, advantages, log_ratio, mask,
-                   finished: list[bool]) -> list[dict[str, Any]]:
+                   finished: list[bool], token_texts: list[list[str]] | None = None, trainer=None,
+                   rollout=None) -> list[dict[str, Any]]:
     """One JSON-able record per sampled row: its prompt, the completion as the reward read it, the reference
     answer, reward, advantage, length, whether it stopped on its own, and its per-token log ρ = log π_old −
     log μ (``log_ratio``, ``mask`` ``[k, T]``): mean and max |log ρ| over the row's tokens that have a ratio
     (a token outside the trainer's top-k/top-p support has log π = −inf and none: it is counted in
-    ``outside_support``, as the loss leaves it out)."""
+    ``outside_support``, as the loss leaves it out).
+
+    With ``token_texts`` (each row's response tokens as text) and the log-probs ``trainer`` (log π_old) and
+    ``rollout`` (log μ), ``[k, T]``, the record also holds them per token (``token_text``, ``log_pi``,
+    ``log_mu``; null where not finite): what ``offpolicy view`` colours."""
     out = []
     for i, problem in enumerate(problems):
         valid = mask[i].bool()
         finite = valid & (log_ratio[i].abs() < math.inf)  # excludes ±inf and NaN
         lr = log_ratio[i][finite].abs()
-        out.append({"prompt": problem.prompt, "completion": completions[i], "answer": problem.answer,
-                    "reward": float(rewards[i]), "advantage": float(advantages[i]), "tokens": int(valid.sum()),
-                    "outside_support": int((valid & ~finite).sum()),
-                    "finished": bool(finished[i]),
-                    "abs_log_ratio_mean": float(lr.mean()) if lr.numel() else None,
-                    "abs_log_ratio_max": float(lr.max()) if lr.numel() else None})
+        record = {"prompt": problem.prompt, "completion": completions[i], "answer": problem.answer,
+                  "reward": float(rewards[i]), "advantage": float(advantages[i]), "tokens": int(valid.sum()),
+                  "outside_support": int((valid & ~finite).sum()),
+                  "finished": bool(finished[i]),
+                  "abs_log_ratio_mean": float(lr.mean()) if lr.numel() else None,
+                  "abs_log_ratio_max": float(lr.max()) if lr.numel() else None}
+        if token_texts is not None and trainer is not None and rollout is not None:
+            n = int(valid.sum())  # response tokens are left-aligned: the first n columns
+            record.update(token_text=list(token_texts[i][:n]), log_pi=_floats(trainer[i, :n]),
+                          log_mu=_floats(rollout[i, :n]))
+        out.append(record)
     return out
+
+
+def _floats(values) -> list[float | None]:
+    """fp32 values as JSON numbers (float32's shortest repr survives the round trip), null where not finite."""
+    return [float(f"{v:.8g}") if math.isfinite(v) else None for v in values.float().tolist()]
 
 
 def read_jsonl(path: Path, torn: list[str] | None = None) -> list[dict[str, Any]]:
@@ -93,7 +110,7 @@ def read_jsonl(path: Path, torn: list[str] | None = None) -> list[dict[str, Any]
 
 class RunLogger:
     def __init__(self, run_dir: Path, total_steps: int, start_step: int = 0, console: Console | None = None,
-                 progress: bool = True):
+                 progress: bool = True, log_to: list[str] = ("tensorboard",), config: dict[str, Any] | None = None):
         self.run_dir = run_dir
         self.path = run_dir / "metrics.jsonl"
         self.console = console or Console()
@@ -108,12 +125,10 @@ class RunLogger:
         for note in torn:
             self.console.print(f"[yellow]  resume: {note}[/yellow]")
         self.write_seconds: list[float] = []
-        try:
-            from torch.utils.tensorboard import SummaryWriter
+        from offpolicy.trackers import open_trackers
 
-            self.tb = SummaryWriter(str(run_dir / "tensorboard"), purge_step=start_step)
-        except ImportError:  # tensorboard is optional at run time
-            self.tb = None
+        # before training: a tracker that is missing or cannot start is one line here, never a crash later
+        self.trackers = open_trackers(log_to, run_dir, run_dir.name, config or {}, self.console, start_step)
         self.progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
                                  TextColumn("{task.fields[status]}"), TimeElapsedColumn(), TimeRemainingColumn(),
                                  console=self.console, disable=not progress)
@@ -126,10 +141,7 @@ class RunLogger:
         self.records.append(record)
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
-        if self.tb is not None:
-            for key, value in values.items():
-                if isinstance(value, (int, float)) and math.isfinite(value):
-                    self.tb.add_scalar(key, value, step)
+        self.trackers.log_metrics(step, values)
         status = f"reward {values.get('reward', math.nan):.3f}  kl {values.get('offpolicy/kl_k3', math.nan):.2e}"
         if "eval/accuracy" in values:
             status += f"  acc {values['eval/accuracy']:.2f}"
@@ -146,20 +158,23 @@ class RunLogger:
         with self.samples_path.open("a") as f:
             for record in samples:
                 f.write(json.dumps({"step": step, **record}, ensure_ascii=False) + "\n")
-        if self.tb is not None:
-            blocks = [f"**reward {r['reward']:g}** · advantage {r['advantage']:+.3f} · {r['tokens']} tokens"
-                      f"{'' if r['finished'] else ' (truncated)'} · mean/max \\|log ρ\\| "
-                      f"{r['abs_log_ratio_mean'] or 0:.2e} / {r['abs_log_ratio_max'] or 0:.2e}\n\n"
-                      f"prompt:\n\n    {_indent(r['prompt'])}\n\ncompletion:\n\n    {_indent(r['completion'])}\n\n"
-                      f"reference: `{r['answer']}`" for r in samples]
-            self.tb.add_text("samples", "\n\n---\n\n".join(blocks), step)
+        self.trackers.log_samples(step, samples)
         if self.write_seconds:  # this step's logger cost (log, then log_samples)
             self.write_seconds[-1] += time.perf_counter() - start
 
     def close(self) -> None:
+        """Stop the progress bar; the trackers stay open for the plots (``finish``)."""
         self.progress.stop()
-        if self.tb is not None:
-            self.tb.close()
+
+    def tracker_locations(self) -> dict[str, dict[str, Any]]:
+        """Where each tracker that started writes (also in ``<run>/trackers.json``)."""
+        return self.trackers.where
+
+    def finish(self, plot: Path | None = None, failed: bool = False) -> None:
+        """Send the run's plot to the trackers, then close them (``failed``: the run raised)."""
+        if plot is not None:
+            self.trackers.log_images(max((r["step"] for r in self.records), default=0), {"training": plot})
+        self.trackers.close(failed=failed)
 
     def plot(self) -> Path:
         import matplotlib
@@ -240,8 +255,3 @@ class RunLogger:
         table.add_row("step", f"{1e3 * per_step:.1f}", f"{1 / per_step:.2f} steps/s")
         self.console.print(table)
         return means
-
-
-def _indent(text: str) -> str:
-    """``text`` as a Markdown code block's body (TensorBoard renders its text plugin as Markdown)."""
-    return text.replace("\n", "\n    ")

@@ -244,9 +244,13 @@ def step_samples(cfg: TrainConfig, policy, tokenizer, item, batch, texts: list[s
         trainer = old_logprobs(policy, batch.select(rows), sampling, device, trainer_dtype, None).float().cpu()
     # −inf where a token lies outside the trainer's top-k/top-p support (sample_records leaves it out)
     log_ratio = torch.where(batch.mask[rows].bool(), trainer - batch.rollout_logprobs[rows], 0.0)  # [k, T]
+    # each response token as text, for the per-token viewer (offpolicy view)
+    token_texts = [[tokenizer.decode([t]) for t in item.rollouts.response_ids[i]] for i in rows.tolist()]
     return sample_records([item.problems[i] for i in rows.tolist()], [texts[i] for i in rows.tolist()],
                           rewards[rows], advantages[rows], log_ratio, batch.mask[rows],
-                          [item.rollouts.finished[i] for i in rows.tolist()])
+                          [item.rollouts.finished[i] for i in rows.tolist()], token_texts=token_texts,
+                          trainer=torch.where(batch.mask[rows].bool(), trainer, 0.0),
+                          rollout=batch.rollout_logprobs[rows])
 
 
 def train(cfg: TrainConfig, resume: Path | None = None, console: Console | None = None,
@@ -314,13 +318,15 @@ def train(cfg: TrainConfig, resume: Path | None = None, console: Console | None 
         eval_set = problems(task, cfg.eval_problems, seed=cfg.seed + 20_000)
         if cfg.task == "dataset":  # the held-out rows, scored by the reward: eval/accuracy = mean reward, greedy
             eval_set = list(task.held_out[: cfg.eval_problems])
-        logger = RunLogger(run_dir, cfg.steps, start_step, console, progress=progress)
+        logger = RunLogger(run_dir, cfg.steps, start_step, console, progress=progress, log_to=cfg.log_to,
+                           config=yaml.safe_load((run_dir / "config.yaml").read_text()))
     except BaseException as err:
         if created and not isinstance(err, EngineError):
             shutil.rmtree(run_dir, ignore_errors=True)  # nothing half-written (an engine failure keeps engine.log)
         raise
 
     completed, updating, interrupted, failed, saved = start_step, False, False, False, start_step
+    raised = False
     stop = GracefulStop()
     try:
         for step in range(start_step, cfg.steps):
@@ -426,15 +432,21 @@ def train(cfg: TrainConfig, resume: Path | None = None, console: Console | None 
                       f"offpolicy train --resume {run_dir}[/yellow]")
     except BaseException as err:
         failed = not isinstance(err, EngineError)  # an engine failure keeps the run directory and its engine.log
+        raised = True
         raise
     finally:
         stop.close()
         pipeline.close()
         logger.close()
+        if raised:
+            logger.finish(failed=True)  # the trackers' runs end as failed
         engine.close()
         if failed and created and not (run_dir / "checkpoints").exists():
             shutil.rmtree(run_dir, ignore_errors=True)  # a run that never checkpointed leaves nothing
     plot = logger.plot()
+    logger.finish(plot)
     summary = logger.summary()
-    console.print(f"metrics: {logger.path}  plots: {plot}  tensorboard: {run_dir / 'tensorboard'}")
+    trackers = "".join(f"  {name}: {where.get('dir') or where.get('logdir') or where.get('tracking_uri')}"
+                       for name, where in logger.tracker_locations().items())
+    console.print(f"metrics: {logger.path}  plots: {plot}  view: offpolicy view {run_dir}{trackers}")
     return RunResult(run_dir, summary, interrupted, stop_signal if interrupted else signal.SIGINT)

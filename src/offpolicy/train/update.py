@@ -104,10 +104,11 @@ def to_device(batch: Batch, device: torch.device) -> Batch:
 
 
 def forward(policy, mb: Batch, sampling: SamplingConfig, device: torch.device, trainer_dtype: str,
-            metrics: Metrics | None = None) -> torch.Tensor:
-    """log π(y_t) ``[b, T']`` fp32 of a device micro-batch under the configured precision."""
+            metrics: Metrics | None = None, entropy_out: list[torch.Tensor] | None = None) -> torch.Tensor:
+    """log π(y_t) ``[b, T']`` fp32 of a device micro-batch under the configured precision (``entropy_out``:
+    see ``head.trainer_logprobs``)."""
     with precision(device, trainer_dtype):
-        logprobs = trainer_logprobs(policy, mb, sampling, metrics)
+        logprobs = trainer_logprobs(policy, mb, sampling, metrics, entropy_out=entropy_out)
     return logprobs.to(torch.promote_types(logprobs.dtype, torch.float32))
 
 

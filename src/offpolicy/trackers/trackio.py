@@ -1,0 +1,50 @@
+"""Trackio's local SQLite store, in ``<run>/trackio`` unless ``TRACKIO_DIR`` is set (``trackio show
+--project offpolicy`` with the same ``TRACKIO_DIR`` reads it). Trackio fixes its directory when it is first
+imported: a second run in the same Python process writes where the first one did (trackers.json says where).
+Scalars by ``trackio.log(step=)``, tables as ``trackio.Table``, plots as ``trackio.Image``."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+PROJECT = "offpolicy"
+
+
+class TrackioTracker:
+    name = "trackio"
+
+    def __init__(self, run_dir: Path, name: str, config: dict[str, Any]):
+        if "trackio" not in sys.modules and not os.environ.get("TRACKIO_DIR"):
+            os.environ["TRACKIO_DIR"] = str((run_dir / "trackio").resolve())
+        import trackio
+        from trackio import utils
+
+        self.trackio = trackio
+        project = os.environ.get("TRACKIO_PROJECT", PROJECT)
+        # embed=False: no browser, no server; auto_log_*: no system-metrics thread
+        self.run = trackio.init(project=project, name=name, config=config, embed=False, auto_log_gpu=False,
+                                auto_log_cpu=False)
+        # the run's id too: a store outside the run directory may hold other runs of the same name
+        self.where = {"dir": str(utils.TRACKIO_DIR), "project": project, "run": self.run.name, "run_id": self.run.id}
+
+    def log_metrics(self, step: int, values: dict[str, float]) -> None:
+        self.run.log(values, step=step)
+
+    def log_table(self, key: str, step: int, columns: list[str], rows: list[list[Any]]) -> None:
+        self.run.log({key: self.trackio.Table(columns=columns, data=rows)}, step=step)
+
+    def log_images(self, step: int, images: dict[str, Path]) -> None:
+        self.run.log({key: self.trackio.Image(str(path)) for key, path in images.items()}, step=step)
+
+    def log_summary(self, values: dict[str, float]) -> None:
+        self.run.log({f"summary/{k}": v for k, v in values.items()}, step=0)
+
+    def close(self, failed: bool = False) -> None:
+        self.run.finish()
+
+
+def open(run_dir: Path, name: str, config: dict[str, Any], start_step: int = 0) -> TrackioTracker:  # noqa: A001
+    return TrackioTracker(run_dir, name, config)

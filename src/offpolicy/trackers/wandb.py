@@ -1,0 +1,46 @@
+"""Weights & Biases, offline by default: ``WANDB_MODE=offline`` (unless set), files under ``<run>/wandb``
+(``wandb sync <run>/wandb/offline-run-*`` uploads them later). Scalars by ``wandb.log(step=)``, the
+samples and what-if tables as ``wandb.Table``, plots as ``wandb.Image``, the config as the run's config."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+
+class WandbTracker:
+    name = "wandb"
+
+    def __init__(self, run_dir: Path, name: str, config: dict[str, Any]):
+        import wandb
+
+        self.wandb = wandb
+        mode = os.environ.get("WANDB_MODE", "offline")
+        # console="off": wandb would otherwise wrap stdout/stderr, under the progress bar; no system-stats
+        # thread and no git/pip metadata (a training run is not a code snapshot)
+        settings = wandb.Settings(console="off", silent=True, x_disable_stats=True, x_disable_meta=True,
+                                  disable_git=True, save_code=False)
+        self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "offpolicy"), name=name, dir=str(run_dir),
+                              mode=mode, config=config, settings=settings, reinit="create_new")
+        self.where = {"dir": str(Path(self.run.dir).parent), "mode": mode, "project": self.run.project,
+                      "id": self.run.id}
+
+    def log_metrics(self, step: int, values: dict[str, float]) -> None:
+        self.run.log(values, step=step)
+
+    def log_table(self, key: str, step: int, columns: list[str], rows: list[list[Any]]) -> None:
+        self.run.log({key: self.wandb.Table(columns=columns, data=rows)}, step=step)
+
+    def log_images(self, step: int, images: dict[str, Path]) -> None:
+        self.run.log({key: self.wandb.Image(str(path)) for key, path in images.items()}, step=step)
+
+    def log_summary(self, values: dict[str, float]) -> None:
+        self.run.summary.update(values)
+
+    def close(self, failed: bool = False) -> None:
+        self.run.finish(exit_code=1 if failed else 0)
+
+
+def open(run_dir: Path, name: str, config: dict[str, Any], start_step: int = 0) -> WandbTracker:  # noqa: A001
+    return WandbTracker(run_dir, name, config)

@@ -1,0 +1,322 @@
+"""Experiment trackers (``log_to``, ``diagnose --log-to``): what each tracker stored, read back with the
+tracker's own reader — TensorBoard's EventAccumulator, W&B's offline run file through wandb's protobuf
+Records (tests/wandb_records.py), MLflow's MlflowClient on the SQLite store, Trackio's SQLiteStorage —
+equals metrics.jsonl, samples.jsonl, the config and report.json. And a tracker that is missing, fails to
+start or fails mid-run never stops a run."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from rich.console import Console
+
+from conftest import FAST
+from offpolicy.trackers import SAMPLE_COLUMNS, Trackers, open_trackers, parse_log_to
+
+ALL = ["tensorboard", "wandb", "mlflow", "trackio"]
+# found, not imported: Trackio fixes its store's directory when first imported, and the in-process diagnose
+# run below must be the first import in this worker (its store then goes into the run directory)
+_missing = [m for m in ("wandb", "mlflow", "trackio") if importlib.util.find_spec(m) is None]
+if _missing:
+    pytest.skip(f"{', '.join(_missing)} not installed (pip install 'offpolicy[trackers]'; install.sh installs them)",
+                allow_module_level=True)
+
+import wandb_records  # noqa: E402 - tests/wandb_records.py (imports wandb's protobuf only when reading)
+
+
+def finite(record: dict) -> dict[str, float]:
+    return {k: float(v) for k, v in record.items()
+            if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
+
+
+def same_rows(got: list[list], want: list[list]) -> bool:
+    """Table rows equal, floats to 10 decimal places: MLflow's log_table writes its JSON through pandas,
+    which keeps 10 (``double_precision=10``); the other trackers keep every digit. A NaN (a what-if row whose
+    preset rejects every token has no weights) matches NaN or null (MLflow's JSON writes null)."""
+    def same(a, b):
+        missing = [v is None or (isinstance(v, float) and math.isnan(v)) for v in (a, b)]
+        if any(missing):
+            return all(missing)
+        if isinstance(a, float) or isinstance(b, float):
+            return math.isclose(a, b, rel_tol=1e-9, abs_tol=5e-11)
+        return a == b
+    return len(got) == len(want) and all(len(g) == len(w) and all(map(same, g, w)) for g, w in zip(got, want))
+
+
+def trackio_read(where: dict) -> dict:
+    """Trackio's own reader (SQLiteStorage) on the run ``where`` names (trackers.json), in a fresh process:
+    Trackio fixes its directory when first imported."""
+    code = ("import json, sys; from trackio.sqlite_storage import SQLiteStorage as S; p, r, i = sys.argv[1:4]; "
+            "print(json.dumps({'logs': S.get_logs(p, r, run_id=i), 'config': S.get_run_config(p, r, run_id=i)}))")
+    out = subprocess.run([sys.executable, "-c", code, where["project"], where["run"], where["run_id"]],
+                         capture_output=True, text=True, timeout=120, env={**os.environ, "TRACKIO_DIR": where["dir"]})
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def by_step(rows: list[dict]) -> dict[int, dict]:
+    out: dict[int, dict] = {}
+    for row in rows:
+        out.setdefault(int(row["step"]), {}).update(row)
+    return out
+
+
+def wandb_file(where: dict) -> Path:
+    return next(Path(where["dir"]).glob("run-*.wandb"))
+
+
+def mlflow_client(where: dict):
+    from mlflow import MlflowClient
+
+    return MlflowClient(tracking_uri=where["tracking_uri"])
+
+
+def tb_events(logdir: Path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    return EventAccumulator(str(logdir), size_guidance={"scalars": 0, "tensors": 0, "images": 0}).Reload()
+
+
+@pytest.mark.slow
+def test_train_logs_to_every_tracker(offpolicy_cache, tmp_path):
+    """Two steps of the embedded default with all four trackers, as typed (its own process: each tracker's
+    default store in the run directory). Every finite scalar of metrics.jsonl, at its step, in each store;
+    the samples table and the config in each; the plot in each."""
+    out = tmp_path / "run"
+    env = {**os.environ, "OFFPOLICY_CACHE": str(offpolicy_cache)}
+    for var in ("WANDB_MODE", "MLFLOW_TRACKING_URI", "TRACKIO_DIR", "WANDB_PROJECT"):
+        env.pop(var, None)
+    result = subprocess.run([sys.executable, "-m", "offpolicy", "train", *FAST, "steps=2", f"out_dir={out}",
+                             "log_to=[wandb,mlflow,trackio,tensorboard]", "--no-progress"],
+                            capture_output=True, text=True, env=env, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "log_to:" not in result.stdout  # no tracker missing or failing
+    check_stores(out, tmp_path)
+    check_view(out, tmp_path)
+
+
+def check_view(out: Path, tmp_path: Path) -> None:
+    """samples.jsonl keeps each sample's tokens with log π_old and log μ; ``offpolicy view`` pages the run,
+    and a copy cut off mid-line (a killed run) too."""
+    from cli_inprocess import run_cli
+    from offpolicy import viewer
+
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    for r in samples:
+        assert len(r["token_text"]) == len(r["log_pi"]) == len(r["log_mu"]) == r["tokens"]
+        assert all(v is not None and v <= 0 for v in r["log_mu"])
+        ratios = [abs(p - m) for p, m in zip(r["log_pi"], r["log_mu"]) if p is not None]
+        assert max(ratios) == pytest.approx(r["abs_log_ratio_max"], rel=1e-5, abs=1e-7)
+    result = run_cli("view", str(out))
+    assert result.returncode == 0 and (out / "report.html").is_file(), result.stderr
+    view, notes = viewer.run_view(out)
+    assert notes == [] and len(view["seqs"]) == len(samples)
+    cut = tmp_path / "cut"
+    cut.mkdir()
+    text = (out / "samples.jsonl").read_text()
+    (cut / "samples.jsonl").write_text(text[: len(text) - len(text.splitlines()[-1]) // 2 - 1])
+    result = run_cli("view", str(cut), "--out", str(cut / "page.html"))
+    assert result.returncode == 0 and (cut / "page.html").is_file(), result.stderr
+    assert "1 line(s) of samples.jsonl could not be read" in result.stdout
+    assert len(viewer.run_view(cut)[0]["seqs"]) == len(samples) - 1
+
+
+def check_stores(out: Path, tmp_path: Path) -> None:
+    """Each tracker's store of the run in ``out`` against its metrics.jsonl, samples.jsonl and config.yaml."""
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    config = yaml.safe_load((out / "config.yaml").read_text())
+    where = json.loads((out / "trackers.json").read_text())
+    assert set(where) == set(ALL)
+    # offline, inside the run directory
+    assert where["wandb"]["mode"] == "offline" and Path(where["wandb"]["dir"]).parent == out / "wandb"
+    assert where["mlflow"]["tracking_uri"] == f"sqlite:///{(out / 'mlflow.db').resolve()}"
+    assert Path(where["trackio"]["dir"]) == (out / "trackio").resolve()
+    expected = {r["step"]: finite(r) for r in metrics}
+    assert [*expected] == [0, 1] and len(expected[0]) > 20
+    sample_rows = {step: [[r[c] if c != "step" else step for c in SAMPLE_COLUMNS] for r in samples if r["step"] == step]
+                   for step in expected}
+
+    # TensorBoard: scalars are float32 in its events
+    events = tb_events(out / "tensorboard")
+    for step, values in expected.items():
+        for key, value in values.items():
+            got = {e.step: e.value for e in events.Scalars(key)}
+            assert got[step] == pytest.approx(value, rel=1e-6, abs=1e-30), key
+    assert {"samples/text_summary", "config/text_summary"} <= set(events.Tags()["tensors"])
+    assert "training" in events.Tags()["images"]
+
+    # W&B: the offline run file's history, config and the table files it points to
+    run_file = wandb_file(where["wandb"])
+    history = wandb_records.history(run_file)
+    for step, values in expected.items():
+        assert {k: history[step][k] for k in values} == values
+        table = history[step]["samples/path"]
+        data = json.loads((run_file.parent / "files" / table).read_text())
+        assert data["columns"] == SAMPLE_COLUMNS and data["data"] == sample_rows[step]
+    assert history[1]["training/_type"] == "image-file"
+    assert wandb_records.config(run_file)["train"] == config["train"]
+
+    # MLflow: every metric's history, the params and config.json, the tables, the plot
+    client = mlflow_client(where["mlflow"])
+    run_id = where["mlflow"]["run_id"]
+    for key in expected[0]:
+        history = {m.step: m.value for m in client.get_metric_history(run_id, key)}
+        assert history == {step: values[key] for step, values in expected.items() if key in values}, key
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED" and run.data.params["train.steps"] == "2"
+    artifacts = Path(client.download_artifacts(run_id, "", str(tmp_path / "mlflow-artifacts")))
+    assert json.loads((artifacts / "config.json").read_text()) == config
+    for step in expected:
+        table = json.loads((artifacts / "samples" / f"step_{step:06d}.json").read_text())
+        assert table["columns"] == SAMPLE_COLUMNS and same_rows(table["data"], sample_rows[step])
+    assert (artifacts / "plots" / "training.png").read_bytes() == (out / "training.png").read_bytes()
+
+    # Trackio: its SQLite store, read by its own storage class
+    stored = trackio_read(where["trackio"])
+    logs = by_step(stored["logs"])
+    for step, values in expected.items():
+        assert {k: logs[step][k] for k in values} == values
+        table = logs[step]["samples"]
+        assert table["_type"] == "trackio.table"
+        assert [[row[c] for c in SAMPLE_COLUMNS] for row in table["_value"]] == sample_rows[step]
+    assert logs[1]["training"]["_type"] == "trackio.image"
+    assert stored["config"]["train"] == config["train"]
+
+
+def test_diagnose_logs_to_every_tracker(tmp_path):
+    """``diagnose --log-to``: report.json's summary, the what-if table and the plots, in each store (on a
+    host's batch dump: no model to load, no sampling)."""
+    import torch
+
+    from cli_inprocess import run_cli
+    from offpolicy.integrations.dump import BatchDumper
+
+    g = torch.Generator().manual_seed(4)
+    old = -2 * torch.rand(8, 12, generator=g)
+    BatchDumper(tmp_path / "dump", every=1).maybe_dump(
+        0, old_logprobs=old, rollout_logprobs=(old + 0.3 * torch.randn(8, 12, generator=g)).clamp(max=0),
+        mask=torch.ones(8, 12))
+    out = tmp_path / "diag"
+    env = {k: v for k, v in os.environ.items() if k not in ("WANDB_MODE", "MLFLOW_TRACKING_URI", "TRACKIO_DIR")}
+    fresh = "trackio" not in sys.modules
+    result = run_cli("diagnose", "--batch", str(tmp_path / "dump"), "--out", str(out), "--log-to", ",".join(ALL),
+                     env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads((out / "report.json").read_text())
+    summary = {k: v for k, v in report["summary"].items() if math.isfinite(v)}
+    where = json.loads((out / "trackers.json").read_text())
+    assert set(where) == set(ALL)
+    if fresh:  # Trackio's first import in this process: its store is the run directory's
+        assert Path(where["trackio"]["dir"]) == (out / "trackio").resolve()
+    assert any(math.isnan(r["ess"]) for r in report["what_if"])  # a preset rejecting all: NaN weights, kept
+    what_if = [[r[c] for c in ("preset", "token_rejected", "seq_rejected", "weight_mean", "weight_min", "weight_max",
+                               "ess")] for r in report["what_if"]]
+    plots = {Path(p).stem for p in report["plots"]}
+
+    stored_summary = wandb_records.summary(wandb_file(where["wandb"]))
+    assert {k: stored_summary[k] for k in summary} == summary
+    history = wandb_records.history(wandb_file(where["wandb"]))
+    table = json.loads((wandb_file(where["wandb"]).parent / "files" / history[0]["what_if/path"]).read_text())
+    assert same_rows(table["data"], what_if) and plots <= {k.split("/")[0] for k in history[0]}
+
+    from offpolicy.trackers.mlflow import metric_name
+
+    client = mlflow_client(where["mlflow"])
+    run_id = where["mlflow"]["run_id"]
+    metrics = client.get_run(run_id).data.metrics
+    assert {k: metrics[metric_name(k)] for k in summary} == summary
+    assert "masked_fraction/verl:decoupled_seq_is_rs" in metrics  # '@' is not a character MLflow takes
+    artifacts = Path(client.download_artifacts(run_id, "", str(tmp_path / "mlflow-artifacts")))
+    assert same_rows(json.loads((artifacts / "what_if" / "step_000000.json").read_text())["data"], what_if)
+    assert {p.stem for p in (artifacts / "plots").iterdir()} == plots
+
+    stored = trackio_read(where["trackio"])
+    logs = by_step(stored["logs"])
+    assert {k: logs[0][f"summary/{k}"] for k in summary} == summary
+    assert same_rows([[row[c] for c in ("preset", "token_rejected", "seq_rejected", "weight_mean", "weight_min",
+                                        "weight_max", "ess")] for row in logs[0]["what_if"]["_value"]], what_if)
+    assert plots <= set(logs[0])
+
+    events = tb_events(out / "tensorboard")
+    for key, value in summary.items():
+        assert events.Scalars(f"summary/{key}")[0].value == pytest.approx(value, rel=1e-6, abs=1e-30)
+    assert "what_if/text_summary" in events.Tags()["tensors"] and plots <= set(events.Tags()["images"])
+
+
+class Flaky:
+    """A tracker that fails on its second metrics call."""
+
+    name = "flaky"
+    where = {"dir": "nowhere"}
+
+    def __init__(self):
+        self.calls, self.closed = 0, None
+
+    def log_metrics(self, step, values):
+        self.calls += 1
+        if self.calls == 2:
+            raise ConnectionError("the server went away")
+
+    def log_table(self, key, step, columns, rows): ...
+
+    def log_images(self, step, images): ...
+
+    def log_summary(self, values): ...
+
+    def close(self, failed=False):
+        self.closed = failed
+
+
+class Recorder(Flaky):
+    name = "recorder"
+
+    def log_metrics(self, step, values):
+        self.calls += 1
+
+
+def test_a_tracker_failing_mid_run_is_reported_once_and_the_others_go_on():
+    console = Console(record=True, width=300)
+    flaky, recorder = Flaky(), Recorder()
+    trackers = Trackers([flaky, recorder], console)
+    for step in range(4):
+        trackers.log_metrics(step, {"reward": 0.5, "nan": math.nan, "none": None})
+    trackers.close()
+    text = console.export_text()
+    assert text.count("flaky failed") == 1 and "ConnectionError: the server went away" in text
+    assert "off for the rest of this run" in text
+    assert flaky.calls == 2 and flaky.closed is True  # closed as failed, never called again
+    assert recorder.calls == 4 and recorder.closed is False
+
+
+def test_a_missing_or_broken_tracker_is_one_line_before_the_run(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb → ImportError, as without the package
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "nosuchscheme://x")  # MLflow refuses the store: it cannot start
+    console = Console(record=True, width=300)
+    trackers = open_trackers(["wandb", "mlflow", "tensorboard"], tmp_path, "run", {"a": 1}, console)
+    lines = [line for line in console.export_text().splitlines() if line.strip()]
+    assert len(lines) == 2
+    assert lines[0].startswith("log_to: wandb is not installed") and "pip install 'offpolicy[wandb]'" in lines[0]
+    assert lines[1].startswith("log_to: mlflow failed to start") and "goes on without it" in lines[1]
+    assert [t.name for t in trackers.trackers] == ["tensorboard"]
+    trackers.close()
+
+
+def test_log_to_names():
+    assert parse_log_to("wandb, mlflow,wandb") == ["wandb", "mlflow"]
+    assert parse_log_to(None) == [] and parse_log_to("none") == []
+    with pytest.raises(ValueError, match="unknown tracker 'wand'; known: tensorboard, wandb, mlflow, trackio"):
+        parse_log_to("wand")
+    from offpolicy.train.config import load_train_config
+
+    assert load_train_config(None, []).log_to == ["tensorboard"]  # TensorBoard stays on by default
+    assert load_train_config(None, ["log_to=wandb,mlflow"]).log_to == ["wandb", "mlflow"]
+    assert load_train_config(None, ["log_to=[]"]).log_to == []
