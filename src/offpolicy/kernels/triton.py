@@ -767,6 +767,7 @@ class _Plan(NamedTuple):
     flat_global: FlatLayout
     n_raw: int  # entries of _finish's raw vector, a power of two
     device_consts: dict  # device → (bounds fp32, index int32, index_global int32): made once per device
+    launch: tuple[dict, dict, dict]  # the constexprs of (every kernel, _tokens, _finish) that the spec fixes
 
 
 _PLANS: dict[tuple[int, bool], tuple[LossConfig, _Plan | None]] = {}
@@ -786,9 +787,16 @@ def _plan(config: LossConfig, has_old: bool) -> _Plan | None:
         names = tuple(rule_name(i, r) for i, r in enumerate(config.correction.reject)) if spec.corrected else ()
         layout, layout_global = _layout(spec, names, False), _layout(spec, names, True)
         n_raw = 1 << (_R_RULES + 2 * len(spec.rules) - 1).bit_length()
+        w = spec.weight or (0, 0)
+        launch = ({"CORRECTED": spec.corrected, "ANCHOR": spec.anchor, "L": spec.log_clamp, "RULES": spec.rules,
+                   "SEQUENTIAL": spec.sequential},
+                  {"NONFINITE": spec.nonfinite, "HAS_WEIGHT": spec.weight is not None, "WLEVEL": w[0], "WMODE": w[1],
+                   "FIXED": spec.fixed_denominator, "KIND": spec.kind, "CP": _CP},
+                  {"L": spec.log_clamp, "N_RULES": len(spec.rules), "AGG": spec.agg, "CP": _CP, "RB": _RB,
+                   "NRAW": n_raw, "num_warps": 16})  # _finish is one program: all its warps
         plan = _Plan(spec, bounds_of(config), layout, layout_global, _index(layout), _index(layout_global),
                      FlatLayout.of(tuple((k, r) for k, r, _ in layout)),
-                     FlatLayout.of(tuple((k, r) for k, r, _ in layout_global)), n_raw, {})
+                     FlatLayout.of(tuple((k, r) for k, r, _ in layout_global)), n_raw, {}, launch)
     if len(_PLANS) > 256:
         _PLANS.clear()
     _PLANS[key] = (config, plan)  # holding the config keeps its id from being reused
@@ -823,7 +831,7 @@ def on_device(device: torch.device) -> contextlib.AbstractContextManager:
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
     """A view whose last dimension is contiguous (the kernels index rows by their stride)."""
-    return x if x.stride(-1) == 1 else x.contiguous()
+    return x if x.stride(-1) == 1 else x.detach().contiguous()
 
 
 def policy_loss(logprobs, old_logprobs, advantages, mask, rollout_logprobs, config: LossConfig, reduce: bool,
@@ -842,22 +850,24 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, rollout_logprobs, conf
         return None
     spec = plan.spec
     global_count = config.global_tokens if config.agg == "token-mean" else config.global_seqs
-    tensors = {"logprobs": logprobs, "old_logprobs": old_logprobs, "rollout_logprobs": rollout_logprobs,
-               "advantages": advantages}
+    shape = mask.shape
     # an empty batch ([2, 0]) has no valid token (and no block to launch): the reference's message
     if mask.dim() != 2 or mask.numel() == 0 or any(
-            t is not None and (t.shape != mask.shape or not t.is_floating_point()) for t in tensors.values()):
-        validate_inputs(mask, **tensors)  # raises the reference's message (shapes and dtypes: no sync)
+            t is not None and (t.shape != shape or not t.is_floating_point())
+            for t in (logprobs, old_logprobs, rollout_logprobs, advantages)):
+        validate_inputs(mask, logprobs=logprobs, old_logprobs=old_logprobs, rollout_logprobs=rollout_logprobs,
+                        advantages=advantages)  # raises the reference's message (shapes and dtypes: no sync)
     device = logprobs.device
-    B, T = mask.shape
+    B, T = shape
     block = _block(B, T)
     C = -(-T // block)
     old_in = old_logprobs is not None and not (spec.corrected and corr.anchor == "rollout")
-    lp = _rows(logprobs.detach())
-    old = _rows(old_logprobs.detach()) if old_in else lp
-    roll = _rows(rollout_logprobs.detach()) if spec.corrected else lp
+    # the kernels read pointers and strides: no detach needed (nothing they do enters autograd)
+    lp = _rows(logprobs)
+    old = _rows(old_logprobs) if old_in else lp
+    roll = _rows(rollout_logprobs) if spec.corrected else lp
     m = _rows(mask)
-    adv = advantages.detach()
+    adv = advantages
     n_rules = len(spec.rules)
     f32 = torch.float32
     bounds, index, index_global = _device_consts(plan, device)
@@ -891,22 +901,18 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, rollout_logprobs, conf
     p1 = torch.empty((2 * n_rules + 3, B, C), dtype=f32, device=device) if spec.needs_rows else p2
     strides = (lp.stride(0), old.stride(0), roll.stride(0), adv.stride(0), adv.stride(1), m.stride(0))
     grid = (B, C)
-    common = dict(CORRECTED=spec.corrected, ANCHOR=spec.anchor, OLD_IN=old_in, L=spec.log_clamp, RULES=spec.rules,
-                  SEQUENTIAL=spec.sequential, BLOCK=block, num_warps=max(4, min(16, block // 256)))
-    w = spec.weight or (0, 0)
+    common = {**plan.launch[0], "OLD_IN": old_in, "BLOCK": block, "num_warps": 16 if block > 1024 else 4}
     max_len = float(config.max_len if config.max_len is not None else T)
     with on_device(device):
         if spec.needs_rows:
             _row_stats[grid](lp, old, roll, adv, m, p1, bounds, B, T, C, *strides, **common)
         _tokens[grid](lp, old, roll, adv, m, p1, p2, coef, per_token, den, bounds, B, T, C, *strides, **common,
-                      NONFINITE=spec.nonfinite, HAS_WEIGHT=spec.weight is not None, WLEVEL=w[0], WMODE=w[1],
-                      FIXED=spec.fixed_denominator, KIND=spec.kind, UNREDUCED=unreduced, CP=_CP)
+                      **plan.launch[1], UNREDUCED=unreduced)
         _finish[(1,)](p2, flat, loss, scale, index, B, C, len(index), float(global_count or 0.0), max_len,
-                      L=spec.log_clamp, N_RULES=n_rules, AGG=spec.agg, HAS_GLOBAL=global_count is not None, CP=_CP,
-                      RB=_RB, NRAW=plan.n_raw, num_warps=16)  # one program: all its warps
+                      **plan.launch[2], HAS_GLOBAL=global_count is not None)
 
     checks = flat[-len(_CHECKS):]
-    shape = tuple(mask.shape)
+    shape = tuple(shape)
     if not mask.is_cuda and _check_message(spec, shape, checks.tolist()) is not None:
         return None  # the reference raises its exact message (with the first positions)
     metrics = Metrics.from_flat(flat, plan.flat_global if global_count is not None else plan.flat)
