@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU checks of issue #44 as one call of the device machine (docs/development.md, "On a lent GPU"):
+# The GPU checks of issue #44 as one call of the device machine (docs/performance.md, "Issue #44"):
 # one call that fits 7 minutes (so a rerun fits a 15-minute lease), in order of priority — first what the
 # last lease left unrun.
 #
