@@ -29,7 +29,8 @@ def _before_backward(ctx, grad_lp, _grad_extra):
     hidden, weight, bias, tokens, token_lp = ctx.saved_tensors
     need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
     device, autocast, autocast_dtype = ctx.autocast
-    grad_lp = torch.where(torch.isfinite(token_lp), grad_lp, torch.zeros((), dtype=grad_lp.dtype, device=grad_lp.device))
+    zero = torch.zeros((), dtype=grad_lp.dtype, device=grad_lp.device)
+    grad_lp = torch.where(torch.isfinite(token_lp), grad_lp, zero)
     d_hidden = torch.zeros_like(hidden) if need_hidden else None
     d_weight = torch.zeros_like(weight) if need_weight else None
     d_bias = torch.zeros_like(bias) if need_bias else None
@@ -107,7 +108,8 @@ def main(argv: list[str] | None = None) -> None:
                 H._ChunkedHead.backward = staticmethod(after)
             print(f"  {precision:5s} {variant:6s}: {statistics.median(seconds) * 1e3:9.1f} ms "
                   f"(first {first * 1e3:.0f} ms), peak {peak:.2f} GiB")
-        diff = max(float((a - b).abs().max() / (b.abs().max() + 1e-30)) for a, b in zip(grads["after"], grads["before"]))
+        diff = max(float((a - b).abs().max() / (b.abs().max() + 1e-30))
+                   for a, b in zip(grads["after"], grads["before"]))
         print(f"  {precision:5s} after vs before: max relative difference of the gradients {diff:.2e}")
 
 

@@ -394,7 +394,8 @@ def main(argv: list[str] | None = None) -> None:
     if not console.is_terminal:
         console = Console(width=160)
     forward_us, step_us = host_overhead_us(args.device)
-    host = Table(title="host overhead of the Triton rung per call, kernel launches stubbed (8×64 inputs; goal ≤ 50 µs)")
+    host = Table(title="host overhead of the Triton rung per call, kernel launches stubbed "
+                       "(8×64 inputs; goal ≤ 50 µs)")
     for col in ("device", "forward µs", "forward + backward µs"):
         host.add_column(col, justify="right")
     host.add_row(args.device, f"{forward_us:.1f}", f"{step_us:.1f}")

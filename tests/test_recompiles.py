@@ -105,7 +105,8 @@ def test_one_variant_per_kernel_over_forty_trainer_shapes(compile_keys):
     kernel and rule structure. Rows of > 8,192 tokens or batches of > 2²⁰ tokens are the second size
     class (blocks of 4,096: see ``triton._block``), named and counted below."""
     g = torch.Generator().manual_seed(1)
-    token_rules = op.LossConfig(dual_clip=3.0, correction={"weight": {"level": "token", "mode": "truncate", "high": 2.0}})
+    token_rules = op.LossConfig(dual_clip=3.0,
+                                correction={"weight": {"level": "token", "mode": "truncate", "high": 2.0}})
     row_rules = op.LossConfig(correction={"reject": [{"stat": "k3", "level": "seq_mean", "high": 0.3}],
                                           "weight": {"level": "sequence", "mode": "truncate", "high": 2.0}})
     for i in range(40):
@@ -144,7 +145,8 @@ def test_the_compiled_rung_does_not_recompile_for_a_new_threshold(monkeypatch):
     from offpolicy.kernels import compiled
 
     monkeypatch.setenv("OFFPOLICY_COMPILE", "1")
-    cfg = op.LossConfig(correction={"reject": [{"stat": "ratio", "level": "token", "high": {"rule": "quantile", "q": 0.9}}]})
+    quantile = {"rule": "quantile", "q": 0.9}
+    cfg = op.LossConfig(correction={"reject": [{"stat": "ratio", "level": "token", "high": quantile}]})
     g = torch.Generator().manual_seed(3)
     steps = [_batch(g, 4, 24, noise=n) for n in (0.2, 0.5)]
     resolved = [resolve_thresholds(cfg, [b]) for b in steps]

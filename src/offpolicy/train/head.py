@@ -288,7 +288,8 @@ class _ChunkedHead(torch.autograd.Function):
         d_bias = torch.zeros_like(bias) if need_bias else None
         # the forward's autocast casts, done once for the whole backward: a fresh autocast region per
         # chunk would cast W [V, H] again in every chunk (its cast cache lives as long as the region)
-        weight_c, bias_c = _compute_dtype(weight, autocast, autocast_dtype), _compute_dtype(bias, autocast, autocast_dtype)
+        weight_c = _compute_dtype(weight, autocast, autocast_dtype)
+        bias_c = _compute_dtype(bias, autocast, autocast_dtype)
         for start in range(0, hidden.shape[0], ctx.chunk):
             end = min(hidden.shape[0], start + ctx.chunk)
             h = _compute_dtype(hidden[start:end], autocast, autocast_dtype)
