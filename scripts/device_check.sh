@@ -1,88 +1,133 @@
 #!/usr/bin/env bash
-# The GPU checks of issue #36 as one call of the device machine (docs/development.md, "On a lent GPU").
+# The GPU checks of issue #44 as one call of the device machine (docs/performance.md, "Issue #44"):
+# one call that fits 7 minutes (so a rerun fits a 15-minute lease), in order of priority — first what the
+# last lease left unrun.
 #
-#   bash scripts/device_check.sh                  # every step, in order of priority
-#   STEPS="tests loss" bash scripts/device_check.sh
-#   DEVICE=cpu STEPS="train memory" bash scripts/device_check.sh   # try the script here, without a GPU
+#   bash scripts/device_check.sh              # on the device machine (run tool, timeout_s 450)
+#   bash scripts/device_check.sh --dry-run    # here, without a GPU: proves the script's own steps
+#   STEPS="tests head" bash scripts/device_check.sh
 #
-# Steps: tests (tests/test_train_device.py and tests/test_triton.py on CUDA), loss (bench_loss.py, fp32 and
-# bf16, OpenRLHF's rows where its wheel is carried), train (`offpolicy train device=cuda engine=hf` on the
-# embedded model), trainer (bench_trainer.py: offpolicy's hf engine against TRL on the embedded model and on
-# Qwen2.5-0.5B's shapes), memory (bench_memory.py, old and new path in one run). Each step has its own time limit, so
-# one that hangs leaves the others their time; every log goes to $OUT (the device tool brings back 8 files).
-#
-# The device machine has torch, triton, transformers and pytest but no pydantic: carry the wheels in .whl/
-# (`pip download --no-deps --only-binary=:all: --python-version 3.12 ... -d .whl pydantic pydantic-core
-# annotated-types typing-inspection openrlhf==0.11.2 trl==1.16.0 datasets dill multiprocess`, as the device
-# tool's README says).
+# Steps (limit in seconds; the limits add up to BUDGET):
+#   build  20  the carried wheels (.whl/) installed with one pip call — the device machine has torch,
+#              triton, transformers and pytest but no pydantic (`pip download --no-deps --only-binary=:all:
+#              --python-version 3.12 -d .whl pydantic pydantic-core annotated-types typing-inspection
+#              openrlhf==0.11.2`); then `import offpolicy` — the script stops at once if it fails
+#   tests 100  the last 9 tests of tests/test_triton.py on CUDA (CUDA-graph capture, no host sync through
+#              auto, low-precision gradients, ...), which the last lease's time limit left unrun
+#   head   50  the head's forward + backward at V = 151,936, H = 896, 16k tokens, fp32 and bf16, before and
+#              after issue #44 (benchmarks/bench_head.py)
+#   m2po   60  four optimizer steps of areal:m2po (data-chosen cut every step) on the embedded model: s/step
+#              and the number of Triton kernels compiled (a fresh TRITON_CACHE_DIR, counted afterwards)
+#   loss   80  benchmarks/bench_loss.py, fp32 and bf16, with the host-overhead row
+#   trainer 100 benchmarks/bench_trainer.py at Qwen2-0.5B's shapes, hf engine, 12 steps x 2 runs
+# Every log goes to $OUT (the device tool brings back what is there); $OUT/summary.txt has one line a step.
 set -u
+DRY=0
+if [ "${1:-}" = "--dry-run" ]; then DRY=1; shift; fi
 OUT=${OUT:-/tmp/device-check}
 mkdir -p "$OUT"
 DEVICE=${DEVICE:-cuda}
-STEPS=${STEPS:-"tests loss train trainer memory"}
+[ "$DRY" = 1 ] && DEVICE=cpu
+STEPS=${STEPS:-"tests head m2po loss trainer"}
+BUDGET=420  # seconds: 7 minutes
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1 TOKENIZERS_PARALLELISM=false
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
-WHEELS=${WHEELS:-.whl}  # WHEELS=none: use what is installed (a dry run here)
-if compgen -G "$WHEELS/*.whl" > /dev/null; then
-    # --target unpacks a wheel's *.data/purelib (OpenRLHF's package lives there) where imports find it
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$WHEELS"/*.whl \
-        || { echo "device_check: the carried wheels did not install"; exit 1; }
-    export PYTHONPATH="$PYTHONPATH:/tmp/site"
-fi
-# warm starts of the embedded model built here and carried (carry: [".opcache"]): the device machine starts bare
-if [ -d .opcache ] && [ -z "${OFFPOLICY_CACHE:-}" ]; then
-    export OFFPOLICY_CACHE="$PWD/.opcache"
-fi
 SUMMARY="$OUT/summary.txt"
+RUN=/tmp/device-check-runs  # run directories stay on the machine
+mkdir -p "$RUN"
+: > "$SUMMARY"
+say() { echo "$*" | tee -a "$SUMMARY"; }
 
-{
-    date -u +"%Y-%m-%dT%H:%M:%SZ"
-    git rev-parse --short HEAD 2>/dev/null || true
-    nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv,noheader 2>/dev/null || echo "no nvidia-smi"
-    "$PY" -c "import sys, torch, transformers; import triton; print('python', sys.version.split()[0], '| torch', torch.__version__, '| triton', triton.__version__, '| transformers', transformers.__version__, '| cuda', torch.cuda.is_available())"
-    "$PY" -c "import offpolicy, pydantic; print('offpolicy imports; pydantic', pydantic.__version__)"
-} 2>&1 | tee "$SUMMARY"
+# ------------------------------------------------------------------ the steps' limits and the budget
+declare -A LIMIT=([build]=20 [tests]=100 [head]=50 [m2po]=60 [loss]=80 [trainer]=100)
+total=0
+for name in build tests head m2po loss trainer; do total=$((total + LIMIT[$name])); done
+say "device_check: $(date -u +%Y-%m-%dT%H:%M:%SZ) $(git rev-parse --short HEAD 2>/dev/null || echo no-git)" \
+    "dry_run=$DRY device=$DEVICE steps='$STEPS' limits: build ${LIMIT[build]} tests ${LIMIT[tests]}" \
+    "head ${LIMIT[head]} m2po ${LIMIT[m2po]} loss ${LIMIT[loss]} trainer ${LIMIT[trainer]} = ${total}s of ${BUDGET}s"
+if [ "$total" -gt "$BUDGET" ]; then say "device_check: the steps' limits exceed the ${BUDGET}s budget"; exit 2; fi
 
-# step NAME LIMIT_SECONDS COMMAND...: runs it under `timeout`, its output in $OUT/NAME.log, one summary line
+# ------------------------------------------------------------------ build what is carried, check the import
+start=$SECONDS
+WHEELS=${WHEELS:-.whl}
+if compgen -G "$WHEELS/*.whl" > /dev/null; then
+    if [ "$DRY" = 1 ]; then
+        say "build: $(ls "$WHEELS"/*.whl | wc -l) carried wheel(s) present (dry run: not installed)"
+    else
+        # --target unpacks a wheel's *.data/purelib (OpenRLHF's package lives there) where imports find it
+        timeout -k 5 "${LIMIT[build]}" "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+            --upgrade --target /tmp/site "$WHEELS"/*.whl > "$OUT/build.log" 2>&1 \
+            || { say "build: the carried wheels did not install (see build.log)"; exit 1; }
+        export PYTHONPATH="$PYTHONPATH:/tmp/site"
+    fi
+else
+    say "build: no carried wheels in $WHEELS/ (using what is installed)"
+fi
+if [ -d .opcache ] && [ -z "${OFFPOLICY_CACHE:-}" ]; then export OFFPOLICY_CACHE="$PWD/.opcache"; fi
+"$PY" -c "import offpolicy, pydantic, torch, triton; print('import offpolicy: ok | torch', torch.__version__, \
+'| triton', triton.__version__, '| cuda', torch.cuda.is_available())" > "$OUT/import.log" 2>&1
+rc=$?
+cat "$OUT/import.log" | tee -a "$SUMMARY"
+if [ "$rc" != 0 ]; then say "device_check: import offpolicy failed: stopping (see import.log)"; exit 1; fi
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null | tee -a "$SUMMARY"
+printf '%-8s rc=%-3s %4ss (limit %ss)\n' build 0 "$((SECONDS - start))" "${LIMIT[build]}" | tee -a "$SUMMARY"
+
+# step NAME COMMAND...: under `timeout` at its limit, output in $OUT/NAME.log, one summary line. A dry run
+# checks that every file the command names exists and runs DRY_COMMAND (an import-and-parse check) instead.
 step() {
-    local name=$1 limit=$2
-    shift 2
-    case " $STEPS " in *" ${name%%-*} "*) ;; *) return ;; esac
-    echo "=== $name (limit ${limit}s): $*"
-    local start=$SECONDS
-    timeout -s INT -k 10 "$limit" "$@" > "$OUT/$name.log" 2>&1
-    local rc=$?
-    printf '%-18s rc=%-3s %4ss\n' "$name" "$rc" "$((SECONDS - start))" | tee -a "$SUMMARY"
-    tail -n "${TAIL:-25}" "$OUT/$name.log"
+    local name=$1
+    shift
+    case " $STEPS " in *" $name "*) ;; *) return ;; esac
+    local limit=${LIMIT[$name]} start=$SECONDS rc
+    if [ "$DRY" = 1 ]; then
+        local arg missing=""
+        for arg in "$@"; do
+            case "$arg" in *.py|*.sh) [ -f "${arg%%::*}" ] || missing="$missing $arg" ;; esac
+        done
+        if [ -n "$missing" ]; then say "$name: missing file(s):$missing"; rc=3; else
+            timeout -k 5 "$limit" bash -c "$DRY_COMMAND" > "$OUT/$name.log" 2>&1
+            rc=$?
+        fi
+    else
+        timeout -s INT -k 10 "$limit" "$@" > "$OUT/$name.log" 2>&1
+        rc=$?
+    fi
+    printf '%-8s rc=%-3s %4ss (limit %ss)\n' "$name" "$rc" "$((SECONDS - start))" "$limit" | tee -a "$SUMMARY"
+    tail -n "${TAIL:-20}" "$OUT/$name.log"
 }
 
-RUN=/tmp/device-check-runs  # run directories stay on the machine: the tool brings back 8 files at most
-mkdir -p "$RUN"
+# the last 9 tests of tests/test_triton.py, as collected here (on CUDA: the GPU-only ones at the end)
+LAST9=$("$PY" -m pytest -q --collect-only -p no:cacheprovider -o addopts= tests/test_triton.py 2>/dev/null \
+        | grep '::' | tail -n 9)
+echo "$LAST9" > "$OUT/tests-selected.txt"
+n_sel=$(grep -c '::' "$OUT/tests-selected.txt")
+say "tests: $n_sel selected (the last of tests/test_triton.py)"
+DRY_COMMAND="[ $n_sel = 9 ] && $PY -m pytest -q --collect-only -p no:cacheprovider -o addopts= $(echo $LAST9)"
+# -o addopts= : no xdist flags (the machine's pytest-xdist may predate them), one process
+step tests "$PY" -m pytest -q -n 0 -p no:cacheprovider -o addopts= -ra --durations=10 $LAST9
 
-# the CUDA tests; -o addopts= : no xdist flags (the machine's pytest-xdist may predate them), one process
-step tests 240 "$PY" -m pytest -q -n 0 -p no:cacheprovider -o addopts= -ra --durations=25 \
-    tests/test_train_device.py tests/test_triton.py
+DRY_COMMAND="$PY benchmarks/bench_head.py --help > /dev/null"
+step head "$PY" benchmarks/bench_head.py --device "$DEVICE" --vocab 151936 --hidden 896 --tokens 16384 --repeats 3
 
-if [ "$DEVICE" = cuda ]; then
-    step loss 180 "$PY" benchmarks/bench_loss.py --device cuda --dtypes fp32,bf16 --profile
-else
-    step loss 150 "$PY" benchmarks/bench_loss.py --device cpu --sizes 4x256 --repeats 2 --profile
+# four areal:m2po steps: s/step from the run's log, Triton's compiles from a fresh cache directory
+export TRITON_CACHE_DIR="$RUN/triton-cache"
+rm -rf "$TRITON_CACHE_DIR" "$RUN/m2po"
+DRY_COMMAND="$PY -c \"import offpolicy as op; from offpolicy.step import resolve_thresholds; from offpolicy.kernels import triton; op.LossConfig.from_preset('areal:m2po')\" && $PY -m offpolicy train --help > /dev/null"
+step m2po "$PY" -m offpolicy train device="$DEVICE" engine=hf steps=4 eval_every=100 eval_problems=16 \
+    preset=areal:m2po out_dir="$RUN/m2po"
+if [ "$DRY" = 0 ] && [ -d "$TRITON_CACHE_DIR" ]; then
+    say "m2po: $(find "$TRITON_CACHE_DIR" -name '_tokens.json' | wc -l) _tokens and" \
+        "$(find "$TRITON_CACHE_DIR" -name '_finish.json' | wc -l) _finish compiles over 4 steps (goal: 1 each)"
 fi
+unset TRITON_CACHE_DIR
 
-# the README's command on the embedded model
-step train-embedded 90 "$PY" -m offpolicy train device="$DEVICE" engine=hf steps=4 eval_every=100 eval_problems=16 \
-    out_dir="$RUN/embedded"
-# offpolicy (hf engine) against TRL's GRPOTrainer: the embedded model and Qwen2.5-0.5B's shapes built in code
-# (V = 151,936), 8 prompts x 8, 128 response tokens
-step trainer 200 "$PY" benchmarks/bench_trainer.py --device "$DEVICE" --models ${TRAINER_MODELS:-embedded qwen2-0.5b} \
-    --lengths "${TRAINER_LENGTH:-128}" --runs 1 --steps 4 --only "hf engine" TRL
+DRY_COMMAND="$PY benchmarks/bench_loss.py --help > /dev/null"
+step loss "$PY" benchmarks/bench_loss.py --device "$DEVICE" --dtypes fp32,bf16 --repeats 20
 
-if [ "$DEVICE" = cuda ]; then
-    step memory 150 "$PY" benchmarks/bench_memory.py --device cuda --rows 16 --lengths 256 1024 4096
-else
-    step memory 150 "$PY" benchmarks/bench_memory.py --quick
-fi
+DRY_COMMAND="$PY benchmarks/bench_trainer.py --help > /dev/null"
+step trainer "$PY" benchmarks/bench_trainer.py --device "$DEVICE" --models qwen2-0.5b --steps 12 --runs 2 \
+    --only "hf engine"
 
 echo "=== summary"
 cat "$SUMMARY"

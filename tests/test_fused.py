@@ -12,6 +12,7 @@ import pytest
 import torch
 from hypothesis import assume, given
 from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import offpolicy as op
 from offpolicy.kernels import compiled, eager
@@ -164,6 +165,39 @@ def test_bf16_inputs_give_bf16_grads():
     loss, _ = op.policy_loss(lp, batch["old"].bfloat16(), batch["adv"], batch["mask"])
     loss.backward()
     assert loss.dtype == torch.float32 and lp.grad.dtype == torch.bfloat16
+
+
+class _NewFloatTensors(TorchDispatchMode):
+    """The fp32 tensors of ``shape`` that ops create while on (outputs that are none of their inputs)."""
+
+    def __init__(self, shape):
+        super().__init__()
+        self.shape, self.made = tuple(shape), []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        ptrs = {a.data_ptr() for a in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)}
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor) and t.dtype == torch.float32 and tuple(t.shape) == self.shape \
+                    and t.data_ptr() not in ptrs:
+                self.made.append(str(func))
+        return out
+
+
+@pytest.mark.parametrize("reduce", [True, False])
+def test_bf16_backward_makes_one_fp32_temporary(reduce):
+    """Issue #44 item 3: π_θ's gradient is one fp32 [B, T] product, clamped in place and cast to bf16 —
+    the out-of-place clamp made a second fp32 [B, T] while the product lived (a bf16 peak of 3.0 B·T
+    fp32 on the GPU, goal 2.0). Counted on the analytic backward every fast rung shares."""
+    batch = next_batch()
+    lp = batch["logprobs"].bfloat16().requires_grad_(True)
+    out = op.policy_loss(lp, batch["old"].bfloat16(), batch["adv"], batch["mask"], reduce=reduce,
+                         implementation="eager")
+    total = out[0] if reduce else out[0].sum()
+    with _NewFloatTensors(lp.shape) as seen:
+        total.backward()
+    assert lp.grad.dtype == torch.bfloat16
+    assert seen.made == ["aten.mul.Tensor"], seen.made
 
 
 KINDS = ["ppo", "cispo", "reinforce"]

@@ -233,3 +233,54 @@ def test_metrics_are_the_full_distributions_entropy_and_outside_mass():
     with torch.no_grad():
         trainer_logprobs(model, batch, SAMPLINGS["plain"], plain)
     assert "offpolicy/outside_mass" not in plain.to_dict() and plain.to_dict()["offpolicy/entropy"] > 0
+
+
+class _WeightTraffic(TorchDispatchMode):
+    """While on: how many ops cast ``weight`` (read it and return a tensor of another dtype), and how many
+    return a new tensor of its [V, H] shape (one that is none of the op's inputs: not an in-place update)."""
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        self.ptr, self.shape = weight.data_ptr(), tuple(weight.shape)
+        self.casts, self.new_vh = 0, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = [a for a in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+        outputs = [t for t in (out if isinstance(out, (tuple, list)) else [out]) if isinstance(t, torch.Tensor)]
+        if any(a.data_ptr() == self.ptr for a in inputs) and any(t.dtype != torch.float32 for t in outputs):
+            self.casts += 1
+        ptrs = {a.data_ptr() for a in inputs}
+        self.new_vh += [str(func) for t in outputs if tuple(t.shape) == self.shape and t.data_ptr() not in ptrs]
+        return out
+
+
+def test_the_bf16_backward_casts_w_once_and_adds_no_vh_temporary_per_chunk():
+    """Issue #44 item 2. bf16 autocast over fp32 master weights, 15 tokens in chunks of 4: the backward casts
+    W to bf16 once (a fresh autocast region per chunk cast it in each: 4 casts), and the weight gradient is
+    accumulated in fp32 in place — the only new [V, H] tensors are that cast and the gradient buffer (before:
+    one bf16 [V, H] product per chunk too). The gradient is that of float64 within bf16's rounding."""
+    from offpolicy.train.head import LinearHead, token_logprobs
+
+    vocab, width, n, chunk = 512, 8, 15, 4
+    g = torch.Generator().manual_seed(0)
+    master = torch.randn(vocab, width, generator=g) / 3
+    hidden0 = torch.randn(n, width, generator=g)
+    tokens = torch.randint(0, vocab, (n,), generator=g)
+    weights = torch.randn(n, generator=g)
+    grads = {}
+    for precision in ("bf16", "fp64"):
+        dtype = torch.float64 if precision == "fp64" else torch.float32
+        weight = master.to(dtype, copy=True).requires_grad_(True)
+        hidden = hidden0.to(dtype, copy=True).requires_grad_(True)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+            lp, _, _ = token_logprobs(hidden, tokens, LinearHead(weight, None, None), SAMPLINGS["temperature"],
+                                      chunk=chunk)
+        with _WeightTraffic(weight) as seen:
+            (lp * weights.to(lp.dtype)).sum().backward()
+        if precision == "bf16":
+            assert seen.casts == 1, seen.casts
+            assert sorted(seen.new_vh) == ["aten._to_copy.default", "aten.zeros_like.default"], seen.new_vh
+        grads[precision] = (weight.grad.double(), hidden.grad.double())
+    for got, want in zip(grads["bf16"], grads["fp64"]):
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2 * float(want.abs().max()))

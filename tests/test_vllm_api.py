@@ -108,6 +108,23 @@ def test_sync_wakes_the_weights_then_loads_a_lazy_iterator_through_the_worker(mo
     engine.close()
 
 
+def test_a_sync_that_loads_fewer_weights_than_the_engine_has_is_an_error(monkeypatch, tiny_qwen2_dir, caplog):
+    """Issue #44: vLLM's reload only logs the parameters it did not load, and the engine quiets vLLM's
+    logger to ERROR, so a partial sync (renamed or missing tensors) passed silently and the engine sampled
+    from a half-updated model. A full sync stays quiet; a partial one raises, naming what was left."""
+    fake = vllm_fakes.install(monkeypatch, "cpu")
+    engine = VLLMEngine(str(tiny_qwen2_dir), dtype="fp32")
+    llm = fake.instances[-1]
+    monkeypatch.setattr(llm.worker, "parameters", {"embed", "head"})
+    weights = {"embed": torch.ones(2), "head": torch.ones(2)}
+    with caplog.at_level(logging.WARNING):
+        engine.sync_weights(weights.items())
+    assert not [r for r in caplog.records if "not loaded" in r.getMessage()]
+    with pytest.raises(EngineError, match=r"left some of the engine's parameters as they were .*'head'"):
+        engine.sync_weights([("embed", torch.ones(2))])
+    engine.close()
+
+
 def test_diagnose_vllm_flags_reach_the_engine(monkeypatch, tiny_qwen2_dir, tmp_path, capsys):
     fake = vllm_fakes.install(monkeypatch, "cpu")
     prompts = tmp_path / "p.jsonl"

@@ -20,10 +20,14 @@ import torch
 import vllm
 from vllm.engine.arg_utils import EngineArgs
 from vllm.logprobs import Logprob
+from vllm.model_executor.model_loader.reload import inplace
 from vllm.outputs import CompletionOutput, RequestOutput
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 LLM = vllm.LLM  # the real class, bound against even while FakeLLM stands in for it
+NOT_LOADED_FORMAT = "Following weights were not loaded from checkpoint: %s"
+# the fake's warning is vLLM's own: its logger, and words its source still holds
+assert NOT_LOADED_FORMAT in inspect.getsource(inplace), "vLLM's reload no longer reports unloaded weights this way"
 DUMP = "Dumping input data for V1 LLM engine"  # how vLLM's dump of a failed step begins (dump_input.py)
 
 
@@ -37,7 +41,11 @@ def bind(cls, method: str, *args, **kwargs) -> inspect.BoundArguments:
 class FakeWorker:
     """vLLM's worker as ``LLM.collective_rpc`` reaches it. ``Worker.reload_weights(*args, **kwargs)`` forwards
     to the model runner's ``reload_weights``, whose signature the call is bound to; the weights iterator is
-    consumed as vLLM consumes it, one tensor at a time while loading."""
+    consumed as vLLM consumes it, one tensor at a time while loading. With ``parameters`` (the engine model's
+    parameter names) set, the names the iterator did not cover are reported as vLLM's in-place reload reports
+    them: one warning of its own logger, in its own words (``reload/inplace.py``)."""
+
+    parameters: set[str] | None = None
 
     def __init__(self, calls: list):
         self.calls = calls
@@ -46,9 +54,14 @@ class FakeWorker:
     def reload_weights(self, *args, **kwargs) -> None:
         bound = bind(GPUModelRunner, "reload_weights", *args, **kwargs)
         self.calls.append(("reload_weights",))
+        names = set()
         for name, tensor in bound.arguments["weights_iterator"]:
             self.calls.append(("loaded", name))
             self.loaded.append((name, tensor))
+            names.add(name)
+        missing = (self.parameters or set()) - names
+        if missing:
+            inplace.logger.warning(NOT_LOADED_FORMAT, missing)
 
 
 class FakeLLM:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator, Sequence
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 
@@ -38,6 +38,26 @@ def _f64(x: torch.Tensor | float, device: torch.device | None = None) -> torch.T
     if isinstance(x, torch.Tensor):
         return x.detach().to(torch.float64).reshape(())
     return torch.tensor(float(x), dtype=torch.float64, device=device)
+
+
+class FlatLayout(NamedTuple):
+    """What ``Metrics.from_flat`` works out from a layout [(key, reducer), ...], made once per layout
+    by a kernel's plan (``FlatLayout.of``): each key's reducer and offset, the widths, their total."""
+
+    reducers: dict[str, str]
+    offsets: dict[str, int]
+    widths: list[int]
+    size: int
+
+    @classmethod
+    def of(cls, layout: Sequence[tuple[str, str]]) -> FlatLayout:
+        reducers, offsets, widths, offset = {}, {}, [], 0
+        for key, reducer in layout:
+            reducers[key] = reducer
+            offsets[key] = offset
+            widths.append(_WIDTH[reducer])
+            offset += widths[-1]
+        return cls(reducers, offsets, widths, offset)
 
 
 class Metrics:
@@ -58,24 +78,20 @@ class Metrics:
         self._flat: tuple[torch.Tensor, dict[str, int]] | None = None
 
     @classmethod
-    def from_flat(cls, flat: torch.Tensor, layout: Sequence[tuple[str, str]]) -> Metrics:
+    def from_flat(cls, flat: torch.Tensor, layout: Sequence[tuple[str, str]] | FlatLayout) -> Metrics:
         """Metrics whose partial sums are consecutive slices (views) of one fp64 vector ``flat``,
-        in the order of ``layout`` = [(key, reducer), ...] — how a kernel hands over its metrics
-        without a copy per key. Entries of ``flat`` past the layout are left alone (a kernel's
-        input checks may follow, see ``defer_check``)."""
+        in the order of ``layout`` = [(key, reducer), ...] (or its ``FlatLayout``, which a caller
+        that calls often builds once) — how a kernel hands over its metrics without a copy per key.
+        Entries of ``flat`` past the layout are left alone (a kernel's input checks may follow, see
+        ``defer_check``)."""
+        if not isinstance(layout, FlatLayout):
+            layout = FlatLayout.of(layout)
+        if layout.size > flat.numel():
+            raise ValueError(f"layout covers {layout.size} partial sums but the vector holds {flat.numel()}")
         out = cls()
-        offsets: dict[str, int] = {}
-        widths: list[int] = []
-        offset = 0
-        for key, reducer in layout:
-            out._reducer[key] = reducer
-            offsets[key] = offset
-            widths.append(_WIDTH[reducer])
-            offset += widths[-1]
-        if offset > flat.numel():
-            raise ValueError(f"layout covers {offset} partial sums but the vector holds {flat.numel()}")
-        out._flat = (flat, offsets)
-        out._pending = (flat[:offset], widths)  # views are made only if a caller needs them
+        out._reducer.update(layout.reducers)
+        out._flat = (flat, layout.offsets)
+        out._pending = (flat[: layout.size], layout.widths)  # views are made only if a caller needs them
         return out
 
     @property

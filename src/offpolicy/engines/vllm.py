@@ -188,6 +188,36 @@ def cache_salt(version: int) -> str:
     return f"offpolicy-policy-v{int(version)}"
 
 
+# vLLM's in-place reload (model_loader/reload/inplace.py) compares the parameters loaded against the
+# model's and only logs the difference, as a warning of this logger; a partial sync must not pass silently
+RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.inplace"
+NOT_LOADED = "Following weights were not loaded from checkpoint"
+
+
+@contextlib.contextmanager
+def _unloaded_parameters() -> Iterator[list[str]]:
+    """While inside: vLLM's "weights were not loaded" warnings are kept (the list yielded, one message
+    each) instead of printed — whatever level the ``vllm`` logger is at (the engine quiets it to ERROR)."""
+    found: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if str(record.msg).startswith(NOT_LOADED):
+                found.append(record.getMessage())
+
+    logger = logging.getLogger(RELOAD_LOGGER)
+    handler, saved = Keep(logging.WARNING), (logger.level, logger.propagate)
+    logger.setLevel(logging.WARNING)
+    logger.propagate = False
+    logger.addHandler(handler)
+    try:
+        yield found
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(saved[0])
+        logger.propagate = saved[1]
+
+
 class VLLMEngine:
     name = "vllm"
 
@@ -311,10 +341,17 @@ class VLLMEngine:
             level = quiet.level
             quiet.setLevel(logging.ERROR)  # every reload warns that RoPE has no weights to load
             try:
-                # the worker's reload runs inside vLLM's config context (set_current_vllm_config)
-                self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+                with _unloaded_parameters() as unloaded:
+                    # the worker's reload runs inside vLLM's config context (set_current_vllm_config)
+                    self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
             finally:
                 quiet.setLevel(level)
+            if unloaded:
+                raise EngineError(
+                    f"vLLM weight sync: the trainer's weights left some of the engine's parameters as they were "
+                    f"({'; '.join(unloaded)[:400]}): the engine would sample from a model that is part old, part new. "
+                    "The trainer's state_dict names must cover every parameter of the engine's model (same "
+                    "architecture and checkpoint format)")
             self.wake()
             # cached KV of old weights must not serve new requests: the reset frees it (False where
             # running requests hold blocks — none here, generate returns first), the per-version

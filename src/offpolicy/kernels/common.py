@@ -15,13 +15,16 @@ from offpolicy.config import LossConfig
 RATIO_LOG_CLAMP = 20.0  # PPO's own ratio π_θ/π_old: exp(clamp(log r, ±20)) in every implementation
 
 
-def to_input_dtype(grad: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def to_input_dtype(grad: torch.Tensor, dtype: torch.dtype, owned: bool = False) -> torch.Tensor:
     """Cast an fp32 gradient back to the input's dtype, saturating at its largest finite value:
     fp16 holds at most 65504, and a clipped PPO ratio alone reaches e^20 ≈ 5e8, so a plain cast
-    would hand the optimiser ±inf (issue #9, found by the fuzz). NaN cannot arise here."""
+    would hand the optimiser ±inf (issue #9, found by the fuzz). NaN cannot arise here.
+
+    ``owned``: ``grad`` is the caller's own temporary, clamped in place — out of place, a second fp32
+    [B, T] lived beside it while it was cast (issue #44: a bf16 peak of 3.0 B·T fp32 instead of 2.0)."""
     if dtype in (torch.float16, torch.bfloat16) and grad.dtype != dtype:
         big = torch.finfo(dtype).max
-        grad = grad.clamp(-big, big)
+        grad = grad.clamp_(-big, big) if owned else grad.clamp(-big, big)
     return grad.to(dtype)
 
 
@@ -52,7 +55,7 @@ class CoefLoss(torch.autograd.Function):
     def backward(ctx, grad):
         coef, scale = ctx.saved_tensors
         # grad·scale is [B, 1] (or a scalar): one [B, T] product, no [B, T] temporary
-        return to_input_dtype(coef * (grad * scale), ctx.dtype), None, None, None
+        return to_input_dtype(coef * (grad * scale), ctx.dtype, owned=True), None, None, None
 
 
 class CoefTokens(torch.autograd.Function):
@@ -67,7 +70,7 @@ class CoefTokens(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         (coef,) = ctx.saved_tensors
-        return to_input_dtype(grad * coef, ctx.dtype), None, None
+        return to_input_dtype(grad * coef, ctx.dtype, owned=True), None, None
 
 
 def row_aggregation(row_sum, row_count, cfg: LossConfig, width: int):

@@ -37,29 +37,50 @@ def supports(config: LossConfig, ref_logprobs: torch.Tensor | None) -> bool:
 
 
 class CoreSpec(NamedTuple):
-    """The Python constants the compiled core specialises on (one compile per distinct spec)."""
+    """The structure the compiled core specialises on (one compile per distinct spec). Which bounds
+    are set is structure; their numbers are not: they enter the graph as a tensor (``core_bounds``),
+    so a data-chosen bound that ``resolve_thresholds`` fixes anew every step does not recompile."""
 
     corrected: bool
     anchor: str
-    log_clamp: float
-    rules: tuple[tuple[str, float | None, float | None], ...]  # ratio rules: (level, low, high)
+    log_clamp: float  # a setting of the configuration, never chosen from data
+    rules: tuple[tuple[str, bool, bool], ...]  # ratio rules: (level, has low, has high)
     sequential: bool
-    weight: tuple[str, str, float | None, float | None] | None  # (level, mode, low, high)
+    weight: tuple[str, str, bool, bool] | None  # (level, mode, has low, has high)
     fixed_denominator: bool
     kind: str
-    clip_low: float | None
-    clip_high: float | None
-    dual_clip: float | None
+    clip_low: bool  # ε_low is set
+    clip_high: bool
+    dual_clip: bool
     has_old: bool
     unreduced: bool
+
+
+def core_bounds(config: LossConfig) -> tuple[float, ...]:
+    """The core's bounds, in order: (low, high) of each rule, the weight's (low, high), 1 − ε_low,
+    1 + ε_high, the dual clip c; 0.0 stands where a bound is not set (the spec says which are)."""
+    corr = config.correction
+    out: list[float] = []
+
+    def put(*values):
+        out.extend(0.0 if v is None else float(v) for v in values)
+
+    if corr is not None:
+        for rule in corr.reject:
+            put(rule.low, rule.high)
+    w = corr.weight if corr is not None and corr.anchor != "rollout" else None
+    put(w.low if w is not None else None, w.high if w is not None else None)
+    put(None if config.clip_low is None else 1.0 - config.clip_low,
+        None if config.clip_high is None else 1.0 + config.clip_high, config.dual_clip)
+    return tuple(out)
 
 
 def core_spec(config: LossConfig, has_old: bool, reduce: bool) -> CoreSpec | None:
     """The spec of ``config``, or None when the compiled core does not cover it."""
     corr = config.correction
+    clips = (config.clip_low is not None, config.clip_high is not None, config.dual_clip is not None)
     if corr is None:
-        return CoreSpec(False, "old", 20.0, (), False, None, False, config.kind, config.clip_low, config.clip_high,
-                        config.dual_clip, has_old, not reduce)
+        return CoreSpec(False, "old", 20.0, (), False, None, False, config.kind, *clips, has_old, not reduce)
     if any(getattr(r, "stat", None) != "ratio" for r in corr.reject):
         return None
     if corr.weight is not None and (corr.weight.normalize or corr.weight.level == "segment"):
@@ -68,12 +89,11 @@ def core_spec(config: LossConfig, has_old: bool, reduce: bool) -> CoreSpec | Non
         return None
     weight = None
     if corr.weight is not None and corr.anchor != "rollout":
-        weight = (corr.weight.level, corr.weight.mode, corr.weight.low, corr.weight.high)
-    rules = tuple((r.level, r.low, r.high) for r in corr.reject)
+        weight = (corr.weight.level, corr.weight.mode, corr.weight.low is not None, corr.weight.high is not None)
+    rules = tuple((r.level, r.low is not None, r.high is not None) for r in corr.reject)
     return CoreSpec(True, corr.anchor, ops.effective_log_clamp(corr.log_clamp), rules,
                     corr.reject_mode == "sequential", weight, corr.denominator == "fixed", config.kind,
-                    config.clip_low, config.clip_high, config.dual_clip, has_old or corr.anchor == "rollout",
-                    not reduce)
+                    *clips, has_old or corr.anchor == "rollout", not reduce)
 
 
 def _band(x, low, high):
@@ -91,9 +111,15 @@ def _f(mode, low, high, x):
     return x * _band(x, low, high)
 
 
-def _core(lp, old, roll, adv, m, spec: CoreSpec):
-    """Everything of the fast path that touches [B, T] memory; returns tensors only."""
+def _core(lp, old, roll, adv, m, bounds, spec: CoreSpec):
+    """Everything of the fast path that touches [B, T] memory; returns tensors only. ``bounds``: the
+    fp32 vector of ``core_bounds`` (0-d slices of it stand where the spec sets a bound)."""
     f64 = torch.float64
+    n_rules = len(spec.rules)
+
+    def bound(i: int, is_set: bool):
+        return bounds[i] if is_set else None
+
     valid = m > 0
     zero = torch.zeros((), dtype=lp.dtype, device=lp.device)
     out = {}
@@ -120,7 +146,8 @@ def _core(lp, old, roll, adv, m, spec: CoreSpec):
         out["rows"] = torch.stack([tm.sum(-1, dtype=f64), rm.sum(-1, dtype=f64), lr_m.sum(-1, dtype=f64),
                                    m.sum(-1, dtype=f64)])
         removed = []
-        for level, low, high in spec.rules:
+        for i, (level, has_low, has_high) in enumerate(spec.rules):
+            low, high = bound(2 * i, has_low), bound(2 * i + 1, has_high)
             seen = keep if spec.sequential else valid
             seen_f = seen.to(lr.dtype)
             if level == "token":
@@ -138,7 +165,8 @@ def _core(lp, old, roll, adv, m, spec: CoreSpec):
         out["removed"] = torch.stack(removed) if removed else None
         km = keep.to(lp.dtype)
         if spec.weight is not None:
-            level, mode, low, high = spec.weight
+            level, mode, has_low, has_high = spec.weight
+            low, high = bound(2 * n_rules, has_low), bound(2 * n_rules + 1, has_high)
             if level == "token":
                 w = _f(mode, low, high, ratio) * km
                 unit, unit_mask = ratio, keep
@@ -166,27 +194,25 @@ def _core(lp, old, roll, adv, m, spec: CoreSpec):
         r = torch.exp(log_r)
         scalars["approx_kl"] = ((torch.expm1(log_r) - log_r) * km).sum(dtype=f64)
     adv_w = adv * w
+    lo, hi = bound(2 * n_rules + 2, spec.clip_low), bound(2 * n_rules + 3, spec.clip_high)
+    dual_c = bound(2 * n_rules + 4, spec.dual_clip)
     if spec.kind == "reinforce":
         per_token, coef = -adv_w * lp, -adv_w
     elif spec.kind == "cispo":
-        lo = None if spec.clip_low is None else 1.0 - spec.clip_low
-        hi = None if spec.clip_high is None else 1.0 + spec.clip_high
         kept = r if lo is None and hi is None else r.clamp(min=lo, max=hi)
         per_token, coef = -kept * adv_w * lp, -kept * adv_w
         scalars["clip"] = ((kept != r) & keep).sum(dtype=f64)
     else:
-        lo = None if spec.clip_low is None else 1.0 - spec.clip_low
-        hi = None if spec.clip_high is None else 1.0 + spec.clip_high
         clipped = torch.where(adv > 0, r if hi is None else r.clamp(max=hi), r if lo is None else r.clamp(min=lo))
         per_token = -adv_w * clipped
         active = clipped == r
         scalars["clip"] = ((~active) & (adv != 0) & keep).sum(dtype=f64)
         # clamp's derivative is 0 past ±RATIO_LOG_CLAMP: no gradient through r there
         active = active & ((lp - old).abs() <= RATIO_LOG_CLAMP)
-        if spec.dual_clip is not None:
-            dual = (adv < 0) & (clipped > spec.dual_clip)
+        if dual_c is not None:
+            dual = (adv < 0) & (clipped > dual_c)
             scalars["dual"] = (dual & keep).sum(dtype=f64)
-            per_token = torch.where(dual, -adv_w * spec.dual_clip, per_token)
+            per_token = torch.where(dual, -adv_w * dual_c, per_token)
             active = active & ~dual
         coef = torch.where(active, -adv_w * r, zero)
     den = m if (spec.fixed_denominator or not spec.corrected) else km
@@ -231,8 +257,25 @@ def _compiled(spec: CoreSpec):
     return torch.compile(functools.partial(_core, spec=spec), dynamic=True, options={"cpp.dynamic_threads": True})
 
 
+_BOUNDS: dict[tuple[int, torch.device], tuple[LossConfig, torch.Tensor]] = {}
+
+
+def _bounds(config: LossConfig, device: torch.device) -> torch.Tensor:
+    """``core_bounds(config)`` as fp32 on ``device`` (compared as the reference compares a Python
+    bound with fp32 values: in fp32), made once per config object and device."""
+    key = (id(config), device)
+    cached = _BOUNDS.get(key)
+    if cached is not None and cached[0] is config:
+        return cached[1]
+    if len(_BOUNDS) > 256:
+        _BOUNDS.clear()
+    tensor = torch.tensor(core_bounds(config), dtype=torch.float32, device=device)
+    _BOUNDS[key] = (config, tensor)  # holding the config keeps its id from being reused
+    return tensor
+
+
 def _constant_floats():
-    """The spec's floats (bounds, clip ranges, the log clamp) as constants of the graph. Under dynamo's default
+    """The spec's float (the log clamp; bounds are a tensor input) as a constant of the graph. Under dynamo's default
     (``specialize_float=False``, torch ≥ 2.6) they are traced as symbolic inputs first; inductor cannot turn them
     into tensors, and dynamo restarts the whole analysis with them specialised (the log: "Restarting analysis due
     to _tensorify_python_scalars"): ~2 s more per configuration's first call on the 2-core box, for a graph that
@@ -267,7 +310,7 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, rollout_logprobs, conf
     adv, m = advantages.to(f32), mask.to(f32)
     try:
         with torch.no_grad(), _constant_floats():
-            out, names_s, names_m = _compiled(spec)(lp, old, roll, adv, m)
+            out, names_s, names_m = _compiled(spec)(lp, old, roll, adv, m, _bounds(config, lp.device))
     except Exception as err:  # noqa: BLE001 — no compiler, unsupported backend: stay correct, go eager
         _compile_failed = True
         log.warning("offpolicy: torch.compile of the fused loss failed (%s); using the eager fast path", err)

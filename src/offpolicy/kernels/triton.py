@@ -49,22 +49,29 @@ from offpolicy import ops
 from offpolicy.config import DivergenceRule, LossConfig, RatioRule, rule_name
 from offpolicy.correction import validate_inputs
 from offpolicy.kernels.common import RATIO_LOG_CLAMP, CoefLoss, CoefTokens
-from offpolicy.metrics import Metrics
+from offpolicy.metrics import FlatLayout, Metrics
 
 NAME = "triton"
 KINDS = ("ppo", "cispo", "reinforce")
 BLOCK: int | None = None  # tokens per program; None = by row length (``_block``); tests set a small one
 
 
+_CP = 8  # chunks a reduction reads at a time (a row of ≤ 8,192 tokens, or of ≤ 32,768 in the large class, in one)
+_RB = 2048 // _CP  # rows per tile of the finishing program
+BIG_BATCH = 1 << 20  # tokens (B·T) past which, or rows past 8,192 tokens, the large size class applies
+
+
 def _block(B: int, T: int) -> int:
-    """Tokens per program, a power of two in [1024, 4096]: rows cut into ≤ 8 chunks and ≤ ~1,024
-    programs where that is enough to fill the GPU — the finishing program reduces B × chunks
-    partials per slot, so fewer chunks make it shorter. 256×4096 → 1,024 programs of 1,024 tokens;
-    1024×8192 → 2,048 of 4,096; 64×32768 → 512 of 4,096."""
+    """Tokens per program, one of two size classes (each a compiled variant of every kernel): 1,024,
+    and 4,096 for rows longer than 8,192 tokens or batches of more than 2²⁰ tokens — there 1,024 would
+    cut rows into > 8 chunks and the batch into > 1,024 programs, and the finishing program, which
+    reduces B × chunks partials per slot, would take longer. 256×4096 → 1,024 programs of 1,024
+    tokens; 1024×8192 → 2,048 of 4,096; 64×32768 → 512 of 4,096. (A third class, 2,048, cost a
+    compile per kernel and spec for no measured gain.) Plain integer arithmetic: Triton's
+    ``cdiv``/``next_power_of_2`` are ``ConstexprFunction``s since 3.5, ~10 µs a call."""
     if BLOCK is not None:
         return BLOCK
-    wanted = max(triton.next_power_of_2(triton.cdiv(T, 8)), triton.next_power_of_2(triton.cdiv(B * T, 1024)))
-    return min(max(1024, wanted), 4096)
+    return 4096 if T > 8192 or B * T > BIG_BATCH else 1024
 
 
 _INF = math.inf
@@ -102,37 +109,54 @@ def _interpreted() -> bool:
 
 
 class Spec(NamedTuple):
-    """Everything the kernels specialise on (one compile per distinct spec)."""
+    """The structure the kernels specialise on (one compile per distinct spec, dtype and size class).
+    Bounds are not part of it: they are runtime values (``bounds_of``), so a data-chosen cut that
+    ``resolve_thresholds`` fixes anew every optimizer step does not compile the kernels anew."""
 
     corrected: bool
     anchor: int
-    log_clamp: float
-    rules: tuple[tuple[int, int, float, float], ...]
+    log_clamp: float  # L: a setting of the configuration, never chosen from data
+    rules: tuple[tuple[int, int], ...]  # (stat, level) of each rule
     sequential: bool
-    weight: tuple[int, int, float, float] | None  # (level 0 token / 1 sequence / 2 geometric, mode 0 truncate / 1 mask, lo, hi)
+    weight: tuple[int, int] | None  # (level 0 token / 1 sequence / 2 geometric, mode 0 truncate / 1 mask)
     fixed_denominator: bool
     nonfinite: int
     kind: int
-    clip_low: float  # 1 − ε_low, or −inf
-    clip_high: float  # 1 + ε_high, or +inf
-    dual_clip: float  # c, or +inf (never binds)
+    dual: bool  # a dual clip is set (its metric is reported)
     has_old: bool
     agg: int
 
     @property
     def needs_rows(self) -> bool:
-        return any(level != 0 for _, level, _, _ in self.rules) or (self.weight is not None and self.weight[0] != 0) \
+        return any(level != 0 for _, level in self.rules) or (self.weight is not None and self.weight[0] != 0) \
             or self.nonfinite == 2
+
+
+def _bound(value: float | None, open_end: float) -> float:
+    return open_end if value is None else float(value)
+
+
+def bounds_of(config: LossConfig) -> tuple[float, ...]:
+    """The kernels' runtime bounds, in order: (low, high) of each rule, the weight's (low, high),
+    1 − ε_low, 1 + ε_high and the dual clip c; ±inf for an open bound (it never binds)."""
+    corr = config.correction
+    out: list[float] = []
+    if corr is not None:
+        for rule in corr.reject:
+            out += [_bound(rule.low, -_INF), _bound(rule.high, _INF)]
+    w = corr.weight if corr is not None and corr.anchor != "rollout" else None
+    out += [_bound(w.low, -_INF), _bound(w.high, _INF)] if w is not None else [-_INF, _INF]
+    out += [-_INF if config.clip_low is None else 1.0 - config.clip_low,
+            _INF if config.clip_high is None else 1.0 + config.clip_high, _bound(config.dual_clip, _INF)]
+    return tuple(out)
 
 
 def spec_of(config: LossConfig, has_old: bool) -> Spec | None:
     """The kernels' spec of ``config``, or None when this rung does not cover it."""
     corr = config.correction
-    lo = -_INF if config.clip_low is None else 1.0 - config.clip_low
-    hi = _INF if config.clip_high is None else 1.0 + config.clip_high
-    dual = _INF if config.dual_clip is None else float(config.dual_clip)
+    dual = config.dual_clip is not None
     if corr is None:
-        return Spec(False, 0, 20.0, (), False, None, False, 0, _KIND[config.kind], lo, hi, dual, has_old, _AGG[config.agg])
+        return Spec(False, 0, 20.0, (), False, None, False, 0, _KIND[config.kind], dual, has_old, _AGG[config.agg])
     if corr.nonfinite not in _NONFINITE or (corr.weight is not None and corr.weight.normalize):
         return None
     if corr.data_dependent or (corr.weight is not None and corr.weight.level == "segment"):
@@ -142,16 +166,14 @@ def spec_of(config: LossConfig, has_old: bool) -> Spec | None:
         if not isinstance(rule, (RatioRule, DivergenceRule)):
             return None
         stat = _PI_MU_STAT[rule.stat] if getattr(rule, "direction", "mu_pi") == "pi_mu" else _STAT[rule.stat]
-        rules.append((stat, _LEVEL[rule.level], -_INF if rule.low is None else float(rule.low),
-                      _INF if rule.high is None else float(rule.high)))
+        rules.append((stat, _LEVEL[rule.level]))
     weight = None
     if corr.weight is not None and corr.anchor != "rollout":
         w = corr.weight
-        weight = ({"token": 0, "sequence": 1, "geometric": 2}[w.level], 0 if w.mode == "truncate" else 1,
-                  -_INF if w.low is None else float(w.low), _INF if w.high is None else float(w.high))
+        weight = ({"token": 0, "sequence": 1, "geometric": 2}[w.level], 0 if w.mode == "truncate" else 1)
     return Spec(True, _ANCHOR[corr.anchor], ops.effective_log_clamp(corr.log_clamp), tuple(rules),
                 corr.reject_mode == "sequential", weight, corr.denominator == "fixed", _NONFINITE[corr.nonfinite],
-                _KIND[config.kind], lo, hi, dual, has_old or corr.anchor == "rollout", _AGG[config.agg])
+                _KIND[config.kind], dual, has_old or corr.anchor == "rollout", _AGG[config.agg])
 
 
 def supports(config: LossConfig, ref_logprobs: torch.Tensor | None) -> bool:
@@ -177,6 +199,13 @@ if triton is not None:
     _RATIO_CLAMP = tl.constexpr(RATIO_LOG_CLAMP)
     _EXP_LIMIT = tl.constexpr(ops.FP32_EXP_LIMIT)
     _NSLOT = tl.constexpr(_S_RULES)
+    # Triton specialises an int argument on being 1 and on divisibility by 16, and a pointer on
+    # 16-byte alignment: sizes and strides that vary with every micro-batch would compile a variant
+    # each (6 of `_tokens` over 40 trainer shapes). Not specialising costs nothing here: a row's start
+    # row · stride is unknown anyway, so loads cannot be vectorised across it; the outputs the host
+    # allocates start 16-byte aligned (``_aligned``) and keep their pointer specialisation.
+    _SIZES = ("B", "T", "C", "s_lp", "s_old", "s_roll", "s_adv_b", "s_adv_t", "s_m")
+    _INPUTS = ("lp_ptr", "old_ptr", "roll_ptr", "adv_ptr", "m_ptr")
 
     @triton.jit
     def _isfinite(x):
@@ -216,7 +245,7 @@ if triton is not None:
         return v
 
     @triton.jit
-    def _weight_fn(x, MODE: tl.constexpr, LO: tl.constexpr, HI: tl.constexpr):
+    def _weight_fn(x, MODE: tl.constexpr, LO, HI):
         """truncate: clamp(x, low, high); mask: x · 1[low ≤ x ≤ high] (SPEC §3)."""
         if MODE == 0:
             w = tl.minimum(tl.maximum(x, LO), HI)
@@ -258,16 +287,22 @@ if triton is not None:
 
     @triton.jit
     def _row_total(p_ptr, slot, row, B, C, CP: tl.constexpr, IS_MAX: tl.constexpr):
-        """Σ (or max) over the chunks of ``row`` of partial ``slot`` of a [slots, B, C] buffer."""
+        """Σ (or max) over the chunks of ``row`` of partial ``slot`` of a [slots, B, C] buffer, ``CP``
+        chunks at a time (a fixed tile: the chunk count is a runtime value, not a specialisation)."""
         c = tl.arange(0, CP)
+        at = p_ptr + (slot * B + row) * C
         if IS_MAX:
-            total = tl.max(tl.load(p_ptr + (slot * B + row) * C + c, mask=c < C, other=-float("inf")), axis=0)
+            total = tl.max(tl.load(at + c, mask=c < C, other=-float("inf")), axis=0)
+            for c0 in range(CP, C, CP):
+                total = tl.maximum(total, tl.max(tl.load(at + c0 + c, mask=c0 + c < C, other=-float("inf")), axis=0))
         else:
-            total = tl.sum(tl.load(p_ptr + (slot * B + row) * C + c, mask=c < C, other=0.0), axis=0)
+            total = tl.sum(tl.load(at + c, mask=c < C, other=0.0), axis=0)
+            for c0 in range(CP, C, CP):
+                total += tl.sum(tl.load(at + c0 + c, mask=c0 + c < C, other=0.0), axis=0)
         return total
 
-    @triton.jit
-    def _row_stats(lp_ptr, old_ptr, roll_ptr, adv_ptr, m_ptr, p1_ptr,
+    @triton.jit(do_not_specialize=_SIZES, do_not_specialize_on_alignment=_INPUTS)
+    def _row_stats(lp_ptr, old_ptr, roll_ptr, adv_ptr, m_ptr, p1_ptr, bounds_ptr,
                    B, T, C, s_lp, s_old, s_roll, s_adv_b, s_adv_t, s_m,
                    CORRECTED: tl.constexpr, ANCHOR: tl.constexpr, OLD_IN: tl.constexpr, L: tl.constexpr,
                    RULES: tl.constexpr, SEQUENTIAL: tl.constexpr, BLOCK: tl.constexpr):
@@ -296,11 +331,13 @@ if triton is not None:
                 x = ratio
             else:
                 x = _k_stat(RULES[i][0], lr, L)
+            lo = tl.load(bounds_ptr + 2 * i)
+            hi = tl.load(bounds_ptr + 2 * i + 1)
             if RULES[i][1] == 0:
-                tok_ok = tok_ok & _band(x, RULES[i][2], RULES[i][3])
+                tok_ok = tok_ok & _band(x, lo, hi)
             else:
                 if RULES[i][1] == 3:  # any_token: how many seen tokens leave the band
-                    a = tl.sum(tl.where(seen & ~_band(x, RULES[i][2], RULES[i][3]), 1.0, 0.0), axis=0)
+                    a = tl.sum(tl.where(seen & ~_band(x, lo, hi), 1.0, 0.0), axis=0)
                 elif RULES[i][1] == 6:  # seq_max
                     a = tl.max(tl.where(seen, x, -float("inf")), axis=0)
                 elif RULES[i][0] == 0:  # sequence / geometric: Σ log ρ over the seen tokens
@@ -314,16 +351,15 @@ if triton is not None:
         tl.store(p1_ptr + (2 * n_rules + 1) * plane + base, tl.sum(tl.where(tok_ok, 1.0, 0.0), axis=0))
         tl.store(p1_ptr + (2 * n_rules + 2) * plane + base, tl.sum(tl.where(bad, 1.0, 0.0), axis=0))
 
-    @triton.jit
-    def _tokens(lp_ptr, old_ptr, roll_ptr, adv_ptr, m_ptr, p1_ptr, p2_ptr, coef_ptr, tok_ptr, den_ptr,
+    @triton.jit(do_not_specialize=_SIZES, do_not_specialize_on_alignment=_INPUTS)
+    def _tokens(lp_ptr, old_ptr, roll_ptr, adv_ptr, m_ptr, p1_ptr, p2_ptr, coef_ptr, tok_ptr, den_ptr, bounds_ptr,
                 B, T, C, s_lp, s_old, s_roll, s_adv_b, s_adv_t, s_m,
                 CORRECTED: tl.constexpr, ANCHOR: tl.constexpr, OLD_IN: tl.constexpr, L: tl.constexpr,
                 RULES: tl.constexpr, SEQUENTIAL: tl.constexpr, NONFINITE: tl.constexpr,
-                HAS_WEIGHT: tl.constexpr, WLEVEL: tl.constexpr, WMODE: tl.constexpr, WLO: tl.constexpr,
-                WHI: tl.constexpr, FIXED: tl.constexpr, KIND: tl.constexpr, CLIP_LO: tl.constexpr,
-                CLIP_HI: tl.constexpr, DUAL: tl.constexpr, UNREDUCED: tl.constexpr, CP: tl.constexpr,
-                BLOCK: tl.constexpr):
-        """Pass 2: sanitize → log ρ → rejection → weights → loss and derivative → partial sums."""
+                HAS_WEIGHT: tl.constexpr, WLEVEL: tl.constexpr, WMODE: tl.constexpr, FIXED: tl.constexpr,
+                KIND: tl.constexpr, UNREDUCED: tl.constexpr, CP: tl.constexpr, BLOCK: tl.constexpr):
+        """Pass 2: sanitize → log ρ → rejection → weights → loss and derivative → partial sums.
+        ``bounds_ptr``: fp32 (low, high) per rule, the weight's (low, high), 1 − ε_low, 1 + ε_high, c."""
         row = tl.program_id(0)
         chunk = tl.program_id(1)
         cols = chunk * BLOCK + tl.arange(0, BLOCK)
@@ -331,6 +367,11 @@ if triton is not None:
         mval, m_in, lp, old, trainer, roll, adv = _load(lp_ptr, old_ptr, roll_ptr, adv_ptr, m_ptr, row, cols, inb, s_lp,
                                                         s_old, s_roll, s_adv_b, s_adv_t, s_m, CORRECTED, ANCHOR, OLD_IN)
         n_rules: tl.constexpr = len(RULES)
+        WLO = tl.load(bounds_ptr + 2 * n_rules)
+        WHI = tl.load(bounds_ptr + 2 * n_rules + 1)
+        CLIP_LO = tl.load(bounds_ptr + 2 * n_rules + 2)
+        CLIP_HI = tl.load(bounds_ptr + 2 * n_rules + 3)
+        DUAL = tl.load(bounds_ptr + 2 * n_rules + 4)
         plane = B * C
         base = row * C + chunk
         # ----------------------------------------------------------- what the reference refuses
@@ -368,8 +409,10 @@ if triton is not None:
                 x = ratio
             else:
                 x = _k_stat(RULES[i][0], lr, L)
+            lo = tl.load(bounds_ptr + 2 * i)
+            hi = tl.load(bounds_ptr + 2 * i + 1)
             if RULES[i][1] == 0:
-                ok = _band(x, RULES[i][2], RULES[i][3])
+                ok = _band(x, lo, hi)
                 removed = seen & ~ok
                 tok_ok = tok_ok & ok
             else:
@@ -378,15 +421,15 @@ if triton is not None:
                 if RULES[i][1] == 3:
                     passed = a == 0.0
                 elif RULES[i][1] == 6:
-                    passed = _band(a, RULES[i][2], RULES[i][3])
+                    passed = _band(a, lo, hi)
                 elif RULES[i][0] == 0:
                     if RULES[i][1] == 2:
                         a = a / tl.maximum(n_seen, 1.0)
-                    passed = _band(tl.exp(_clamp(a, L)), RULES[i][2], RULES[i][3])
+                    passed = _band(tl.exp(_clamp(a, L)), lo, hi)
                 else:
                     if RULES[i][1] == 5:
                         a = a / tl.maximum(n_seen, 1.0)
-                    passed = _band(a, RULES[i][2], RULES[i][3])
+                    passed = _band(a, lo, hi)
                 removed = seen & (passed == 0)  # (a scalar: `~` misbehaves in the interpreter)
                 alive = alive & passed
             tl.store(p2_ptr + (_NSLOT + i) * plane + base, tl.sum(tl.where(removed, 1.0, 0.0), axis=0))
@@ -507,11 +550,15 @@ if triton is not None:
 
     @triton.jit
     def _tile(p_ptr, slot, rows, rmask, B, C, CP: tl.constexpr):
-        """[RB] fp64 row totals of partial ``slot`` for ``rows``."""
+        """[RB] fp64 row totals of partial ``slot`` for ``rows`` (``CP`` chunks at a time)."""
         c = tl.arange(0, CP)
         offs = (slot * B + rows[:, None]) * C + c[None, :]
         v = tl.load(p_ptr + offs, mask=rmask[:, None] & (c[None, :] < C), other=0.0)
-        return tl.sum(v.to(tl.float64), axis=1)
+        total = tl.sum(v.to(tl.float64), axis=1)
+        for c0 in range(CP, C, CP):
+            v = tl.load(p_ptr + offs + c0, mask=rmask[:, None] & (c0 + c[None, :] < C), other=0.0)
+            total += tl.sum(v.to(tl.float64), axis=1)
+        return total
 
     @triton.jit
     def _tile_extreme(p_ptr, slot, rows, rmask, B, C, CP: tl.constexpr, IS_MAX: tl.constexpr):
@@ -520,21 +567,28 @@ if triton is not None:
         if IS_MAX:
             v = tl.max(tl.max(tl.load(p_ptr + offs, mask=rmask[:, None] & (c[None, :] < C), other=-float("inf")),
                               axis=1), axis=0)
+            for c0 in range(CP, C, CP):
+                v = tl.maximum(v, tl.max(tl.max(tl.load(p_ptr + offs + c0, mask=rmask[:, None] & (c0 + c[None, :] < C),
+                                                        other=-float("inf")), axis=1), axis=0))
         else:
             v = tl.min(tl.min(tl.load(p_ptr + offs, mask=rmask[:, None] & (c[None, :] < C), other=float("inf")),
                               axis=1), axis=0)
+            for c0 in range(CP, C, CP):
+                v = tl.minimum(v, tl.min(tl.min(tl.load(p_ptr + offs + c0, mask=rmask[:, None] & (c0 + c[None, :] < C),
+                                                        other=float("inf")), axis=1), axis=0))
         return v.to(tl.float64)
 
     @triton.jit
     def _put(acc, idx, at: tl.constexpr, value):
         return acc + tl.where(idx == at, value, 0.0)
 
-    @triton.jit
-    def _finish(p2_ptr, raw_ptr, loss_ptr, scale_ptr, B, C, global_count, max_len,
+    @triton.jit(do_not_specialize=("B", "C", "n_out"))
+    def _finish(p2_ptr, raw_ptr, loss_ptr, scale_ptr, layout_ptr, B, C, n_out, global_count, max_len,
                 L: tl.constexpr, N_RULES: tl.constexpr, AGG: tl.constexpr, HAS_GLOBAL: tl.constexpr,
-                CP: tl.constexpr, RB: tl.constexpr, NRAW: tl.constexpr, LAYOUT: tl.constexpr):
+                CP: tl.constexpr, RB: tl.constexpr, NRAW: tl.constexpr):
         """Pass 3 (one program): rows, then the batch, in fp64 (raw quantities at the indices of
-        ``_R``); writes them to ``raw_ptr`` in the metrics' layout: raw_ptr[j] = raw[LAYOUT[j]]."""
+        ``_R``); writes the first ``n_out`` to ``raw_ptr`` in the metrics' layout: raw_ptr[j] =
+        raw[layout_ptr[j]] (a runtime int32 vector: the layout is data, not a specialisation)."""
         idx = tl.arange(0, NRAW)
         acc = tl.zeros([NRAW], dtype=tl.float64)
         hi = tl.full([NRAW], -float("inf"), tl.float64)  # running maxima (and −minima)
@@ -605,8 +659,9 @@ if triton is not None:
         acc = tl.where(idx == 1, 1.0, acc)  # raw[0] = 0, raw[1] = 1: constants for the layout
         acc = tl.where((idx == 15) | (idx == 16) | (idx == 20), hi, acc)
         acc = tl.where(idx == 21, -hi, acc)
-        for j in tl.static_range(len(LAYOUT)):
-            tl.store(raw_ptr + j, tl.sum(tl.where(idx == LAYOUT[j], acc, 0.0), axis=0))
+        for j in range(0, n_out):
+            at = tl.load(layout_ptr + j)
+            tl.store(raw_ptr + j, tl.sum(tl.where(idx == at, acc, 0.0), axis=0))
         tl.store(loss_ptr, loss.to(tl.float32))
         # ∂L/∂ℓ_bt per row: row_scale_b / max(count, 1)
         for b0 in range(0, B, RB):
@@ -665,7 +720,7 @@ def _layout(spec: Spec, rule_names: tuple[str, ...], has_global: bool) -> tuple[
     k = r["n_keep"]
     if spec.kind in (0, 1):
         out.append(("clip_fraction", "mean", (r["clip"], k)))
-    if spec.kind == 0 and spec.dual_clip != _INF:
+    if spec.kind == 0 and spec.dual:
         out.append(("dual_clip_fraction", "mean", (r["dual"], k)))
     if spec.has_old:
         out.append(("approx_kl", "mean", (r["approx_kl"], k)))
@@ -703,12 +758,16 @@ def _check_message(spec: Spec, shape: tuple[int, ...], counts: list[float]) -> s
 
 class _Plan(NamedTuple):
     spec: Spec
+    bounds: tuple[float, ...]  # bounds_of(config): runtime values of the kernels
     layout: tuple[tuple[str, str, tuple[int, ...]], ...]
     layout_global: tuple[tuple[str, str, tuple[int, ...]], ...]
     index: tuple[int, ...]
     index_global: tuple[int, ...]
-    pairs: tuple[tuple[str, str], ...]  # (key, reducer) of each layout
-    pairs_global: tuple[tuple[str, str], ...]
+    flat: FlatLayout  # Metrics.from_flat's layout of ``layout`` (built once)
+    flat_global: FlatLayout
+    n_raw: int  # entries of _finish's raw vector, a power of two
+    device_consts: dict  # device → (bounds fp32, index int32, index_global int32): made once per device
+    launch: tuple[dict, dict, dict]  # the constexprs of (every kernel, _tokens, _finish) that the spec fixes
 
 
 _PLANS: dict[tuple[int, bool], tuple[LossConfig, _Plan | None]] = {}
@@ -727,12 +786,39 @@ def _plan(config: LossConfig, has_old: bool) -> _Plan | None:
     if spec is not None:
         names = tuple(rule_name(i, r) for i, r in enumerate(config.correction.reject)) if spec.corrected else ()
         layout, layout_global = _layout(spec, names, False), _layout(spec, names, True)
-        plan = _Plan(spec, layout, layout_global, _index(layout), _index(layout_global),
-                     tuple((k, r) for k, r, _ in layout), tuple((k, r) for k, r, _ in layout_global))
+        n_raw = 1 << (_R_RULES + 2 * len(spec.rules) - 1).bit_length()
+        w = spec.weight or (0, 0)
+        launch = ({"CORRECTED": spec.corrected, "ANCHOR": spec.anchor, "L": spec.log_clamp, "RULES": spec.rules,
+                   "SEQUENTIAL": spec.sequential},
+                  {"NONFINITE": spec.nonfinite, "HAS_WEIGHT": spec.weight is not None, "WLEVEL": w[0], "WMODE": w[1],
+                   "FIXED": spec.fixed_denominator, "KIND": spec.kind, "CP": _CP},
+                  {"L": spec.log_clamp, "N_RULES": len(spec.rules), "AGG": spec.agg, "CP": _CP, "RB": _RB,
+                   "NRAW": n_raw, "num_warps": 16})  # _finish is one program: all its warps
+        plan = _Plan(spec, bounds_of(config), layout, layout_global, _index(layout), _index(layout_global),
+                     FlatLayout.of(tuple((k, r) for k, r, _ in layout)),
+                     FlatLayout.of(tuple((k, r) for k, r, _ in layout_global)), n_raw, {}, launch)
     if len(_PLANS) > 256:
         _PLANS.clear()
     _PLANS[key] = (config, plan)  # holding the config keeps its id from being reused
     return plan
+
+
+def _device_consts(plan: _Plan, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The plan's bounds (fp32, compared as the reference compares them: in fp32) and metric layouts
+    (int32) on ``device``, copied there once per plan: a data-chosen bound changes the values of a
+    plan's vector, never the kernels."""
+    consts = plan.device_consts.get(device)
+    if consts is None:
+        consts = (torch.tensor(plan.bounds, dtype=torch.float32, device=device),
+                  torch.tensor(plan.index, dtype=torch.int32, device=device),
+                  torch.tensor(plan.index_global, dtype=torch.int32, device=device))
+        plan.device_consts[device] = consts
+    return consts
+
+
+def _aligned(n: int) -> int:
+    """``n`` fp32 elements rounded up to 16 bytes: where the next sub-buffer may start."""
+    return (n + 3) & ~3
 
 
 def on_device(device: torch.device) -> contextlib.AbstractContextManager:
@@ -745,7 +831,7 @@ def on_device(device: torch.device) -> contextlib.AbstractContextManager:
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
     """A view whose last dimension is contiguous (the kernels index rows by their stride)."""
-    return x if x.stride(-1) == 1 else x.contiguous()
+    return x if x.stride(-1) == 1 else x.detach().contiguous()
 
 
 def policy_loss(logprobs, old_logprobs, advantages, mask, rollout_logprobs, config: LossConfig, reduce: bool,
@@ -764,64 +850,72 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, rollout_logprobs, conf
         return None
     spec = plan.spec
     global_count = config.global_tokens if config.agg == "token-mean" else config.global_seqs
-    tensors = {"logprobs": logprobs, "old_logprobs": old_logprobs, "rollout_logprobs": rollout_logprobs,
-               "advantages": advantages}
+    shape = mask.shape
     # an empty batch ([2, 0]) has no valid token (and no block to launch): the reference's message
     if mask.dim() != 2 or mask.numel() == 0 or any(
-            t is not None and (t.shape != mask.shape or not t.is_floating_point()) for t in tensors.values()):
-        validate_inputs(mask, **tensors)  # raises the reference's message (shapes and dtypes: no sync)
+            t is not None and (t.shape != shape or not t.is_floating_point())
+            for t in (logprobs, old_logprobs, rollout_logprobs, advantages)):
+        validate_inputs(mask, logprobs=logprobs, old_logprobs=old_logprobs, rollout_logprobs=rollout_logprobs,
+                        advantages=advantages)  # raises the reference's message (shapes and dtypes: no sync)
     device = logprobs.device
-    B, T = mask.shape
+    B, T = shape
     block = _block(B, T)
-    C = triton.cdiv(T, block)
-    CP = triton.next_power_of_2(C)
+    C = -(-T // block)
     old_in = old_logprobs is not None and not (spec.corrected and corr.anchor == "rollout")
-    lp = _rows(logprobs.detach())
-    old = _rows(old_logprobs.detach()) if old_in else lp
-    roll = _rows(rollout_logprobs.detach()) if spec.corrected else lp
+    # the kernels read pointers and strides: no detach needed (nothing they do enters autograd)
+    lp = _rows(logprobs)
+    old = _rows(old_logprobs) if old_in else lp
+    roll = _rows(rollout_logprobs) if spec.corrected else lp
     m = _rows(mask)
-    adv = advantages.detach()
+    adv = advantages
     n_rules = len(spec.rules)
     f32 = torch.float32
+    bounds, index, index_global = _device_consts(plan, device)
+    if global_count is not None:
+        index = index_global
+    unreduced = not reduce
     # one allocation for the per-chunk partial sums (fp64: sums such as Σ(w − 1)² feed differences
     # of moments — is_std — and ρ² passes fp32's range past log ρ = 44), the derivative, the backward
-    # scale and the loss; the fp64 view sits at offset 0, so it is aligned
-    n_p2 = (_S_RULES + n_rules) * B * C
-    buffer = torch.empty(2 * n_p2 + B * T + B + 1, dtype=f32, device=device)
-    p2 = buffer[: 2 * n_p2].view(torch.float64).view(_S_RULES + n_rules, B, C)
-    coef = buffer[2 * n_p2 : 2 * n_p2 + B * T].view(B, T)
-    scale = buffer[2 * n_p2 + B * T : 2 * n_p2 + B * T + B].view(B, 1)
-    loss = buffer[-1]
-    p1 = torch.empty((2 * n_rules + 3, B, C), dtype=f32, device=device) if spec.needs_rows else p2
-    unreduced = not reduce
-    per_token = torch.empty((B, T), dtype=f32, device=device) if unreduced else coef
-    den = torch.empty((B, T), dtype=f32, device=device) if unreduced else coef
-    n_raw = triton.next_power_of_2(_R_RULES + 2 * n_rules)
-    layout = plan.layout_global if global_count is not None else plan.layout
-    index = plan.index_global if global_count is not None else plan.index
+    # scale, the loss and, unreduced, the per-token loss and its denominator; each part starts 16-byte
+    # aligned whatever B, T and C (a pointer's alignment is a specialisation of the kernels: parts
+    # misaligned for some shapes compiled them again). The metrics' vector is its own allocation: the
+    # metrics outlive the step's buffers (which a view would keep alive).
+    n_p2 = 2 * (_S_RULES + n_rules) * B * C
+    at_coef = _aligned(n_p2)  # the fp64 part at offset 0; every offset after it rounded up
+    at_scale = _aligned(at_coef + B * T)
+    at_loss = _aligned(at_scale + B)
+    at_tok = _aligned(at_loss + 1)
+    end = _aligned(at_tok + B * T) + B * T if unreduced else at_tok
+    buffer = torch.empty(end, dtype=f32, device=device)
+    p2 = buffer[:n_p2].view(torch.float64).view(_S_RULES + n_rules, B, C)
+    coef = buffer[at_coef : at_coef + B * T].view(B, T)
+    scale = buffer[at_scale : at_scale + B].view(B, 1)
+    loss = buffer[at_loss]
     flat = torch.empty(len(index), dtype=torch.float64, device=device)  # every metric's partial sums, then the checks
+    if unreduced:
+        per_token = buffer[at_tok : at_tok + B * T].view(B, T)
+        at_den = _aligned(at_tok + B * T)
+        den = buffer[at_den : at_den + B * T].view(B, T)
+    else:
+        per_token = den = coef
+    p1 = torch.empty((2 * n_rules + 3, B, C), dtype=f32, device=device) if spec.needs_rows else p2
     strides = (lp.stride(0), old.stride(0), roll.stride(0), adv.stride(0), adv.stride(1), m.stride(0))
     grid = (B, C)
-    common = dict(CORRECTED=spec.corrected, ANCHOR=spec.anchor, OLD_IN=old_in, L=spec.log_clamp, RULES=spec.rules,
-                  SEQUENTIAL=spec.sequential, BLOCK=block, num_warps=max(4, min(16, block // 256)))
-    w = spec.weight or (0, 0, -_INF, _INF)
+    common = {**plan.launch[0], "OLD_IN": old_in, "BLOCK": block, "num_warps": 16 if block > 1024 else 4}
     max_len = float(config.max_len if config.max_len is not None else T)
     with on_device(device):
         if spec.needs_rows:
-            _row_stats[grid](lp, old, roll, adv, m, p1, B, T, C, *strides, **common)
-        _tokens[grid](lp, old, roll, adv, m, p1, p2, coef, per_token, den, B, T, C, *strides, **common,
-                      NONFINITE=spec.nonfinite, HAS_WEIGHT=spec.weight is not None, WLEVEL=w[0], WMODE=w[1],
-                      WLO=w[2], WHI=w[3], FIXED=spec.fixed_denominator, KIND=spec.kind, CLIP_LO=spec.clip_low,
-                      CLIP_HI=spec.clip_high, DUAL=spec.dual_clip, UNREDUCED=unreduced, CP=CP)
-        _finish[(1,)](p2, flat, loss, scale, B, C, float(global_count or 0.0), max_len, L=spec.log_clamp,
-                      N_RULES=n_rules, AGG=spec.agg, HAS_GLOBAL=global_count is not None, CP=CP,
-                      RB=max(16, 2048 // CP), NRAW=n_raw, LAYOUT=index, num_warps=16)  # one program: all its warps
+            _row_stats[grid](lp, old, roll, adv, m, p1, bounds, B, T, C, *strides, **common)
+        _tokens[grid](lp, old, roll, adv, m, p1, p2, coef, per_token, den, bounds, B, T, C, *strides, **common,
+                      **plan.launch[1], UNREDUCED=unreduced)
+        _finish[(1,)](p2, flat, loss, scale, index, B, C, len(index), float(global_count or 0.0), max_len,
+                      **plan.launch[2], HAS_GLOBAL=global_count is not None)
 
     checks = flat[-len(_CHECKS):]
-    shape = tuple(mask.shape)
+    shape = tuple(shape)
     if not mask.is_cuda and _check_message(spec, shape, checks.tolist()) is not None:
         return None  # the reference raises its exact message (with the first positions)
-    metrics = Metrics.from_flat(flat, plan.pairs_global if global_count is not None else plan.pairs)
+    metrics = Metrics.from_flat(flat, plan.flat_global if global_count is not None else plan.flat)
     if mask.is_cuda:
         metrics.defer_check(checks, lambda counts: _check_message(spec, shape, counts))
     if unreduced:

@@ -8,7 +8,7 @@ sampled from (temperature, top-k, top-p — SPEC §6), come from ``offpolicy.tra
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -16,6 +16,9 @@ from offpolicy.engines import Rollouts
 from offpolicy.train.head import token_entropy, trainer_logprobs
 
 __all__ = ["Batch", "grpo_advantages", "to_batch", "token_entropy", "trainer_logprobs"]
+
+
+TENSORS = ("input_ids", "attention_mask", "positions", "response_ids", "mask", "rollout_logprobs", "versions")
 
 
 @dataclass
@@ -27,9 +30,12 @@ class Batch:
     mask: torch.Tensor  # [B, T] 1 on response tokens (EOS included)
     rollout_logprobs: torch.Tensor  # [B, T] log μ(y_t) from the engine
     versions: torch.Tensor  # [B] policy version that sampled each row
+    # (mask, rows, cols): the positions where ``mask`` is 1, worked out on the host before the batch went
+    # to the device (``update.to_device``), valid while ``mask`` is that very tensor (``head.counted_positions``)
+    counted: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = field(default=None, repr=False, compare=False)
 
     def select(self, rows: torch.Tensor) -> Batch:
-        return Batch(*(getattr(self, f)[rows] for f in self.__dataclass_fields__))
+        return Batch(*(getattr(self, f)[rows] for f in TENSORS))
 
 
 def to_batch(rollouts: Rollouts, pad_id: int) -> Batch:

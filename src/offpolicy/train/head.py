@@ -32,10 +32,11 @@ the forward and in the backward: the gradient of log π̃(y) = z_y − logsumexp
 on the kept set K (0 off it), so temperature, top-k, top-p and a soft cap have one definition for
 the values and the gradients (``_chunk_grad``), and the backward holds no more [C, V] buffers than
 the forward. The linear layer's backward is written out so the weight gradient accumulates in
-place (no [V, H] temporary per chunk in fp32). Hidden states of
-padding and prompt positions never reach the head: the response tokens that count are gathered
-first (a ``nonzero`` of the mask, taken before the decoder runs; on CUDA its one host wait is for
-work already queued).
+place (no [V, H] temporary per chunk, in any precision) and W is cast to the compute dtype once per
+backward, not once per chunk. Hidden states of padding and prompt positions never reach the head:
+the response tokens that count are gathered first, at positions the trainer works out on the host
+when it moves a micro-batch to the device (``Batch.counted``), so the forward reads nothing back
+from the device (a batch without them pays one ``nonzero`` of its mask).
 
 Precision: the head runs in the caller's autocast context, like the decoder (bf16 compute over
 fp32 master weights), and the logits are cast to fp32 before any log-sum-exp; log-probs are fp32
@@ -285,30 +286,49 @@ class _ChunkedHead(torch.autograd.Function):
         d_hidden = torch.zeros_like(hidden) if need_hidden else None
         d_weight = torch.zeros_like(weight) if need_weight else None
         d_bias = torch.zeros_like(bias) if need_bias else None
-        weight_c = None  # W in the compute dtype, cast once
+        # the forward's autocast casts, done once for the whole backward: a fresh autocast region per
+        # chunk would cast W [V, H] again in every chunk (its cast cache lives as long as the region)
+        weight_c = _compute_dtype(weight, autocast, autocast_dtype)
+        bias_c = _compute_dtype(bias, autocast, autocast_dtype)
         for start in range(0, hidden.shape[0], ctx.chunk):
             end = min(hidden.shape[0], start + ctx.chunk)
-            h = hidden[start:end]
-            with torch.autocast(device, dtype=autocast_dtype, enabled=autocast):
-                lin = F.linear(h, weight, bias)  # the forward's [c, V], recomputed
+            h = _compute_dtype(hidden[start:end], autocast, autocast_dtype)
+            lin = F.linear(h, weight_c, bias_c)  # the forward's [c, V], recomputed with the same casts
             d_lin = _chunk_grad(lin, tokens[start:end], grad_lp[start:end], ctx.sampling, ctx.softcap)
             del lin
             # the linear layer's backward in the compute dtype, as autograd does under autocast
-            if weight_c is None:
-                weight_c = weight if weight.dtype == d_lin.dtype else weight.to(d_lin.dtype)
             if need_hidden:
                 d_hidden[start:end] = d_lin.mm(weight_c).to(hidden.dtype)
             if need_weight:
-                h_c = h.to(d_lin.dtype)
-                if d_weight.dtype == d_lin.dtype:
-                    d_weight.addmm_(d_lin.t(), h_c)
-                else:  # bf16 product, accumulated in the fp32 master gradient
-                    d_weight.add_(d_lin.t().mm(h_c))
+                _add_weight_grad(d_weight, d_lin, h.to(d_lin.dtype))
             if need_bias:
                 d_bias.add_(d_lin.sum(dim=0))
             del d_lin  # before the next chunk's: one chunk's buffers at a time
             _release_freed(hidden.device, hidden.shape[0] > ctx.chunk)
         return d_hidden, d_weight, d_bias, None, None, None, None, None
+
+
+def _compute_dtype(x: torch.Tensor | None, autocast: bool, dtype: torch.dtype) -> torch.Tensor | None:
+    """``x`` as the forward's autocast region handed it to ``F.linear``: floating tensors but float64
+    cast to the autocast dtype (autocast's own eligibility rule); unchanged without autocast."""
+    if x is None or not autocast or not x.is_floating_point() or x.dtype == torch.float64:
+        return x
+    return x.to(dtype)
+
+
+def _add_weight_grad(d_weight: torch.Tensor, d_lin: torch.Tensor, h: torch.Tensor) -> None:
+    """d_weight += d_linᵀ h in place, with no [V, H] temporary: in d_weight's dtype when the chunk's
+    product is in it; a bf16/fp16 product (autocast over fp32 master weights) is accumulated in fp32
+    into d_weight itself — on CUDA by the GEMM (``out_dtype``: low-precision inputs, fp32 accumulator
+    and output), elsewhere from the chunk's fp32 copy of d_lin ([c, V], a chunk's budget, not [V, H]).
+    Before, each chunk made a bf16 [V, H] product and added it into the fp32 gradient: ≈ 2.4 GB of
+    traffic per chunk at V = 151,936, H = 896."""
+    if d_lin.dtype == d_weight.dtype:
+        d_weight.addmm_(d_lin.t(), h)
+    elif d_weight.is_cuda:
+        torch.addmm(d_weight, d_lin.t(), h, out_dtype=d_weight.dtype, out=d_weight)
+    else:
+        d_weight.addmm_(d_lin.t().to(d_weight.dtype), h.to(d_weight.dtype))
 
 
 def token_logprobs(hidden: torch.Tensor, tokens: torch.Tensor, head: LinearHead, sampling: SamplingConfig, *,
@@ -328,6 +348,15 @@ def token_logprobs(hidden: torch.Tensor, tokens: torch.Tensor, head: LinearHead,
     return token_lp, extra[:, 0], extra[:, 1] if truncates(sampling) else None
 
 
+def counted_positions(batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows, cols) ``[N]`` each of the tokens with mask 1: the copy the trainer worked out on the host
+    (``Batch.counted``, set by ``update.to_device``) while it belongs to the batch's current mask, else
+    a ``nonzero`` of the mask (on CUDA, a host wait for the work queued before it)."""
+    if batch.counted is not None and batch.counted[0] is batch.mask:
+        return batch.counted[1], batch.counted[2]
+    return batch.mask.bool().nonzero(as_tuple=True)
+
+
 def trainer_logprobs(model, batch: Batch, sampling: SamplingConfig, metrics: Metrics | None = None, *,
                      chunk: int | None = None, entropy_out: list[torch.Tensor] | None = None) -> torch.Tensor:
     """log π(y_t) ``[B, T]`` (fp32; float64 for a float64 model) under ``model`` on the engine's
@@ -344,8 +373,7 @@ def trainer_logprobs(model, batch: Batch, sampling: SamplingConfig, metrics: Met
     Raises:
         ConfigError: a head this module does not reproduce (``linear_head``, ``check_head``).
     """
-    counted = batch.mask.bool()
-    rows, cols = counted.nonzero(as_tuple=True)  # [N] each, the response tokens that count
+    rows, cols = counted_positions(batch)  # [N] each, the response tokens that count
     head = linear_head(model)
     check_head(model, head, batch.input_ids[:1, :PROBE_TOKENS])
     hidden = decoder_hidden(model, batch.input_ids, batch.attention_mask)  # [B, L, H]
@@ -359,7 +387,7 @@ def trainer_logprobs(model, batch: Batch, sampling: SamplingConfig, metrics: Met
         metrics.mean("entropy", entropy)
         if outside is not None:
             outside_mass_metrics(outside, torch.ones_like(outside, dtype=torch.bool), metrics)
-    out = torch.zeros(counted.shape, dtype=token_lp.dtype, device=token_lp.device)
+    out = torch.zeros(batch.mask.shape, dtype=token_lp.dtype, device=token_lp.device)
     return out.index_put((rows, cols), token_lp)  # [B, T]
 
 

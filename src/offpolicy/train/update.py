@@ -41,7 +41,7 @@ from offpolicy.config import M2Rule
 from offpolicy.engines import SamplingConfig
 from offpolicy.kernels.common import row_aggregation
 from offpolicy.metrics import Metrics
-from offpolicy.train.batch import Batch
+from offpolicy.train.batch import TENSORS, Batch
 from offpolicy.train.head import trainer_logprobs, truncates
 
 
@@ -100,7 +100,14 @@ def trim(batch: Batch) -> Batch:
 
 
 def to_device(batch: Batch, device: torch.device) -> Batch:
-    return Batch(*(getattr(batch, f).to(device, non_blocking=True) for f in batch.__dataclass_fields__))
+    """The batch's tensors on ``device``, with the positions of its counted tokens (``Batch.counted``)
+    worked out here while the mask is on the host: the forward then gathers them without reading the
+    device (a ``nonzero`` of a CUDA mask waits for every kernel queued before it)."""
+    moved = Batch(*(getattr(batch, f).to(device, non_blocking=True) for f in TENSORS))
+    if batch.mask.device.type == "cpu":
+        rows, cols = batch.mask.bool().nonzero(as_tuple=True)
+        moved.counted = (moved.mask, device_index(rows, device), device_index(cols, device))
+    return moved
 
 
 def forward(policy, mb: Batch, sampling: SamplingConfig, device: torch.device, trainer_dtype: str,
