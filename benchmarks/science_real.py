@@ -20,7 +20,8 @@ and its own directory ``OUT/CELL/seedN``; ``--jobs N`` runs N at once. A finishe
 Table columns (mean ± std over the seeds that finished):
 
 * ``final held-out``: ``eval/accuracy`` at the last step — the mean reward of greedy answers to the
-  task's held-out pairs (the same pairs for every seed); ``start``: the same at step 0 (before any update).
+  task's held-out pairs (the same pairs for every seed); ``start``: the untrained model's, measured once
+  (``untrained_held_out``; a run's own step-0 eval comes after its first update).
 * ``share of ref``: the cell's mean final held-out reward / the reference's.
 * ``mismatch k3``: the run's mean over steps of ``offpolicy/kl_k3``, the k3 KL between the trainer's
   π at the start of the step and the engine's μ on the step's tokens (bf16 numerics + staleness).
@@ -54,10 +55,10 @@ METHODS = {  # method → preset (the whole preset: loss kind, clip, aggregation
 }
 PILOT = ("reference", "bf16_s4_none", "bf16_s4_recommended")
 COLLAPSE_DROP = 0.05
-COLLAPSE_RULE = (f"final held-out reward more than {COLLAPSE_DROP} below the run's own step-0 held-out reward "
-                 "(the untrained model's), or the run failed / logged a non-finite metric")
+COLLAPSE_RULE = (f"final held-out reward more than {COLLAPSE_DROP} below the untrained model's held-out reward, "
+                 "or the run did not finish / logged a non-finite metric")
 # the run settings, chosen so that the reference learns within the run on a 2-core CPU (docs/science.md)
-RUN = {"task": "larger", "prompts_per_step": 4, "group_size": 8, "lr": 3e-5, "steps": 30, "temperature": 0.7,
+RUN = {"task": "larger", "prompts_per_step": 4, "group_size": 8, "lr": 3e-5, "steps": 20, "temperature": 0.7,
        "eval_every": 5, "eval_problems": 32, "micro_batch_tokens": 4096, "policy_kl_rows": 8,
        "checkpoint_every": 5, "samples_per_step": 0}
 
@@ -120,13 +121,15 @@ def run_env() -> dict[str, str]:
     pin its threads to cores another run uses; workers sleep instead of spinning (docs/gpu-and-real-data.md)."""
     env = dict(os.environ)
     env.update({"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-                "OMP_WAIT_POLICY": "PASSIVE", "TOKENIZERS_PARALLELISM": "false"})
+                "OMP_WAIT_POLICY": "PASSIVE", "TOKENIZERS_PARALLELISM": "false",
+                "MALLOC_ARENA_MAX": "2"})  # fewer malloc arenas: less resident memory per run
     return env
 
 
 def run_grid(cells: list[Cell], seeds: list[int], args: argparse.Namespace) -> list[str]:
     """Run every (cell, seed) not yet finished, ``args.jobs`` at a time; returns the runs that failed."""
-    todo = [(c, s) for c in cells for s in seeds if not finished(args.out / c.name / f"seed{s}", args.steps)]
+    # seed-major: a grid cut short still has every cell at its first seeds
+    todo = [(c, s) for s in seeds for c in cells if not finished(args.out / c.name / f"seed{s}", args.steps)]
     print(f"{len(cells) * len(seeds) - len(todo)} runs finished already, {len(todo)} to run, {args.jobs} at once",
           flush=True)
     running: list[tuple[subprocess.Popen, str, float, Any]] = []
@@ -156,9 +159,10 @@ def run_grid(cells: list[Cell], seeds: list[int], args: argparse.Namespace) -> l
     return failed
 
 
-def run_stats(rows: list[dict[str, Any]], steps: int) -> dict[str, Any]:
-    """One run's numbers from its metrics rows: final/start held-out reward, mean mismatch and update KL,
-    whether it finished and whether it collapsed (``COLLAPSE_RULE``)."""
+def run_stats(rows: list[dict[str, Any]], steps: int, start: float | None) -> dict[str, Any]:
+    """One run's numbers from its metrics rows: final held-out reward (``start``: the untrained model's,
+    ``untrained_held_out``), mean mismatch and update KL, whether it finished and whether it collapsed
+    (``COLLAPSE_RULE``)."""
     evals = [(r["step"], r["eval/accuracy"]) for r in rows if "eval/accuracy" in r]
     done = bool(rows) and rows[-1]["step"] >= steps - 1 and bool(evals) and evals[-1][0] == rows[-1]["step"]
     finite = all(math.isfinite(v) for r in rows for v in r.values() if isinstance(v, (int, float)))
@@ -167,7 +171,6 @@ def run_stats(rows: list[dict[str, Any]], steps: int) -> dict[str, Any]:
         values = [r[key] for r in rows if key in r and math.isfinite(r[key])]
         return statistics.fmean(values) if values else None
 
-    start = evals[0][1] if evals and evals[0][0] == 0 else None
     final = evals[-1][1] if done else None
     collapsed = (not done or not finite or (start is not None and final < start - COLLAPSE_DROP))
     return {"done": done, "steps": len(rows), "start": start, "final": final, "collapsed": collapsed,
@@ -217,8 +220,10 @@ def markdown(table: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def collect(out: Path, cells: list[str], seeds: list[int] | None, steps: int) -> dict[str, dict[int, dict[str, Any]]]:
-    """Every run directory under ``out`` of the named cells (and seeds, when given)."""
+def collect(out: Path, cells: list[str], seeds: list[int] | None, steps: int,
+            start: float | None = None) -> dict[str, dict[int, dict[str, Any]]]:
+    """Every run directory under ``out`` of the named cells (and seeds, when given); ``start``: the
+    untrained model's held-out reward."""
     runs: dict[str, dict[int, dict[str, Any]]] = {}
     for cell in cells:
         for run_dir in sorted((out / cell).glob("seed*")):
@@ -226,7 +231,7 @@ def collect(out: Path, cells: list[str], seeds: list[int] | None, steps: int) ->
                 continue
             seed = int(run_dir.name[4:])
             if seeds is None or seed in seeds:
-                runs.setdefault(cell, {})[seed] = run_stats(read_metrics(run_dir), steps)
+                runs.setdefault(cell, {})[seed] = run_stats(read_metrics(run_dir), steps, start)
     return runs
 
 
@@ -267,6 +272,60 @@ def plot(runs: dict[str, dict[int, dict[str, Any]]], path: Path) -> None:
     plt.close(fig)
 
 
+def untrained_held_out(args: argparse.Namespace) -> float:
+    """The untrained model's held-out reward as the runs' ``eval/accuracy`` measures it (greedy, the first
+    ``--eval-problems`` held-out pairs, the fp32 trainer's weights): every run's start, before any update
+    (a run's own step-0 eval comes after its first update). Cached in ``OUT/untrained.json``."""
+    cache = args.out / "untrained.json"
+    key = f"{Path(args.model).resolve()}|{args.eval_problems}|{args.max_new_tokens}"
+    if cache.is_file() and json.loads(cache.read_text()).get("key") == key:
+        return json.loads(cache.read_text())["held_out_greedy"]
+    import torch
+
+    from offpolicy.tasks import ChatRendered, make_task
+    from offpolicy.tasks.tokenizer import ensure_pad_token, load_tokenizer
+    from offpolicy.train.update import load_policy
+    from offpolicy.train.warmstart import exact_match_accuracy
+
+    tokenizer = load_tokenizer(args.model)
+    ensure_pad_token(tokenizer)
+    task = ChatRendered.of(make_task("larger"), tokenizer)
+    policy = load_policy(args.model, torch.device("cpu"))
+    value = exact_match_accuracy(policy, tokenizer, task, list(task.held_out[: args.eval_problems]),
+                                 args.max_new_tokens or task.max_new_tokens, sample_seed=None, score=task.reward)
+    args.out.mkdir(parents=True, exist_ok=True)
+    cache.write_text(json.dumps({"key": key, "held_out_greedy": value}))
+    return value
+
+
+def untrained(args: argparse.Namespace, prompts: int) -> dict[str, float]:
+    """The untrained model on ``task=larger``: ``prompts`` training prompts × ``--group-size`` samples from the
+    engine in fp32 at the run's temperature; mean reward and the share of groups whose rewards differ."""
+    import torch
+
+    from offpolicy.engines import SamplingConfig, make_engine
+    from offpolicy.tasks import ChatRendered, make_task, problems
+    from offpolicy.tasks.tokenizer import ensure_pad_token, load_tokenizer
+    from offpolicy.train.loop import groups_with_spread
+
+    tokenizer = load_tokenizer(args.model)
+    ensure_pad_token(tokenizer)
+    task = ChatRendered.of(make_task("larger"), tokenizer)
+    rows = [p for p in problems(task, prompts, seed=12_345) for _ in range(args.group_size)]
+    engine = make_engine(args.engine, args.model, tokenizer, "fp32", seed=0, max_model_len=1024,
+                         log_path=args.out / "untrained-engine.log")
+    try:
+        sampling = SamplingConfig(max_tokens=args.max_new_tokens or task.max_new_tokens, temperature=RUN["temperature"])
+        out = engine.generate([list(p.prompt_ids) for p in rows], sampling, seed=0, version=0)
+    finally:
+        engine.close()
+    texts = tokenizer.batch_decode(out.response_ids, skip_special_tokens=True)
+    rewards = torch.tensor([task.reward(p, t) for p, t in zip(rows, texts)])
+    return {"held_out_greedy": untrained_held_out(args), "samples": len(rows), "mean_reward": rewards.mean().item(),
+            "groups_with_spread": groups_with_spread(rewards, args.group_size),
+            "reward_1": (rewards == 1).float().mean().item(), "reward_0.5": (rewards == 0.5).float().mean().item()}
+
+
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=Path("runs/science_real"))
@@ -276,7 +335,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--jobs", type=int, default=2, help="runs at once (one torch thread each)")
     p.add_argument("--model", default=None, help="model directory; default: SmolLM2-135M-Instruct as "
                    "scripts/smollm2.py builds it")
-    p.add_argument("--engine", default="vllm", choices=("vllm", "hf"))
+    p.add_argument("--engine", default="hf", choices=("vllm", "hf"), help="hf (default): ~1.5 GB less resident "
+                   "memory a run than in-process vLLM on the CPU, which let two runs fit beside other jobs")
     p.add_argument("--steps", type=int, default=RUN["steps"])
     p.add_argument("--lr", type=float, default=RUN["lr"])
     p.add_argument("--prompts-per-step", type=int, default=RUN["prompts_per_step"])
@@ -284,6 +344,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--eval-problems", type=int, default=RUN["eval_problems"])
     p.add_argument("--eval-every", type=int, default=RUN["eval_every"])
     p.add_argument("--max-new-tokens", type=int, default=None, help="default: the task's (16)")
+    p.add_argument("--untrained", type=int, default=0, metavar="PROMPTS", help="only measure the untrained "
+                   "model: PROMPTS prompts × --group-size samples (fp32 engine), mean reward and groups with spread")
     p.add_argument("--report", action="store_true", help="only the table and plots from the run directories")
     p.add_argument("--json", type=Path, default=None, help="write the table and per-run numbers here")
     p.add_argument("--plot", type=Path, default=None, help="write the plots here (default OUT/science_real.png)")
@@ -295,7 +357,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--cells: unknown {', '.join(unknown)}; cells are {', '.join(all_cells())}")
     args.cell_names = names
     args.seed_list = [int(s) for s in args.seeds.split(",")]
-    if args.model is None and not args.report:
+    if args.model is None:
         script = Path(__file__).resolve().parents[1] / "scripts" / "smollm2.py"
         args.model = subprocess.run([sys.executable, str(script), "--print-path"], check=True, capture_output=True,
                                     text=True).stdout.strip()
@@ -304,11 +366,17 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
+    if args.untrained:
+        args.out.mkdir(parents=True, exist_ok=True)
+        print(json.dumps(untrained(args, args.untrained)))
+        return 0
     failed = []
     if not args.report:
         cells = [all_cells()[n] for n in args.cell_names]
         failed = run_grid(cells, args.seed_list, args)
-    runs = collect(args.out, list(args.cell_names), args.seed_list, args.steps)
+    start = untrained_held_out(args)
+    print(f"untrained model, held-out reward (greedy, {args.eval_problems} pairs): {start:.3f}")
+    runs = collect(args.out, list(args.cell_names), args.seed_list, args.steps, start)
     table = summarize(runs)
     print(markdown(table))
     print(f"collapse: {COLLAPSE_RULE}")

@@ -85,16 +85,16 @@ def _rows(evals: dict[int, float], steps: int, kl=1e-3) -> list[dict]:
 
 
 def test_table_and_collapse_rule(science):
-    ok = science.run_stats(_rows({0: 0.1, 3: 0.5}, 4), steps=4)
+    ok = science.run_stats(_rows({0: 0.0, 3: 0.5}, 4), steps=4, start=0.1)
     assert ok["done"] and not ok["collapsed"] and ok["final"] == 0.5 and ok["start"] == 0.1
-    assert science.run_stats(_rows({0: 0.3, 3: 0.24}, 4), 4)["collapsed"]  # 0.06 below its start
-    assert not science.run_stats(_rows({0: 0.3, 3: 0.26}, 4), 4)["collapsed"]  # within 0.05
-    cut = science.run_stats(_rows({0: 0.1}, 2), 4)
+    assert science.run_stats(_rows({0: 0.3, 3: 0.24}, 4), 4, start=0.3)["collapsed"]  # 0.06 below the start
+    assert not science.run_stats(_rows({0: 0.0, 3: 0.26}, 4), 4, start=0.3)["collapsed"]  # within 0.05
+    cut = science.run_stats(_rows({0: 0.1}, 2), 4, start=0.1)
     assert not cut["done"] and cut["collapsed"] and cut["final"] is None  # a run that did not finish
-    nan = science.run_stats(_rows({0: 0.1, 3: 0.5}, 4, kl=float("nan")), 4)
+    nan = science.run_stats(_rows({0: 0.1, 3: 0.5}, 4, kl=float("nan")), 4, start=0.1)
     assert nan["collapsed"] and nan["mismatch_k3"] is None
-    runs = {"reference": {0: ok, 1: science.run_stats(_rows({0: 0.1, 3: 0.3}, 4), 4)},
-            "bf16_s4_none": {0: science.run_stats(_rows({0: 0.1, 3: 0.2}, 4), 4), 1: cut}}
+    runs = {"reference": {0: ok, 1: science.run_stats(_rows({0: 0.1, 3: 0.3}, 4), 4, start=0.1)},
+            "bf16_s4_none": {0: science.run_stats(_rows({0: 0.1, 3: 0.2}, 4), 4, start=0.1), 1: cut}}
     table = {row["cell"]: row for row in science.summarize(runs)}
     assert table["reference"]["final"] == pytest.approx(0.4) and table["reference"]["share_of_reference"] == 1.0
     assert table["bf16_s4_none"]["share_of_reference"] == pytest.approx(0.5)  # 0.2 / 0.4; the cut run not averaged
@@ -125,7 +125,7 @@ def test_larger_trains_and_the_grid_runs_at_toy_scale(tiny_qwen2_dir, tmp_path):
     again with 3 steps — both runs resume from their checkpoints and finish; the table, JSON and plot."""
     out = tmp_path / "grid"
     base = [sys.executable, str(ROOT / "benchmarks" / "science_real.py"), "--model", str(tiny_qwen2_dir),
-            "--engine", "hf", "--cells", "reference,bf16_s4_recommended", "--seeds", "0", "--jobs", "2",
+            "--cells", "reference,bf16_s4_recommended", "--seeds", "0", "--jobs", "2",
             "--prompts-per-step", "2", "--group-size", "2", "--eval-problems", "2", "--eval-every", "1",
             "--max-new-tokens", "4", "--out", str(out)]
     first = subprocess.run([*base, "--steps", "2"], capture_output=True, text=True, timeout=300)
@@ -148,3 +148,4 @@ def test_larger_trains_and_the_grid_runs_at_toy_scale(tiny_qwen2_dir, tmp_path):
     assert (out / "science_real.png").stat().st_size > 0
     third = subprocess.run([*base, "--steps", "3", "--report"], capture_output=True, text=True, timeout=120)
     assert third.returncode == 0 and "| reference | 1/1 |" in third.stdout
+    assert "untrained model, held-out reward (greedy, 2 pairs)" in third.stdout
