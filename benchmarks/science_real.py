@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 METHODS = {  # method → preset (the whole preset: loss kind, clip, aggregation, correction)
-    "none": "none",
+    "none": "none",  # with loss.correction={}: measured, not corrected (CorrectionConfig() weights every token 1)
     "recommended": "recommended",
     "token_tis": "verl:decoupled_token_is",
     "seq_mask": "trl:sequence_mask",
@@ -87,7 +87,10 @@ def run_overrides(cell: Cell, seed: int, args: argparse.Namespace, run_dir: Path
                 "max_new_tokens": args.max_new_tokens, "model": args.model, "engine": args.engine,
                 "engine_dtype": cell.engine_dtype, "max_staleness": cell.staleness, "preset": cell.preset,
                 "seed": seed, "out_dir": str(run_dir)}
-    return [f"{k}={v}" for k, v in settings.items() if v is not None]
+    extra = []
+    if cell.preset == "none":  # an empty correction measures the mismatch (offpolicy/kl_k3 …) and changes no weight
+        extra.append("loss.correction={}")
+    return [f"{k}={v}" for k, v in settings.items() if v is not None] + extra
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:

@@ -110,7 +110,8 @@ def test_cells_and_commands(science, tmp_path):
     args = science.parse(["--pilot", "--model", "M", "--out", str(tmp_path), "--steps", "7"])
     assert args.cell_names == science.PILOT and args.seed_list == [0, 1, 2]
     cmd = science.command(cells["bf16_s4_none"], 2, args, tmp_path / "r")
-    assert {"max_staleness=4", "engine_dtype=bf16", "preset=none", "seed=2", "steps=7", "task=larger"} <= set(cmd)
+    assert {"max_staleness=4", "engine_dtype=bf16", "preset=none", "seed=2", "steps=7", "task=larger",
+            "loss.correction={}"} <= set(cmd)
     (tmp_path / "r" / "checkpoints").mkdir(parents=True)
     (tmp_path / "r" / "checkpoints" / "latest").write_text("step-5")
     assert science.command(cells["bf16_s4_none"], 2, args, tmp_path / "r")[-3:] == ["--resume", str(tmp_path / "r"),
@@ -140,6 +141,7 @@ def test_larger_trains_and_the_grid_runs_at_toy_scale(tiny_qwen2_dir, tmp_path):
     ref = table["reference"]
     assert ref["finished"] == 1 and ref["share_of_reference"] == (1.0 if ref["final"] else None)  # none of 0
     assert table["bf16_s4_recommended"]["finished"] == 1 and table["bf16_s4_recommended"]["mismatch_k3"] > 0
+    assert table["reference"]["mismatch_k3"] is not None  # measured under no correction too (fp32: ~0)
     metrics = [json.loads(line) for line in (out / "bf16_s4_recommended" / "seed0" / "metrics.jsonl").read_text()
                .splitlines()]
     assert [m["step"] for m in metrics] == [0, 1, 2]

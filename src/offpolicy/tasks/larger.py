@@ -11,10 +11,10 @@ Reward, with partial credit (``reward``)::
       + 0.5 · [the completion, stripped (and a trailing '.'), is exactly max(a, b)]
 
 so "The larger number is 82." earns 0.5, "82" earns 1 and "47" or a sentence without a number 0.
-SmolLM2-135M-Instruct, untrained, mostly answers in sentences: measured on 256 samples at
-temperature 0.7 its mean reward is ~0.12 with a spread of rewards in ~80 % of groups of 8
-(docs/science.md, "A real model"), so GRPO has a signal in most groups, and two things to learn:
-to commit to one of the numbers first, and to answer with the number alone.
+SmolLM2-135M-Instruct, untrained, mostly answers in sentences: on 40 training prompts × 8 samples
+at temperature 0.7 its mean reward is 0.100 (20 % of samples earn 0.5, none 1) with a spread of
+rewards in 72.5 % of the groups (docs/science.md, "A real model"), so GRPO has a signal in most
+groups, and two things to learn: to put the larger number first, and to answer with it alone.
 
 Splits: the unordered pairs {a, b} are shuffled once with ``split_seed`` and the first
 ``held_out_share`` of them are held out (each with a fixed order of a and b); training draws only
