@@ -25,9 +25,10 @@ Table columns (mean ± std over the seeds that finished):
 * ``share of ref``: the cell's mean final held-out reward / the reference's.
 * ``mismatch k3``: the run's mean over steps of ``offpolicy/kl_k3``, the k3 KL between the trainer's
   π at the start of the step and the engine's μ on the step's tokens (bf16 numerics + staleness).
-* ``update k3``: the mean over steps of ``policy/kl_k3_update``, KL(π_v ‖ π_{v+1}) of one optimizer step
-  on 8 rows of the batch (``policy_kl_rows``): how far the policy moves per version, so 4 versions of
-  staleness are roughly 4 of these steps apart.
+* ``update k3``: the median over steps of ``policy/kl_k3_update`` (mean over seeds), KL(π_v ‖ π_{v+1}) of
+  one optimizer step on 8 rows of the batch (``policy_kl_rows``; a skipped update is 0), and its largest
+  value over the cell's runs: how far the policy moves per version, so 4 versions of staleness are
+  roughly 4 of these steps apart.
 * ``collapse``: how many seeds collapsed, by the rule ``COLLAPSE_RULE`` (a failed run counts as collapsed).
 """
 
@@ -174,10 +175,15 @@ def run_stats(rows: list[dict[str, Any]], steps: int, start: float | None) -> di
         values = [r[key] for r in rows if key in r and math.isfinite(r[key])]
         return statistics.fmean(values) if values else None
 
+    def median_of(key: str) -> float | None:  # one blown-up update (k3 ≫ 1) would set a mean
+        values = [r[key] for r in rows if key in r and math.isfinite(r[key])]
+        return statistics.median(values) if values else None
+
     final = evals[-1][1] if done else None
     collapsed = (not done or not finite or (start is not None and final < start - COLLAPSE_DROP))
     return {"done": done, "steps": len(rows), "start": start, "final": final, "collapsed": collapsed,
-            "mismatch_k3": mean_of("offpolicy/kl_k3"), "update_k3": mean_of("policy/kl_k3_update"),
+            "mismatch_k3": mean_of("offpolicy/kl_k3"), "update_k3": median_of("policy/kl_k3_update"),
+            "update_k3_max": max((r["policy/kl_k3_update"] for r in rows if "policy/kl_k3_update" in r), default=None),
             "reward_curve": [r["reward"] for r in rows], "eval_curve": evals,
             "mismatch_curve": [r.get("offpolicy/kl_k3") for r in rows]}
 
@@ -203,6 +209,7 @@ def summarize(runs: dict[str, dict[int, dict[str, Any]]]) -> list[dict[str, Any]
             "start": start, "share_of_reference": (final / ref_mean) if final is not None and ref_mean else None,
             "mismatch_k3": _mean_std([r["mismatch_k3"] for r in done])[0],
             "update_k3": _mean_std([r["update_k3"] for r in done])[0],
+            "update_k3_max": max((r["update_k3_max"] for r in done if r["update_k3_max"] is not None), default=None),
             "collapsed": sum(r["collapsed"] for r in seeds.values()), "runs": len(seeds)})
     return table
 
@@ -213,12 +220,13 @@ def _fmt(value: float | None, spec: str) -> str:
 
 def markdown(table: list[dict[str, Any]]) -> str:
     lines = ["| cell | seeds done | held-out reward: start → final (± std) | share of ref | mismatch k3 | "
-             "update k3 | collapsed |", "|---|---:|---|---:|---:|---:|---:|"]
+             "update k3: median (max) | collapsed |", "|---|---:|---|---:|---:|---:|---:|"]
     for row in table:
         lines.append(f"| {row['cell']} | {row['finished']}/{row['runs']} | {_fmt(row['start'], '.3f')} → "
                      f"{_fmt(row['final'], '.3f')} ± {_fmt(row['final_std'], '.3f')} | "
                      f"{_fmt(row['share_of_reference'] and 100 * row['share_of_reference'], '.0f')} % | "
-                     f"{_fmt(row['mismatch_k3'], '.1e')} | {_fmt(row['update_k3'], '.1e')} | "
+                     f"{_fmt(row['mismatch_k3'], '.1e')} | {_fmt(row['update_k3'], '.1e')} "
+                     f"({_fmt(row['update_k3_max'], '.1e')}) | "
                      f"{row['collapsed']}/{row['runs']} |")
     return "\n".join(lines)
 
@@ -238,9 +246,9 @@ def collect(out: Path, cells: list[str], seeds: list[int] | None, steps: int,
     return runs
 
 
-def plot(runs: dict[str, dict[int, dict[str, Any]]], path: Path) -> None:
+def plot(runs: dict[str, dict[int, dict[str, Any]]], path: Path, start: float | None = None) -> None:
     """Three panels against the step, one line per cell (mean over its seeds): training reward,
-    held-out reward, mismatch k3 (log scale)."""
+    held-out reward (``start``, the untrained model's, dashed), mismatch k3 (log scale)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -250,21 +258,24 @@ def plot(runs: dict[str, dict[int, dict[str, Any]]], path: Path) -> None:
     for i, (cell, seeds) in enumerate(runs.items()):
         color = f"C{i}"
         curves = [r["reward_curve"] for r in seeds.values() if r["reward_curve"]]
-        if curves:
-            n = min(map(len, curves))
-            axes[0].plot(range(n), [statistics.fmean(c[t] for c in curves) for t in range(n)], color=color, label=cell)
+        if curves:  # each step over the seeds that reached it
+            n = max(map(len, curves))
+            axes[0].plot(range(n), [statistics.fmean(c[t] for c in curves if len(c) > t) for t in range(n)],
+                         color=color, label=cell)
         evals: dict[int, list[float]] = {}
         for r in seeds.values():
             for step, value in r["eval_curve"]:
                 evals.setdefault(step, []).append(value)
         steps = sorted(evals)
         axes[1].plot(steps, [statistics.fmean(evals[s]) for s in steps], "o-", color=color, label=cell)
-        mism = [[v for v in r["mismatch_curve"]] for r in seeds.values() if r["mismatch_curve"]]
+        mism = [r["mismatch_curve"] for r in seeds.values() if r["mismatch_curve"]]
         if mism:
-            n = min(map(len, mism))
-            means = [statistics.fmean(c[t] for c in mism if c[t] is not None and c[t] > 0) if any(
-                c[t] is not None and c[t] > 0 for c in mism) else float("nan") for t in range(n)]
-            axes[2].semilogy(range(n), means, color=color, label=cell)
+            n = max(map(len, mism))
+            at = [[c[t] for c in mism if len(c) > t and c[t] is not None and c[t] > 0] for t in range(n)]
+            axes[2].semilogy(range(n), [statistics.fmean(v) if v else float("nan") for v in at], color=color,
+                             label=cell)
+    if start is not None:
+        axes[1].axhline(start, color="grey", linestyle="--", label="untrained model")
     axes[0].set(title="training reward (mean over seeds)", xlabel="step")
     axes[1].set(title="held-out reward, greedy (mean over seeds)", xlabel="step")
     axes[2].set(title="mismatch KL k3 (π at step start vs μ)", xlabel="step")
@@ -383,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
     table = summarize(runs)
     print(markdown(table))
     print(f"collapse: {COLLAPSE_RULE}")
-    plot(runs, args.plot or args.out / "science_real.png")
+    plot(runs, args.plot or args.out / "science_real.png", start)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         per_run = {c: {str(s): {k: v for k, v in r.items()} for s, r in seeds.items()} for c, seeds in runs.items()}
@@ -391,7 +402,8 @@ def main(argv: list[str] | None = None) -> int:
                                                       "prompts_per_step": args.prompts_per_step,
                                                       "group_size": args.group_size, "engine": args.engine,
                                                       "eval_problems": args.eval_problems},
-                                         "collapse_rule": COLLAPSE_RULE, "table": table, "runs": per_run}, indent=1))
+                                         "untrained_held_out": start, "collapse_rule": COLLAPSE_RULE,
+                                         "table": table, "runs": per_run}, indent=1))
     if failed:
         print(f"failed runs: {', '.join(failed)} (their logs: OUT/CELL/seedN.log)", file=sys.stderr)
         return 1

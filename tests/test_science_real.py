@@ -100,7 +100,7 @@ def test_table_and_collapse_rule(science):
     assert table["bf16_s4_none"]["share_of_reference"] == pytest.approx(0.5)  # 0.2 / 0.4; the cut run not averaged
     assert (table["bf16_s4_none"]["finished"], table["bf16_s4_none"]["collapsed"]) == (1, 1)
     text = science.markdown(science.summarize(runs))
-    assert "| bf16_s4_none | 1/2 | 0.100 → 0.200 ± 0.000 | 50 % | 1.0e-03 | 1.0e-02 | 1/2 |" in text
+    assert "| bf16_s4_none | 1/2 | 0.100 → 0.200 ± 0.000 | 50 % | 1.0e-03 | 1.0e-02 (1.0e-02) | 1/2 |" in text
 
 
 def test_cells_and_commands(science, tmp_path):
