@@ -153,9 +153,10 @@ class TrainConfig(_Strict):
 
     # what is trained, on what
     model: str = Field("default", description="'default' (embedded tiny Qwen2, warm-started) or a local HF model path")
-    task: Literal["addition", "reverse", "walk", "dataset"] = Field(
+    task: Literal["addition", "reverse", "walk", "larger", "dataset"] = Field(
         "reverse", description="reverse/addition: answers of ≤ 5 tokens; walk: 50–150 tokens (long responses); "
-        "dataset: prompts and references from data.path, scored by `reward`")
+        "larger: 'which number is larger?' for a real chat model (model=DIR, partial-credit reward, held-out "
+        "pairs); dataset: prompts and references from data.path, scored by `reward`")
     task_params: dict[str, Any] = Field(default_factory=dict, description="e.g. {digits: 2} or {min_len: 3, max_len: 6}")
     # the rollout engine and the mismatch it brings
     engine: Literal["vllm", "hf"] = "vllm"
@@ -226,6 +227,10 @@ class TrainConfig(_Strict):
     eval_every: int = Field(15, gt=0)
     eval_problems: int = Field(128, gt=0)
     checkpoint_every: int = Field(20, gt=0)
+    policy_kl_rows: int = Field(0, ge=0, description="rows of each step's batch on which the KL between the "
+                                "policy before and after the update is measured (policy/kl_k3_update: k3 of "
+                                "π_new/π_old on those rows' response tokens, two no-grad forwards of the rows); "
+                                "0 = off")
     samples_per_step: int = Field(4, ge=0, description="rows per step written as text to samples.jsonl and "
                                   "TensorBoard (prompt, completion, reference, reward, mean/max |log ρ|), one per "
                                   "group first; 0 = none (no extra forward)")
@@ -290,12 +295,17 @@ class TrainConfig(_Strict):
                 if getattr(self, key) is None:
                     object.__setattr__(self, key, default)
             return self
+        try:
+            task = make_task(self.task, **self.task_params)
+        except TypeError as err:
+            raise ValueError(f"task_params {self.task_params} do not fit task {self.task!r}: {err}") from None
+        if getattr(task, "needs_model_dir", False) and self.model == "default":
+            raise ValueError(f"task={self.task} renders its prompts with a model's chat template and needs model=DIR "
+                             "(a local Hugging Face model directory with its tokenizer, e.g. "
+                             "model=$(python scripts/smollm2.py --print-path)); the embedded default model is a "
+                             "character-level model warm-started on reverse/addition/walk")
         if self.max_new_tokens is None:  # the task's own limit (a frozen model: set once, here)
-            try:
-                limit = make_task(self.task, **self.task_params).max_new_tokens
-            except TypeError as err:
-                raise ValueError(f"task_params {self.task_params} do not fit task {self.task!r}: {err}") from None
-            object.__setattr__(self, "max_new_tokens", limit)
+            object.__setattr__(self, "max_new_tokens", task.max_new_tokens)
         task_ws = {k: v for k, v in getattr(TASKS[self.task], "warm_start_defaults", {}).items()
                    if k not in self.warm_start.model_fields_set}  # the task's warm start, unless set
         if task_ws:

@@ -47,7 +47,7 @@ import offpolicy as op
 from offpolicy.config import ConfigError
 from offpolicy.engines import EngineError, SamplingConfig, make_engine, perturb
 from offpolicy.metrics import Metrics
-from offpolicy.tasks import make_task, problems
+from offpolicy.tasks import ChatRendered, make_task, problems
 from offpolicy.tasks.dataset import load_dataset_task
 from offpolicy.tasks.tokenizer import ensure_pad_token, load_tokenizer
 from offpolicy.train.batch import grpo_advantages, to_batch
@@ -142,7 +142,9 @@ def resolve_model(cfg: TrainConfig, console: Console) -> Path:
 def make_train_task(cfg: TrainConfig, tokenizer):
     """The task to train on: a synthetic one, or (task=dataset) the data file, rendered with ``tokenizer``."""
     if cfg.task != "dataset":
-        return make_task(cfg.task, **cfg.task_params)
+        task = make_task(cfg.task, **cfg.task_params)
+        # a real chat model's task (larger): prompts through the model's chat template, held-out split for the eval
+        return ChatRendered.of(task, tokenizer) if getattr(task, "needs_model_dir", False) else task
     # the model's vocabulary, against which the tokenizer files are checked (an incomplete set loads a tiny one)
     vocab_size = json.loads((Path(cfg.model).expanduser() / "config.json").read_text()).get("vocab_size")
     return load_dataset_task(cfg.data, tokenizer, cfg.reward, cfg.max_prompt_tokens, cfg.max_new_tokens, vocab_size)
@@ -235,9 +237,7 @@ def step_samples(cfg: TrainConfig, policy, tokenizer, item, batch, texts: list[s
     only, before the update (π_old = the weights that start the step)."""
     if cfg.samples_per_step == 0:
         return []
-    n_rows, n_groups = len(rewards), len(rewards) // cfg.group_size
-    rows = torch.tensor([(i % n_groups) * cfg.group_size + i // n_groups for i in range(min(cfg.samples_per_step,
-                                                                                          n_rows))])
+    rows = spread_rows(len(rewards), cfg.group_size, cfg.samples_per_step)
     if old is not None:
         trainer = old[rows.to(old.device)].float().cpu()
     else:
@@ -251,6 +251,33 @@ def step_samples(cfg: TrainConfig, policy, tokenizer, item, batch, texts: list[s
                           [item.rollouts.finished[i] for i in rows.tolist()], token_texts=token_texts,
                           trainer=torch.where(batch.mask[rows].bool(), trainer, 0.0),
                           rollout=batch.rollout_logprobs[rows])
+
+
+def spread_rows(n_rows: int, group_size: int, k: int) -> torch.Tensor:
+    """``k`` rows of a batch of groups, one from each group first (row 0 of group 0, 1, …; then row 1 of each)."""
+    n_groups = n_rows // group_size
+    return torch.tensor([(i % n_groups) * group_size + i // n_groups for i in range(min(k, n_rows))], dtype=torch.long)
+
+
+def groups_with_spread(rewards: torch.Tensor, group_size: int) -> float:
+    """The share of GRPO groups whose rewards are not all equal: the groups that give a gradient."""
+    groups = rewards.view(-1, group_size)
+    return (groups.amax(dim=1) > groups.amin(dim=1)).float().mean().item()
+
+
+def update_kl_k3(before: torch.Tensor, after: torch.Tensor, mask: torch.Tensor) -> float:
+    """KL(π_v ‖ π_{v+1}) of one update, by the k3 estimator on the response tokens of some rows:
+    mean over tokens of (r − 1) − log r, r = π_{v+1}(y_t)/π_v(y_t), in fp32, log r clamped to [−20, 20]
+    before the exp; tokens where either log-prob is not finite (outside a top-k/top-p support) are left
+    out. The tokens were drawn by the engine (μ), so this is KL(π_v ‖ π_{v+1}) exactly in expectation only
+    where μ = π_v (synchronous, no mismatch); with staleness it is the same divergence weighted by μ."""
+    before, after = before.float(), after.float()
+    valid = mask.bool() & torch.isfinite(before) & torch.isfinite(after)
+    if not valid.any():
+        return 0.0
+    log_r = torch.where(valid, after - before, 0.0).clamp(-20.0, 20.0)
+    k3 = torch.expm1(log_r) - log_r
+    return (k3[valid].sum() / valid.sum()).item()
 
 
 def train(cfg: TrainConfig, resume: Path | None = None, console: Console | None = None,
@@ -316,7 +343,7 @@ def train(cfg: TrainConfig, resume: Path | None = None, console: Console | None 
                                    cfg.max_staleness, cfg.seed, pending=state["pending"],
                                    staleness_policy=cfg.staleness_policy, **state["pipeline"])
         eval_set = problems(task, cfg.eval_problems, seed=cfg.seed + 20_000)
-        if cfg.task == "dataset":  # the held-out rows, scored by the reward: eval/accuracy = mean reward, greedy
+        if hasattr(task, "held_out"):  # dataset, larger: the held-out rows; eval/accuracy = mean reward, greedy
             eval_set = list(task.held_out[: cfg.eval_problems])
         logger = RunLogger(run_dir, cfg.steps, start_step, console, progress=progress, log_to=cfg.log_to,
                            config=yaml.safe_load((run_dir / "config.yaml").read_text()))
@@ -364,6 +391,10 @@ def train(cfg: TrainConfig, resume: Path | None = None, console: Console | None 
             skipped = bool((advantages == 0).all()) and loss_cfg.kl_coef == 0
             trained_on = version  # the weights this step starts from (the version does not advance on a skip)
             updating = stop.updating = True  # from here until the step is logged, the weights are mid-update
+            kl_rows = spread_rows(len(rewards), cfg.group_size, cfg.policy_kl_rows) if cfg.policy_kl_rows else None
+            with timer("policy_kl"):  # the policy before the update, on a few rows (policy/kl_k3_update)
+                kl_before = None if kl_rows is None or skipped else old_logprobs(
+                    policy, batch.select(kl_rows), sampling, device, trainer_dtype, None).detach()
             with timer("train"):
                 step_args = dict(old_of=old_of, loss_cfg=loss_cfg, sampling=sampling, device=device,
                                  trainer_dtype=trainer_dtype, micro_batch_tokens=cfg.micro_batch_tokens,
@@ -376,6 +407,10 @@ def train(cfg: TrainConfig, resume: Path | None = None, console: Console | None 
                         if batch.mask[rows].sum() == 0:  # the CPU batch: no device read
                             continue
                         optimizer_step(policy, optimizer, batch, rows, adv_tokens, **step_args)
+            with timer("policy_kl"):
+                kl_update = None if kl_rows is None else 0.0 if skipped else update_kl_k3(
+                    kl_before, old_logprobs(policy, batch.select(kl_rows), sampling, device, trainer_dtype, None),
+                    batch.mask[kl_rows].to(device))
             # ------------------------------------------------ new weights to the engine
             with timer("sync"):
                 if not skipped:
@@ -396,11 +431,14 @@ def train(cfg: TrainConfig, resume: Path | None = None, console: Console | None 
                     "generate/tokens_per_s": n_tokens / max(item.seconds, 1e-9),  # the engine's rate
                     "policy_version": float(version),
                     "skipped_update": float(skipped),
+                    "reward/groups_with_spread": groups_with_spread(rewards, cfg.group_size),
                 }
+                if kl_update is not None:  # a skipped update moves nothing: exactly 0
+                    values["policy/kl_k3_update"] = kl_update
                 if eval_set and (step % cfg.eval_every == 0 or step == cfg.steps - 1):
                     values["eval/accuracy"] = exact_match_accuracy(policy, tokenizer, task, eval_set,
                                                                    cfg.max_new_tokens, sample_seed=None,
-                                                                   score=task.reward if cfg.task == "dataset" else None,
+                                                                   score=task.reward if hasattr(task, "held_out") else None,
                                                                    trainer_dtype=trainer_dtype)
             values.update({"time/generate": item.seconds, "time/wait": waited,
                            **{f"time/{k}": v for k, v in timer.seconds.items()},
