@@ -1,16 +1,16 @@
-"""An independent float64 oracle of ``policy_loss``, written from SPEC §2–§7 (not from our code).
+"""An independent float64 oracle of ``policy_loss``, written from docs/specification.md §2–§7 (not from our code).
 
-It is deliberately slow and literal: Python loops over rows where the SPEC speaks of rows,
+It is deliberately slow and literal: Python loops over rows where the specification speaks of rows,
 float64 everywhere, autograd only for the gradient with respect to log π_θ. The only import
 from ``offpolicy`` is the configuration classes (their field names are the contract).
 
-Conventions taken from SPEC where it leaves a choice to the implementation, written here once:
+Conventions taken from docs/specification.md where it leaves a choice to the implementation, written here once:
 
 * ``log_clamp: null`` means "fp32 range only": the bound is 60 (exp(88.7) overflows fp32, and a
   weight is still multiplied by A and summed over tokens: e^60 ≈ 1e26 leaves room for that).
   A log-ratio ``L`` is clamped to [−min(L, 60), min(L, 60)] before every exp, including the
-  row sums of the sequence level (SPEC §2 "clamped the same way").
-* Non-finite values (SPEC §6) on valid tokens, by policy:
+  row sums of the sequence level (docs/specification.md §2 "clamped the same way").
+* Non-finite values (docs/specification.md §6) on valid tokens, by policy:
   ``mask_token`` drops the token, ``mask_sequence`` drops the row, ``neutral`` — for a bad
   value of a *ratio input* (the anchor's trainer side or log μ) the value is replaced by the
   other side's value, so log ρ_t = 0 (ρ_t = 1) and, under anchor ``old``, PPO's π_old of that
@@ -18,7 +18,7 @@ Conventions taken from SPEC where it leaves a choice to the implementation, writ
   are both bad, or whose π_θ / A (/ π_old under anchor ``current``) is bad, is dropped like
   ``mask_token``. The neutral token stays in every statistic with ρ_t = 1.
   Which inputs are checked: π_θ, A, the ratio inputs, and π_old when the loss uses it.
-* Everything rejected: the loss is 0 with zero gradient (SPEC §9 "we return a zero loss").
+* Everything rejected: the loss is 0 with zero gradient (docs/specification.md §9 "we return a zero loss").
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import torch
 from offpolicy.config import LossConfig
 
 FP32_LOG_LIMIT = 60.0
-RATIO_CLAMP = 20.0  # PPO's own ratio r = exp(clamp(log π_θ − log π_old, ±20)) (SPEC §5)
+RATIO_CLAMP = 20.0  # PPO's own ratio r = exp(clamp(log π_θ − log π_old, ±20)) (docs/specification.md §5)
 D = torch.float64
 
 
@@ -52,7 +52,7 @@ class OracleResult:
 
 
 def policy_loss(logprobs, old_logprobs, advantages, mask, rollout_logprobs, cfg: LossConfig, ref_logprobs=None) -> OracleResult:
-    """SPEC §5 with the correction of SPEC §2–§4, §6. Inputs of any float dtype; math in float64."""
+    """docs/specification.md §5 with the correction of docs/specification.md §2–§4, §6. Inputs of any float dtype; math in float64."""
     lp_in = logprobs.detach().to(D)
     B, T = lp_in.shape
     valid = mask.bool() if mask.dtype == torch.bool else mask != 0

@@ -1,4 +1,4 @@
-"""Configuration: loading from dict/YAML/preset, and errors that read well (SPEC §8)."""
+"""Configuration: loading from dict/YAML/preset, and errors that read well (docs/specification.md §8)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Golden cases for weighting and rejection, derived by hand from SPEC §3–§4.
+"""Golden cases for weighting and rejection, derived by hand from docs/specification.md §3–§4.
 
 The batch is ``conftest.golden_batch``: ρ = [[0.5, 1, 4], [2, 1, ·], [1, 1, 1], [·, ·, ·]].
 Every expected number below is written with its arithmetic.

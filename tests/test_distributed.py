@@ -1,5 +1,5 @@
 """Two gloo ranks, each holding half a batch, must report the metrics and the batch-normalised
-weights of the whole batch (SPEC §3 normalize, §7 all_reduce)."""
+weights of the whole batch (docs/specification.md §3 normalize, §7 all_reduce)."""
 
 from __future__ import annotations
 

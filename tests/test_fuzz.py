@@ -1,6 +1,6 @@
 """Differential fuzz (issue #9): random valid configurations and hostile inputs through every
 rung of ``offpolicy.kernels.IMPLEMENTATIONS``, against the float64 oracle in ``tests/oracle.py``
-(written from SPEC, not from our code).
+(written from docs/specification.md, not from our code).
 
 What is generated: every kind, anchor (or no correction), weight level (segment included)/mode/
 bounds (numbers, quantile and ESS bounds)/normalize, up to three rejection rules of every stat and

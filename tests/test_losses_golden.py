@@ -1,5 +1,5 @@
 """Golden cases for every loss kind, the dual clip, every aggregation and both denominators
-(SPEC §5), each computed on paper — the arithmetic is in the comments."""
+(docs/specification.md §5), each computed on paper — the arithmetic is in the comments."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Non-finite inputs (SPEC §6) and input validation (SPEC §1): every policy does what it says,
+"""Non-finite inputs (docs/specification.md §6) and input validation (docs/specification.md §1): every policy does what it says,
 `error` names the tensor and the count, and NaN/inf never reaches the loss."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Each preset reproduces its framework's loss. The references below are independent, literal
-transcriptions of each framework's formula (as described in SPEC §9 and the preset notes), not
+transcriptions of each framework's formula (as described in docs/specification.md §9 and the preset notes), not
 calls into offpolicy; a preset passes only if our loss and gradient equal theirs."""
 
 from __future__ import annotations
@@ -163,7 +163,7 @@ def test_preset_reproduces_framework_loss(name, seed, noise):
     theirs = REFERENCES[name](lp_ref, b)
     ours.backward()
     if math.isnan(theirs.item()):
-        # every token rejected: verl divides 0/0; SPEC §9 has us return a zero loss and gradient
+        # every token rejected: verl divides 0/0; docs/specification.md §9 has us return a zero loss and gradient
         assert ours.item() == 0.0 and lp_ours.grad.abs().max() == 0.0
         return
     theirs.backward()

@@ -1,4 +1,4 @@
-"""Property tests (hypothesis) for the invariants of SPEC §2–§7."""
+"""Property tests (hypothesis) for the invariants of docs/specification.md §2–§7."""
 
 from __future__ import annotations
 

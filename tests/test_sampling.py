@@ -1,4 +1,4 @@
-"""renormalize_logprobs against a brute-force reference written from SPEC §6's definition."""
+"""renormalize_logprobs against a brute-force reference written from docs/specification.md §6's definition."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """offpolicy — measure and correct the rollout–training mismatch in RL for language models.
 
-Public API (SPEC §8); everything else is internal.
+Public API (docs/specification.md §8); everything else is internal.
 """
 
 from offpolicy import presets

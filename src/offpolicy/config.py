@@ -1,4 +1,4 @@
-"""Typed configuration: every option, its default and its rule live here (SPEC §8).
+"""Typed configuration: every option, its default and its rule live here (docs/specification.md §8).
 
 ``CorrectionConfig`` says how the rollout–training mismatch is measured and corrected;
 ``LossConfig`` says which policy loss consumes it. Both load from a dict, a YAML file or a
@@ -178,7 +178,7 @@ def _parse_bounds(data: Any, what: str) -> Any:
 
 # --------------------------------------------------------------------------- weighting (§3)
 class WeightConfig(_Strict):
-    """Soft correction w multiplying the per-token loss (SPEC §3).
+    """Soft correction w multiplying the per-token loss (docs/specification.md §3).
 
     token:     w_t = f(ρ_t)
     sequence:  w   = f(Π_t ρ_t)               (broadcast to the row)
@@ -463,7 +463,7 @@ class _Loadable(_Strict):
 
 
 class CorrectionConfig(_Loadable):
-    """How the mismatch between the sampler μ and the trainer is corrected (SPEC §2–§6).
+    """How the mismatch between the sampler μ and the trainer is corrected (docs/specification.md §2–§6).
 
     Order of application (fixed): sanitize → rejection rules in listed order → weights on the
     surviving mask → normalize.
@@ -540,7 +540,7 @@ _CLIP_DEFAULTS: dict[str, tuple[float | None, float | None]] = {
 
 
 class LossConfig(_Loadable):
-    """The policy loss and its aggregation (SPEC §5). Clip defaults depend on ``kind``:
+    """The policy loss and its aggregation (docs/specification.md §5). Clip defaults depend on ``kind``:
     ppo 0.2/0.2, gspo 3e-4/4e-4, cispo none/0.2; sapo and reinforce take no clip."""
 
     kind: Literal["ppo", "gspo", "cispo", "sapo", "reinforce"] = "ppo"
@@ -562,7 +562,7 @@ class LossConfig(_Loadable):
         "token", description="kind sapo: token = gates on r_t with A_t; sequence = gates on the row's "
         "s = exp(mean_t log r_t) with Ā (AReaL importance_sampling_level sequence)")
     kl_coef: float = Field(0.0, ge=0, description="β of the KL-to-reference term; 0 = off")
-    kl_kind: Literal["k1", "k2", "k3", "k1+", "k2+", "k3+"] = Field("k3+", description="KL estimator (SPEC §5)")
+    kl_kind: Literal["k1", "k2", "k3", "k1+", "k2+", "k3+"] = Field("k3+", description="KL estimator (docs/specification.md §5)")
     kl_to: Literal["ref", "rollout"] = Field(
         "ref", description="the KL term's target: ref = the ref_logprobs passed in (a reference model); "
         "rollout = μ, the engine's log-probs (prime-rl's kl_tau): pass no ref_logprobs")

@@ -1,4 +1,4 @@
-"""Measure and correct the rollout–training mismatch (SPEC §2–§4, §6, §7).
+"""Measure and correct the rollout–training mismatch (docs/specification.md §2–§4, §6, §7).
 
 ``correct`` runs four stages in a fixed order, each a small function below:
 
@@ -53,7 +53,7 @@ class Correction:
     Attributes:
         weights:    [B, T] fp32, detached; 0 wherever ``mask`` is 0.
         mask:       [B, T] fp32 0/1 loss mask after sanitising and rejection.
-        metrics:    mismatch, weight and rejection metrics (SPEC §7).
+        metrics:    mismatch, weight and rejection metrics (docs/specification.md §7).
         log_ratio:  [B, T] fp32 clamped log ρ_t; 0 on invalid tokens.
         valid_mask: [B, T] fp32 0/1 mask after sanitising, before rejection
                     (the denominator of ``denominator: fixed``).
@@ -133,7 +133,7 @@ def sanitize(
     ratio_inputs: dict[str, torch.Tensor | None],
     loss_inputs: dict[str, torch.Tensor | None],
 ) -> Sanitized:
-    """Apply the ``nonfinite`` policy (SPEC §6) to the valid tokens.
+    """Apply the ``nonfinite`` policy (docs/specification.md §6) to the valid tokens.
 
     ``ratio_inputs`` (the anchor's trainer side and log μ) feed log ρ; under ``neutral`` a token
     where exactly one of them is bad stays, the caller replacing the bad value by the other
@@ -463,7 +463,7 @@ def compute_weights(
     w: WeightConfig, log_ratio: torch.Tensor, mask: torch.Tensor, clamp: float, metrics: Metrics,
     input_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """IS weights ``[B, T]`` on ``mask`` (SPEC §3), detached, 0 off the mask.
+    """IS weights ``[B, T]`` on ``mask`` (docs/specification.md §3), detached, 0 off the mask.
 
     token: w_t = f(ρ_t); sequence: f(exp(clamp(Σ_t log ρ_t))); geometric: f(exp(clamp(mean_t log ρ_t)));
     segment: f(exp(clamp(mean_{t∈s} log ρ_t))) for each run s of ``input_mask`` (tokens of ``mask``).
@@ -632,7 +632,7 @@ def correct(
     *,
     ref_logprobs: torch.Tensor | None = None,
 ) -> Correction:
-    """Measure the mismatch and compute IS weights and the loss mask (SPEC §2–§4, §6–§7).
+    """Measure the mismatch and compute IS weights and the loss mask (docs/specification.md §2–§4, §6–§7).
 
     Args:
         old_logprobs:     [B, T] log π_old(y_t), no grad (may be None for anchors rollout/current).
@@ -645,7 +645,7 @@ def correct(
         ref_logprobs:     [B, T] reference log-probs of a KL term, if any: checked like π_θ
                           (a non-finite value follows ``nonfinite``; it has no neutral value).
 
-    Non-finite values (``nonfinite``, SPEC §6): ``neutral`` replaces a bad value of a ratio
+    Non-finite values (``nonfinite``, docs/specification.md §6): ``neutral`` replaces a bad value of a ratio
     input (the anchor's trainer side, or log μ) by the other side's value — log ρ_t = 0 — and
     PPO's π_old of that token is the replaced value, so nothing non-finite reaches any output;
     the token stays in every statistic (kl_k1, ppl_train, ppl_rollout, ..., with its

@@ -1,9 +1,9 @@
 """``offpolicy diagnose``: how off-policy is an engine, and which correction would this batch need?
 
 Samples with the engine, recomputes the very same tokens with the trainer (Hugging Face, on the
-engine's top-k/top-p support, SPEC §6), and reports:
+engine's top-k/top-p support, docs/specification.md §6), and reports:
 
-* every mismatch metric of SPEC §7 (``correct`` with a measure-only config);
+* every mismatch metric of docs/specification.md §7 (``correct`` with a measure-only config);
 * breakdowns by token position and by the sampled token's probability under the trainer —
   where the mismatch lives;
 * the fraction of tokens with |log ρ| above log 1.1 and log 2, and with ρ outside [0.9, 1.1],
@@ -215,7 +215,7 @@ def logprob_semantics(s: Sample, untruncated: torch.Tensor, sampling: SamplingCo
     """Is log μ the engine's sampling distribution (temperature, top-k, top-p applied: vLLM's
     ``--logprobs-mode processed_logprobs``) or the model's raw one (vLLM's default ``raw_logprobs``)?
 
-        d_sampled = median_t |log π̃_train(y_t) − log μ(y_t)|   (π̃: the sampling support, SPEC §6)
+        d_sampled = median_t |log π̃_train(y_t) − log μ(y_t)|   (π̃: the sampling support, docs/specification.md §6)
         d_raw     = median_t |log π_train(y_t) − log μ(y_t)|    (π: logits / 1, the full vocabulary)
 
     ``untruncated`` is log π_train ``[B, T]``. Medians, because a token the engine kept at the top-k

@@ -1,4 +1,4 @@
-"""Per-token KL to a reference policy (SPEC §5), after Schulman's "Approximating KL divergence".
+"""Per-token KL to a reference policy (docs/specification.md §5), after Schulman's "Approximating KL divergence".
 
 With x = log π − log π_ref (log-ratio clamped to ±20):
 

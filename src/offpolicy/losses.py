@@ -1,4 +1,4 @@
-"""``policy_loss``: the corrected policy loss (SPEC §5), with the correction applied (SPEC §3).
+"""``policy_loss``: the corrected policy loss (docs/specification.md §5), with the correction applied (docs/specification.md §3).
 
 This module checks the call and picks an implementation from ``offpolicy.kernels`` (the
 ladder reference → eager → compiled → triton; all compute the same numbers).
@@ -85,7 +85,7 @@ def policy_loss(
     reduce: bool = True,
     implementation: str = "auto",
 ) -> tuple[torch.Tensor, Metrics] | tuple[torch.Tensor, torch.Tensor, Metrics]:
-    """The corrected policy loss (SPEC §5) — formulas in the module docstring.
+    """The corrected policy loss (docs/specification.md §5) — formulas in the module docstring.
 
     Args:
         logprobs:         [B, T] log π_θ(y_t), with grad.

@@ -61,7 +61,7 @@ class FlatLayout(NamedTuple):
 
 
 class Metrics:
-    """A dict-like bag of reducible metrics (SPEC §7). Keys are stored without the prefix."""
+    """A dict-like bag of reducible metrics (docs/specification.md §7). Keys are stored without the prefix."""
 
     def __init__(self, device: torch.device | None = None) -> None:
         # where a partial sum given as a Python number goes (None: the default device); a kernel

@@ -1,4 +1,4 @@
-"""Trainer-side log-probs on the sampler's truncated support (SPEC §6).
+"""Trainer-side log-probs on the sampler's truncated support (docs/specification.md §6).
 
 An engine that samples with temperature τ, top-k and top-p reports *processed* log-probs:
 the log-softmax of logits/τ renormalised over the kept tokens (vLLM ``processed_logprobs``).

@@ -318,7 +318,7 @@ def _forced_create_vllm_engines(real: Any) -> Any:
     def create_vllm_engines(*args: Any, **kwargs: Any) -> Any:
         bound = sig.bind(*args, **kwargs)
         if bound.arguments.get("logprobs_mode") is None:
-            # log μ after temperature/top-p, the distribution actually sampled (SPEC: μ).
+            # log μ after temperature/top-p, the distribution actually sampled (docs/specification.md §1: μ).
             bound.arguments["logprobs_mode"] = "processed_logprobs"
         return real(*bound.args, **bound.kwargs)
 

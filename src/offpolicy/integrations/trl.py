@@ -70,7 +70,7 @@ logger = logging.getLogger(__name__)
 
 TESTED_VERSION = "1.16.0"
 SUPPORTED_LOSS_TYPES = ("grpo", "sapo", "bnpo", "dr_grpo", "dapo", "cispo", "luspo")
-_LOG_CLAMP = 20.0  # SPEC §2: every log-ratio is clamped before exp
+_LOG_CLAMP = 20.0  # docs/specification.md §2: every log-ratio is clamped before exp
 # forward kwargs TRL passes to _get_per_token_logps_and_entropies in 1.16.0 (multimodal models)
 _FORWARD_KEYS = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes",
                  "num_tiles", "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids")

@@ -209,7 +209,7 @@ def _aggregate(per_token, mask, cfg: LossConfig):
 
 
 def _mismatch_metrics(metrics, trainer_m, rollout_m, log_ratio, ratio, em1, m, valid, n, clamp):
-    """The SPEC §7 mismatch block (same values as ``correction.mismatch_metrics``), sharing passes.
+    """The docs/specification.md §7 mismatch block (same values as ``correction.mismatch_metrics``), sharing passes.
     Per-token and per-row values are fp32; their sums over the batch accumulate in float64, as the
     readable path's ``Metrics.mean`` does, so a batch split into calls adds up to the same totals."""
     lr_m = log_ratio * m

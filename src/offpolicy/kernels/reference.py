@@ -1,6 +1,6 @@
 """The reference implementation — the readable oracle every faster rung is tested against.
 
-Policy losses and their aggregation (SPEC §5), with the correction applied (SPEC §3).
+Policy losses and their aggregation (docs/specification.md §5), with the correction applied (docs/specification.md §3).
 
 Per token, with r_t = exp(clamp(log π_θ − log π_old, ±20)) and advantage A_t:
 
@@ -223,7 +223,7 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, rollout_logprobs, conf
 
     per_token = TOKEN_LOSSES[cfg.kind](lp, old, adv, cfg, loss_mask, metrics)
     if weights is not None:
-        per_token = per_token * weights  # after clipping and the dual clip (SPEC §3)
+        per_token = per_token * weights  # after clipping and the dual clip (docs/specification.md §3)
     per_token = torch.where(loss_mask, per_token, zero)
     if ref_logprobs is not None:
         # the KL term's own tokens: the kept ones, or (prime-rl's kl_tau) every valid token or only

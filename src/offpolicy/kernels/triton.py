@@ -1,7 +1,7 @@
 """Triton rung: the whole of ``correct`` + ``policy_loss`` in two or three kernel launches,
 with no host synchronisation, capturable in a CUDA graph.
 
-Same formulas, derivatives and metrics as the reference (``kernels/reference.py``, SPEC §2–§7);
+Same formulas, derivatives and metrics as the reference (``kernels/reference.py``, docs/specification.md §2–§7);
 the layout of the work is what changes:
 
 1. ``_row_stats`` (only when a decision needs a whole row: a sequence / geometric / any-token /
@@ -230,7 +230,7 @@ if triton is not None:
 
     @triton.jit
     def _k_stat(STAT: tl.constexpr, lr, L: tl.constexpr):
-        """k1 = −log ρ, k2 = ½(log ρ)², k3 = ρ − 1 − log ρ = expm1(log ρ) − log ρ (verl rollout_rs; SPEC §4);
+        """k1 = −log ρ, k2 = ½(log ρ)², k3 = ρ − 1 − log ρ = expm1(log ρ) − log ρ (verl rollout_rs; docs/specification.md §4);
         direction pi_mu (AReaL): 4 = k1 = log ρ, 5 = k3 = 1/ρ − 1 + log ρ."""
         if STAT == 1:
             v = -lr
@@ -246,7 +246,7 @@ if triton is not None:
 
     @triton.jit
     def _weight_fn(x, MODE: tl.constexpr, LO, HI):
-        """truncate: clamp(x, low, high); mask: x · 1[low ≤ x ≤ high] (SPEC §3)."""
+        """truncate: clamp(x, low, high); mask: x · 1[low ≤ x ≤ high] (docs/specification.md §3)."""
         if MODE == 0:
             w = tl.minimum(tl.maximum(x, LO), HI)
         else:
@@ -277,7 +277,7 @@ if triton is not None:
 
     @triton.jit
     def _bad(m_in, lp, old, roll, adv, CORRECTED: tl.constexpr, OLD_IN: tl.constexpr):
-        """Valid tokens whose inputs the reference's sanitize would flag (SPEC §6)."""
+        """Valid tokens whose inputs the reference's sanitize would flag (docs/specification.md §6)."""
         fin = _isfinite(lp) & _isfinite(adv)
         if CORRECTED:
             fin = fin & _isfinite(roll)
@@ -395,10 +395,10 @@ if triton is not None:
             row_bad = _row_total(p1_ptr, 2 * n_rules + 2, row, B, C, CP, False)
             valid = valid & ((cols * 0.0 + row_bad) == 0.0)  # broadcast first: the interpreter's & wants blocks
             alive = alive & (row_bad == 0.0)
-        # ----------------------------------------------------------- log ρ (SPEC §2)
+        # ----------------------------------------------------------- log ρ (docs/specification.md §2)
         lr = tl.where(valid, _clamp(trainer - roll, L), 0.0)
         ratio = tl.exp(lr)
-        # ----------------------------------------------------------- rejection (SPEC §4)
+        # ----------------------------------------------------------- rejection (docs/specification.md §4)
         tok_ok = valid
         for i in tl.static_range(n_rules):
             if SEQUENTIAL:
@@ -435,7 +435,7 @@ if triton is not None:
             tl.store(p2_ptr + (_NSLOT + i) * plane + base, tl.sum(tl.where(removed, 1.0, 0.0), axis=0))
         keep = tok_ok & alive
         keep_f = tl.where(keep, 1.0, 0.0)
-        # ----------------------------------------------------------- weights (SPEC §3)
+        # ----------------------------------------------------------- weights (docs/specification.md §3)
         above = 0.0
         below = 0.0
         units = 0.0
@@ -457,7 +457,7 @@ if triton is not None:
                 above = tl.where(counted & (unit > WHI), 1.0, 0.0)
                 below = tl.where(counted & (unit < WLO), 1.0, 0.0)
                 units = tl.where(counted, 1.0, 0.0)
-        # ----------------------------------------------------------- loss and derivative (SPEC §5)
+        # ----------------------------------------------------------- loss and derivative (docs/specification.md §5)
         adv_w = tl.where(keep, adv, 0.0) * w
         lp_k = tl.where(keep, lp, 0.0)
         raw_log_r = lp_k - tl.where(keep, old, 0.0)
@@ -493,7 +493,7 @@ if triton is not None:
         if UNREDUCED:
             tl.store(tok_ptr + out, per_token, mask=inb)
             tl.store(den_ptr + out, den, mask=inb)
-        # ----------------------------------------------------------- partial sums (SPEC §7)
+        # ----------------------------------------------------------- partial sums (docs/specification.md §7)
         em1 = tl.where(valid, _expm1(lr), 0.0)  # ρ − 1 exact near ρ = 1: k3 and χ² sum it
         if L > 44.0:  # ρ² overflows fp32 beyond log ρ = 44: square in fp64 (p2 is fp64)
             e64 = em1.to(tl.float64)
@@ -609,7 +609,7 @@ if triton is not None:
             hi = tl.maximum(hi, tl.where(idx == 16, _tile_extreme(p2_ptr, 14, rows, rmask, B, C, CP, True), -float("inf")))
             hi = tl.maximum(hi, tl.where(idx == 20, _tile_extreme(p2_ptr, 18, rows, rmask, B, C, CP, True), -float("inf")))
             hi = tl.maximum(hi, tl.where(idx == 21, -_tile_extreme(p2_ptr, 19, rows, rmask, B, C, CP, False), -float("inf")))
-            # row statistics over rows with a valid token (SPEC §7)
+            # row statistics over rows with a valid token (docs/specification.md §7)
             has = rmask & (n_val > 0.0)
             safe_n = tl.maximum(n_val, 1.0)
             seq = tl.minimum(tl.maximum(_tile(p2_ptr, 3, rows, rmask, B, C, CP), -L), L)
@@ -626,7 +626,7 @@ if triton is not None:
             acc = _put(acc, idx, 45, tl.sum(tl.where(in_rows, 1.0, 0.0), axis=0))
             acc = _put(acc, idx, 46, tl.sum(tl.where(in_rows & (n_in - n_keep > 0.0), 1.0, 0.0), axis=0))
             acc = _put(acc, idx, 47, tl.sum(n_in - n_keep, axis=0))
-            # the aggregation's numerator and count (SPEC §5)
+            # the aggregation's numerator and count (docs/specification.md §5)
             if AGG == 1:
                 num = tl.sum(tl.where(rmask, loss_r / tl.maximum(den_r, 1.0), 0.0), axis=0)
             elif AGG == 3:

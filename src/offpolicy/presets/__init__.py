@@ -2,7 +2,7 @@
 
 A preset is ``framework:mode`` (``recommended`` is ours and has no prefix). Each carries a
 ``CorrectionConfig``, the loss settings that go with the framework, a one-line summary and a
-note on the framework behaviour it reproduces, quirks included (SPEC §9). The YAML is read by
+note on the framework behaviour it reproduces, quirks included (docs/specification.md §9). The YAML is read by
 ``offpolicy.preset_data``; this module adds the typed views.
 
     >>> import offpolicy as op

@@ -2,7 +2,7 @@
 
 Rows are prompt + response, right-padded; response-aligned tensors are ``[B, T]`` with
 T = the longest response. The trainer's log-probs of these tokens, on the same support the engine
-sampled from (temperature, top-k, top-p — SPEC §6), come from ``offpolicy.train.head``
+sampled from (temperature, top-k, top-p — docs/specification.md §6), come from ``offpolicy.train.head``
 (``trainer_logprobs``, re-exported here).
 """
 

@@ -1,4 +1,4 @@
-"""The trainer's head: the one path from a causal LM to per-token numbers (DESIGN.md, "The trainer's head").
+"""The trainer's head: the one path from a causal LM to per-token numbers (docs/development.md, "The trainer's head").
 
 π_θ in the update, π_old, and ``diagnose``'s trainer side all come from ``trainer_logprobs``:
 
@@ -6,7 +6,7 @@
     h_n = h[row_n, position_n]                             [N, H]      N = response tokens with mask = 1
     for each chunk c of C tokens (C · V · 4 bytes ≤ CHUNK_BYTES: 128 MiB on CUDA, 32 MiB on the CPU):
         z_c = W h_c + b   (Gemma: cap · tanh(z / cap)), cast to ≥ fp32        [C, V]
-        log π̃(y_n) = renormalize_logprobs(z_c; τ, top-k, top-p)[y_n]           (SPEC §6)
+        log π̃(y_n) = renormalize_logprobs(z_c; τ, top-k, top-p)[y_n]           (docs/specification.md §6)
         H_n = −Σ_v π̃_v log π̃_v,   outside mass_n = 1 − Σ_{kept} softmax(z_c / τ)
     backward: each chunk is recomputed, so memory is O(C · V) whatever B·T.
 
@@ -360,7 +360,7 @@ def counted_positions(batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
 def trainer_logprobs(model, batch: Batch, sampling: SamplingConfig, metrics: Metrics | None = None, *,
                      chunk: int | None = None, entropy_out: list[torch.Tensor] | None = None) -> torch.Tensor:
     """log π(y_t) ``[B, T]`` (fp32; float64 for a float64 model) under ``model`` on the engine's
-    sampling support (SPEC §6), 0 where ``batch.mask`` is 0; −inf exactly where the sampled token
+    sampling support (docs/specification.md §6), 0 where ``batch.mask`` is 0; −inf exactly where the sampled token
     lies outside the trainer's top-k/top-p support (the caller masks those, see
     ``update.within_support``).
 
