@@ -11,11 +11,21 @@ that its chat template writes itself (``{{ bos_token }}``), no pad token, one en
 
 from __future__ import annotations
 
+import importlib
 import json
+import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 DATA = REPO / "examples" / "data" / "arith_word_problems.jsonl"
+
+
+def benchmark_module(name: str):
+    """``benchmarks/<name>.py`` imported by its name: benchmarks/ joins sys.path for good, since pool workers
+    a benchmark spawns unpickle its objects by that name (they inherit sys.path)."""
+    if str(REPO / "benchmarks") not in sys.path:
+        sys.path.insert(0, str(REPO / "benchmarks"))
+    return importlib.import_module(name)
 EVAL_DATA = REPO / "examples" / "data" / "arith_word_problems_eval.jsonl"
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|begin_of_text|>"]
 # ChatML, as Qwen2's template renders it (without its default system message)

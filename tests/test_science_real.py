@@ -19,17 +19,14 @@ from offpolicy.config import ConfigError
 from offpolicy.tasks import Larger, larger_reward, make_task
 from offpolicy.train.config import load_train_config
 from offpolicy.train.loop import groups_with_spread, spread_rows, update_kl_k3
+from hf_fixtures import benchmark_module  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def science():
-    if str(ROOT / "benchmarks") not in sys.path:
-        sys.path.insert(0, str(ROOT / "benchmarks"))
-    import science_real
-
-    return science_real
+    return benchmark_module("science_real")
 
 
 @pytest.mark.parametrize(("completion", "reward"), [

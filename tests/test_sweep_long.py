@@ -8,18 +8,14 @@ import sys
 from pathlib import Path
 
 import pytest
+from hf_fixtures import benchmark_module  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def sweep():
-    # importable by name: spawned pool workers unpickle Job from it (they inherit sys.path)
-    if str(ROOT / "benchmarks") not in sys.path:
-        sys.path.insert(0, str(ROOT / "benchmarks"))
-    import sweep_long
-
-    return sweep_long
+    return benchmark_module("sweep_long")
 
 
 class FakeRunner:
