@@ -167,7 +167,8 @@ def _records(run_dir):
 def test_train_logs_staleness_and_drops_and_resumes_exactly(offpolicy_cache, tmp_path, staleness):
     def run(name, steps, resume=False):
         cfg = load_train_config(None, [*FAST, f"out_dir={tmp_path / name}", f"steps={steps}",
-                                       f"max_staleness={staleness}", "staleness_policy=drop"])
+                                       f"max_staleness={staleness}", "staleness_policy=drop",
+                                       "split_metrics=true"])
         return train(cfg, resume=(tmp_path / name) if resume else None, progress=False)
 
     straight = _records(run("straight", 4).run_dir)

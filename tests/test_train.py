@@ -23,7 +23,9 @@ from offpolicy.train import loop as train_loop
 from offpolicy.train.config import load_train_config
 from offpolicy.train.loop import train
 
-TIMING = {"step_seconds", "generate/tokens_per_s"}
+# timings, and how the staleness splits into in flight / in queue, which depends on when the engine thread
+# finished against the trainer (issue #46); their sum, ``staleness``, is still compared
+TIMING = {"step_seconds", "generate/tokens_per_s", "staleness/in_flight", "staleness/in_queue"}
 
 
 def cli(*args: str, env_cache: Path, process: bool = False) -> subprocess.CompletedProcess:

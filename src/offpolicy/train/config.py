@@ -231,6 +231,10 @@ class TrainConfig(_Strict):
                                 "policy before and after the update is measured (policy/kl_k3_update: k3 of "
                                 "π_new/π_old on those rows' response tokens, two no-grad forwards of the rows); "
                                 "0 = off")
+    split_metrics: bool = Field(False, description="also log op.split_metrics each micro-batch (kl_k3 on the kept "
+                                "and the masked tokens, the masked tokens' advantage signs, the rows' raw-weight "
+                                "fractions; docs/estimators.md): one more reference `correct` per micro-batch, "
+                                "which reads its inputs' validity on the host, so off by default")
     samples_per_step: int = Field(4, ge=0, description="rows per step written as text to samples.jsonl and "
                                   "TensorBoard (prompt, completion, reference, reward, mean/max |log ρ|), one per "
                                   "group first; 0 = none (no extra forward)")

@@ -381,7 +381,7 @@ def trainer_logprobs(model, batch: Batch, sampling: SamplingConfig, metrics: Met
                                                 batch.response_ids[rows, cols], head, sampling,
                                                 stats=metrics is not None or entropy_out is not None, chunk=chunk)
     if entropy_out is not None:
-        per_token = torch.zeros(counted.shape, dtype=entropy.dtype, device=entropy.device)
+        per_token = torch.zeros(batch.mask.shape, dtype=entropy.dtype, device=entropy.device)
         entropy_out.append(per_token.index_put((rows, cols), entropy))
     if metrics is not None:
         metrics.mean("entropy", entropy)

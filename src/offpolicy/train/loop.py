@@ -398,7 +398,8 @@ def train(cfg: TrainConfig, resume: Path | None = None, console: Console | None 
             with timer("train"):
                 step_args = dict(old_of=old_of, loss_cfg=loss_cfg, sampling=sampling, device=device,
                                  trainer_dtype=trainer_dtype, micro_batch_tokens=cfg.micro_batch_tokens,
-                                 max_grad_norm=cfg.max_grad_norm, metrics=metrics)
+                                 max_grad_norm=cfg.max_grad_norm, metrics=metrics,
+                                 split_metrics=cfg.split_metrics)
                 if skipped:  # the mismatch is still measured: one no-grad pass over the batch (module doc)
                     optimizer_step(policy, optimizer, batch, torch.arange(len(rewards)), adv_tokens, **step_args,
                                    update=False)

@@ -187,7 +187,7 @@ def step_config(loss_cfg: op.LossConfig, parts: list[dict[str, torch.Tensor]],
 
 
 def accumulate(logprobs: torch.Tensor, old_logprobs: torch.Tensor | None, advantages: torch.Tensor, mb: Batch,
-               loss_cfg: op.LossConfig, metrics: Metrics, backward: bool = True) -> torch.Tensor:
+               loss_cfg: op.LossConfig, metrics: Metrics, backward: bool = True, split: bool = False) -> torch.Tensor:
     """One micro-batch's corrected loss, backpropagated (gradients add up in ``.grad``; not with
     ``backward=False``, which only measures); returns its value, detached, in float64.
 
@@ -204,19 +204,20 @@ def accumulate(logprobs: torch.Tensor, old_logprobs: torch.Tensor | None, advant
     if backward:
         loss.backward()
     metrics.update(m.renamed(lambda key: None if key == "loss" else key))
-    drift_and_split_metrics(logprobs, old_logprobs, advantages, mb, loss_cfg, metrics)
+    drift_and_split_metrics(logprobs, old_logprobs, advantages, mb, loss_cfg, metrics, split)
     return loss.detach()
 
 
 def drift_and_split_metrics(logprobs: torch.Tensor, old_logprobs: torch.Tensor | None, advantages: torch.Tensor,
-                            mb: Batch, loss_cfg: op.LossConfig, metrics: Metrics) -> None:
+                            mb: Batch, loss_cfg: op.LossConfig, metrics: Metrics, split: bool = True) -> None:
     """The field's 2026 metrics for one micro-batch (they add up over micro-batches and mini-batches):
 
     * ``drift/abs_logp_mean`` / ``drift/abs_logp_max``: |log π_θ − log π_ref| over the loss's tokens,
       π_ref the denominator of PPO's ratio (π_old; μ under anchor rollout or without a π_old) — SkyRL
       #1813's per-mini-batch drift of the policy from what the loss optimizes against: 0 at the first
       mini-batch of an on-policy step, growing over the step's mini-batches and PPO epochs;
-    * with a correction, ``op.split_metrics`` (kl_k3 on kept / masked tokens, the masked tokens'
+    * with a correction and ``split`` (``offpolicy train split_metrics=true``), ``op.split_metrics``
+      (kl_k3 on kept / masked tokens, the masked tokens'
       advantage signs, the raw-weight row fractions): one more ``correct`` on the micro-batch, O(B·T).
     """
     corr = loss_cfg.correction
@@ -226,7 +227,7 @@ def drift_and_split_metrics(logprobs: torch.Tensor, old_logprobs: torch.Tensor |
     drift = (logprobs.detach().float() - ref.float()).abs()
     metrics.mean("drift/abs_logp_mean", drift, mask)
     metrics.max("drift/abs_logp_max", drift, mask)
-    if corr is not None:
+    if split and corr is not None:  # a reference ``correct``: it validates its inputs on the host
         out = op.correct(old_logprobs, mb.rollout_logprobs, mb.mask, corr, logprobs=logprobs.detach(),
                          advantages=advantages)
         metrics.update(op.split_metrics(out, corr, advantages))
@@ -273,7 +274,7 @@ def optimizer_step(policy, optimizer, batch: Batch, rows: torch.Tensor, advantag
                    old_of: Callable[[torch.Tensor, Batch, torch.Tensor | None], torch.Tensor | None],
                    loss_cfg: op.LossConfig, sampling: SamplingConfig, device: torch.device, trainer_dtype: str,
                    micro_batch_tokens: int | None, max_grad_norm: float, metrics: Metrics,
-                   update: bool = True) -> None:
+                   update: bool = True, split_metrics: bool = False) -> None:
     """One optimizer step on ``rows`` of the CPU ``batch`` (``advantages`` ``[B, T]`` CPU).
 
     ``update=False`` measures without updating: the same forwards under ``no_grad``, the same
@@ -283,7 +284,7 @@ def optimizer_step(policy, optimizer, batch: Batch, rows: torch.Tensor, advantag
 
     ``old_of(rows, mb, logprobs)`` gives log π_old of a device micro-batch: from a π_old forward,
     from ``logprobs`` (the update's own forward, detached, when π_old = sg(π_θ)), or AReaL's
-    log-linear proximal.
+    log-linear proximal. ``split_metrics`` adds ``op.split_metrics`` (``drift_and_split_metrics``).
 
     Whatever the split, the step computes and reports the same numbers (issue #32): the config is
     fixed over the whole step (``step_config``); each micro-batch's per-token tensors are widened
@@ -297,11 +298,11 @@ def optimizer_step(policy, optimizer, batch: Batch, rows: torch.Tensor, advantag
     if not update:
         with torch.no_grad():
             _step(policy, batch, rows, advantages, old_of, loss_cfg, sampling, device, trainer_dtype,
-                  micro_batch_tokens, metrics, backward=False)
+                  micro_batch_tokens, metrics, backward=False, split=split_metrics)
         return
     optimizer.zero_grad(set_to_none=True)
     total = _step(policy, batch, rows, advantages, old_of, loss_cfg, sampling, device, trainer_dtype,
-                  micro_batch_tokens, metrics, backward=True)
+                  micro_batch_tokens, metrics, backward=True, split=split_metrics)
     if total is None:
         return
     metrics.mean("loss", total.reshape(1))
@@ -310,7 +311,7 @@ def optimizer_step(policy, optimizer, batch: Batch, rows: torch.Tensor, advantag
 
 def _step(policy, batch: Batch, rows: torch.Tensor, advantages: torch.Tensor, old_of, loss_cfg: op.LossConfig,
           sampling: SamplingConfig, device: torch.device, trainer_dtype: str, micro_batch_tokens: int | None,
-          metrics: Metrics, backward: bool) -> torch.Tensor | None:
+          metrics: Metrics, backward: bool, split: bool = False) -> torch.Tensor | None:
     """The forwards, the correction and (``backward``) the backward passes of one optimizer step
     (``optimizer_step``'s docstring); records the step's metrics but ``loss`` in ``metrics`` and
     returns the step's loss (float64, detached), or None for rows without a response token."""
@@ -342,7 +343,7 @@ def _step(policy, batch: Batch, rows: torch.Tensor, advantages: torch.Tensor, ol
                                           metrics if truncated else None)
         if counts(view):
             parts = [{"mask": view.mask}] if loss_cfg.correction is None else [_part(view, adv, logprobs.detach(), old)]
-            total = accumulate(logprobs, old, adv, view, step_config(loss_cfg, parts, step), step, backward)
+            total = accumulate(logprobs, old, adv, view, step_config(loss_cfg, parts, step), step, backward, split)
     else:
         # the step's count and bounds need each micro-batch's surviving tokens before any backward:
         # a correction's inputs, and under top-k/top-p the tokens inside the trainer's support
@@ -371,6 +372,6 @@ def _step(policy, batch: Batch, rows: torch.Tensor, advantages: torch.Tensor, ol
             # no-grad forward above may take other kernels and differ in the last bit)
             view, logprobs, old = loss_inputs(g, mb, forward(policy, mb, sampling, device, trainer_dtype,
                                                              None if done else metrics))
-            total = total + accumulate(logprobs, old, adv, view, cfg, step, backward)
+            total = total + accumulate(logprobs, old, adv, view, cfg, step, backward, split)
     metrics.update(step.renamed(rule_names(loss_cfg)))
     return total
