@@ -220,7 +220,19 @@ def test_diagnose_a_real_vllm_server(vllm_servers, served_model, tmp_path, capsy
 
 
 # ============================================================================== a fake, broken server
-class FakeServer:
+class LocalServer:
+    """``self.httpd`` served on a daemon thread while inside ``with``, shut down and closed on leaving."""
+
+    def __enter__(self):
+        threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+class FakeServer(LocalServer):
     """An OpenAI-compatible stand-in in a thread: ``/v1/models`` lists ``models``; ``/v1/completions``
     answers through ``respond(body) -> (status, payload)`` (a dict goes out as JSON, a str as text)."""
 
@@ -261,13 +273,6 @@ class FakeServer:
     def completions(self) -> list[dict]:
         return [body for path, body, _ in self.requests if path == "/v1/completions"]
 
-    def __enter__(self) -> FakeServer:
-        threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
 
 
 @pytest.fixture(scope="module")
@@ -585,7 +590,7 @@ def build_other_tokenizer():
     return build_char_tokenizer()
 
 
-class Redirector:
+class Redirector(LocalServer):
     """A loopback HTTP server that answers a request for a path in ``serve`` with that JSON, any other with
     ``status`` and ``Location: target + path``; it records the headers it received."""
 
@@ -614,13 +619,6 @@ class Redirector:
         self.httpd.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
 
-    def __enter__(self) -> Redirector:
-        threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
 
 
 @pytest.mark.parametrize("status", [302, 307])

@@ -10,10 +10,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from offpolicy.trackers.runlog import RunLogTracker
+
 PROJECT = "offpolicy"
 
 
-class TrackioTracker:
+class TrackioTracker(RunLogTracker):
     name = "trackio"
 
     def __init__(self, run_dir: Path, name: str, config: dict[str, Any]):
@@ -22,22 +24,13 @@ class TrackioTracker:
         import trackio
         from trackio import utils
 
-        self.trackio = trackio
+        self.lib = trackio
         project = os.environ.get("TRACKIO_PROJECT", PROJECT)
         # embed=False: no browser, no server; auto_log_*: no system-metrics thread
         self.run = trackio.init(project=project, name=name, config=config, embed=False, auto_log_gpu=False,
                                 auto_log_cpu=False)
         # the run's id too: a store outside the run directory may hold other runs of the same name
         self.where = {"dir": str(utils.TRACKIO_DIR), "project": project, "run": self.run.name, "run_id": self.run.id}
-
-    def log_metrics(self, step: int, values: dict[str, float]) -> None:
-        self.run.log(values, step=step)
-
-    def log_table(self, key: str, step: int, columns: list[str], rows: list[list[Any]]) -> None:
-        self.run.log({key: self.trackio.Table(columns=columns, data=rows)}, step=step)
-
-    def log_images(self, step: int, images: dict[str, Path]) -> None:
-        self.run.log({key: self.trackio.Image(str(path)) for key, path in images.items()}, step=step)
 
     def log_summary(self, values: dict[str, float]) -> None:
         self.run.log({f"summary/{k}": v for k, v in values.items()}, step=0)

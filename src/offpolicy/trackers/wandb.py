@@ -8,14 +8,16 @@ import os
 from pathlib import Path
 from typing import Any
 
+from offpolicy.trackers.runlog import RunLogTracker
 
-class WandbTracker:
+
+class WandbTracker(RunLogTracker):
     name = "wandb"
 
     def __init__(self, run_dir: Path, name: str, config: dict[str, Any]):
         import wandb
 
-        self.wandb = wandb
+        self.lib = wandb
         mode = os.environ.get("WANDB_MODE", "offline")
         # console="off": wandb would otherwise wrap stdout/stderr, under the progress bar; no system-stats
         # thread and no git/pip metadata (a training run is not a code snapshot)
@@ -25,15 +27,6 @@ class WandbTracker:
                               mode=mode, config=config, settings=settings, reinit="create_new")
         self.where = {"dir": str(Path(self.run.dir).parent), "mode": mode, "project": self.run.project,
                       "id": self.run.id}
-
-    def log_metrics(self, step: int, values: dict[str, float]) -> None:
-        self.run.log(values, step=step)
-
-    def log_table(self, key: str, step: int, columns: list[str], rows: list[list[Any]]) -> None:
-        self.run.log({key: self.wandb.Table(columns=columns, data=rows)}, step=step)
-
-    def log_images(self, step: int, images: dict[str, Path]) -> None:
-        self.run.log({key: self.wandb.Image(str(path)) for key, path in images.items()}, step=step)
 
     def log_summary(self, values: dict[str, float]) -> None:
         self.run.summary.update(values)
