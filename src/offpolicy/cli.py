@@ -254,8 +254,8 @@ def _diagnose_page_and_trackers(console: Console, reports: list[dict], out, trac
                            [[row[c] for c in what_if_columns] for row in r["what_if"]])
         trackers.log_images(0, {prefix + Path(p).stem: Path(p) for p in r.get("plots", [])})
     trackers.close()
-    for name, where in trackers.where.items():
-        console.print(f"log_to: {name} → {where.get('dir') or where.get('logdir') or where.get('tracking_uri')}")
+    for name, place in trackers.places().items():
+        console.print(f"log_to: {name} → {place}")
 
 
 def _vllm_flags(args: argparse.Namespace) -> list[str]:

@@ -122,6 +122,11 @@ class Trackers:
     def __bool__(self) -> bool:
         return bool(self.trackers)
 
+    def places(self) -> dict[str, str]:
+        """Each tracker's store, as the console names it: its directory, log directory or tracking URI."""
+        return {name: where.get("dir") or where.get("logdir") or where.get("tracking_uri")
+                for name, where in self.where.items()}
+
     def _each(self, what: str, call: Callable[[Tracker], None]) -> None:
         for tracker in list(self.trackers):
             try:

@@ -166,10 +166,6 @@ class RunLogger:
         """Stop the progress bar; the trackers stay open for the plots (``finish``)."""
         self.progress.stop()
 
-    def tracker_locations(self) -> dict[str, dict[str, Any]]:
-        """Where each tracker that started writes (also in ``<run>/trackers.json``)."""
-        return self.trackers.where
-
     def finish(self, plot: Path | None = None, failed: bool = False) -> None:
         """Send the run's plot to the trackers, then close them (``failed``: the run raised)."""
         if plot is not None:

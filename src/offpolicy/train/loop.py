@@ -326,8 +326,9 @@ def train(cfg: TrainConfig, resume: Path | None = None, console: Console | None 
                       f"engine {cfg.engine} ({engine_dtype}) · "
                       f"loss {cfg.loss_summary()} · staleness ≤ "
                       f"{cfg.max_staleness} · run {run_dir}")
-        if cfg.model_defaults():  # chosen by the model, not the task: say which applied
-            console.print(f"  {cfg.model_defaults()}")
+        defaults = cfg.model_defaults()
+        if defaults:  # chosen by the model, not the task: say which applied
+            console.print(f"  {defaults}")
         context = cfg.max_prompt_tokens + cfg.max_new_tokens if cfg.task == "dataset" else 1024
         engine_bytes = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
         engine = make_engine(cfg.engine, str(load_from), tokenizer, engine_dtype, seed=cfg.seed,
@@ -354,6 +355,12 @@ def train(cfg: TrainConfig, resume: Path | None = None, console: Console | None 
 
     completed, updating, interrupted, failed, saved = start_step, False, False, False, start_step
     raised = False
+    def checkpoint() -> None:
+        """The run at ``completed`` steps: weights, optimizer, queued rollouts and the pipeline's counters."""
+        save_checkpoint(run_dir, completed, policy, tokenizer, optimizer,
+                        {"step": completed, "version": version, "pending": pipeline.state(),
+                         "pipeline": pipeline.counters()})
+
     stop = GracefulStop()
     try:
         for step in range(start_step, cfg.steps):
@@ -451,9 +458,7 @@ def train(cfg: TrainConfig, resume: Path | None = None, console: Console | None 
             completed, updating = step + 1, False
             stop.updating = False
             if completed % cfg.checkpoint_every == 0 or completed == cfg.steps:
-                save_checkpoint(run_dir, completed, policy, tokenizer, optimizer,
-                                {"step": completed, "version": version, "pending": pipeline.state(),
-                                 "pipeline": pipeline.counters()})
+                checkpoint()
                 saved = completed
             stop.check()  # a SIGTERM that came mid-update ends the run here, the step done
     except KeyboardInterrupt as err:
@@ -462,9 +467,7 @@ def train(cfg: TrainConfig, resume: Path | None = None, console: Console | None 
         if not updating and completed > saved:
             # between updates the weights, optimizer and queued rollouts are consistent: save them
             with stop.deferred():
-                save_checkpoint(run_dir, completed, policy, tokenizer, optimizer,
-                                {"step": completed, "version": version, "pending": pipeline.state(),
-                                 "pipeline": pipeline.counters()})
+                checkpoint()
         where = latest_checkpoint(run_dir).name if (run_dir / "checkpoints" / "latest").exists() else "none yet"
         how = "terminated (SIGTERM)" if stop_signal == signal.SIGTERM else "interrupted"
         console.print(f"[yellow]{how} after {completed} steps; checkpoint: {where}. Continue with "
@@ -485,7 +488,6 @@ def train(cfg: TrainConfig, resume: Path | None = None, console: Console | None 
     plot = logger.plot()
     logger.finish(plot)
     summary = logger.summary()
-    trackers = "".join(f"  {name}: {where.get('dir') or where.get('logdir') or where.get('tracking_uri')}"
-                       for name, where in logger.tracker_locations().items())
+    trackers = "".join(f"  {name}: {place}" for name, place in logger.trackers.places().items())
     console.print(f"metrics: {logger.path}  plots: {plot}  view: offpolicy view {run_dir}{trackers}")
     return RunResult(run_dir, summary, interrupted, stop_signal if interrupted else signal.SIGINT)
