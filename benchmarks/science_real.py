@@ -87,8 +87,9 @@ def run_overrides(cell: Cell, seed: int, args: argparse.Namespace, run_dir: Path
                 "group_size": args.group_size, "eval_problems": args.eval_problems, "eval_every": args.eval_every,
                 "max_new_tokens": args.max_new_tokens, "model": args.model, "engine": args.engine,
                 "engine_dtype": cell.engine_dtype, "max_staleness": cell.staleness, "preset": cell.preset,
-                "seed": seed, "out_dir": str(run_dir)}
-    extra = []
+                "seed": seed, "out_dir": str(run_dir), "device": args.device,
+                "trainer_dtype": "fp32"}  # the trainer in fp32 everywhere: the mismatch is the engine's alone
+    extra = list(args.set)
     if cell.preset == "none":  # an empty correction measures the mismatch (offpolicy/kl_k3 …) and changes no weight
         extra.append("loss.correction={}")
     return [f"{k}={v}" for k, v in settings.items() if v is not None] + extra
@@ -351,6 +352,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                    "scripts/smollm2.py builds it")
     p.add_argument("--engine", default="hf", choices=("vllm", "hf"), help="hf (default): ~1.5 GB less resident "
                    "memory a run than in-process vLLM on the CPU, which let two runs fit beside other jobs")
+    p.add_argument("--device", default="cpu", help="the trainer's and the hf engine's device (cpu, cuda, "
+                   "cuda:N); the trainer stays fp32 on every device")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="one more train override for every run (repeatable), e.g. --set eval_problems=64")
     p.add_argument("--steps", type=int, default=RUN["steps"])
     p.add_argument("--lr", type=float, default=RUN["lr"])
     p.add_argument("--prompts-per-step", type=int, default=RUN["prompts_per_step"])
