@@ -19,7 +19,7 @@ set -u
 OUT=${OUT:-/tmp/device-science}
 mkdir -p "$OUT" /tmp/smollm2
 GRID_SECONDS=${GRID_SECONDS:-240}
-JOBS=${JOBS:-16}
+JOBS=${JOBS:-8}  # 16 at once ran out of the H100's 80 GB (~5-6 GB each)
 DEVICE=${DEVICE:-cuda}
 ARGS=${ARGS:-}  # more science_real.py arguments (a local rehearsal: DEVICE=cpu ARGS="--steps 2")
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false OFFPOLICY_CACHE=/tmp/opcache
@@ -36,6 +36,8 @@ echo "model: $model"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null
 cells=reference,bf16_s4_none,bf16_s4_recommended,bf16_s4_token_tis,bf16_s4_seq_mask,bf16_s4_icepop
 cells=$cells,bf16_s0_none,bf16_s0_recommended,bf16_s0_token_tis,bf16_s0_seq_mask,bf16_s0_icepop
+# runs finished by an earlier machine (their runs.tgz brought back and carried as .dev/runs.tgz) are skipped
+[ -f .dev/runs.tgz ] && [ ! -d /tmp/science_real ] && tar xzf .dev/runs.tgz -C /tmp
 start=$SECONDS
 timeout -s INT -k 20 "$GRID_SECONDS" python3 benchmarks/science_real.py --model "$model" --device "$DEVICE" $ARGS \
     --cells "$cells" --seeds 0,1,2 --jobs "$JOBS" --out /tmp/science_real --set checkpoint_every=1000 2>&1 | tail -n 40 > "$OUT/grid.log"
