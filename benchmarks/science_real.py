@@ -256,27 +256,31 @@ def plot(runs: dict[str, dict[int, dict[str, Any]]], path: Path, start: float | 
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-    for i, (cell, seeds) in enumerate(runs.items()):
-        color = f"C{i}"
+    methods = list(METHODS)
+    for cell, seeds in runs.items():
+        # colour by correction (the reference black), line by staleness: 11 cells stay apart
+        method = cell.split("_", 2)[-1] if cell.startswith("bf16_s") else None
+        color = f"C{methods.index(method)}" if method in methods else "black"
+        style = {"linestyle": "--" if cell.startswith("bf16_s4") else "-"}
         curves = [r["reward_curve"] for r in seeds.values() if r["reward_curve"]]
         if curves:  # each step over the seeds that reached it
             n = max(map(len, curves))
             axes[0].plot(range(n), [statistics.fmean(c[t] for c in curves if len(c) > t) for t in range(n)],
-                         color=color, label=cell)
+                         color=color, label=cell, **style)
         evals: dict[int, list[float]] = {}
         for r in seeds.values():
             for step, value in r["eval_curve"]:
                 evals.setdefault(step, []).append(value)
         steps = sorted(evals)
-        axes[1].plot(steps, [statistics.fmean(evals[s]) for s in steps], "o-", color=color, label=cell)
+        axes[1].plot(steps, [statistics.fmean(evals[s]) for s in steps], "o", color=color, label=cell, **style)
         mism = [r["mismatch_curve"] for r in seeds.values() if r["mismatch_curve"]]
         if mism:
             n = max(map(len, mism))
             at = [[c[t] for c in mism if len(c) > t and c[t] is not None and c[t] > 0] for t in range(n)]
             axes[2].semilogy(range(n), [statistics.fmean(v) if v else float("nan") for v in at], color=color,
-                             label=cell)
+                             label=cell, **style)
     if start is not None:
-        axes[1].axhline(start, color="grey", linestyle="--", label="untrained model")
+        axes[1].axhline(start, color="grey", linestyle=":", label="untrained model")
     axes[0].set(title="training reward (mean over seeds)", xlabel="step")
     axes[1].set(title="held-out reward, greedy (mean over seeds)", xlabel="step")
     axes[2].set(title="mismatch KL k3 (π at step start vs μ)", xlabel="step")
