@@ -103,7 +103,9 @@ def main(argv: list[str] | None = None) -> None:
                     torch.cuda.reset_peak_memory_stats()
                 seconds = [timed(run, device) for _ in range(args.repeats)]
                 peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else float("nan")
-                grads[variant] = tuple(g.detach().double().clone() for g in (weight.grad, hidden.grad))
+                # kept on the host: a float64 copy on the device would sit in the next variant's peak
+                # (the 2026-11-26 H100 run read "after" 1.1 GiB higher for exactly that reason)
+                grads[variant] = tuple(g.detach().to("cpu", torch.float64) for g in (weight.grad, hidden.grad))
             finally:
                 H._ChunkedHead.backward = staticmethod(after)
             print(f"  {precision:5s} {variant:6s}: {statistics.median(seconds) * 1e3:9.1f} ms "
