@@ -27,8 +27,8 @@ aggregation divides once:
     seq-mean-token-sum       mean over non-empty rows of Σ_t ℓ
     seq-mean-token-sum-norm  mean over non-empty rows of Σ_t ℓ / max_len   (max_len = T by default)
 
-N_tokens / n_row / the row count come from the surviving mask (``denominator: renormalize``)
-or the valid mask (``fixed``); ``global_tokens`` / ``global_seqs`` replace the batch count so
+N_tokens / n_row / the row count come from the surviving mask (``denominator: renormalize``),
+the valid mask (``fixed``) or the mask left after the first n rules (an integer n); ``global_tokens`` / ``global_seqs`` replace the batch count so
 that micro-batches and ranks sum to the loss of one big batch.
 """
 
@@ -161,8 +161,9 @@ def with_global_normalizer(
         token-mean:                global_tokens = Σ_micro-batches Σ_ranks N_tokens
         seq-mean-token-*:          global_seqs   = Σ_micro-batches Σ_ranks #rows with ≥ 1 token
 
-    where a token counts when it survives the rejection rules (``denominator: renormalize``)
-    or is valid (``fixed``; NaN/inf masked by ``nonfinite`` do not count) — the same count
+    where a token counts when it survives the rejection rules (``denominator: renormalize``),
+    is valid (``fixed``; NaN/inf masked by ``nonfinite`` do not count) or survives the first n
+    rules (an integer n; ``Correction.count_mask``) — the same count
     ``policy_loss`` divides by when no global count is set. The counts are summed over the ranks
     with one all-reduce when torch.distributed is initialised. A count of 0 (everything
     rejected) becomes 1: the loss is 0 either way.
@@ -204,7 +205,7 @@ def with_global_normalizer(
                 mb.get("old_logprobs"), mb.get("rollout_logprobs"), mb["mask"], corr_cfg,
                 logprobs=mb.get("logprobs"), advantages=mb.get("advantages"),
             )
-            counted = (corr.valid_mask if corr_cfg.denominator == "fixed" else corr.mask).bool()
+            counted = corr.count_mask.bool()
         count = torch.stack([counted.sum(), counted.any(dim=-1).sum()]).to(torch.float64)
         tokens = count if tokens is None else tokens + count.to(tokens.device)
     if tokens is None:

@@ -46,10 +46,13 @@ KINDS = ("ppo", "cispo", "reinforce")
 def supports(config: LossConfig, ref_logprobs: torch.Tensor | None) -> bool:
     """Whether this path computes exactly what the reference would: kinds ppo / cispo /
     reinforce without a KL term, and no segment-level or data-chosen (ess / quantile) weight
-    bound (those go to the reference; data-chosen rejection bounds and m2 are covered)."""
-    w = None if config.correction is None else config.correction.weight
+    bound, no count after the first n rules (an integer ``denominator``); those go to the
+    reference; data-chosen rejection bounds and m2 are covered."""
+    corr = config.correction
+    w = None if corr is None else corr.weight
     plain_weight = w is None or (w.level != "segment" and not w.adaptive)
-    return config.kind in KINDS and ref_logprobs is None and plain_weight
+    named_count = corr is None or isinstance(corr.denominator, str)
+    return config.kind in KINDS and ref_logprobs is None and plain_weight and named_count
 
 
 def preferred(mask: torch.Tensor) -> bool:

@@ -201,13 +201,14 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, rollout_logprobs, conf
         metrics, weights = corr.metrics, corr.weights
         loss_mask, valid = corr.mask.bool(), corr.valid_mask.bool()
         kl_weights = weights if corr_cfg.kl_is_weight else None
-        fixed_denominator = corr_cfg.denominator == "fixed"
+        count_mask = corr.count_mask.bool()
     else:
         valid = validate_inputs(mask, logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages)
         valid = sanitize(
             valid, "error", {}, {"logprobs": logprobs, "old_logprobs": old_logprobs, "advantages": advantages}
         ).valid
-        loss_mask, metrics, weights, kl_weights, fixed_denominator = valid, Metrics(), None, None, False
+        loss_mask, metrics, weights, kl_weights = valid, Metrics(), None, None
+        count_mask = valid
     if ref_logprobs is not None and corr_cfg is None:
         validate_inputs(mask, ref_logprobs=ref_logprobs)
         sanitize(loss_mask, "error", {}, {"ref_logprobs": ref_logprobs})
@@ -240,7 +241,7 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, rollout_logprobs, conf
         log_r = (lp - old).detach().clamp(-RATIO_LOG_CLAMP, RATIO_LOG_CLAMP)
         metrics.mean("approx_kl", torch.expm1(log_r) - log_r, loss_mask)  # k3 of π_θ vs π_old (expm1: no fp32 floor)
 
-    agg_mask = valid if fixed_denominator else loss_mask
+    agg_mask = count_mask  # valid (fixed), surviving (renormalize), or after the first n rules
     numerator, count = aggregate(per_token, agg_mask, cfg)
     loss = numerator / count.clamp(min=1)
     if cfg.global_tokens is not None or cfg.global_seqs is not None:

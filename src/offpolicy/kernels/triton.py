@@ -161,6 +161,8 @@ def spec_of(config: LossConfig, has_old: bool) -> Spec | None:
         return None
     if corr.data_dependent or (corr.weight is not None and corr.weight.level == "segment"):
         return None  # a data-chosen bound sorts the whole call; segments: the reference's job
+    if not isinstance(corr.denominator, str):
+        return None  # a count after the first n rules: the reference's job
     rules = []
     for rule in corr.reject:
         if not isinstance(rule, (RatioRule, DivergenceRule)):
@@ -179,7 +181,7 @@ def spec_of(config: LossConfig, has_old: bool) -> Spec | None:
 def supports(config: LossConfig, ref_logprobs: torch.Tensor | None) -> bool:
     """Kinds ppo / cispo / reinforce without KL; any correction but weight.normalize, the opsm,
     binary_kl, m2, mult_error and prob_diff rules, data-chosen (ess / quantile) bounds, the
-    segment level and nonfinite 'neutral'; Triton must be importable."""
+    segment level, nonfinite 'neutral' and an integer denominator; Triton must be importable."""
     return config.kind in KINDS and ref_logprobs is None and spec_of(config, True) is not None and available()
 
 
