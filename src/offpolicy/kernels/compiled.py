@@ -21,7 +21,7 @@ import torch
 from offpolicy import ops
 from offpolicy.config import LossConfig, rule_name
 from offpolicy.correction import validate_inputs
-from offpolicy.kernels.common import RATIO_LOG_CLAMP, CoefLoss, CoefTokens, row_aggregation
+from offpolicy.kernels.common import RATIO_LOG_CLAMP, CoefLoss, CoefTokens, attach, row_aggregation
 from offpolicy.kernels.eager import KINDS
 from offpolicy.metrics import Metrics
 
@@ -347,9 +347,9 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, rollout_logprobs, conf
         metrics.ratio("loss", numerator, count)
     scale = (row_scale / count.clamp(min=1)).to(f32).unsqueeze(-1)
     if not reduce:
-        return CoefTokens.apply(logprobs, out["per_token"], out["coef"]), out["den"].clone(), metrics
+        return attach(CoefTokens, logprobs, out["per_token"], out["coef"]), out["den"].clone(), metrics
     loss_value = (numerator / count.clamp(min=1)).to(f32)
-    return CoefLoss.apply(logprobs, loss_value, out["coef"], scale), metrics
+    return attach(CoefLoss, logprobs, loss_value, out["coef"], scale), metrics
 
 
 

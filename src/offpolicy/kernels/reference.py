@@ -1,30 +1,9 @@
 """The reference implementation — the readable oracle every faster rung is tested against.
 
-Policy losses and their aggregation (docs/specification.md §5), with the correction applied (docs/specification.md §3).
-
-Per token, with r_t = exp(clamp(log π_θ − log π_old, ±20)) and advantage A_t:
-
-    ppo:       ℓ = −min(r·A, clip(r, 1−ε_low, 1+ε_high)·A);  dual clip c: for A < 0, ℓ = min(ℓ, −c·A)
-    gspo:      s = exp(mean_t(log π_θ − log π_old)), s_t = sg(s)·π_θ/sg(π_θ);
-               ℓ = −min(s_t·A, clip(s_t, 1−ε_low, 1+ε_high)·A)                (GSPO-token)
-               gspo_form sequence: s with its gradient, Ā = mean_t A;  ℓ = −min(s·Ā, clip(s)·Ā)
-               (+ dual clip for either form)
-    cispo:     ℓ = −sg(clip(r, 1−ε_low, 1+ε_high))·A·log π_θ                  (MiniMax-M1)
-    sapo:      ℓ = −(4/τ)·σ(τ(r−1))·A,  τ = τ_pos if A > 0 else τ_neg        (soft gate; slope 1 at r = 1)
-               sapo_level sequence: r → s (gradient through the mean), A → Ā
-    reinforce: ℓ = −A·log π_θ
-
-then ℓ ← w·ℓ (IS weights, after clipping and the dual clip), ℓ ← ℓ + β·KL_t (weighted too
-when ``kl_is_weight``), rejected and padding tokens give 0, and aggregation divides once:
-
-    token-mean               Σ ℓ / N_tokens
-    seq-mean-token-mean      mean over non-empty rows of (Σ_t ℓ / n_row)
-    seq-mean-token-sum       mean over non-empty rows of Σ_t ℓ
-    seq-mean-token-sum-norm  mean over non-empty rows of Σ_t ℓ / max_len   (max_len = T by default)
-
-N_tokens / n_row / the row count come from the surviving mask (``denominator: renormalize``)
-or the valid mask (``fixed``); ``global_tokens`` / ``global_seqs`` replace the batch count so
-that micro-batches and ranks sum to the loss of one big batch.
+It computes the table of docs/specification.md §5 (the one copy of the losses' formulas: each
+``kind``'s per-token loss, the IS weights of §3, the KL term on the ``kl_mask`` tokens to
+``ref_logprobs`` or μ, each ``agg``'s division and its ``denominator``) term by term, each loss in
+its own function below, with autograd through every intermediate.
 """
 
 from __future__ import annotations
