@@ -542,3 +542,17 @@ def test_an_integer_denominator_counts_after_the_first_rules():
     counted = op.correct(prox, mu, mask.float(), cfg.correction).count_mask
     glob = op.with_global_normalizer(cfg, [{"mask": mask.float(), "old_logprobs": prox, "rollout_logprobs": mu}])
     assert glob.global_tokens == counted.sum().item() > op.correct(prox, mu, mask.float(), cfg.correction).mask.sum()
+
+
+def test_m2po_with_a_mask_resolves_for_a_step():
+    """``resolve_thresholds`` reads M2PO's cut with the rules before it only (no rule: fewer than the
+    count after the m2 rule names) and keeps ``denominator: 1``; on one micro-batch the step's config
+    gives AReaL's loss, as the per-call one does."""
+    setting = SETTINGS["m2po_seq_mean_mask"]
+    cfg = areal_map.loss_config(**setting)
+    theta, prox, mu, adv, mask = new_batch(0, 6, 8)
+    fixed = op.resolve_thresholds(cfg, [{"mask": mask.float(), "old_logprobs": prox, "rollout_logprobs": mu}])
+    assert fixed.correction.denominator == 1 and fixed.correction.reject[0].stat == "k2"
+    want, _, _ = areal_truth(theta, prox, mu, adv, mask, setting)
+    loss, _ = op.policy_loss(theta, prox, adv, mask.float(), mu, fixed)
+    torch.testing.assert_close(loss, want, rtol=2e-5, atol=1e-6)

@@ -378,8 +378,8 @@ def resolve_rule(rule: Any, b: RuleInputs, seen: torch.Tensor, log_clamp: float 
 
 def apply_rejection(cfg: CorrectionConfig, b: RuleInputs, valid: torch.Tensor, input_mask: torch.Tensor, metrics: Metrics,
                     after: list[torch.Tensor] | None = None) -> torch.Tensor:
-    """Apply ``cfg.reject`` in order; return the surviving mask (and, into ``after``, the mask left
-    after the first 0, 1, …, n rules: an integer ``denominator`` counts one of them).
+    """Apply ``cfg.reject`` in order; return the surviving mask (and, into ``after``, the masks left
+    after the first 0, 1, …, n rules, the last the surviving one: an integer ``denominator`` counts one).
 
     independent: every rule is evaluated on ``valid``; results are ANDed (verl).
     sequential:  each rule sees the mask left by the rules before it (SkyRL).
@@ -405,6 +405,8 @@ def apply_rejection(cfg: CorrectionConfig, b: RuleInputs, valid: torch.Tensor, i
         elif isinstance(rule, BinaryKLRule):  # mean bkl the rule read (≥ 0: ops.binary_kl clamps fp32's negatives)
             metrics.mean(f"{name}/binary_kl_mean", binary_kl_values(rule, b), seen)
         current = current & keep
+    if after is not None:
+        after.append(current)
     return current
 
 
