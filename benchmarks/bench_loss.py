@@ -222,11 +222,18 @@ def first_call_s(fn: Callable, inputs: dict[str, torch.Tensor]) -> float:
     return timed_s(fn, inputs)
 
 
-def median_ms(fn: Callable, inputs: dict[str, torch.Tensor], repeats: int) -> float:
-    """Median wall time of forward + backward + reading the metrics on the host (a sync on a GPU)."""
-    for _ in range(3):
-        run_once(fn, inputs)  # warm-up: compiles, autotuning, caches
-    return statistics.median(timed_s(fn, inputs) * 1e3 for _ in range(repeats))
+def median_ms(fns: dict[str, Callable], inputs: dict[str, torch.Tensor], repeats: int) -> dict[str, float]:
+    """Median wall time (ms) of forward + backward + reading the metrics on the host (a sync on a GPU)
+    of each implementation, their repeats interleaved — one call of each in turn — so that a burst of
+    load on a shared machine hits them alike and the ratios of one run compare like with like."""
+    for fn in fns.values():
+        for _ in range(3):
+            run_once(fn, inputs)  # warm-up: compiles, autotuning, caches
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            times[name].append(timed_s(fn, inputs) * 1e3)
+    return {name: statistics.median(values) for name, values in times.items()}
 
 
 PEERS = ("framework-style", "OpenRLHF PolicyLoss (optional)")  # "× fastest peer": ours ÷ the faster of these
@@ -422,7 +429,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.host_only:
         return
     where = torch.cuda.get_device_name() if cuda else f"CPU, {torch.get_num_threads()} threads"
-    table = Table(title=f"correct + policy_loss, fwd+bwd + metrics read on the host, {where}, median of {repeats}")
+    table = Table(title=f"correct + policy_loss, fwd+bwd + metrics read on the host, {where}, median of {repeats} "
+                        "(implementations interleaved)")
     columns = ["B×T", "dtype", "implementation", "median ms", "× OpenRLHF" if cuda and _openrlhf else "× readable",
                "× fastest peer", "peak extra MB", "peak / (B·T fp32)", "first call s"]
     if cuda:
@@ -440,8 +448,9 @@ def main(argv: list[str] | None = None) -> None:
             check_agreement(inputs)
             unit_mb = b * t * 4 / 2**20
             rows = {}
+            medians = median_ms(IMPLEMENTATIONS, inputs, repeats)
             for name, fn in IMPLEMENTATIONS.items():
-                ms = median_ms(fn, inputs, repeats)
+                ms = medians[name]
                 mb = peak_extra_mb(fn, inputs) if cuda else peak_extra_mb_in_subprocess(name, b, t)
                 extra = []
                 if cuda:
