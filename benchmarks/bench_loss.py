@@ -222,26 +222,55 @@ def first_call_s(fn: Callable, inputs: dict[str, torch.Tensor]) -> float:
     return timed_s(fn, inputs)
 
 
-def median_ms(fn: Callable, inputs: dict[str, torch.Tensor], repeats: int) -> float:
-    """Median wall time of forward + backward + reading the metrics on the host (a sync on a GPU)."""
-    for _ in range(3):
-        run_once(fn, inputs)  # warm-up: compiles, autotuning, caches
-    return statistics.median(timed_s(fn, inputs) * 1e3 for _ in range(repeats))
+def median_ms(fns: dict[str, Callable], inputs: dict[str, torch.Tensor], repeats: int) -> dict[str, float]:
+    """Median wall time (ms) of forward + backward + reading the metrics on the host (a sync on a GPU)
+    of each implementation, their repeats interleaved — one call of each in turn — so that a burst of
+    load on a shared machine hits them alike and the ratios of one run compare like with like."""
+    for fn in fns.values():
+        for _ in range(3):
+            run_once(fn, inputs)  # warm-up: compiles, autotuning, caches
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            times[name].append(timed_s(fn, inputs) * 1e3)
+    return {name: statistics.median(values) for name, values in times.items()}
 
 
 PEERS = ("framework-style", "OpenRLHF PolicyLoss (optional)")  # "× fastest peer": ours ÷ the faster of these
 
 
-def host_overhead_us(device: str, calls: int = 300, b: int = 8, t: int = 64) -> tuple[float, float]:
+def _per_call_us(calls_of: list[Callable[[], object]], calls: int, rounds: int = 7) -> list[float]:
+    """µs per call of each callable: the median over ``rounds`` rounds of ``calls`` calls, the
+    callables' rounds interleaved (a burst of load on a shared machine then hits all of them alike),
+    after ``calls // 3`` warm-up calls of each."""
+    for call in calls_of:
+        for _ in range(calls // 3):
+            call()
+    times: list[list[float]] = [[] for _ in calls_of]
+    for _ in range(rounds):
+        for call, out in zip(calls_of, times):
+            start = time.perf_counter()
+            for _ in range(calls):
+                call()
+            out.append((time.perf_counter() - start) / calls * 1e6)
+    return [statistics.median(out) for out in times]
+
+
+def host_overhead_us(device: str, calls: int = 300, b: int = 8, t: int = 64) -> tuple[float, float, float, float]:
     """Microseconds of host work per call of the Triton rung — ``policy_loss(implementation="triton")``
     forward, and forward + backward — with its kernel launches stubbed out: what a GPU step pays on the
     host around its 3 kernels (the launches' own cost is Triton's). The finishing kernel's stub writes
     "one valid token, no refusal" into the checks (on the CPU they are read at once). On the CPU the rung
-    runs where ``TRITON_INTERPRET=1`` (set here for the measurement). Median of 5 rounds of ``calls``."""
+    runs where ``TRITON_INTERPRET=1`` (set here for the measurement).
+
+    Measured in the same interleaved rounds, for scale, what torch itself costs the host now:
+    ``torch.empty(100)``, and ``x.sum().backward()`` of a fresh [b, t] leaf — one autograd node and
+    the engine's round trip, the least any loss's forward + backward can cost. Returns (forward,
+    forward + backward, empty, floor)."""
     from offpolicy.kernels import triton as tk
 
     if not tk.available():
-        return math.nan, math.nan
+        return math.nan, math.nan, math.nan, math.nan
     saved_env = os.environ.get("TRITON_INTERPRET")
     if not device.startswith("cuda"):
         os.environ["TRITON_INTERPRET"] = "1"
@@ -268,18 +297,14 @@ def host_overhead_us(device: str, calls: int = 300, b: int = 8, t: int = 64) -> 
             if backward:
                 loss.backward()
 
-        out = []
-        for backward in (False, True):
-            for _ in range(calls // 3):
-                call(backward)
-            rounds = []
-            for _ in range(5):
-                start = time.perf_counter()
-                for _ in range(calls):
-                    call(backward)
-                rounds.append((time.perf_counter() - start) / calls * 1e6)
-            out.append(statistics.median(rounds))
-        return out[0], out[1]
+        x = torch.zeros(b, t, device=device)
+
+        def floor() -> None:
+            x.detach().requires_grad_(True).sum().backward()
+
+        forward, step, empty, least = _per_call_us(
+            [lambda: call(False), lambda: call(True), lambda: torch.empty(100, device=device), floor], calls)
+        return forward, step, empty, least
     finally:
         for kernel, run in zip(kernels, saved):
             if run is None:
@@ -393,17 +418,19 @@ def main(argv: list[str] | None = None) -> None:
     console = Console()
     if not console.is_terminal:
         console = Console(width=160)
-    forward_us, step_us = host_overhead_us(args.device)
+    forward_us, step_us, empty_us, floor_us = host_overhead_us(args.device)
+    load = f"load average {os.getloadavg()[0]:.1f}" if hasattr(os, "getloadavg") else "load unknown"
     host = Table(title="host overhead of the Triton rung per call, kernel launches stubbed "
-                       "(8×64 inputs; goal ≤ 50 µs)")
-    for col in ("device", "forward µs", "forward + backward µs"):
+                       f"(8×64 inputs; goal ≤ 50 µs; {load})")
+    for col in ("device", "forward µs", "forward + backward µs", "torch.empty(100) µs", "x.sum().backward() µs"):
         host.add_column(col, justify="right")
-    host.add_row(args.device, f"{forward_us:.1f}", f"{step_us:.1f}")
+    host.add_row(args.device, f"{forward_us:.1f}", f"{step_us:.1f}", f"{empty_us:.1f}", f"{floor_us:.1f}")
     console.print(host)
     if args.host_only:
         return
     where = torch.cuda.get_device_name() if cuda else f"CPU, {torch.get_num_threads()} threads"
-    table = Table(title=f"correct + policy_loss, fwd+bwd + metrics read on the host, {where}, median of {repeats}")
+    table = Table(title=f"correct + policy_loss, fwd+bwd + metrics read on the host, {where}, median of {repeats} "
+                        "(implementations interleaved)")
     columns = ["B×T", "dtype", "implementation", "median ms", "× OpenRLHF" if cuda and _openrlhf else "× readable",
                "× fastest peer", "peak extra MB", "peak / (B·T fp32)", "first call s"]
     if cuda:
@@ -421,8 +448,9 @@ def main(argv: list[str] | None = None) -> None:
             check_agreement(inputs)
             unit_mb = b * t * 4 / 2**20
             rows = {}
+            medians = median_ms(IMPLEMENTATIONS, inputs, repeats)
             for name, fn in IMPLEMENTATIONS.items():
-                ms = median_ms(fn, inputs, repeats)
+                ms = medians[name]
                 mb = peak_extra_mb(fn, inputs) if cuda else peak_extra_mb_in_subprocess(name, b, t)
                 extra = []
                 if cuda:

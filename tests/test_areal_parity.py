@@ -18,6 +18,7 @@ import contextlib
 import functools
 import importlib.util
 import logging
+import math
 
 import pytest
 import torch
@@ -236,12 +237,18 @@ SETTINGS = {
     "sapo_token": dict(use_sapo_loss=True),
     # M2PO with a clamp (one denominator)
     "m2po_clamp": dict(m2_threshold=0.05, rejection_sampling=dict(action="clamp", upper=1.5), **DECOUPLED),
-    # issue #32: M2PO with a mask, AReaL's one count (the tokens M2PO keeps) — the mask as a {mode: mask} weight
+    # issue #32: M2PO with a mask, AReaL's one count (the tokens M2PO keeps): denominator 1 (after the m2 rule)
     "m2po_token_mask": dict(m2_threshold=0.1, rejection_sampling=dict(upper=1.2), **DECOUPLED),
     "m2po_token_mask_band": dict(m2_threshold=0.05, rejection_sampling=dict(lower=0.7, upper=1.3), **DECOUPLED),
     "m2po_seq_mean_mask": dict(m2_threshold=0.1, rejection_sampling=dict(level="sequence", upper=1.1), **DECOUPLED),
     "m2po_gspo_seq_mask": dict(m2_threshold=0.03, importance_sampling_level="sequence", eps_clip=0.1, **DECOUPLED,
                                rejection_sampling=dict(level="sequence", lower=0.8, upper=1.2)),
+    # issue #43 item 10: the masks a {mode: mask} weight could not write, now rules counted after M2PO
+    "m2po_kl_mask": dict(m2_threshold=0.04, rejection_sampling=dict(metric="kl_k3", upper=0.05), **DECOUPLED),
+    "m2po_seq_max_mask": dict(m2_threshold=0.04, rejection_sampling=dict(level="sequence", agg="max", upper=1.5),
+                              **DECOUPLED),
+    "m2po_gspo_token_mask": dict(m2_threshold=0.04, importance_sampling_level="sequence", eps_clip=0.1, **DECOUPLED,
+                                 rejection_sampling=dict(upper=1.3)),
     # decoupled PPO without a behaviour correction, and AReaL's plain default (PPO against μ itself)
     "decoupled_plain": dict(**DECOUPLED),
     "areal_defaults": dict(),
@@ -286,9 +293,9 @@ def ours_areal(theta, prox, mu, adv, mask, setting, implementation="reference"):
     loss.backward()
     if cfg.correction is None:
         return loss.detach(), theta.grad, mask
-    # AReaL's behave_mask: kept by the loss mask AND a positive behaviour weight (a {mode: mask} weight's 0s)
+    # AReaL's behave_mask is its loss_mask after rejection sampling: correct's own surviving mask
     corr = op.correct(prox, mu, mask.float(), cfg.correction)
-    return loss.detach(), theta.grad, corr.mask.bool() & (corr.weights > 0)
+    return loss.detach(), theta.grad, corr.mask.bool()
 
 
 def new_batch(seed: int, B: int, T: int, extreme: bool | str = False):
@@ -393,13 +400,6 @@ REFUSED = {
     "k2_clamp": (_rs(metric="kl_k2", action="clamp", upper=0.5), "clamps the RATIO"),  # AReaL's config refuses it too
     "ratio_seq_sum_clamp_lower_above_1": (_rs(level="sequence", agg="sum", action="clamp", lower=1.1, upper=2.0),
                                           "not monotone"),
-    # issue #32: only the masks LossConfig cannot write as a weight, with what it lacks
-    "m2po_kl_mask": (dict(m2_threshold=0.04, rejection_sampling=dict(metric="kl_k3", upper=0.5), **DECOUPLED),
-                     "counts its tokens either before every rejection rule"),
-    "m2po_seq_max_mask": (dict(m2_threshold=0.04, rejection_sampling=dict(level="sequence", agg="max", upper=2.0),
-                               **DECOUPLED), "denominator fixed"),
-    "m2po_gspo_token_mask": (dict(m2_threshold=0.04, importance_sampling_level="sequence", **DECOUPLED,
-                                  rejection_sampling=dict(upper=2.0)), "importance_sampling_level token"),
     "sapo_decoupled": (dict(use_sapo_loss=True, use_decoupled_loss=True), "use_decoupled_loss"),
     # AReaL ignores them without the decoupled loss (π_prox is μ): a silent no-op is refused
     "rs_not_decoupled": (dict(rejection_sampling=dict(upper=2.0)), "AReaL ignores it there"),
@@ -478,25 +478,81 @@ def test_nonfinite_behaviour_logprobs_with_neutral(name):
     torch.testing.assert_close(theta.grad, want_grad, rtol=2e-5, atol=1e-7)
 
 
-@pytest.mark.parametrize("name", ["m2po_token_mask", "m2po_seq_mean_mask"])
+@pytest.mark.parametrize("name", ["m2po_token_mask", "m2po_seq_mean_mask", "m2po_kl_mask"])
 def test_m2po_with_a_mask_keeps_areals_one_count(name):
-    """Guard for the M2PO + mask settings above: both rules as rejection rules would divide by the tokens
-    left after BOTH (renormalize) or before both (fixed); AReaL divides by those M2PO keeps, and only the
-    mask-as-weight translation matches it (so the parity above tests the count, not a coincidence)."""
+    """Guard for the M2PO + mask settings above: both rules counted after BOTH (renormalize) or before
+    both (fixed) would not match; AReaL divides by the tokens M2PO keeps (``denominator: 1``), so the
+    parity above tests the count, not a coincidence."""
     setting = SETTINGS[name]
     cfg = areal_map.loss_config(**setting)
-    assert cfg.correction.weight.mode == "mask" and cfg.correction.denominator == "renormalize"
-    rule = areal_map.rejection_sampling_correction(
-        {**areal_map._RS_DEFAULTS, **setting["rejection_sampling"]})["reject"][0]
+    assert cfg.correction.denominator == 1 and len(cfg.correction.reject) == 2
     differs = {"fixed": False, "renormalize": False}
     for shape in SHAPES:
         theta, prox, mu, adv, mask = new_batch(*shape)
         want, _, _ = areal_truth(theta, prox, mu, adv, mask, setting)
         for denominator in differs:
-            both = _variant(cfg)
-            data = both.model_dump(exclude_none=True)
-            data["correction"].update(reject=[*data["correction"]["reject"], rule], denominator=denominator)
-            data["correction"]["weight"] = {"level": cfg.correction.weight.level, "mode": "truncate"}
+            data = cfg.model_dump(exclude_none=True)
+            data["correction"]["denominator"] = denominator
             loss, _ = op.policy_loss(theta, prox, adv, mask.float(), mu, op.LossConfig(**data))
             differs[denominator] |= not torch.allclose(loss, want, rtol=1e-4, atol=1e-6)
     assert all(differs.values()), differs
+
+
+@pytest.mark.parametrize("implementation", ["auto", "reference", "eager", "compiled"])
+def test_m2po_sequence_mask_drops_the_token_areal_drops(implementation):
+    """Issue #43 item 10: M2PO + a sequence mask (agg mean, upper 1.5) on a one-token batch whose
+    ratio is 1.8. AReaL's loss_mask drops the token while M2PO keeps it (the count stays 1): loss 0,
+    gradient 0, and ``correct``'s surviving mask and masked_fraction say the token is gone (the
+    mask-as-weight translation kept it, with weight 0)."""
+    setting = dict(m2_threshold=0.04, rejection_sampling=dict(level="sequence", action="mask", metric="ratio",
+                                                              agg="mean", upper=1.5), **DECOUPLED)
+    cfg = areal_map.loss_config(**setting)
+    prox = torch.tensor([[-1.0]])
+    mu, theta, adv, mask = prox - math.log(1.8), prox + 0.05, torch.tensor([[1.0]]), torch.tensor([[True]])
+    want_loss, want_grad, want_kept = areal_truth(theta, prox, mu, adv, mask, setting)
+    assert not want_kept.any()  # AReaL drops it; M2PO alone keeps it (it never masks the last token)
+    assert apply_m2po_masking()(mu, prox, mask.clone(), 0.04).all()
+    if implementation not in ("auto", "reference"):  # the fast rungs cannot count after the first rule
+        assert not op.kernels.get(implementation).supports(cfg, None)
+        with pytest.raises(ValueError, match="does not cover"):
+            ours_areal(theta, prox, mu, adv, mask, setting, implementation)
+        return
+    loss, grad, kept = ours_areal(theta, prox, mu, adv, mask, setting, implementation)
+    torch.testing.assert_close(loss, want_loss)
+    torch.testing.assert_close(grad, want_grad)
+    assert torch.equal(kept, want_kept)
+    corr = op.correct(prox, mu, mask.float(), cfg.correction)
+    metrics = corr.metrics.to_dict()
+    assert metrics["offpolicy/masked_fraction"] == 1.0 and corr.count_mask.tolist() == [[1.0]]
+    per_token, count_mask, _ = op.policy_loss(theta, prox, adv, mask.float(), mu, cfg, reduce=False)
+    assert count_mask.tolist() == [[1.0]] and per_token.tolist() == [[0.0]]
+
+
+def test_an_integer_denominator_counts_after_the_first_rules():
+    """``denominator: n`` counts the tokens left after the first n rules; 0 and len(reject) are written
+    ``fixed`` / ``renormalize`` (one spelling for every rung), other numbers are refused with the range;
+    ``with_global_normalizer`` counts the same tokens ``policy_loss`` divides by."""
+    rules = [{"stat": "m2", "high": 0.04}, {"stat": "ratio", "level": "geometric", "high": 1.5}]
+    assert op.CorrectionConfig(reject=rules, denominator=0).denominator == "fixed"
+    assert op.CorrectionConfig(reject=rules, denominator=2).denominator == "renormalize"
+    with pytest.raises(ValueError, match=r"must lie in 0\.\.2"):
+        op.CorrectionConfig(reject=rules, denominator=3)
+    cfg = areal_map.loss_config(m2_threshold=0.04, rejection_sampling=dict(level="sequence", upper=1.1), **DECOUPLED)
+    theta, prox, mu, adv, mask = new_batch(0, 6, 8)
+    counted = op.correct(prox, mu, mask.float(), cfg.correction).count_mask
+    glob = op.with_global_normalizer(cfg, [{"mask": mask.float(), "old_logprobs": prox, "rollout_logprobs": mu}])
+    assert glob.global_tokens == counted.sum().item() > op.correct(prox, mu, mask.float(), cfg.correction).mask.sum()
+
+
+def test_m2po_with_a_mask_resolves_for_a_step():
+    """``resolve_thresholds`` reads M2PO's cut with the rules before it only (no rule: fewer than the
+    count after the m2 rule names) and keeps ``denominator: 1``; on one micro-batch the step's config
+    gives AReaL's loss, as the per-call one does."""
+    setting = SETTINGS["m2po_seq_mean_mask"]
+    cfg = areal_map.loss_config(**setting)
+    theta, prox, mu, adv, mask = new_batch(0, 6, 8)
+    fixed = op.resolve_thresholds(cfg, [{"mask": mask.float(), "old_logprobs": prox, "rollout_logprobs": mu}])
+    assert fixed.correction.denominator == 1 and fixed.correction.reject[0].stat == "k2"
+    want, _, _ = areal_truth(theta, prox, mu, adv, mask, setting)
+    loss, _ = op.policy_loss(theta, prox, adv, mask.float(), mu, fixed)
+    torch.testing.assert_close(loss, want, rtol=2e-5, atol=1e-6)

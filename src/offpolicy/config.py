@@ -479,8 +479,9 @@ class CorrectionConfig(_Loadable):
     reject_mode: Literal["independent", "sequential"] = Field(
         "independent", description="independent: each rule sees the incoming mask (verl); sequential: the mask left by earlier rules (SkyRL)"
     )
-    denominator: Literal["fixed", "renormalize"] = Field(
-        "renormalize", description="fixed: original valid-token count; renormalize: surviving count"
+    denominator: Literal["fixed", "renormalize"] | int = Field(
+        "renormalize", description="fixed: original valid-token count; renormalize: surviving count; an integer n: "
+        "the tokens left after the first n reject rules (AReaL: the tokens M2PO keeps, before rejection sampling)"
     )
     log_clamp: float | None = Field(20.0, gt=0, description="clamp log ρ to [−L, L] before exp (L ≤ 60); None = 60, the largest bound whose weights cannot overflow the loss")
     nonfinite: Literal["error", "mask_token", "mask_sequence", "neutral"] = Field(
@@ -498,6 +499,22 @@ class CorrectionConfig(_Loadable):
             )
         if self.kl_is_weight and self.weight is None:
             raise ValueError("kl_is_weight: true needs a `weight` to apply to the KL term")
+        return self
+
+    @model_validator(mode="after")
+    def _count_after_rules(self) -> CorrectionConfig:
+        """An integer denominator n counts the tokens left after the first n rules: 0 is ``fixed``
+        and len(reject) is ``renormalize``, written as those names so that every rung sees one
+        spelling; only a count between two rules stays a number."""
+        n = self.denominator
+        if isinstance(n, bool) or not isinstance(n, int):
+            return self
+        if not 0 <= n <= len(self.reject):
+            raise ValueError(f"denominator {n}: an integer counts the tokens left after the first n reject rules, so it "
+                             f"must lie in 0..{len(self.reject)} (there are {len(self.reject)} rules); or use 'fixed' / "
+                             "'renormalize'")
+        if n in (0, len(self.reject)):
+            object.__setattr__(self, "denominator", "fixed" if n == 0 else "renormalize")
         return self
 
     @classmethod

@@ -57,6 +57,9 @@ class Correction:
         log_ratio:  [B, T] fp32 clamped log ρ_t; 0 on invalid tokens.
         valid_mask: [B, T] fp32 0/1 mask after sanitising, before rejection
                     (the denominator of ``denominator: fixed``).
+        count_mask: [B, T] fp32 0/1 mask the loss divides by: ``valid_mask`` under
+                    ``denominator: fixed``, ``mask`` under ``renormalize``, the tokens left
+                    after the first n rules under an integer n (AReaL's M2PO count).
     """
 
     weights: torch.Tensor
@@ -67,6 +70,7 @@ class Correction:
     # [B, T] fp32 log π_old for PPO's own ratio after the nonfinite policy (anchor old: π_old;
     # rollout: μ), 0 off valid tokens; None under anchor current (the loss takes π_old as given)
     old_logprobs: torch.Tensor | None = None
+    count_mask: torch.Tensor | None = None
 
 
 # =========================================================================== 1. sanitize
@@ -372,8 +376,10 @@ def resolve_rule(rule: Any, b: RuleInputs, seen: torch.Tensor, log_clamp: float 
     return rule.model_copy(update=chosen_band(rule, values, fill_empty=True, metrics=metrics, key=f"{name}/"))
 
 
-def apply_rejection(cfg: CorrectionConfig, b: RuleInputs, valid: torch.Tensor, input_mask: torch.Tensor, metrics: Metrics) -> torch.Tensor:
-    """Apply ``cfg.reject`` in order; return the surviving mask.
+def apply_rejection(cfg: CorrectionConfig, b: RuleInputs, valid: torch.Tensor, input_mask: torch.Tensor, metrics: Metrics,
+                    after: list[torch.Tensor] | None = None) -> torch.Tensor:
+    """Apply ``cfg.reject`` in order; return the surviving mask (and, into ``after``, the masks left
+    after the first 0, 1, …, n rules, the last the surviving one: an integer ``denominator`` counts one).
 
     independent: every rule is evaluated on ``valid``; results are ANDed (verl).
     sequential:  each rule sees the mask left by the rules before it (SkyRL).
@@ -385,6 +391,8 @@ def apply_rejection(cfg: CorrectionConfig, b: RuleInputs, valid: torch.Tensor, i
     n_rows = input_mask.any(dim=-1).sum()
     current = valid
     for i, rule in enumerate(cfg.reject):
+        if after is not None:
+            after.append(current)
         seen = current if cfg.reject_mode == "sequential" else valid
         name = f"reject/{rule_name(i, rule)}"
         fixed = resolve_rule(rule, b, seen, cfg.log_clamp, name, metrics)
@@ -397,6 +405,8 @@ def apply_rejection(cfg: CorrectionConfig, b: RuleInputs, valid: torch.Tensor, i
         elif isinstance(rule, BinaryKLRule):  # mean bkl the rule read (≥ 0: ops.binary_kl clamps fp32's negatives)
             metrics.mean(f"{name}/binary_kl_mean", binary_kl_values(rule, b), seen)
         current = current & keep
+    if after is not None:
+        after.append(current)
     return current
 
 
@@ -706,7 +716,10 @@ def correct(
         advantages=None if advantages is None else torch.where(valid, advantages.float(), zero),
         clamp=clamp,
     )
-    surviving = apply_rejection(cfg, batch, valid, input_mask, metrics)
+    after: list[torch.Tensor] = []
+    surviving = apply_rejection(cfg, batch, valid, input_mask, metrics, after)
+    counted = {"fixed": valid, "renormalize": surviving}.get(cfg.denominator) if isinstance(cfg.denominator, str) \
+        else after[cfg.denominator]
     metrics.ratio("masked_fraction", (input_mask & ~surviving).sum(), input_mask.sum())
     metrics.ratio("masked_fraction_seq", (input_mask & ~surviving).any(dim=-1).sum(), input_mask.any(dim=-1).sum())
 
@@ -725,4 +738,5 @@ def correct(
         log_ratio=log_ratio,
         valid_mask=valid.float(),
         old_logprobs={"old": trainer, "rollout": rollout}.get(cfg.anchor),
+        count_mask=counted.float(),
     )

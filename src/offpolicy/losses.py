@@ -3,33 +3,11 @@
 This module checks the call and picks an implementation from ``offpolicy.kernels`` (the
 ladder reference → eager → compiled → triton; all compute the same numbers).
 
-Per token, with r_t = exp(clamp(log π_θ − log π_old, ±20)) and advantage A_t:
-
-    ppo:       ℓ = −min(r·A, clip(r, 1−ε_low, 1+ε_high)·A);  dual clip c: for A < 0, ℓ = min(ℓ, −c·A)
-    gspo:      s = exp(mean_t(log π_θ − log π_old)), s_t = sg(s)·π_θ/sg(π_θ);
-               ℓ = −min(s_t·A, clip(s_t, 1−ε_low, 1+ε_high)·A)                (GSPO-token)
-               gspo_form sequence: s with its gradient, Ā = mean_t A;  ℓ = −min(s·Ā, clip(s)·Ā)
-               (+ dual clip for either form)
-    cispo:     ℓ = −sg(clip(r, 1−ε_low, 1+ε_high))·A·log π_θ                  (MiniMax-M1)
-    sapo:      ℓ = −(4/τ)·σ(τ(r−1))·A,  τ = τ_pos if A > 0 else τ_neg        (soft gate; slope 1 at r = 1)
-               sapo_level sequence: r → s (gradient through the mean), A → Ā
-    reinforce: ℓ = −A·log π_θ
-
-then ℓ ← w·ℓ (IS weights, after clipping and the dual clip), rejected and padding tokens give 0,
-ℓ ← ℓ + β·KL(π_θ ‖ π_ref)_t (weighted too when ``kl_is_weight``) on the ``kl_mask`` tokens —
-the kept ones by default, or every valid token (``valid``) or only the rejected ones
-(``rejected``) — with π_ref the ref_logprobs passed in, or μ under ``kl_to: rollout``
-(prime-rl's kl_tau·(log π_θ − log μ)² is kl_kind k2, β = 2·kl_tau, kl_mask valid) — and
-aggregation divides once:
-
-    token-mean               Σ ℓ / N_tokens
-    seq-mean-token-mean      mean over non-empty rows of (Σ_t ℓ / n_row)
-    seq-mean-token-sum       mean over non-empty rows of Σ_t ℓ
-    seq-mean-token-sum-norm  mean over non-empty rows of Σ_t ℓ / max_len   (max_len = T by default)
-
-N_tokens / n_row / the row count come from the surviving mask (``denominator: renormalize``)
-or the valid mask (``fixed``); ``global_tokens`` / ``global_seqs`` replace the batch count so
-that micro-batches and ranks sum to the loss of one big batch.
+The formulas — each ``kind``'s per-token loss ℓ, the IS weight, the KL term on the ``kl_mask``
+tokens (to ``ref_logprobs`` or, ``kl_to: rollout``, to μ) and each ``agg``'s division — are one
+table, in docs/specification.md §5; ``kernels/reference.py`` computes it term by term. In short:
+ppo ℓ = −min(r·A, clip(r)·A) with r = π_θ/π_old, then ℓ ← w·ℓ (+ β·KL_t), and token-mean divides
+Σ ℓ by the count of the ``denominator``'s tokens.
 """
 
 from __future__ import annotations
@@ -85,7 +63,7 @@ def policy_loss(
     reduce: bool = True,
     implementation: str = "auto",
 ) -> tuple[torch.Tensor, Metrics] | tuple[torch.Tensor, torch.Tensor, Metrics]:
-    """The corrected policy loss (docs/specification.md §5) — formulas in the module docstring.
+    """The corrected policy loss — the formulas are docs/specification.md §5's table.
 
     Args:
         logprobs:         [B, T] log π_θ(y_t), with grad.
@@ -161,8 +139,9 @@ def with_global_normalizer(
         token-mean:                global_tokens = Σ_micro-batches Σ_ranks N_tokens
         seq-mean-token-*:          global_seqs   = Σ_micro-batches Σ_ranks #rows with ≥ 1 token
 
-    where a token counts when it survives the rejection rules (``denominator: renormalize``)
-    or is valid (``fixed``; NaN/inf masked by ``nonfinite`` do not count) — the same count
+    where a token counts when it survives the rejection rules (``denominator: renormalize``),
+    is valid (``fixed``; NaN/inf masked by ``nonfinite`` do not count) or survives the first n
+    rules (an integer n; ``Correction.count_mask``) — the same count
     ``policy_loss`` divides by when no global count is set. The counts are summed over the ranks
     with one all-reduce when torch.distributed is initialised. A count of 0 (everything
     rejected) becomes 1: the loss is 0 either way.
@@ -204,7 +183,7 @@ def with_global_normalizer(
                 mb.get("old_logprobs"), mb.get("rollout_logprobs"), mb["mask"], corr_cfg,
                 logprobs=mb.get("logprobs"), advantages=mb.get("advantages"),
             )
-            counted = (corr.valid_mask if corr_cfg.denominator == "fixed" else corr.mask).bool()
+            counted = corr.count_mask.bool()
         count = torch.stack([counted.sum(), counted.any(dim=-1).sum()]).to(torch.float64)
         tokens = count if tokens is None else tokens + count.to(tokens.device)
     if tokens is None:

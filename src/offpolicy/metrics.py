@@ -69,7 +69,7 @@ class Metrics:
         self._device = device
         self._reducer: dict[str, str] = {}
         self._store: dict[str, torch.Tensor] = {}
-        self._pending: tuple[torch.Tensor, list[int]] | None = None  # from_flat's slices, made on first use
+        self._pending: tuple[torch.Tensor, int, list[int]] | None = None  # from_flat's slices, made on first use
         # (counts on the device, describe(counts) -> error message or None): input checks that a
         # kernel made without a host synchronisation, raised at the first host read (``to_dict``)
         self._checks: list[tuple[torch.Tensor, Callable[[list[float]], str | None]]] = []
@@ -91,16 +91,16 @@ class Metrics:
         out = cls()
         out._reducer.update(layout.reducers)
         out._flat = (flat, layout.offsets)
-        out._pending = (flat[: layout.size], layout.widths)  # views are made only if a caller needs them
+        out._pending = (flat, layout.size, layout.widths)  # views are made only if a caller needs them
         return out
 
     @property
     def _parts(self) -> dict[str, torch.Tensor]:
         """key → partial sums (a tensor on the data's device)."""
         if self._pending is not None:
-            flat, widths = self._pending
+            flat, size, widths = self._pending
             self._pending = None
-            self._store.update(zip(self._reducer, flat.split(widths)))
+            self._store.update(zip(self._reducer, flat[:size].split(widths)))
         return self._store
 
     def defer_check(self, counts: torch.Tensor, describe: Callable[[list[float]], str | None]) -> None:

@@ -105,7 +105,9 @@ def resolve_thresholds(
                         logprobs=mb.get("logprobs"), advantages=mb.get("advantages")) for mb in batches]
 
     rules = list(corr.reject)
-    clamp_cfg = corr.model_copy(update={"weight": None, "reject": []})
+    # the runs that read a stage's units: no weight, no later rule, and (fewer rules than an integer
+    # denominator counts) the valid tokens as the count, which these runs never read
+    clamp_cfg = corr.model_copy(update={"weight": None, "reject": [], "denominator": "fixed"})
     for i, rule in enumerate(rules):
         if not (isinstance(rule, M2Rule) or getattr(rule, "adaptive", False)):
             continue

@@ -12,6 +12,10 @@ The keyword defaults are ``PPOActorConfig``'s own (areal/api/cli_args.py, 1.0.4)
 config's loss: ``loss_config(use_sapo_loss=True)`` is AReaL's ordinary SAPO setup, decoupled PPO
 needs ``use_decoupled_loss=True`` as it does in AReaL.
 
+``m2_threshold`` with an ``action: mask`` is M2PO's rule followed by the mask's rules with
+``denominator: 1``: AReaL divides by the tokens M2PO keeps, BEFORE rejection sampling drops more,
+and its ``loss_mask`` (our surviving mask) leaves the rejected tokens out.
+
 Every setting maps to a config, or raises ``ConfigError`` saying why it has no meaningful
 equivalent and what to use instead (docs/areal.md lists them all):
 
@@ -21,12 +25,6 @@ equivalent and what to use instead (docs/areal.md lists them all):
   weight is then neither the geometric mean nor a truncation of it);
 * ``action: clamp`` with a KL metric (AReaL clamps the RATIO to the KL bounds);
 * ``level: sequence, agg: sum, action: clamp, metric: ratio`` with ``lower > 1``;
-* ``m2_threshold`` with an ``action: mask`` that ``LossConfig`` cannot write as a weight: AReaL
-  divides by the tokens M2PO keeps, BEFORE rejection sampling drops more, and a LossConfig counts
-  either before every rule (``fixed``) or after every rule (``renormalize``). A ratio mask at token
-  level (PPO) or at sequence level with agg mean IS expressed: M2PO as the rejection rule
-  (``renormalize``), the mask as a ``{mode: mask}`` weight — its tokens get weight 0 and stay
-  counted, as in AReaL;
 * ``rejection_sampling`` or ``m2_threshold`` without ``use_decoupled_loss`` (AReaL ignores them
   there: π_prox is μ itself, it warns "Filtering will be ignored");
 * ``use_sapo_loss`` with ``use_decoupled_loss`` (AReaL refuses it too).
@@ -117,30 +115,6 @@ def rejection_sampling_correction(rs: dict[str, Any]) -> dict[str, Any]:
     return {"weight": {"level": "geometric", "mode": "truncate", **band}}
 
 
-def m2po_with_mask_as_weight(rs: dict[str, Any], importance_sampling_level: str) -> dict[str, Any]:
-    """The ``weight`` that reproduces a rejection_sampling ``action: mask`` applied after M2PO: the
-    mask's kept tokens carry the raw ratio (token level) or the row's geometric mean (sequence level,
-    agg mean), its rejected ones weight 0, and all of them stay in the count — AReaL's denominator,
-    the tokens M2PO keeps (``ppo_actor_loss_fn`` counts ``loss_mask`` before rejection sampling edits
-    it; ``grpo_loss_fn`` applied M2PO to it first).
-
-    Raises:
-        ConfigError: a mask that is no weight — a KL metric, agg sum or max, a token-level mask under
-        GSPO's sequence ratio (AReaL's row mean then leaves the rejected tokens out) — with what
-        LossConfig lacks.
-    """
-    low = None if rs["lower"] == 0 else rs["lower"]
-    if rs["metric"] == "ratio" and (rs["level"] == "token" and importance_sampling_level == "token"
-                                    or rs["level"] == "sequence" and rs["agg"] == "mean"):
-        level = "token" if rs["level"] == "token" else "geometric"
-        return {"level": level, "mode": "mask", "low": low, "high": rs["upper"]}
-    raise _refuse(rs, "with m2_threshold, AReaL divides by the tokens M2PO keeps, before rejection sampling drops "
-                  "more; a LossConfig counts its tokens either before every rejection rule (denominator fixed) or "
-                  "after every rule (renormalize), so only a mask it can write as a {mode: mask} weight (metric "
-                  "ratio at token level with importance_sampling_level token, or at sequence level with agg mean) "
-                  "keeps AReaL's count. Use action 'clamp', or one of the two rules")
-
-
 def loss_config(
     *,
     eps_clip: float = 0.2,
@@ -200,13 +174,12 @@ def loss_config(
         reject.append({"stat": "m2", "high": m2_threshold})
     if rs is not None:
         fields = rejection_sampling_correction(rs)
-        if m2_threshold is not None and fields.get("reject"):  # the mask as a weight: AReaL's one count
-            fields = {"weight": m2po_with_mask_as_weight(rs, importance_sampling_level)}
         reject += fields.get("reject", [])
         if fields.get("weight"):
             correction["weight"] = fields["weight"]
-        # AReaL counts the loss mask before rejection sampling (after M2PO, which edits it first)
-        correction["denominator"] = "renormalize" if m2_threshold is not None else "fixed"
+        # AReaL counts the loss mask before rejection sampling, after M2PO (which edits it first):
+        # the tokens left after the m2 rule (1; with no rejection rule after it that is renormalize)
+        correction["denominator"] = 1 if m2_threshold is not None else "fixed"
     # M2PO edits the mask rejection sampling then sees
     correction.update(reject=reject, reject_mode="sequential")
     return LossConfig(**loss, correction=correction)

@@ -182,11 +182,11 @@ class OffpolicyPolicyLoss(PolicyLoss):
     def _check_agrees(self, cfg: LossConfig) -> None:
         # Aggregation is OpenRLHF's (token_level_loss from --actor.loss_agg_mode; gspo forces
         # per-sample, as PolicyLoss.__init__ 0.11.2 does); the LossConfig's agg is not used.
-        if cfg.correction is not None and cfg.correction.denominator == "renormalize":
+        if cfg.correction is not None and cfg.correction.denominator != "fixed":  # renormalize, or a count after n rules
             # ppo_actor always passes batch_num_tokens / global_batch_size (loss_utils.get_loss_batch_info,
             # 0.11.2): counts of *valid* tokens/samples over ranks, fixed before the loss runs.
             raise ConfigError(
-                "loss.correction.denominator='renormalize': OpenRLHF divides by its global count of valid tokens "
+                f"loss.correction.denominator={cfg.correction.denominator!r}: OpenRLHF divides by its global count of valid tokens "
                 "(batch_num_tokens) or samples, fixed before the loss runs, so rejected tokens cannot leave the "
                 "denominator; set correction.denominator 'fixed' (e.g. op.presets.loss('recommended') with "
                 "correction.denominator='fixed')"

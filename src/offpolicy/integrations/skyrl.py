@@ -93,9 +93,9 @@ class OffpolicyLoss:
 
     def __init__(self, config: LossConfig, dumper: BatchDumper | None = None) -> None:
         host.check_kl(config, "SkyRL", "trainer.algorithm.use_kl_loss, kl_loss_coef")
-        if config.correction is not None and config.correction.denominator == "renormalize":
+        if config.correction is not None and config.correction.denominator != "fixed":  # renormalize, or a count after n rules
             raise ConfigError(
-                "loss.correction.denominator='renormalize': SkyRL divides the advantages by its token/sequence "
+                f"loss.correction.denominator={config.correction.denominator!r}: SkyRL divides the advantages by its token/sequence "
                 "count before the loss runs, so rejected tokens cannot leave the denominator; set "
                 "correction.denominator 'fixed' (e.g. op.presets.loss('recommended') with "
                 "correction.denominator='fixed')"

@@ -79,7 +79,7 @@ def choose(config: LossConfig, ref_logprobs: torch.Tensor | None, mask: torch.Te
     rung = get(implementation)
     if rung is reference:
         return [reference]
-    if not rung.supports(config, ref_logprobs):
+    if rung not in _supporting(config, ref_logprobs):  # worked out once per config object
         raise ValueError(
             f"implementation {implementation!r} does not cover kind {config.kind!r}"
             f"{' with a KL term' if ref_logprobs is not None else ''} with this correction: "

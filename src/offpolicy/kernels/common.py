@@ -42,6 +42,19 @@ class UpcastSaturating(torch.autograd.Function):
         return to_input_dtype(grad, ctx.dtype)
 
 
+_C_APPLY = torch._C._FunctionBase.__dict__["apply"]  # what Function.apply ends in
+
+
+def attach(function: type[torch.autograd.Function], logprobs: torch.Tensor, *args: torch.Tensor) -> torch.Tensor:
+    """``function.apply(logprobs, *args)`` without the Python wrapper's per-call work where it has
+    none to do (issue #44: ~3–5 µs of a loss call's host time): outside functorch transforms and
+    torch.compile's tracing, ``Function.apply`` only unwraps a dead functorch wrapper — only
+    ``logprobs`` can be one, the other arguments are the rung's own fresh tensors — and calls this."""
+    if torch._C._are_functorch_transforms_active() or torch.compiler.is_compiling():
+        return function.apply(logprobs, *args)
+    return _C_APPLY.__get__(None, function)(torch._C._functorch.unwrap_if_dead(logprobs), *args)
+
+
 class CoefLoss(torch.autograd.Function):
     """forward(logprobs, loss_value, coef, scale) → loss_value; backward: grad · coef · scale."""
 
@@ -55,7 +68,8 @@ class CoefLoss(torch.autograd.Function):
     def backward(ctx, grad):
         coef, scale = ctx.saved_tensors
         # grad·scale is [B, 1] (or a scalar): one [B, T] product, no [B, T] temporary
-        return to_input_dtype(coef * (grad * scale), ctx.dtype, owned=True), None, None, None
+        grad = coef * (grad * scale)
+        return (grad if ctx.dtype == torch.float32 else to_input_dtype(grad, ctx.dtype, owned=True)), None, None, None
 
 
 class CoefTokens(torch.autograd.Function):
@@ -70,7 +84,8 @@ class CoefTokens(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         (coef,) = ctx.saved_tensors
-        return to_input_dtype(grad * coef, ctx.dtype, owned=True), None, None
+        grad = grad * coef
+        return (grad if ctx.dtype == torch.float32 else to_input_dtype(grad, ctx.dtype, owned=True)), None, None
 
 
 def row_aggregation(row_sum, row_count, cfg: LossConfig, width: int):

@@ -21,7 +21,7 @@ import torch
 from offpolicy import ops
 from offpolicy.config import LossConfig, rule_name
 from offpolicy.correction import validate_inputs
-from offpolicy.kernels.common import RATIO_LOG_CLAMP, CoefLoss, CoefTokens, row_aggregation
+from offpolicy.kernels.common import RATIO_LOG_CLAMP, CoefLoss, CoefTokens, attach, row_aggregation
 from offpolicy.kernels.eager import KINDS
 from offpolicy.metrics import Metrics
 
@@ -32,7 +32,8 @@ NAME = "compiled"
 
 def supports(config: LossConfig, ref_logprobs: torch.Tensor | None) -> bool:
     """Kinds ppo / cispo / reinforce without KL; corrections with fixed-bound ratio rules only,
-    no batch normalisation, no segment level and no data-chosen (ess / quantile) bounds."""
+    no batch normalisation, no segment level, no data-chosen (ess / quantile) bounds and no
+    count after the first n rules (an integer denominator)."""
     return config.kind in KINDS and ref_logprobs is None and core_spec(config, True, True) is not None
 
 
@@ -86,6 +87,8 @@ def core_spec(config: LossConfig, has_old: bool, reduce: bool) -> CoreSpec | Non
     if corr.weight is not None and (corr.weight.normalize or corr.weight.level == "segment"):
         return None
     if corr.data_dependent:  # ess / quantile bounds need a sort of the whole call: the reference's job
+        return None
+    if not isinstance(corr.denominator, str):  # a count after the first n rules: the reference's job
         return None
     weight = None
     if corr.weight is not None and corr.anchor != "rollout":
@@ -344,9 +347,9 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, rollout_logprobs, conf
         metrics.ratio("loss", numerator, count)
     scale = (row_scale / count.clamp(min=1)).to(f32).unsqueeze(-1)
     if not reduce:
-        return CoefTokens.apply(logprobs, out["per_token"], out["coef"]), out["den"].clone(), metrics
+        return attach(CoefTokens, logprobs, out["per_token"], out["coef"]), out["den"].clone(), metrics
     loss_value = (numerator / count.clamp(min=1)).to(f32)
-    return CoefLoss.apply(logprobs, loss_value, out["coef"], scale), metrics
+    return attach(CoefLoss, logprobs, loss_value, out["coef"], scale), metrics
 
 
 

@@ -36,7 +36,7 @@ from offpolicy.correction import (
     validate_inputs,
     weight_fn,
 )
-from offpolicy.kernels.common import RATIO_LOG_CLAMP, CoefLoss, CoefTokens, row_aggregation
+from offpolicy.kernels.common import RATIO_LOG_CLAMP, CoefLoss, CoefTokens, attach, row_aggregation
 from offpolicy.metrics import Metrics
 
 NAME = "eager"
@@ -46,10 +46,13 @@ KINDS = ("ppo", "cispo", "reinforce")
 def supports(config: LossConfig, ref_logprobs: torch.Tensor | None) -> bool:
     """Whether this path computes exactly what the reference would: kinds ppo / cispo /
     reinforce without a KL term, and no segment-level or data-chosen (ess / quantile) weight
-    bound (those go to the reference; data-chosen rejection bounds and m2 are covered)."""
-    w = None if config.correction is None else config.correction.weight
+    bound, no count after the first n rules (an integer ``denominator``); those go to the
+    reference; data-chosen rejection bounds and m2 are covered."""
+    corr = config.correction
+    w = None if corr is None else corr.weight
     plain_weight = w is None or (w.level != "segment" and not w.adaptive)
-    return config.kind in KINDS and ref_logprobs is None and plain_weight
+    named_count = corr is None or isinstance(corr.denominator, str)
+    return config.kind in KINDS and ref_logprobs is None and plain_weight and named_count
 
 
 def preferred(mask: torch.Tensor) -> bool:
@@ -195,9 +198,9 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, rollout_logprobs, conf
             metrics.ratio("loss", numerator, count)
 
     if not reduce:
-        return CoefTokens.apply(logprobs, per_token, coef), denominator_mask.clone(), metrics
+        return attach(CoefTokens, logprobs, per_token, coef), denominator_mask.clone(), metrics
     loss_value = numerator / count.clamp(min=1)
-    return CoefLoss.apply(logprobs, loss_value, coef, scale), metrics
+    return attach(CoefLoss, logprobs, loss_value, coef, scale), metrics
 
 
 

@@ -1,30 +1,9 @@
 """The reference implementation — the readable oracle every faster rung is tested against.
 
-Policy losses and their aggregation (docs/specification.md §5), with the correction applied (docs/specification.md §3).
-
-Per token, with r_t = exp(clamp(log π_θ − log π_old, ±20)) and advantage A_t:
-
-    ppo:       ℓ = −min(r·A, clip(r, 1−ε_low, 1+ε_high)·A);  dual clip c: for A < 0, ℓ = min(ℓ, −c·A)
-    gspo:      s = exp(mean_t(log π_θ − log π_old)), s_t = sg(s)·π_θ/sg(π_θ);
-               ℓ = −min(s_t·A, clip(s_t, 1−ε_low, 1+ε_high)·A)                (GSPO-token)
-               gspo_form sequence: s with its gradient, Ā = mean_t A;  ℓ = −min(s·Ā, clip(s)·Ā)
-               (+ dual clip for either form)
-    cispo:     ℓ = −sg(clip(r, 1−ε_low, 1+ε_high))·A·log π_θ                  (MiniMax-M1)
-    sapo:      ℓ = −(4/τ)·σ(τ(r−1))·A,  τ = τ_pos if A > 0 else τ_neg        (soft gate; slope 1 at r = 1)
-               sapo_level sequence: r → s (gradient through the mean), A → Ā
-    reinforce: ℓ = −A·log π_θ
-
-then ℓ ← w·ℓ (IS weights, after clipping and the dual clip), ℓ ← ℓ + β·KL_t (weighted too
-when ``kl_is_weight``), rejected and padding tokens give 0, and aggregation divides once:
-
-    token-mean               Σ ℓ / N_tokens
-    seq-mean-token-mean      mean over non-empty rows of (Σ_t ℓ / n_row)
-    seq-mean-token-sum       mean over non-empty rows of Σ_t ℓ
-    seq-mean-token-sum-norm  mean over non-empty rows of Σ_t ℓ / max_len   (max_len = T by default)
-
-N_tokens / n_row / the row count come from the surviving mask (``denominator: renormalize``)
-or the valid mask (``fixed``); ``global_tokens`` / ``global_seqs`` replace the batch count so
-that micro-batches and ranks sum to the loss of one big batch.
+It computes the table of docs/specification.md §5 (the one copy of the losses' formulas: each
+``kind``'s per-token loss, the IS weights of §3, the KL term on the ``kl_mask`` tokens to
+``ref_logprobs`` or μ, each ``agg``'s division and its ``denominator``) term by term, each loss in
+its own function below, with autograd through every intermediate.
 """
 
 from __future__ import annotations
@@ -201,13 +180,14 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, rollout_logprobs, conf
         metrics, weights = corr.metrics, corr.weights
         loss_mask, valid = corr.mask.bool(), corr.valid_mask.bool()
         kl_weights = weights if corr_cfg.kl_is_weight else None
-        fixed_denominator = corr_cfg.denominator == "fixed"
+        count_mask = corr.count_mask.bool()
     else:
         valid = validate_inputs(mask, logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages)
         valid = sanitize(
             valid, "error", {}, {"logprobs": logprobs, "old_logprobs": old_logprobs, "advantages": advantages}
         ).valid
-        loss_mask, metrics, weights, kl_weights, fixed_denominator = valid, Metrics(), None, None, False
+        loss_mask, metrics, weights, kl_weights = valid, Metrics(), None, None
+        count_mask = valid
     if ref_logprobs is not None and corr_cfg is None:
         validate_inputs(mask, ref_logprobs=ref_logprobs)
         sanitize(loss_mask, "error", {}, {"ref_logprobs": ref_logprobs})
@@ -240,7 +220,7 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, rollout_logprobs, conf
         log_r = (lp - old).detach().clamp(-RATIO_LOG_CLAMP, RATIO_LOG_CLAMP)
         metrics.mean("approx_kl", torch.expm1(log_r) - log_r, loss_mask)  # k3 of π_θ vs π_old (expm1: no fp32 floor)
 
-    agg_mask = valid if fixed_denominator else loss_mask
+    agg_mask = count_mask  # valid (fixed), surviving (renormalize), or after the first n rules
     numerator, count = aggregate(per_token, agg_mask, cfg)
     loss = numerator / count.clamp(min=1)
     if cfg.global_tokens is not None or cfg.global_seqs is not None:

@@ -39,6 +39,7 @@ binary-KL rules, ``nonfinite: neutral``.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 from typing import NamedTuple
@@ -48,7 +49,7 @@ import torch
 from offpolicy import ops
 from offpolicy.config import DivergenceRule, LossConfig, RatioRule, rule_name
 from offpolicy.correction import validate_inputs
-from offpolicy.kernels.common import RATIO_LOG_CLAMP, CoefLoss, CoefTokens
+from offpolicy.kernels.common import RATIO_LOG_CLAMP, CoefLoss, CoefTokens, attach
 from offpolicy.metrics import FlatLayout, Metrics
 
 NAME = "triton"
@@ -161,6 +162,8 @@ def spec_of(config: LossConfig, has_old: bool) -> Spec | None:
         return None
     if corr.data_dependent or (corr.weight is not None and corr.weight.level == "segment"):
         return None  # a data-chosen bound sorts the whole call; segments: the reference's job
+    if not isinstance(corr.denominator, str):
+        return None  # a count after the first n rules: the reference's job
     rules = []
     for rule in corr.reject:
         if not isinstance(rule, (RatioRule, DivergenceRule)):
@@ -179,7 +182,7 @@ def spec_of(config: LossConfig, has_old: bool) -> Spec | None:
 def supports(config: LossConfig, ref_logprobs: torch.Tensor | None) -> bool:
     """Kinds ppo / cispo / reinforce without KL; any correction but weight.normalize, the opsm,
     binary_kl, m2, mult_error and prob_diff rules, data-chosen (ess / quantile) bounds, the
-    segment level and nonfinite 'neutral'; Triton must be importable."""
+    segment level, nonfinite 'neutral' and an integer denominator; Triton must be importable."""
     return config.kind in KINDS and ref_logprobs is None and spec_of(config, True) is not None and available()
 
 
@@ -768,6 +771,25 @@ class _Plan(NamedTuple):
     n_raw: int  # entries of _finish's raw vector, a power of two
     device_consts: dict  # device → (bounds fp32, index int32, index_global int32): made once per device
     launch: tuple[dict, dict, dict]  # the constexprs of (every kernel, _tokens, _finish) that the spec fixes
+    shapes: dict  # (B, T, reduce, old_in, global, max_len, BLOCK) → _Shape: made once per shape
+
+
+class _Shape(NamedTuple):
+    """What one batch shape fixes for a plan, worked out once (plain integer arithmetic): where each
+    part of the one workspace starts, and every launch's keyword arguments (grid and constexprs)."""
+
+    C: int  # chunks per row
+    n_buffer: int  # fp64 elements of the workspace
+    at_coef: int  # fp32 offsets of the parts after the fp64 partial sums at its start
+    at_scale: int
+    at_loss: int
+    at_tok: int
+    at_den: int
+    p1_shape: tuple[int, int, int] | None  # the row pre-pass's partials (their own allocation) or None
+    rows_kw: dict
+    tokens_kw: dict
+    finish_kw: dict
+    max_len: float
 
 
 _PLANS: dict[tuple[int, bool], tuple[LossConfig, _Plan | None]] = {}
@@ -796,7 +818,7 @@ def _plan(config: LossConfig, has_old: bool) -> _Plan | None:
                    "NRAW": n_raw, "num_warps": 16})  # _finish is one program: all its warps
         plan = _Plan(spec, bounds_of(config), layout, layout_global, _index(layout), _index(layout_global),
                      FlatLayout.of(tuple((k, r) for k, r, _ in layout)),
-                     FlatLayout.of(tuple((k, r) for k, r, _ in layout_global)), n_raw, {}, launch)
+                     FlatLayout.of(tuple((k, r) for k, r, _ in layout_global)), n_raw, {}, launch, {})
     if len(_PLANS) > 256:
         _PLANS.clear()
     _PLANS[key] = (config, plan)  # holding the config keeps its id from being reused
@@ -821,17 +843,62 @@ def _aligned(n: int) -> int:
     return (n + 3) & ~3
 
 
+def _shape(plan: _Plan, B: int, T: int, unreduced: bool, old_in: bool, has_global: bool, max_len: int | None) -> _Shape:
+    """The plan's ``_Shape`` for a [B, T] batch, made on first use. One workspace holds the per-chunk
+    partial sums (fp64: sums such as Σ(w − 1)² feed differences of moments — is_std — and ρ² passes
+    fp32's range past log ρ = 44), the derivative, the backward scale, the loss and, unreduced, the
+    per-token loss and its denominator; each part starts 16-byte aligned whatever B, T and C (a
+    pointer's alignment is a specialisation of the kernels: parts misaligned for some shapes
+    compiled them again)."""
+    key = (B, T, unreduced, old_in, has_global, max_len, BLOCK)  # BLOCK: a test's override of the size classes
+    found = plan.shapes.get(key)
+    if found is not None:
+        return found
+    spec = plan.spec
+    block = _block(B, T)
+    C = -(-T // block)
+    n_rules = len(spec.rules)
+    n_p2 = 2 * (_S_RULES + n_rules) * B * C  # in fp32 elements: the fp64 part at offset 0
+    at_coef = _aligned(n_p2)
+    at_scale = _aligned(at_coef + B * T)
+    at_loss = _aligned(at_scale + B)
+    at_tok = _aligned(at_loss + 1)
+    at_den = _aligned(at_tok + B * T)
+    end = at_den + B * T if unreduced else at_tok
+    grid = (B, C)
+    common = {**plan.launch[0], "OLD_IN": old_in, "BLOCK": block, "num_warps": 16 if block > 1024 else 4,
+              "grid": grid, "warmup": False}
+    found = _Shape(
+        C, (end + 1) // 2, at_coef, at_scale, at_loss, at_tok, at_den,
+        (2 * n_rules + 3, B, C) if spec.needs_rows else None,
+        common, {**common, **plan.launch[1], "UNREDUCED": unreduced},
+        {**plan.launch[2], "HAS_GLOBAL": has_global, "grid": (1,), "warmup": False},
+        float(max_len if max_len is not None else T))
+    if len(plan.shapes) > 64:
+        plan.shapes.clear()
+    plan.shapes[key] = found
+    return found
+
+
 def on_device(device: torch.device) -> contextlib.AbstractContextManager:
     """The guard every launch runs under: Triton launches on the *current* CUDA device and its current
     stream, so a batch on cuda:1 while cuda:0 is current (the default, and what an in-process vLLM
     sets) fails with "Pointer argument cannot be accessed from Triton" or races another stream.
     Makes the tensors' device current for the launch; nothing to do off CUDA (the interpreter)."""
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+    return torch.cuda.device(device) if device.type == "cuda" else _NO_GUARD
 
 
-def _rows(x: torch.Tensor) -> torch.Tensor:
-    """A view whose last dimension is contiguous (the kernels index rows by their stride)."""
-    return x if x.stride(-1) == 1 else x.detach().contiguous()
+_NO_GUARD = contextlib.nullcontext()  # reusable: nothing to enter
+
+
+def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(x, or a copy whose last dimension is contiguous, and its row stride): the kernels index rows
+    by their stride."""
+    row, col = x.stride()
+    if col != 1:
+        x = x.detach().contiguous()
+        row = x.stride(0)
+    return x, row
 
 
 def policy_loss(logprobs, old_logprobs, advantages, mask, rollout_logprobs, config: LossConfig, reduce: bool,
@@ -842,7 +909,8 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, rollout_logprobs, conf
     the batch holds something the reference must refuse (CPU only — on a GPU that refusal is
     raised by ``Metrics.to_dict``), or when anchor 'old' comes without ``old_logprobs``.
     """
-    if triton is None or (not mask.is_cuda and not _interpreted()):
+    cuda = mask.is_cuda
+    if triton is None or (not cuda and not _interpreted()):
         return None
     corr = config.correction
     plan = _plan(config, old_logprobs is not None)
@@ -852,72 +920,60 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, rollout_logprobs, conf
     global_count = config.global_tokens if config.agg == "token-mean" else config.global_seqs
     shape = mask.shape
     # an empty batch ([2, 0]) has no valid token (and no block to launch): the reference's message
-    if mask.dim() != 2 or mask.numel() == 0 or any(
-            t is not None and (t.shape != shape or not t.is_floating_point())
-            for t in (logprobs, old_logprobs, rollout_logprobs, advantages)):
+    if len(shape) != 2 or 0 in shape or logprobs.shape != shape or advantages.shape != shape \
+            or not (logprobs.is_floating_point() and advantages.is_floating_point()) or any(
+            t is not None and (t.shape != shape or not t.is_floating_point()) for t in (old_logprobs, rollout_logprobs)):
         validate_inputs(mask, logprobs=logprobs, old_logprobs=old_logprobs, rollout_logprobs=rollout_logprobs,
                         advantages=advantages)  # raises the reference's message (shapes and dtypes: no sync)
-    device = logprobs.device
     B, T = shape
-    block = _block(B, T)
-    C = -(-T // block)
     old_in = old_logprobs is not None and not (spec.corrected and corr.anchor == "rollout")
-    # the kernels read pointers and strides: no detach needed (nothing they do enters autograd)
-    lp = _rows(logprobs)
-    old = _rows(old_logprobs) if old_in else lp
-    roll = _rows(rollout_logprobs) if spec.corrected else lp
-    m = _rows(mask)
-    adv = advantages
-    n_rules = len(spec.rules)
-    f32 = torch.float32
-    bounds, index, index_global = _device_consts(plan, device)
-    if global_count is not None:
-        index = index_global
     unreduced = not reduce
-    # one allocation for the per-chunk partial sums (fp64: sums such as Σ(w − 1)² feed differences
-    # of moments — is_std — and ρ² passes fp32's range past log ρ = 44), the derivative, the backward
-    # scale, the loss and, unreduced, the per-token loss and its denominator; each part starts 16-byte
-    # aligned whatever B, T and C (a pointer's alignment is a specialisation of the kernels: parts
-    # misaligned for some shapes compiled them again). The metrics' vector is its own allocation: the
-    # metrics outlive the step's buffers (which a view would keep alive).
-    n_p2 = 2 * (_S_RULES + n_rules) * B * C
-    at_coef = _aligned(n_p2)  # the fp64 part at offset 0; every offset after it rounded up
-    at_scale = _aligned(at_coef + B * T)
-    at_loss = _aligned(at_scale + B)
-    at_tok = _aligned(at_loss + 1)
-    end = _aligned(at_tok + B * T) + B * T if unreduced else at_tok
-    buffer = torch.empty(end, dtype=f32, device=device)
-    p2 = buffer[:n_p2].view(torch.float64).view(_S_RULES + n_rules, B, C)
-    coef = buffer[at_coef : at_coef + B * T].view(B, T)
-    scale = buffer[at_scale : at_scale + B].view(B, 1)
-    loss = buffer[at_loss]
-    flat = torch.empty(len(index), dtype=torch.float64, device=device)  # every metric's partial sums, then the checks
+    plan_shape = _shape(plan, B, T, unreduced, old_in, global_count is not None, config.max_len)
+    # the kernels read pointers and strides: no detach needed (nothing they do enters autograd)
+    lp, s_lp = _rows(logprobs)
+    old, s_old = _rows(old_logprobs) if old_in else (lp, s_lp)
+    roll, s_roll = _rows(rollout_logprobs) if spec.corrected else (lp, s_lp)
+    m, s_m = _rows(mask)
+    adv = advantages
+    device = logprobs.device
+    bounds, index, index_global = _device_consts(plan, device)
+    n_flat = len(plan.index)  # a tuple's length (a tensor's len() goes through torch's Python layer)
+    if global_count is not None:
+        index, n_flat = index_global, len(plan.index_global)
+    # one workspace (``_shape``), its fp32 parts views of it; the fp64 partial sums are its start
+    # (the kernels take a pointer: no view needed). The metrics' vector is its own allocation:
+    # the metrics outlive the step's buffers (which a view would keep alive).
+    p2 = torch.empty(plan_shape.n_buffer, dtype=torch.float64, device=device)
+    buffer = p2.view(torch.float32)
+    coef = buffer.as_strided((B, T), (T, 1), plan_shape.at_coef)
+    scale = buffer.as_strided((B, 1), (1, 1), plan_shape.at_scale)
+    loss = buffer.as_strided((), (), plan_shape.at_loss)
+    flat = torch.empty(n_flat, dtype=torch.float64, device=device)  # every metric's partial sums, then the checks
     if unreduced:
-        per_token = buffer[at_tok : at_tok + B * T].view(B, T)
-        at_den = _aligned(at_tok + B * T)
-        den = buffer[at_den : at_den + B * T].view(B, T)
+        per_token = buffer.as_strided((B, T), (T, 1), plan_shape.at_tok)
+        den = buffer.as_strided((B, T), (T, 1), plan_shape.at_den)
     else:
         per_token = den = coef
-    p1 = torch.empty((2 * n_rules + 3, B, C), dtype=f32, device=device) if spec.needs_rows else p2
-    strides = (lp.stride(0), old.stride(0), roll.stride(0), adv.stride(0), adv.stride(1), m.stride(0))
-    grid = (B, C)
-    common = {**plan.launch[0], "OLD_IN": old_in, "BLOCK": block, "num_warps": 16 if block > 1024 else 4}
-    max_len = float(config.max_len if config.max_len is not None else T)
+    strides = (s_lp, s_old, s_roll, *adv.stride(), s_m)
     with on_device(device):
-        if spec.needs_rows:
-            _row_stats[grid](lp, old, roll, adv, m, p1, bounds, B, T, C, *strides, **common)
-        _tokens[grid](lp, old, roll, adv, m, p1, p2, coef, per_token, den, bounds, B, T, C, *strides, **common,
-                      **plan.launch[1], UNREDUCED=unreduced)
-        _finish[(1,)](p2, flat, loss, scale, index, B, C, len(index), float(global_count or 0.0), max_len,
-                      **plan.launch[2], HAS_GLOBAL=global_count is not None)
+        if plan_shape.p1_shape is not None:
+            p1 = torch.empty(plan_shape.p1_shape, dtype=torch.float32, device=device)
+            _row_stats.run(lp, old, roll, adv, m, p1, bounds, B, T, plan_shape.C, *strides,
+                           **plan_shape.rows_kw)
+        else:
+            p1 = p2
+        _tokens.run(lp, old, roll, adv, m, p1, p2, coef, per_token, den, bounds, B, T, plan_shape.C,
+                    *strides, **plan_shape.tokens_kw)
+        _finish.run(p2, flat, loss, scale, index, B, plan_shape.C, n_flat,
+                    float(global_count or 0.0), plan_shape.max_len, **plan_shape.finish_kw)
 
-    checks = flat[-len(_CHECKS):]
-    shape = tuple(shape)
-    if not mask.is_cuda and _check_message(spec, shape, checks.tolist()) is not None:
-        return None  # the reference raises its exact message (with the first positions)
-    metrics = Metrics.from_flat(flat, plan.flat_global if global_count is not None else plan.flat)
-    if mask.is_cuda:
-        metrics.defer_check(checks, lambda counts: _check_message(spec, shape, counts))
+    if not cuda:
+        if _check_message(spec, tuple(shape), flat[-len(_CHECKS):].tolist()) is not None:
+            return None  # the reference raises its exact message (with the first positions)
+        metrics = Metrics.from_flat(flat, plan.flat_global if global_count is not None else plan.flat)
+    else:
+        metrics = Metrics.from_flat(flat, plan.flat_global if global_count is not None else plan.flat)
+        metrics.defer_check(flat[-len(_CHECKS):], functools.partial(_check_message, spec, tuple(shape)))
     if unreduced:
-        return CoefTokens.apply(logprobs, per_token, coef), den, metrics
-    return CoefLoss.apply(logprobs, loss, coef, scale), metrics
+        return attach(CoefTokens, logprobs, per_token, coef), den, metrics
+    return attach(CoefLoss, logprobs, loss, coef, scale), metrics
