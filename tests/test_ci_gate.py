@@ -18,7 +18,7 @@ from offpolicy.diagnose import gate, parse_bounds
 from offpolicy.config import ConfigError
 from offpolicy.integrations.dump import BatchDumper
 from offpolicy.kernels import IMPLEMENTATIONS
-from offpolicy.train.batch import token_entropy
+from offpolicy.policy.head import token_entropy
 from offpolicy.train.loop import with_kl_over_entropy
 
 

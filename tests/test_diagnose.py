@@ -17,8 +17,7 @@ from offpolicy import diagnose
 from offpolicy.engines import SamplingConfig
 from offpolicy.tasks import make_task, problems
 from offpolicy.tasks.model import build_tiny_qwen2
-from offpolicy.tasks.tokenizer import build_char_tokenizer
-from offpolicy.train.warmstart import prompt_ids
+from offpolicy.tasks.tokenizer import build_char_tokenizer, prompt_ids
 
 from cli_inprocess import run_cli  # noqa: E402
 

@@ -37,7 +37,7 @@ from offpolicy.cli import main
 from offpolicy.engines import SamplingConfig
 from offpolicy.engines.server import ServerError, completion_body
 from offpolicy.engines.vllm import vllm_available
-from offpolicy.train.batch import Batch
+from offpolicy.policy.batch import Batch
 from offpolicy.tasks.dataset import render_prompts
 from offpolicy.tasks.tokenizer import load_tokenizer
 

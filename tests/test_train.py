@@ -146,7 +146,8 @@ def test_hf_engine_sync_and_logprobs(tmp_path):
     prompts = [[1, 5, 6, 17]] * 4
 
     def gap() -> float:
-        from offpolicy.train.batch import to_batch, trainer_logprobs
+        from offpolicy.policy.batch import to_batch
+        from offpolicy.policy.head import trainer_logprobs
 
         rollouts = engine.generate(prompts, SamplingConfig(max_tokens=6), seed=0, version=0)
         batch = to_batch(rollouts, tok.pad_token_id)
@@ -404,7 +405,7 @@ def test_flat_rewards_skip_the_update(offpolicy_cache, tmp_path, monkeypatch, re
     assert state["version"] == 0 and state["optimizer"]["state"] == {}  # Adam never stepped: no moments, no count
     from transformers import AutoModelForCausalLM
 
-    from offpolicy.train.warmstart import default_model
+    from offpolicy.policy.warmstart import default_model
 
     start = default_model(load_train_config(None, [*FAST]))  # the warm start the run began from (cached)
     before = AutoModelForCausalLM.from_pretrained(start).state_dict()
@@ -416,7 +417,7 @@ def test_flat_rewards_skip_the_update(offpolicy_cache, tmp_path, monkeypatch, re
 
 
 def test_warm_start_that_never_succeeds_is_refused(tmp_path, monkeypatch):
-    from offpolicy.train import warmstart
+    from offpolicy.policy import warmstart
 
     monkeypatch.setenv("OFFPOLICY_CACHE", str(tmp_path))
     monkeypatch.setattr(warmstart, "exact_match_accuracy", lambda *a, **k: 0.0)
@@ -429,7 +430,7 @@ def test_warm_start_that_never_succeeds_is_refused(tmp_path, monkeypatch):
 
 def test_warm_start_at_zero_accuracy_proceeds_on_partial_credit(tmp_path, monkeypatch):
     # walk rewards the correct prefix of a wrong answer: a 0 % exact-match start still gives RL a signal
-    from offpolicy.train import warmstart
+    from offpolicy.policy import warmstart
 
     monkeypatch.setenv("OFFPOLICY_CACHE", str(tmp_path))
     monkeypatch.setattr(warmstart, "exact_match_accuracy", lambda *a, **k: 0.0)
@@ -446,7 +447,7 @@ def test_warm_start_at_zero_accuracy_proceeds_on_partial_credit(tmp_path, monkey
 
 
 def test_rl_seeds_share_the_warm_start():
-    from offpolicy.train.warmstart import warm_start_key
+    from offpolicy.policy.warmstart import warm_start_key
 
     base = load_train_config(None, [])
     assert warm_start_key(base) == warm_start_key(load_train_config(None, ["seed=7"]))

@@ -142,7 +142,7 @@ def _cmd_diagnose(args: argparse.Namespace, console: Console) -> int:
     from offpolicy.tasks.dataset import dataset_prompts
     from offpolicy.train.config import DataConfig, TrainConfig, VLLMConfig, resolve_device, resolve_trainer_dtype
     from offpolicy.train.loop import resolve_model
-    from offpolicy.train.warmstart import prompt_ids
+    from offpolicy.tasks.tokenizer import prompt_ids
 
     bounds = _diagnose_bounds(args)  # a mistyped gate fails now, not after sampling
     trackers = _diagnose_trackers(args, console)  # a missing tracker is one line now, before any sampling

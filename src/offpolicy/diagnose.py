@@ -34,15 +34,18 @@ from offpolicy.config import ConfigError
 from offpolicy.engines import Rollouts, SamplingConfig, make_engine
 from offpolicy.integrations.dump import load_batch
 from offpolicy.metrics import Metrics
+from offpolicy.policy.batch import Batch, to_batch
+from offpolicy.policy.score import Scorer, load_policy
 from offpolicy.tasks.tokenizer import plain_text_ids
-from offpolicy.train.update import forward, load_policy, to_device
-from offpolicy.train.batch import Batch, to_batch
 
 POSITION_EDGES = [0, 4, 8, 16, 32, 64, 128, 256, 1 << 30]
 PROBABILITY_EDGES = [0.0, 0.01, 0.1, 0.5, 0.9, 1.0000001]
 THRESHOLDS = {"log1.1": math.log(1.1), "log2": math.log(2.0)}
 # ρ bands [low, high] whose outside share is reported (TRL #6789 quotes [0.9, 1.1]); name → (low, high)
 RATIO_BANDS = {"0.9_1.1": (0.9, 1.1), "0.8_1.25": (0.8, 1.25), "0.5_2": (0.5, 2.0)}
+# padded tokens of one trainer micro-batch: train's micro_batch_tokens for a pretrained model (2,048 bound
+# SmolLM2-135M's activations on a 24 GB host: train/config.py, PRETRAINED_DEFAULTS)
+MICRO_BATCH_TOKENS = 2048
 
 
 @dataclass
@@ -95,7 +98,7 @@ def read_prompts(path: Path, tokenizer) -> list[list[int]]:
 def sample(model_path: Path, tokenizer, prompts: list[list[int]], engine: str, engine_dtype: str,
            trainer_dtype: str, sampling: SamplingConfig, seed: int = 0, logit_noise: float = 0.0,
            log_path: Path | None = None, max_model_len: int = 1024, device: torch.device | None = None,
-           vllm_options: dict | None = None) -> Sample:
+           vllm_options: dict | None = None, micro_batch_tokens: int | None = MICRO_BATCH_TOKENS) -> Sample:
     """Generate with the engine, then recompute the sampled tokens' log-probs with the trainer (``score``).
     The engine's output goes to ``log_path`` when given (see ``engines.make_engine``); ``vllm_options``
     are vLLM's batching options (``engines.vllm.OPTIONS``).
@@ -112,11 +115,13 @@ def sample(model_path: Path, tokenizer, prompts: list[list[int]], engine: str, e
         rollouts.validate(eng.name)
     finally:
         eng.close()
-    return score(rollouts, model_path, tokenizer, trainer_dtype, sampling, device=device, seconds=seconds)
+    return score(rollouts, model_path, tokenizer, trainer_dtype, sampling, device=device, seconds=seconds,
+                 micro_batch_tokens=micro_batch_tokens)
 
 
 def score(rollouts: Rollouts, model_path: Path, tokenizer, trainer_dtype: str, sampling: SamplingConfig,
-          device: torch.device | None = None, seconds: float | None = None) -> Sample:
+          device: torch.device | None = None, seconds: float | None = None,
+          micro_batch_tokens: int | None = MICRO_BATCH_TOKENS) -> Sample:
     """The trainer half: log π_train(y_t) of every sampled token, on the engine's sampling support,
     from the model at ``model_path`` in ``trainer_dtype`` on ``device`` (default CPU); ``seconds`` is the
     engine's time, kept for the report. The sample comes back on the CPU.
@@ -131,27 +136,28 @@ def score(rollouts: Rollouts, model_path: Path, tokenizer, trainer_dtype: str, s
         raise ConfigError(f"prompt {empty} has no token: the first response token is scored from the prompt's last one")
     if not any(rollouts.response_ids):
         raise RuntimeError("the engine returned only empty responses: nothing to compare")
-    s = score_batch(model_path, to_batch(rollouts, tokenizer.pad_token_id), sampling, trainer_dtype, seconds, device)
+    s = score_batch(model_path, to_batch(rollouts, tokenizer.pad_token_id), sampling, trainer_dtype, seconds, device,
+                    micro_batch_tokens)
     # each response token as text, and each prompt, for the per-token viewer (report.html)
     return replace(s, token_text=[[tokenizer.decode([t]) for t in ids] for ids in rollouts.response_ids],
                    prompt_text=[tokenizer.decode(ids) for ids in rollouts.prompt_ids])
 
 
 def score_batch(model_path: Path, batch: Batch, sampling: SamplingConfig, trainer_dtype: str,
-                seconds: float | None, device: torch.device | None = None) -> Sample:
+                seconds: float | None, device: torch.device | None = None,
+                micro_batch_tokens: int | None = MICRO_BATCH_TOKENS) -> Sample:
     """The trainer's side of a sample: log π_train of the engine's tokens computed as ``train``
-    computes them — fp32 master weights, bf16 as autocast (``update.load_policy``,
-    ``update.forward``), the one head (``train/head.py``) — and its mean token entropy.
+    computes them — fp32 master weights, bf16 as autocast, micro-batches of ≤ ``micro_batch_tokens``
+    padded tokens trimmed of unused padding (``policy.score.Scorer.score``, train's π_old), the one head
+    (``policy/head.py``) — and its mean token entropy.
 
     Tokens the engine drew outside the trainer's top-k/top-p support (log π_train = −inf) leave the
     statistics, as they leave train's loss, and are counted (``Sample.outside_support``)."""
     device = torch.device(device or "cpu")
-    trainer = load_policy(model_path, device).eval()
+    scorer = Scorer(load_policy(model_path, device).eval(), sampling, device, trainer_dtype, micro_batch_tokens)
     seen = Metrics()  # the trainer's token entropy, from its logits (the denominator of kl_over_entropy)
-    entropy: list[torch.Tensor] = []  # and per token, for the viewer (report.html)
-    with torch.no_grad():
-        lp = torch.cat([forward(trainer, to_device(batch.select(rows), device), sampling, device, trainer_dtype,
-                                seen, entropy).cpu() for rows in torch.arange(len(batch.mask)).split(64)]).float()
+    lp, entropy = scorer.score(batch, seen, entropy=True)  # and per token, for the viewer (report.html)
+    lp = lp.float().cpu()
     outside = (lp == float("-inf")) & batch.mask.bool()  # [B, T]
     batch = replace(batch, mask=batch.mask * ~outside)
     if not bool(batch.mask.any()):
@@ -159,7 +165,7 @@ def score_batch(model_path: Path, batch: Batch, sampling: SamplingConfig, traine
     return Sample(batch, torch.where(outside, 0.0, lp), seconds, entropy=seen["entropy"],
                   outside_support=int(outside.sum()),
                   outside_mass=seen["outside_mass"] if "outside_mass" in seen else None,
-                  token_entropy=torch.cat([e.float().cpu() for e in entropy]))
+                  token_entropy=entropy.float().cpu())
 
 
 def from_dump(path: Path) -> tuple[Sample, dict[str, Any]]:
@@ -184,7 +190,7 @@ def from_dump(path: Path) -> tuple[Sample, dict[str, Any]]:
 
 def sample_server(config, model_path: Path, tokenizer, prompts: list[list[int]], trainer_dtype: str,
                   sampling: SamplingConfig, seed: int = 0, device: torch.device | None = None,
-                  console=None) -> tuple[Sample, dict[str, Any]]:
+                  console=None, micro_batch_tokens: int | None = MICRO_BATCH_TOKENS) -> tuple[Sample, dict[str, Any]]:
     """Sample through a running server (``engines.server.generate``, a ``ServerConfig``), then score the
     same tokens with the trainer. With temperature, top-k or top-p the server's log-probs are checked to
     belong to the distribution it sampled from (``logprob_semantics``). Returns the sample and what the
@@ -200,13 +206,15 @@ def sample_server(config, model_path: Path, tokenizer, prompts: list[list[int]],
     vocab_size = AutoConfig.from_pretrained(model_path).get_text_config().vocab_size  # the trainer's embedding rows
     rollouts, info = server.generate(config, tokenizer, prompts, sampling, seed=seed, model_path=model_path,
                                      console=console, vocab_size=vocab_size)
-    s = score(rollouts, model_path, tokenizer, trainer_dtype, sampling, device=device, seconds=info["seconds"])
+    s = score(rollouts, model_path, tokenizer, trainer_dtype, sampling, device=device, seconds=info["seconds"],
+              micro_batch_tokens=micro_batch_tokens)
     if (sampling.temperature, sampling.top_p, sampling.top_k) == (1.0, 1.0, -1):
         info["logprob_check"] = {"verdict": "not needed: at temperature 1, top_p 1, top_k -1 the sampling "
                                  "distribution is the model's own (processed = raw log-probs)"}
     else:
         untruncated = score(rollouts, model_path, tokenizer, trainer_dtype,
-                            SamplingConfig(max_tokens=sampling.max_tokens), device=device)
+                            SamplingConfig(max_tokens=sampling.max_tokens), device=device,
+                            micro_batch_tokens=micro_batch_tokens)
         info["logprob_check"] = logprob_semantics(s, untruncated.trainer, sampling)
     return s, info
 
@@ -532,3 +540,4 @@ def report(s: Sample, setting: dict[str, Any], out_dir: Path, plots: bool = True
                                            s.token_entropy, s.prompt_text)
     result["token_verdicts"] = viewer.token_verdicts(s.trainer, s.batch.rollout_logprobs, s.batch.mask)
     return result
+
