@@ -31,6 +31,7 @@ import torch
 import offpolicy as op
 from offpolicy import ops, presets, viewer
 from offpolicy.config import ConfigError
+from offpolicy.diagnose_config import MICRO_BATCH_TOKENS, DiagnoseConfig
 from offpolicy.engines import Rollouts, SamplingConfig, make_engine
 from offpolicy.integrations.dump import load_batch
 from offpolicy.metrics import Metrics
@@ -43,9 +44,6 @@ PROBABILITY_EDGES = [0.0, 0.01, 0.1, 0.5, 0.9, 1.0000001]
 THRESHOLDS = {"log1.1": math.log(1.1), "log2": math.log(2.0)}
 # ρ bands [low, high] whose outside share is reported (TRL #6789 quotes [0.9, 1.1]); name → (low, high)
 RATIO_BANDS = {"0.9_1.1": (0.9, 1.1), "0.8_1.25": (0.8, 1.25), "0.5_2": (0.5, 2.0)}
-# padded tokens of one trainer micro-batch: train's micro_batch_tokens for a pretrained model (2,048 bound
-# SmolLM2-135M's activations on a 24 GB host: train/config.py, PRETRAINED_DEFAULTS)
-MICRO_BATCH_TOKENS = 2048
 
 
 @dataclass
@@ -417,6 +415,26 @@ def parse_bounds(items: list[str] | None, flag: str) -> list[tuple[str, float]]:
     return bounds
 
 
+def bounds(config: DiagnoseConfig) -> tuple[list[tuple[str, float]], list[tuple[str, float]]]:
+    """The gate's (``--fail-above``, ``--fail-below``) bounds of ``config`` (``parse_bounds``)."""
+    return parse_bounds(config.fail_above, "--fail-above"), parse_bounds(config.fail_below, "--fail-below")
+
+
+def gate_failures(config: DiagnoseConfig, reports: list[dict[str, Any]]) -> list[str]:
+    """One line per failed bound of ``config``'s gate over every setting's report (prefixed by the setting's
+    name when there are several); empty when every bound holds.
+
+    Raises:
+        ConfigError: a bounded STAT a report does not hold (``gate``).
+    """
+    above, below = bounds(config)
+    failed = []
+    for r in reports:
+        prefix = f"{r['setting']['name']}: " if len(reports) > 1 else ""
+        failed += [prefix + line for line in gate(r["summary"], above, below, r["summary_notes"])]
+    return failed
+
+
 def can_reject(preset: str) -> bool:
     """Whether ``preset``'s correction can take a token out of the mask: a rejection rule, or a
     ``nonfinite`` policy that masks (under ``error`` a bad value raises, under ``neutral`` it is kept)."""
@@ -541,3 +559,160 @@ def report(s: Sample, setting: dict[str, Any], out_dir: Path, plots: bool = True
     result["token_verdicts"] = viewer.token_verdicts(s.trainer, s.batch.rollout_logprobs, s.batch.mask)
     return result
 
+
+# ------------------------------------------------------------------ one run: config in, reports written
+@dataclass
+class Diagnosis:
+    """What ``run`` wrote: each setting's report (``report``), report.json, report.html, the plots, and
+    where the trackers of ``--log-to`` stored their copy (name → place)."""
+
+    reports: list[dict[str, Any]]
+    report_path: Path
+    page: Path
+    places: dict[str, str]
+
+    @property
+    def plots(self) -> list[str]:
+        return [p for r in self.reports for p in r.get("plots", [])]
+
+
+def write_atomically(path: Path, body: dict[str, Any]) -> None:
+    """``body`` as JSON at ``path`` in one step (a temporary file beside it, then a rename): a run that
+    fails or is stopped midway never leaves a half-written report."""
+    import os
+    import tempfile
+
+    fd, staging = tempfile.mkstemp(prefix=".report-", suffix=".json", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(body, f, indent=1)
+        os.replace(staging, path)
+    except BaseException:
+        Path(staging).unlink(missing_ok=True)
+        raise
+
+
+def run(config: DiagnoseConfig, console) -> Diagnosis:
+    """``offpolicy diagnose``: sample (an engine in each setting, the server of ``engine_url``) or read a dump
+    (``batch``), score with the trainer, and write report.json (atomically), the plots and report.html into
+    ``config.out``, and the summary, what-if table and plots to the trackers of ``log_to``. Progress goes to
+    ``console``; the tables are the caller's to print.
+
+    Raises:
+        ConfigError: a model, prompt or data file that cannot be used; ServerError: the server failed.
+    """
+    from offpolicy.trackers import open_trackers, parse_log_to
+
+    bounds(config)  # a mistyped gate fails now, not after sampling
+    out = Path(config.out)
+    names = parse_log_to(config.log_to)
+    trackers = None
+    if names:  # a missing tracker is one line now, before any sampling
+        out.mkdir(parents=True, exist_ok=True)
+        trackers = open_trackers(names, out, out.resolve().name, config.model_dump(exclude={"api_key_env"}), console)
+    reports = _batch_reports(config, console) if config.batch else _sampled_reports(config, console)
+    out.mkdir(parents=True, exist_ok=True)
+    write_atomically(out / "report.json", reports[0] if len(reports) == 1 else {"runs": reports})
+    views = [viewer.diagnose_view(r, out) for r in reports]
+    page = viewer.write_html(out / "report.html", views, f"offpolicy diagnose — {out.resolve().name}")
+    return Diagnosis(reports, out / "report.json", page, _to_trackers(trackers, reports))
+
+
+def _to_trackers(trackers, reports: list[dict[str, Any]]) -> dict[str, str]:
+    """Every setting's summary, what-if table and plots to ``trackers`` (prefixed by the setting's name when
+    there are several); returns where each tracker stored them."""
+    if not trackers:
+        return {}
+    columns = ["preset", "token_rejected", "seq_rejected", "weight_mean", "weight_min", "weight_max", "ess"]
+    for r in reports:
+        prefix = f"{r['setting']['name']}/" if len(reports) > 1 else ""
+        trackers.log_summary({prefix + k: v for k, v in r["summary"].items()})
+        trackers.log_table(prefix + "what_if", 0, columns, [[row[c] for c in columns] for row in r["what_if"]])
+        trackers.log_images(0, {prefix + Path(p).stem: Path(p) for p in r.get("plots", [])})
+    trackers.close()
+    return trackers.places()
+
+
+def _batch_reports(config: DiagnoseConfig, console) -> list[dict[str, Any]]:
+    """``--batch FILE_OR_DIR``: the report on tensors a host framework dumped."""
+    s, source = from_dump(Path(config.batch))
+    name = "batch " + ", ".join(source["hosts"])
+    console.print(f"diagnose: {config.batch} ({len(source['files'])} file(s), {len(s.batch.mask)} samples) ...")
+    return [report(s, {"name": name, "label": name, "batch": str(config.batch), **source}, Path(config.out))]
+
+
+def _sampled_reports(config: DiagnoseConfig, console) -> list[dict[str, Any]]:
+    """Sample in each setting (or through the server), score with the trainer, one report each."""
+    from offpolicy.policy.score import resolve_device, resolve_dtype
+    from offpolicy.policy.warmstart import model_dir, warm_start_progress
+    from offpolicy.tasks.tokenizer import ensure_pad_token, load_tokenizer
+
+    sampling = SamplingConfig(max_tokens=config.max_tokens, temperature=config.temperature, top_p=config.top_p,
+                              top_k=config.top_k)
+    device = resolve_device(config.device)
+    settings = config.settings()
+    for setting in settings:  # the trainer's numerics are train's: its dtype resolution, its forward
+        setting["trainer_dtype"] = resolve_dtype(setting["trainer_dtype"], device)[0]
+    model_path = model_dir(config.model, config.warm_start_spec(), warm_start_progress(console))
+    tokenizer = load_tokenizer(model_path)
+    ensure_pad_token(tokenizer)
+    prompts = _prompts(config, tokenizer)
+    server = config.server()
+    if server is not None:
+        return [_server_report(config, console, server, model_path, tokenizer, prompts, sampling, device,
+                               settings[0]["trainer_dtype"])]
+    out, reports = Path(config.out), []
+    for setting in settings:
+        name = f"{setting['engine']}-{setting['engine_dtype']}-vs-{setting['trainer_dtype']}"
+        if setting["logit_noise"]:
+            name += f"-noise{setting['logit_noise']}"
+        console.print(f"diagnose: {name} on {len(prompts)} samples ...")
+        s = sample(model_path, tokenizer, prompts, setting["engine"], setting["engine_dtype"], setting["trainer_dtype"],
+                   sampling, seed=config.seed, logit_noise=setting["logit_noise"], log_path=out / "engine.log",
+                   max_model_len=max(map(len, prompts)) + config.max_tokens, device=device,
+                   vllm_options=config.vllm_options() if setting["engine"] == "vllm" else None,
+                   micro_batch_tokens=config.micro_batch_tokens)
+        reports.append(report(s, {**setting, "name": name, "model": str(model_path), "sampling": sampling.__dict__},
+                              out / name if len(settings) > 1 else out))
+    return reports
+
+
+def _prompts(config: DiagnoseConfig, tokenizer) -> list[list[int]]:
+    """``config.n`` prompts as token ids, cycling through ``--data``, ``--prompts`` or the task's problems.
+
+    Raises:
+        ConfigError: a prompt that renders to no token.
+    """
+    from offpolicy.tasks import make_task, problems
+    from offpolicy.tasks.dataset import dataset_prompts
+    from offpolicy.tasks.tokenizer import prompt_ids
+
+    if config.data:  # the same data.* fields, chat template and prompt limit as task=dataset
+        prompts = dataset_prompts(config.data_config(), tokenizer, config.max_prompt_tokens)
+    elif config.prompts:
+        prompts = read_prompts(Path(config.prompts), tokenizer)
+    else:
+        prompts = [prompt_ids(tokenizer, p) for p in problems(make_task(config.task), config.n, seed=config.seed)]
+    prompts = [prompts[i % len(prompts)] for i in range(config.n)]
+    empty = next((i for i, p in enumerate(prompts) if not p), None)
+    if empty is not None:  # before a request goes out or an engine starts (score refuses it too)
+        raise ConfigError(f"prompt {empty} renders to no token; the first response token is scored from the "
+                          "prompt's last one: give every prompt some text")
+    return prompts
+
+
+def _server_report(config: DiagnoseConfig, console, server, model_path: Path, tokenizer, prompts: list[list[int]],
+                   sampling: SamplingConfig, device: torch.device, trainer_dtype: str) -> dict[str, Any]:
+    """Sample through the server, score with the trainer: its report (nothing is written before it is whole)."""
+    from rich.text import Text
+
+    console.print(f"diagnose: {server.url} on {len(prompts)} samples ({server.concurrency} in flight) ...")
+    s, info = sample_server(server, model_path, tokenizer, prompts, trainer_dtype, sampling, seed=config.seed,
+                            device=device, console=console, micro_batch_tokens=config.micro_batch_tokens)
+    for note in info["notes"]:
+        console.print(Text(f"note: {note}", style="yellow"))
+    console.print(Text(f"log-probs: {info['logprob_check']['verdict']}; prompt ids: {info['alignment']['prompt_ids']}"))
+    setting = {"engine": "server", "engine_dtype": "as served", "trainer_dtype": trainer_dtype,
+               "name": f"server-vs-{trainer_dtype}", "label": f"server {info['served_model']} vs trainer {trainer_dtype}",
+               "model": str(model_path), "sampling": sampling.__dict__, "server": info}
+    return report(s, setting, Path(config.out))
