@@ -74,3 +74,23 @@ def reference_steps(state: dict[str, torch.Tensor], batches: list[dict[str, torc
 def distance(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     """‖a − b‖₂ over all parameters."""
     return sum(float((a[k].float() - b[k].float()).pow(2).sum()) for k in a) ** 0.5
+
+
+def assert_host_steps_equal_policy_loss(host: str, state: dict[str, torch.Tensor],
+                                        batches: list[dict[str, torch.Tensor]], out: dict, cfg: op.LossConfig,
+                                        plain: op.LossConfig) -> None:
+    """The host's trained weights ``out["state"]`` after its steps on ``batches`` from ``state``: those of
+    ``reference_steps`` under ``cfg`` to float noise (relative to how far the steps moved the weights),
+    and not those of an uncorrected ``plain`` step on the same batches (the correction is what ran)."""
+    ref = reference_steps(state, batches, cfg)
+    moved = distance(ref, state)
+    assert moved > 1e-2  # the two steps move the weights
+    print(f"{host}: weights moved {moved:.4f}, host vs op.policy_loss {distance(out['state'], ref):.2e}")
+    assert distance(out["state"], ref) < 1e-4 * moved, (distance(out["state"], ref), moved)
+    assert distance(out["state"], reference_steps(state, batches, plain)) > 1e-2 * moved
+
+
+def statuses(out: dict) -> list[dict]:
+    """The host's status (its logged metrics) of each of the two steps."""
+    assert len(out["status"]) == 2
+    return out["status"]

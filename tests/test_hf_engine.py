@@ -19,9 +19,10 @@ from offpolicy.engines.base import left_pad
 from offpolicy.engines.generation import generate, explicit_config, without_model_defaults
 from offpolicy.engines.hf import HFEngine
 from offpolicy.tasks import make_task, problems
-from offpolicy.tasks.model import build_tiny_qwen2
 from offpolicy.tasks.tokenizer import build_char_tokenizer, prompt_ids
 from offpolicy.policy.warmstart import exact_match_accuracy
+
+from hf_fixtures import char_model_dir  # noqa: E402
 
 # what Qwen2.5-Instruct-like files ask for: sampling fields (temperature/top-k/top-p) and processors that
 # change the distribution, one of them (suppress_tokens) off only as None
@@ -30,11 +31,7 @@ GREEDY_CHANGING = {"repetition_penalty": 1.1, "no_repeat_ngram_size": 1, "top_k"
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("tiny-engine")
-    tok = build_char_tokenizer()
-    build_tiny_qwen2(tok, hidden_size=64, num_layers=2, seed=3).save_pretrained(path)
-    tok.save_pretrained(path)
-    return path
+    return char_model_dir(tmp_path_factory.mktemp("tiny-engine"), hidden_size=64, num_layers=2, seed=3)
 
 
 @pytest.fixture(scope="module")

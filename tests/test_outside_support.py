@@ -13,6 +13,7 @@ import torch
 
 import offpolicy as op
 from conftest import FAST
+from hf_fixtures import char_model_dir
 from offpolicy import diagnose
 from offpolicy.engines import Rollouts, SamplingConfig
 from offpolicy.metrics import Metrics
@@ -148,7 +149,7 @@ def test_the_issue_setting_trains_and_reports_the_count(offpolicy_cache, tmp_pat
 
 def test_diagnose_counts_and_excludes_outside_tokens(tmp_path):
     tok = build_char_tokenizer()
-    build_tiny_qwen2(tok, hidden_size=64, num_layers=2, seed=2).save_pretrained(tmp_path)
+    char_model_dir(tmp_path, with_tokenizer=False, hidden_size=64, num_layers=2, seed=2)
     prompts = [prompt_ids(tok, p) for p in problems(make_task("reverse"), 16, seed=1)]
     sampling = SamplingConfig(max_tokens=8, temperature=0.7, top_k=10, top_p=0.9)
     s = diagnose.sample(tmp_path, tok, prompts, "hf", "bf16", "fp32", sampling, logit_noise=1.0)
