@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 import offpolicy as op
-from offpolicy.tasks.model import build_tiny_qwen2
+from hf_fixtures import char_model
 from offpolicy.tasks.tokenizer import build_char_tokenizer
 
 MODEL = {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "num_kv_heads": 1, "intermediate_size": 64,
@@ -36,7 +36,7 @@ def make_setup(seed: int = 0, n_steps: int = 2, b_: int = 4, p_: int = 3, a_: in
     (so from step 2 on π_θ ≠ π_old); μ = π_old + N(0, 0.3²) per token, a sampler that really
     differs from the trainer; one row's last two response tokens are masked out."""
     tok = build_char_tokenizer()
-    model = build_tiny_qwen2(tok, **MODEL)
+    model = char_model(**MODEL)
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     g = torch.Generator().manual_seed(seed)
     batches = []
@@ -58,7 +58,7 @@ def reference_steps(state: dict[str, torch.Tensor], batches: list[dict[str, torc
                     cfg: op.LossConfig) -> dict[str, torch.Tensor]:
     """One SGD step per batch on ``op.policy_loss(..., cfg)`` (token-mean over the batch), the grad
     norm clipped at MAX_NORM; the final weights."""
-    model = build_tiny_qwen2(build_char_tokenizer(), **MODEL)
+    model = char_model(**MODEL)
     model.load_state_dict(state)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     for b in batches:

@@ -99,6 +99,8 @@ def save_tiny_qwen2(directory: Path, hidden_size: int = 64, num_layers: int = 2,
 # the tiny shape the host tests (TRL, verl) train: one layer, heads of 16, a short context
 HOST_SHAPE = {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "num_kv_heads": 1, "intermediate_size": 64,
               "max_positions": 64}
+# the trainer tests' shape (micro-batching, top-k/top-p support): two layers, heads of 16
+TRAINER_SHAPE = {"hidden_size": 32, "num_layers": 2, "num_heads": 2, "num_kv_heads": 1, "intermediate_size": 64}
 
 
 def char_model(**shape):

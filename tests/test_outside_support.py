@@ -13,14 +13,13 @@ import torch
 
 import offpolicy as op
 from conftest import FAST
-from hf_fixtures import char_model_dir
+from hf_fixtures import TRAINER_SHAPE, char_model, char_model_dir
 from offpolicy import diagnose
 from offpolicy.engines import Rollouts, SamplingConfig
 from offpolicy.metrics import Metrics
 from offpolicy.policy.batch import to_batch
 from offpolicy.policy.score import Scorer
 from offpolicy.tasks import make_task, problems
-from offpolicy.tasks.model import build_tiny_qwen2
 from offpolicy.tasks.tokenizer import build_char_tokenizer, prompt_ids
 from offpolicy.train import update
 from offpolicy.train.config import load_train_config
@@ -50,8 +49,7 @@ def test_within_support_masks_minus_inf_counts_it_and_leaves_nan_alone():
 def tiny_setup(seed: int = 0):
     """A float64 tiny Qwen2 and 6 rows of uniformly random responses (as in test_train_device)."""
     tok = build_char_tokenizer()
-    model = build_tiny_qwen2(tok, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=64,
-                             seed=seed).double()
+    model = char_model(**TRAINER_SHAPE, seed=seed).double()
     g = torch.Generator().manual_seed(seed)
     prompts = [[1, *torch.randint(5, 40, (n,), generator=g).tolist()] for n in (3, 6, 2, 5, 4, 7)]
     responses = [torch.randint(5, 40, (n,), generator=g).tolist() for n in (5, 1, 8, 3, 6, 2)]

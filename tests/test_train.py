@@ -15,10 +15,9 @@ import torch
 
 import offpolicy as op
 from conftest import FAST
-from hf_fixtures import char_model_dir
+from hf_fixtures import char_model, char_model_dir
 from offpolicy.engines import Rollouts, SamplingConfig
 from offpolicy.engines.hf import HFEngine
-from offpolicy.tasks.model import build_tiny_qwen2
 from offpolicy.tasks.tokenizer import build_char_tokenizer
 from offpolicy.train import loop as train_loop
 from offpolicy.train.config import load_train_config
@@ -131,7 +130,7 @@ def test_any_local_hf_model_by_path(offpolicy_cache, tmp_path):
 
 def test_hf_engine_sync_and_logprobs(tmp_path):
     tok = build_char_tokenizer()
-    trainer = build_tiny_qwen2(tok, hidden_size=64, num_layers=2, seed=1)
+    trainer = char_model(hidden_size=64, num_layers=2, seed=1)
     trainer.save_pretrained(tmp_path)
     engine = HFEngine(str(tmp_path), tok, dtype="fp32")
     with torch.no_grad():
@@ -312,7 +311,7 @@ def test_a_failed_checkpoint_write_leaves_nothing_and_latest_untouched(tmp_path)
     from offpolicy.train.checkpoint import latest_checkpoint, save_checkpoint
 
     tok = build_char_tokenizer()
-    model = build_tiny_qwen2(tok, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=32)
+    model = char_model(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=32)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     save_checkpoint(tmp_path, 1, model, tok, optimizer, {"step": 1})
 

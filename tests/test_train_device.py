@@ -16,13 +16,13 @@ import yaml
 
 import offpolicy as op
 from conftest import FAST
+from hf_fixtures import TRAINER_SHAPE, char_model
 from offpolicy.config import ConfigError
 from offpolicy.engines import Rollouts, SamplingConfig
 from offpolicy.metrics import Metrics
 from offpolicy.policy import score
 from offpolicy.policy.batch import to_batch
 from offpolicy.policy.score import Scorer
-from offpolicy.tasks.model import build_tiny_qwen2
 from offpolicy.tasks.tokenizer import build_char_tokenizer
 from offpolicy.train import update
 from offpolicy.train.config import load_train_config, resolve_device, resolve_trainer_dtype
@@ -36,8 +36,7 @@ SAMPLING = SamplingConfig(max_tokens=8)
 def tiny_setup(dtype=torch.float64, seed=0):
     """A tiny Qwen2 and a hand-made batch of 6 rows with different prompt and response lengths."""
     tok = build_char_tokenizer()
-    model = build_tiny_qwen2(tok, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=64,
-                             seed=seed).to(dtype)
+    model = char_model(**TRAINER_SHAPE, seed=seed).to(dtype)
     g = torch.Generator().manual_seed(seed)
     prompts = [[1, *torch.randint(5, 40, (n,), generator=g).tolist()] for n in (3, 6, 2, 5, 4, 7)]
     responses = [torch.randint(5, 40, (n,), generator=g).tolist() for n in (5, 1, 8, 3, 6, 2)]
