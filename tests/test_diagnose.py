@@ -195,25 +195,28 @@ def test_diagnose_scores_as_train_does_in_token_budget_micro_batches(tiny_model,
     of at most ``micro_batch_tokens`` padded tokens, trimmed of the padding no row uses, the same numbers to
     the bit as train's π_old on that batch. On f7091b3 diagnose cut fixed 64-row slices, untrimmed, and took
     no budget."""
+    from offpolicy.engines import Rollouts
     from offpolicy.policy import score
     from offpolicy.policy.batch import to_batch
 
-    tok = build_char_tokenizer()
-    prompts = [prompt_ids(tok, p) for p in problems(make_task("reverse"), 12, seed=4)]
+    g = torch.Generator().manual_seed(4)
+    prompts = [[1, *torch.randint(5, 40, (n,), generator=g).tolist()] for n in (3, 9, 2, 6, 4, 8, 5, 7)]
+    responses = [torch.randint(5, 40, (n,), generator=g).tolist() for n in (6, 1, 9, 3, 7, 2, 5, 4)]
+    batch = to_batch(Rollouts(prompts, responses, [[-1.0] * len(r) for r in responses], [True] * 8, version=0), 0)
     sampling = SamplingConfig(max_tokens=10)
-    s = diagnose.sample(tiny_model, tok, prompts, "hf", "fp32", "fp32", sampling, micro_batch_tokens=None)
+    whole = diagnose.score_batch(tiny_model, batch, sampling, "fp32", None, micro_batch_tokens=None)
     shapes = []
     real = score.trainer_logprobs
     monkeypatch.setattr(score, "trainer_logprobs", lambda model, mb, *a, **k: shapes.append(
         (tuple(mb.input_ids.shape), int(mb.attention_mask.sum(1).max()))) or real(model, mb, *a, **k))
-    budget = 3 * max(len(p) for p in prompts) + 3 * 10  # a few rows a micro-batch
-    split = diagnose.score_batch(tiny_model, s.batch, sampling, "fp32", None, micro_batch_tokens=budget)
+    budget = 3 * 19  # a few rows a micro-batch (the longest row is 19 tokens)
+    split = diagnose.score_batch(tiny_model, batch, sampling, "fp32", None, micro_batch_tokens=budget)
     assert len(shapes) > 1 and all(rows * width <= budget or rows == 1 for (rows, width), _ in shapes)
     assert all(width == used for (_, width), used in shapes)  # trimmed: no column of padding only
-    counted = s.batch.mask.bool()
-    torch.testing.assert_close(split.trainer[counted], s.trainer[counted], rtol=0, atol=1e-5)
+    counted = batch.mask.bool()
+    torch.testing.assert_close(split.trainer[counted], whole.trainer[counted], rtol=0, atol=1e-5)
     model = score.load_policy(tiny_model, torch.device("cpu")).eval()
-    trains = score.Scorer(model, sampling, torch.device("cpu"), "fp32", budget).score(s.batch)
+    trains = score.Scorer(model, sampling, torch.device("cpu"), "fp32", budget).score(batch)
     assert torch.equal(split.trainer[counted], trains.float()[counted])
 
 
