@@ -37,7 +37,7 @@ def diag(*args: str, cache: Path | None = None, process: bool = False) -> subpro
 def bf16_sample(tiny_model):
     tok = build_char_tokenizer()
     prompts = [prompt_ids(tok, p) for p in problems(make_task("reverse"), 48, seed=1)]
-    return diagnose.sample(tiny_model, tok, prompts, "hf", "bf16", "fp32", SamplingConfig(max_tokens=12))
+    return diagnose.sample(diagnose.TrainerSide(tiny_model, SamplingConfig(max_tokens=12)), tok, prompts, "hf", "bf16")
 
 
 def test_what_if_equals_correct_on_the_same_tensors(bf16_sample):
@@ -204,13 +204,13 @@ def test_diagnose_scores_as_train_does_in_token_budget_micro_batches(tiny_model,
     responses = [torch.randint(5, 40, (n,), generator=g).tolist() for n in (6, 1, 9, 3, 7, 2, 5, 4)]
     batch = to_batch(Rollouts(prompts, responses, [[-1.0] * len(r) for r in responses], [True] * 8, version=0), 0)
     sampling = SamplingConfig(max_tokens=10)
-    whole = diagnose.score_batch(tiny_model, batch, sampling, "fp32", None, micro_batch_tokens=None)
+    whole = diagnose.score_batch(diagnose.TrainerSide(tiny_model, sampling, budget=None), batch)
     shapes = []
     real = score.trainer_logprobs
     monkeypatch.setattr(score, "trainer_logprobs", lambda model, mb, *a, **k: shapes.append(
         (tuple(mb.input_ids.shape), int(mb.attention_mask.sum(1).max()))) or real(model, mb, *a, **k))
     budget = 3 * 19  # a few rows a micro-batch (the longest row is 19 tokens)
-    split = diagnose.score_batch(tiny_model, batch, sampling, "fp32", None, micro_batch_tokens=budget)
+    split = diagnose.score_batch(diagnose.TrainerSide(tiny_model, sampling, budget=budget), batch)
     assert len(shapes) > 1 and all(rows * width <= budget or rows == 1 for (rows, width), _ in shapes)
     assert all(width == used for (_, width), used in shapes)  # trimmed: no column of padding only
     counted = batch.mask.bool()

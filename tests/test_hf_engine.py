@@ -126,8 +126,8 @@ def test_mu_ignores_the_models_generation_config(opinionated_dir, tiny_dir):
     engine_log.addHandler(handler)
     try:
         with mock.patch.object(engine_log, "disabled", False), mock.patch.object(engine_log, "level", logging.WARNING):
-            s = diagnose.sample(opinionated_dir, tok, prompts, "hf", "fp32", "fp32", SamplingConfig(max_tokens=12),
-                                seed=1)
+            s = diagnose.sample(diagnose.TrainerSide(opinionated_dir, SamplingConfig(max_tokens=12)), tok, prompts,
+                                "hf", "fp32", seed=1)
     finally:
         engine_log.removeHandler(handler)
     m = diagnose.mismatch(s)
@@ -226,7 +226,7 @@ def test_diagnose_scores_with_trains_loader_and_forward(tiny_dir):
     tok = build_char_tokenizer()
     prompts = [prompt_ids(tok, p) for p in problems(make_task("reverse"), 8, seed=2)]
     sampling = SamplingConfig(max_tokens=8)
-    s = diagnose.sample(tiny_dir, tok, prompts, "hf", "fp32", "bf16", sampling, seed=0)
+    s = diagnose.sample(diagnose.TrainerSide(tiny_dir, sampling, "bf16"), tok, prompts, "hf", "fp32", seed=0)
     cpu = torch.device("cpu")
     with torch.no_grad():
         want = Scorer(score.load_policy(tiny_dir, cpu).eval(), sampling, cpu, "bf16").forward(s.batch)

@@ -150,7 +150,7 @@ def test_diagnose_counts_and_excludes_outside_tokens(tmp_path):
     char_model_dir(tmp_path, with_tokenizer=False, hidden_size=64, num_layers=2, seed=2)
     prompts = [prompt_ids(tok, p) for p in problems(make_task("reverse"), 16, seed=1)]
     sampling = SamplingConfig(max_tokens=8, temperature=0.7, top_k=10, top_p=0.9)
-    s = diagnose.sample(tmp_path, tok, prompts, "hf", "bf16", "fp32", sampling, logit_noise=1.0)
+    s = diagnose.sample(diagnose.TrainerSide(tmp_path, sampling), tok, prompts, "hf", "bf16", logit_noise=1.0)
     assert s.outside_support > 0
     assert torch.isfinite(s.trainer[s.batch.mask.bool()]).all()  # every statistic sees finite numbers only
     result = diagnose.report(s, {"engine": "hf", "engine_dtype": "bf16", "trainer_dtype": "fp32"}, tmp_path / "r",

@@ -93,36 +93,50 @@ def read_prompts(path: Path, tokenizer) -> list[list[int]]:
     return prompts
 
 
-def sample(model_path: Path, tokenizer, prompts: list[list[int]], engine: str, engine_dtype: str,
-           trainer_dtype: str, sampling: SamplingConfig, seed: int = 0, logit_noise: float = 0.0,
-           log_path: Path | None = None, max_model_len: int = 1024, device: torch.device | None = None,
-           vllm_options: dict | None = None, micro_batch_tokens: int | None = MICRO_BATCH_TOKENS) -> Sample:
-    """Generate with the engine, then recompute the sampled tokens' log-probs with the trainer (``score``).
-    The engine's output goes to ``log_path`` when given (see ``engines.make_engine``); ``vllm_options``
-    are vLLM's batching options (``engines.vllm.OPTIONS``).
-    ``device`` (default CPU) is where the trainer and the hf engine run; the sample comes back on the CPU."""
+@dataclass(frozen=True)
+class TrainerSide:
+    """The trainer's side of a diagnosis, frozen: the model directory it loads (fp32 master weights,
+    ``load_policy``) and how it scores — the engine's ``sampling`` support, the compute ``dtype`` (``fp32``,
+    or ``bf16`` autocast), the ``device`` (the hf engine's too), the ``budget`` of padded tokens a
+    micro-batch: train's ``Scorer``, with train's numbers."""
+
+    model_path: Path
+    sampling: SamplingConfig
+    dtype: str = "fp32"
+    device: torch.device = torch.device("cpu")
+    budget: int | None = MICRO_BATCH_TOKENS
+
+    def scorer(self) -> Scorer:
+        return Scorer(load_policy(self.model_path, self.device).eval(), self.sampling, self.device, self.dtype,
+                      self.budget)
+
+
+def sample(trainer: TrainerSide, tokenizer, prompts: list[list[int]], engine: str, engine_dtype: str, seed: int = 0,
+           logit_noise: float = 0.0, log_path: Path | None = None, max_model_len: int = 1024,
+           vllm_options: dict | None = None) -> Sample:
+    """Generate with the engine (on ``trainer.device``, with ``trainer.sampling``), then recompute the sampled
+    tokens' log-probs with the trainer (``score``). The engine's output goes to ``log_path`` when given (see
+    ``engines.make_engine``); ``vllm_options`` are vLLM's batching options (``engines.vllm.OPTIONS``). The
+    sample comes back on the CPU."""
     import time
 
-    eng = make_engine(engine, str(model_path), tokenizer, engine_dtype, seed=seed, logit_noise=logit_noise,
-                      max_model_len=max(max_model_len, 1024), log_path=log_path, device=device,
+    eng = make_engine(engine, str(trainer.model_path), tokenizer, engine_dtype, seed=seed, logit_noise=logit_noise,
+                      max_model_len=max(max_model_len, 1024), log_path=log_path, device=trainer.device,
                       vllm_options=vllm_options)
     try:
         start = time.perf_counter()
-        rollouts = eng.generate(prompts, sampling, seed=seed, version=0)
+        rollouts = eng.generate(prompts, trainer.sampling, seed=seed, version=0)
         seconds = time.perf_counter() - start
         rollouts.validate(eng.name)
     finally:
         eng.close()
-    return score(rollouts, model_path, tokenizer, trainer_dtype, sampling, device=device, seconds=seconds,
-                 micro_batch_tokens=micro_batch_tokens)
+    return score(rollouts, trainer, tokenizer, seconds=seconds)
 
 
-def score(rollouts: Rollouts, model_path: Path, tokenizer, trainer_dtype: str, sampling: SamplingConfig,
-          device: torch.device | None = None, seconds: float | None = None,
-          micro_batch_tokens: int | None = MICRO_BATCH_TOKENS) -> Sample:
-    """The trainer half: log π_train(y_t) of every sampled token, on the engine's sampling support,
-    from the model at ``model_path`` in ``trainer_dtype`` on ``device`` (default CPU); ``seconds`` is the
-    engine's time, kept for the report. The sample comes back on the CPU.
+def score(rollouts: Rollouts, trainer: TrainerSide, tokenizer, seconds: float | None = None) -> Sample:
+    """The trainer half: log π_train(y_t) of every sampled token, on the engine's sampling support, as
+    ``trainer`` scores them; ``seconds`` is the engine's time, kept for the report. The sample comes back on
+    the CPU.
 
     Raises:
         RuntimeError: every response is empty (nothing to compare).
@@ -134,27 +148,22 @@ def score(rollouts: Rollouts, model_path: Path, tokenizer, trainer_dtype: str, s
         raise ConfigError(f"prompt {empty} has no token: the first response token is scored from the prompt's last one")
     if not any(rollouts.response_ids):
         raise RuntimeError("the engine returned only empty responses: nothing to compare")
-    s = score_batch(model_path, to_batch(rollouts, tokenizer.pad_token_id), sampling, trainer_dtype, seconds, device,
-                    micro_batch_tokens)
+    s = score_batch(trainer, to_batch(rollouts, tokenizer.pad_token_id), seconds)
     # each response token as text, and each prompt, for the per-token viewer (report.html)
     return replace(s, token_text=[[tokenizer.decode([t]) for t in ids] for ids in rollouts.response_ids],
                    prompt_text=[tokenizer.decode(ids) for ids in rollouts.prompt_ids])
 
 
-def score_batch(model_path: Path, batch: Batch, sampling: SamplingConfig, trainer_dtype: str,
-                seconds: float | None, device: torch.device | None = None,
-                micro_batch_tokens: int | None = MICRO_BATCH_TOKENS) -> Sample:
+def score_batch(trainer: TrainerSide, batch: Batch, seconds: float | None = None) -> Sample:
     """The trainer's side of a sample: log π_train of the engine's tokens computed as ``train``
-    computes them — fp32 master weights, bf16 as autocast, micro-batches of ≤ ``micro_batch_tokens``
+    computes them — fp32 master weights, bf16 as autocast, micro-batches of ≤ ``trainer.budget``
     padded tokens trimmed of unused padding (``policy.score.Scorer.score``, train's π_old), the one head
     (``policy/head.py``) — and its mean token entropy.
 
     Tokens the engine drew outside the trainer's top-k/top-p support (log π_train = −inf) leave the
     statistics, as they leave train's loss, and are counted (``Sample.outside_support``)."""
-    device = torch.device(device or "cpu")
-    scorer = Scorer(load_policy(model_path, device).eval(), sampling, device, trainer_dtype, micro_batch_tokens)
     seen = Metrics()  # the trainer's token entropy, from its logits (the denominator of kl_over_entropy)
-    lp, entropy = scorer.score(batch, seen, entropy=True)  # and per token, for the viewer (report.html)
+    lp, entropy = trainer.scorer().score(batch, seen, entropy=True)  # and per token, for the viewer (report.html)
     lp = lp.float().cpu()
     outside = (lp == float("-inf")) & batch.mask.bool()  # [B, T]
     batch = replace(batch, mask=batch.mask * ~outside)
@@ -186,9 +195,8 @@ def from_dump(path: Path) -> tuple[Sample, dict[str, Any]]:
     return Sample(batch, torch.where(keep, data["old_logprobs"], 0.0), None), source
 
 
-def sample_server(config, model_path: Path, tokenizer, prompts: list[list[int]], trainer_dtype: str,
-                  sampling: SamplingConfig, seed: int = 0, device: torch.device | None = None,
-                  console=None, micro_batch_tokens: int | None = MICRO_BATCH_TOKENS) -> tuple[Sample, dict[str, Any]]:
+def sample_server(config, trainer: TrainerSide, tokenizer, prompts: list[list[int]], seed: int = 0,
+                  console=None) -> tuple[Sample, dict[str, Any]]:
     """Sample through a running server (``engines.server.generate``, a ``ServerConfig``), then score the
     same tokens with the trainer. With temperature, top-k or top-p the server's log-probs are checked to
     belong to the distribution it sampled from (``logprob_semantics``). Returns the sample and what the
@@ -201,18 +209,17 @@ def sample_server(config, model_path: Path, tokenizer, prompts: list[list[int]],
 
     from offpolicy.engines import server
 
-    vocab_size = AutoConfig.from_pretrained(model_path).get_text_config().vocab_size  # the trainer's embedding rows
-    rollouts, info = server.generate(config, tokenizer, prompts, sampling, seed=seed, model_path=model_path,
+    sampling = trainer.sampling
+    vocab_size = AutoConfig.from_pretrained(trainer.model_path).get_text_config().vocab_size  # the embedding's rows
+    rollouts, info = server.generate(config, tokenizer, prompts, sampling, seed=seed, model_path=trainer.model_path,
                                      console=console, vocab_size=vocab_size)
-    s = score(rollouts, model_path, tokenizer, trainer_dtype, sampling, device=device, seconds=info["seconds"],
-              micro_batch_tokens=micro_batch_tokens)
+    s = score(rollouts, trainer, tokenizer, seconds=info["seconds"])
     if (sampling.temperature, sampling.top_p, sampling.top_k) == (1.0, 1.0, -1):
         info["logprob_check"] = {"verdict": "not needed: at temperature 1, top_p 1, top_k -1 the sampling "
                                  "distribution is the model's own (processed = raw log-probs)"}
     else:
-        untruncated = score(rollouts, model_path, tokenizer, trainer_dtype,
-                            SamplingConfig(max_tokens=sampling.max_tokens), device=device,
-                            micro_batch_tokens=micro_batch_tokens)
+        raw = replace(trainer, sampling=SamplingConfig(max_tokens=sampling.max_tokens))  # the full vocabulary
+        untruncated = score(rollouts, raw, tokenizer)
         info["logprob_check"] = logprob_semantics(s, untruncated.trainer, sampling)
     return s, info
 
@@ -659,19 +666,19 @@ def _sampled_reports(config: DiagnoseConfig, console) -> list[dict[str, Any]]:
     prompts = _prompts(config, tokenizer)
     server = config.server()
     if server is not None:
-        return [_server_report(config, console, server, model_path, tokenizer, prompts, sampling, device,
-                               settings[0]["trainer_dtype"])]
+        trainer = TrainerSide(model_path, sampling, settings[0]["trainer_dtype"], device, config.micro_batch_tokens)
+        return [_server_report(config, console, server, trainer, tokenizer, prompts)]
     out, reports = Path(config.out), []
     for setting in settings:
         name = f"{setting['engine']}-{setting['engine_dtype']}-vs-{setting['trainer_dtype']}"
         if setting["logit_noise"]:
             name += f"-noise{setting['logit_noise']}"
         console.print(f"diagnose: {name} on {len(prompts)} samples ...")
-        s = sample(model_path, tokenizer, prompts, setting["engine"], setting["engine_dtype"], setting["trainer_dtype"],
-                   sampling, seed=config.seed, logit_noise=setting["logit_noise"], log_path=out / "engine.log",
-                   max_model_len=max(map(len, prompts)) + config.max_tokens, device=device,
-                   vllm_options=config.vllm_options() if setting["engine"] == "vllm" else None,
-                   micro_batch_tokens=config.micro_batch_tokens)
+        trainer = TrainerSide(model_path, sampling, setting["trainer_dtype"], device, config.micro_batch_tokens)
+        s = sample(trainer, tokenizer, prompts, setting["engine"], setting["engine_dtype"], seed=config.seed,
+                   logit_noise=setting["logit_noise"], log_path=out / "engine.log",
+                   max_model_len=max(map(len, prompts)) + config.max_tokens,
+                   vllm_options=config.vllm_options() if setting["engine"] == "vllm" else None)
         reports.append(report(s, {**setting, "name": name, "model": str(model_path), "sampling": sampling.__dict__},
                               out / name if len(settings) > 1 else out))
     return reports
@@ -701,18 +708,18 @@ def _prompts(config: DiagnoseConfig, tokenizer) -> list[list[int]]:
     return prompts
 
 
-def _server_report(config: DiagnoseConfig, console, server, model_path: Path, tokenizer, prompts: list[list[int]],
-                   sampling: SamplingConfig, device: torch.device, trainer_dtype: str) -> dict[str, Any]:
+def _server_report(config: DiagnoseConfig, console, server, trainer: TrainerSide, tokenizer,
+                   prompts: list[list[int]]) -> dict[str, Any]:
     """Sample through the server, score with the trainer: its report (nothing is written before it is whole)."""
     from rich.text import Text
 
     console.print(f"diagnose: {server.url} on {len(prompts)} samples ({server.concurrency} in flight) ...")
-    s, info = sample_server(server, model_path, tokenizer, prompts, trainer_dtype, sampling, seed=config.seed,
-                            device=device, console=console, micro_batch_tokens=config.micro_batch_tokens)
+    s, info = sample_server(server, trainer, tokenizer, prompts, seed=config.seed, console=console)
     for note in info["notes"]:
         console.print(Text(f"note: {note}", style="yellow"))
     console.print(Text(f"log-probs: {info['logprob_check']['verdict']}; prompt ids: {info['alignment']['prompt_ids']}"))
-    setting = {"engine": "server", "engine_dtype": "as served", "trainer_dtype": trainer_dtype,
-               "name": f"server-vs-{trainer_dtype}", "label": f"server {info['served_model']} vs trainer {trainer_dtype}",
-               "model": str(model_path), "sampling": sampling.__dict__, "server": info}
+    dtype = trainer.dtype
+    setting = {"engine": "server", "engine_dtype": "as served", "trainer_dtype": dtype, "name": f"server-vs-{dtype}",
+               "label": f"server {info['served_model']} vs trainer {dtype}", "model": str(trainer.model_path),
+               "sampling": trainer.sampling.__dict__, "server": info}
     return report(s, setting, Path(config.out))
