@@ -1,4 +1,4 @@
-"""Time the trainer's head (``train/head.py``): forward + backward of ``token_logprobs`` over N tokens at
+"""Time the trainer's head (``policy/head.py``): forward + backward of ``token_logprobs`` over N tokens at
 vocabulary V and hidden size H, fp32 and bf16 autocast over fp32 weights, before and after issue #44.
 
 "before" is the backward as it was at 3be706e (kept here as the baseline): a fresh autocast region per
@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 
 from offpolicy.engines.base import SamplingConfig
-from offpolicy.train import head as H
-from offpolicy.train.head import LinearHead, token_logprobs
+from offpolicy.policy import head as H
+from offpolicy.policy.head import LinearHead, token_logprobs
 
 
 def _before_backward(ctx, grad_lp, _grad_extra):

@@ -4,7 +4,7 @@ the hf engine's generate, the pre-#31 path against the current one, in the same 
     step      the default step (π_old = sg(π_θ), no π_old forward): forward, the `recommended` loss,
               backward, AdamW — ``update.optimizer_step`` itself. "old" swaps in the head of 4efb1a7
               (logits at every position [B, L, V], gathered [B, T, V], fp32 renormalisation and
-              entropy over [B, T, V]); "new" is ``train/head.py``.
+              entropy over [B, T, V]); "new" is ``policy/head.py``.
     generate  ``HFEngine.generate``. "old" is the engine of 4efb1a7 (``output_scores=True``: every
               step's [B, V] scores kept, stacked and log-softmaxed); "new" keeps O(B·V).
 
@@ -49,7 +49,7 @@ def old_trainer_logprobs(model, batch, sampling, metrics=None, **_):
     import torch
 
     from offpolicy.sampling import outside_mass_metrics, renormalize_logprobs
-    from offpolicy.train.head import token_entropy
+    from offpolicy.policy.head import token_entropy
 
     logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits  # [B, L, V]
     index = batch.positions.unsqueeze(-1).expand(-1, -1, logits.shape[-1])
@@ -126,8 +126,9 @@ def worker(what: str, path: str, length: int, rows: int, model_dir: str, device_
     from offpolicy.engines import Rollouts, SamplingConfig
     from offpolicy.metrics import Metrics
     from offpolicy.tasks.tokenizer import load_tokenizer
+    from offpolicy.policy import score
+    from offpolicy.policy.batch import to_batch
     from offpolicy.train import update
-    from offpolicy.train.batch import to_batch
     from offpolicy.train.config import TrainConfig, resolve_trainer_dtype
 
     device = torch.device(device_name)
@@ -146,7 +147,7 @@ def worker(what: str, path: str, length: int, rows: int, model_dir: str, device_
             return len(engine.generate(prompts, sampling, seed=0, version=0).response_ids[0])
     else:
         trainer_dtype = resolve_trainer_dtype(TrainConfig(), device)[0]
-        policy = update.load_policy(model_dir, device).train()
+        policy = score.load_policy(model_dir, device).train()
         optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-6)
         responses = [torch.randint(5, VOCAB, (length,), generator=g).tolist() for _ in range(rows)]
         logprobs = [[-1.0] * length for _ in range(rows)]
@@ -154,12 +155,11 @@ def worker(what: str, path: str, length: int, rows: int, model_dir: str, device_
         adv = torch.randn(rows, 1, generator=g).expand_as(batch.mask).contiguous()
         loss_cfg = TrainConfig().loss_config()
         if path == "old":
-            update.trainer_logprobs = old_trainer_logprobs  # update.forward's head, as at 4efb1a7
+            score.trainer_logprobs = old_trainer_logprobs  # Scorer.forward's head, as at 4efb1a7
 
         def run():
-            update.optimizer_step(policy, optimizer, batch, torch.arange(rows), adv,
-                                  old_of=lambda r, mb, lp: lp.detach(), loss_cfg=loss_cfg, sampling=sampling,
-                                  device=device, trainer_dtype=trainer_dtype, micro_batch_tokens=None,
+            update.optimizer_step(score.Scorer(policy, sampling, device, trainer_dtype), optimizer, batch,
+                                  torch.arange(rows), adv, old_of=lambda r, mb, lp: lp.detach(), loss_cfg=loss_cfg,
                                   max_grad_norm=1.0, metrics=Metrics())
             return length
     if device.type == "cuda":
@@ -248,7 +248,7 @@ def qwen_estimate(device: str) -> list[tuple[str, float, float]]:
     # gathered [B, T, V] bf16 and its fp32 cast (kept by logsumexp for the backward), and over [B, T, V]
     # in fp32: the log-softmax for the entropy, exp, the product and the where of token_entropy
     old_head = blv * 2 + btv * (2 + 4) + btv * 4 * 4
-    from offpolicy.train.head import chunk_tokens
+    from offpolicy.policy.head import chunk_tokens
 
     chunk = chunk_tokens(vocab, "cuda")  # the estimate is for an 80 GB card
     new_head = 6 * chunk * vocab * 4 + vocab * hidden * 2  # a chunk's few [C, V] buffers + W in bf16

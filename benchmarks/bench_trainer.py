@@ -99,7 +99,7 @@ def model_path(name: str, tmp: Path, length: int) -> Path:
     if name == "smollm2":
         return smollm2_path()
     from offpolicy.train.config import load_train_config
-    from offpolicy.train.warmstart import default_model
+    from offpolicy.policy.warmstart import default_model
 
     # the warm start (and the model's context) depends on the response limit
     return default_model(load_train_config(None, [f"max_new_tokens={length}"]))

@@ -22,7 +22,6 @@ bf16 is emulated: slower, the same numbers.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import subprocess
@@ -38,13 +37,11 @@ TRAINER_DTYPES = ["fp32", "bf16"]
 
 
 def smollm2_dir() -> Path:
-    spec = importlib.util.spec_from_file_location("smollm2", ROOT / "scripts" / "smollm2.py")
-    builder = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(builder)
-    path = builder.model_dir()
-    if not builder.is_built(path):
-        raise SystemExit(f"SmolLM2-135M-Instruct is not built at {path}: run python scripts/smollm2.py first")
-    return path
+    """SmolLM2-135M-Instruct as scripts/smollm2.py built it: bench_trainer's lookup (beside this script)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_trainer import smollm2_path
+
+    return smollm2_path()
 
 
 def diagnose(model: Path, engine: str, trainer_dtype: str, top_p: float, n: int, max_tokens: int, out: Path) -> dict:

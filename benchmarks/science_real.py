@@ -301,10 +301,10 @@ def untrained_held_out(args: argparse.Namespace) -> float:
         return json.loads(cache.read_text())["held_out_greedy"]
     import torch
 
+    from offpolicy.policy.score import load_policy
+    from offpolicy.policy.warmstart import exact_match_accuracy
     from offpolicy.tasks import ChatRendered, make_task
     from offpolicy.tasks.tokenizer import ensure_pad_token, load_tokenizer
-    from offpolicy.train.update import load_policy
-    from offpolicy.train.warmstart import exact_match_accuracy
 
     tokenizer = load_tokenizer(args.model)
     ensure_pad_token(tokenizer)

@@ -47,7 +47,8 @@ from offpolicy.engines.base import left_pad  # noqa: E402
 from offpolicy.integrations.trl import OffpolicyGRPOTrainer  # noqa: E402
 from offpolicy.tasks import Problem, make_task, problems  # noqa: E402
 from offpolicy.train.config import TrainConfig  # noqa: E402
-from offpolicy.train.warmstart import default_model, exact_match_accuracy, prompt_ids  # noqa: E402
+from offpolicy.policy.warmstart import default_model, exact_match_accuracy  # noqa: E402
+from offpolicy.tasks.tokenizer import prompt_ids  # noqa: E402
 
 
 def lagged_bf16_sampler(trainer_model, tokenizer, sync_every: int, max_new_tokens: int, seed: int):

@@ -11,7 +11,7 @@ fp32 safetensors. The reloaded directory is checked against the GGUF-loaded mode
 before it is moved into place.
 
 The directory is cached under ``$OFFPOLICY_CACHE/models/SmolLM2-135M-Instruct`` (default
-``~/.cache/offpolicy``, ``offpolicy.train.warmstart.cache_root``), built in a temporary directory
+``~/.cache/offpolicy``, ``offpolicy.policy.warmstart.cache_root``), built in a temporary directory
 next to it and renamed into place (a crash leaves no half-built model), and reused by every later
 call. stdout holds only the path, so ``model=$(python scripts/smollm2.py)`` works; progress goes to
 stderr.
@@ -48,7 +48,7 @@ MARKER = "offpolicy-build.json"  # written last, inside the temporary directory:
 
 def cache_root() -> Path:
     """offpolicy's cache directory: ``$OFFPOLICY_CACHE`` (unless empty) or ``~/.cache/offpolicy``, the rule of
-    ``offpolicy.train.warmstart.cache_root`` (tests/test_smollm2_script.py checks they agree). Not
+    ``offpolicy.policy.warmstart.cache_root`` (tests/test_smollm2_script.py checks they agree). Not
     imported from there: that import loads torch and transformers, seconds that ``--print-path`` and
     install.sh's second run do not need."""
     return Path(os.environ.get("OFFPOLICY_CACHE") or Path.home() / ".cache" / "offpolicy")  # empty = unset

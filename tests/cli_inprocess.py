@@ -112,3 +112,16 @@ def run_vllm_cli(*args: str) -> subprocess.CompletedProcess:
     if "flask" not in sys.modules:
         return run_cli(*args)
     return subprocess.run([sys.executable, "-m", "offpolicy", *args], capture_output=True, text=True, timeout=900)
+
+
+def offpolicy(*args: str, env: Mapping[str, str] | None = None, cwd: str | Path | None = None,
+              process: bool = False, timeout: float = 600) -> subprocess.CompletedProcess:
+    """``offpolicy ARGS``: in this process (``run_cli``), or with ``process`` as its own ``python -m offpolicy``
+    — from the interpreter, never from PATH (a shell without the venv's bin must pass too, issue #9) — for the
+    tests that need the command as typed end to end (its exit status, a fresh interpreter)."""
+    import sys
+
+    if not process:
+        return run_cli(*args, env=env, cwd=cwd)
+    return subprocess.run([sys.executable, "-m", "offpolicy", *args], capture_output=True, text=True, env=env,
+                          cwd=cwd, timeout=timeout)

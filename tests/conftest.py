@@ -165,6 +165,22 @@ def random_batch(seed: int, b: int = 6, t: int = 9, noise: float = 0.3) -> dict[
     return {"old": old, "rollout": rollout, "logprobs": logprobs, "adv": adv, "mask": mask}
 
 
+def host_batch(seed: int = 0, b: int = 6, t: int = 7, noise: float = 0.3) -> dict[str, torch.Tensor]:
+    """A host adapter's micro-batch (π_θ ``logp``, π_old ``old``, μ ``mu``, ``adv``, ``mask``): μ = π_old plus
+    N(0, noise²) per token, row 2 with log ρ = +2 everywhere (ρ = 7.4, outside every band), rows 0 and 3
+    right-padded."""
+    g = torch.Generator().manual_seed(seed)
+    logp = -torch.rand(b, t, generator=g) * 2 - 0.05
+    old = (logp + 0.05 * torch.randn(b, t, generator=g)).clamp(max=-1e-3)  # log-probs are ≤ 0
+    mu = (old + noise * torch.randn(b, t, generator=g)).clamp(max=-1e-3)
+    mu[2] = old[2] - 2.0
+    adv = torch.randn(b, 1, generator=g).expand(b, t).contiguous()
+    mask = torch.ones(b, t)
+    mask[0, 4:] = 0
+    mask[3, 2:] = 0
+    return {"logp": logp, "old": old, "mu": mu, "adv": adv, "mask": mask}
+
+
 def _gloo_rank(rank: int, fn, world: int, init_file: str, out_dir: str) -> None:
     import torch.distributed as dist
 

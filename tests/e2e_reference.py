@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 import offpolicy as op
-from offpolicy.tasks.model import build_tiny_qwen2
+from hf_fixtures import char_model
 from offpolicy.tasks.tokenizer import build_char_tokenizer
 
 MODEL = {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "num_kv_heads": 1, "intermediate_size": 64,
@@ -36,7 +36,7 @@ def make_setup(seed: int = 0, n_steps: int = 2, b_: int = 4, p_: int = 3, a_: in
     (so from step 2 on π_θ ≠ π_old); μ = π_old + N(0, 0.3²) per token, a sampler that really
     differs from the trainer; one row's last two response tokens are masked out."""
     tok = build_char_tokenizer()
-    model = build_tiny_qwen2(tok, **MODEL)
+    model = char_model(**MODEL)
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     g = torch.Generator().manual_seed(seed)
     batches = []
@@ -58,7 +58,7 @@ def reference_steps(state: dict[str, torch.Tensor], batches: list[dict[str, torc
                     cfg: op.LossConfig) -> dict[str, torch.Tensor]:
     """One SGD step per batch on ``op.policy_loss(..., cfg)`` (token-mean over the batch), the grad
     norm clipped at MAX_NORM; the final weights."""
-    model = build_tiny_qwen2(build_char_tokenizer(), **MODEL)
+    model = char_model(**MODEL)
     model.load_state_dict(state)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     for b in batches:
@@ -74,3 +74,23 @@ def reference_steps(state: dict[str, torch.Tensor], batches: list[dict[str, torc
 def distance(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     """‖a − b‖₂ over all parameters."""
     return sum(float((a[k].float() - b[k].float()).pow(2).sum()) for k in a) ** 0.5
+
+
+def assert_host_steps_equal_policy_loss(host: str, state: dict[str, torch.Tensor],
+                                        batches: list[dict[str, torch.Tensor]], out: dict, cfg: op.LossConfig,
+                                        plain: op.LossConfig) -> None:
+    """The host's trained weights ``out["state"]`` after its steps on ``batches`` from ``state``: those of
+    ``reference_steps`` under ``cfg`` to float noise (relative to how far the steps moved the weights),
+    and not those of an uncorrected ``plain`` step on the same batches (the correction is what ran)."""
+    ref = reference_steps(state, batches, cfg)
+    moved = distance(ref, state)
+    assert moved > 1e-2  # the two steps move the weights
+    print(f"{host}: weights moved {moved:.4f}, host vs op.policy_loss {distance(out['state'], ref):.2e}")
+    assert distance(out["state"], ref) < 1e-4 * moved, (distance(out["state"], ref), moved)
+    assert distance(out["state"], reference_steps(state, batches, plain)) > 1e-2 * moved
+
+
+def statuses(out: dict) -> list[dict]:
+    """The host's status (its logged metrics) of each of the two steps."""
+    assert len(out["status"]) == 2
+    return out["status"]

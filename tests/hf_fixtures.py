@@ -94,3 +94,30 @@ def save_tiny_qwen2(directory: Path, hidden_size: int = 64, num_layers: int = 2,
     if with_tokenizer:
         tokenizer.save_pretrained(directory)
     return directory
+
+
+# the tiny shape the host tests (TRL, verl) train: one layer, heads of 16, a short context
+HOST_SHAPE = {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "num_kv_heads": 1, "intermediate_size": 64,
+              "max_positions": 64}
+# the trainer tests' shape (micro-batching, top-k/top-p support): two layers, heads of 16
+TRAINER_SHAPE = {"hidden_size": 32, "num_layers": 2, "num_heads": 2, "num_kv_heads": 1, "intermediate_size": 64}
+
+
+def char_model(**shape):
+    """The embedded model's architecture (``offpolicy.tasks.model.build_tiny_qwen2``, ``shape`` its options,
+    ``seed`` included) over the character tokenizer."""
+    from offpolicy.tasks.model import build_tiny_qwen2
+    from offpolicy.tasks.tokenizer import build_char_tokenizer
+
+    return build_tiny_qwen2(build_char_tokenizer(), **shape)
+
+
+def char_model_dir(directory: Path, *, with_tokenizer: bool = True, **shape) -> Path:
+    """``char_model(**shape)`` saved into ``directory`` with the character tokenizer (unless ``with_tokenizer``
+    is False): a model directory train, diagnose and the hosts load."""
+    from offpolicy.tasks.tokenizer import build_char_tokenizer
+
+    char_model(**shape).save_pretrained(directory)
+    if with_tokenizer:
+        build_char_tokenizer().save_pretrained(directory)
+    return directory

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import math
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -18,7 +17,7 @@ from offpolicy.diagnose import gate, parse_bounds
 from offpolicy.config import ConfigError
 from offpolicy.integrations.dump import BatchDumper
 from offpolicy.kernels import IMPLEMENTATIONS
-from offpolicy.train.batch import token_entropy
+from offpolicy.policy.head import token_entropy
 from offpolicy.train.loop import with_kl_over_entropy
 
 
@@ -85,12 +84,9 @@ def test_gate_bounds_and_usage_errors():
 def _diagnose(*args: str, cwd, process: bool = False) -> subprocess.CompletedProcess:
     """``offpolicy diagnose ARGS`` in this process (tests/cli_inprocess.py), or with ``process`` as its own
     ``python -m offpolicy`` — the exit status a CI script reads."""
-    if not process:
-        from cli_inprocess import run_cli
+    from cli_inprocess import offpolicy
 
-        return run_cli("diagnose", *args, cwd=cwd)
-    return subprocess.run([sys.executable, "-m", "offpolicy", "diagnose", *args], capture_output=True, text=True,
-                          cwd=cwd, timeout=300)
+    return offpolicy("diagnose", *args, cwd=cwd, process=process, timeout=300)
 
 
 def test_fail_above_as_a_user_types_it_exit_0_3_and_2(tmp_path):

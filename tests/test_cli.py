@@ -2,23 +2,12 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 
 import pytest
 import yaml
 
 import offpolicy as op
-
-
-def offpolicy(*args: str, process: bool = False) -> subprocess.CompletedProcess:
-    """In this process (tests/cli_inprocess.py), or with ``process`` as ``python -m offpolicy``: from the
-    interpreter, never from PATH — a shell without the venv's bin must pass too (issue #9)."""
-    if not process:
-        from cli_inprocess import run_cli
-
-        return run_cli(*args)
-    return subprocess.run([sys.executable, "-m", "offpolicy", *args], capture_output=True, text=True, timeout=120)
+from cli_inprocess import offpolicy
 
 
 def test_console_script_is_installed():

@@ -19,7 +19,7 @@ from offpolicy.engines.base import stop_token_ids  # noqa: E402
 from offpolicy.tasks.dataset import load_dataset_task, load_rows, render_prompts  # noqa: E402
 from offpolicy.tasks.rewards import number_reward  # noqa: E402
 from offpolicy.tasks.tokenizer import ensure_pad_token, load_tokenizer  # noqa: E402
-from offpolicy.train.config import DataConfig  # noqa: E402
+from offpolicy.tasks.dataset import DataConfig  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,37 +15,29 @@ import offpolicy as op
 from offpolicy import diagnose
 from offpolicy.engines import SamplingConfig
 from offpolicy.tasks import make_task, problems
-from offpolicy.tasks.model import build_tiny_qwen2
-from offpolicy.tasks.tokenizer import build_char_tokenizer
-from offpolicy.train.warmstart import prompt_ids
+from offpolicy.tasks.tokenizer import build_char_tokenizer, prompt_ids
 
-from cli_inprocess import run_cli  # noqa: E402
+from cli_inprocess import offpolicy  # noqa: E402
+from hf_fixtures import char_model_dir  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("tiny")
-    tok = build_char_tokenizer()
-    build_tiny_qwen2(tok, hidden_size=64, num_layers=2, seed=2).save_pretrained(path)
-    tok.save_pretrained(path)
-    return path
+    return char_model_dir(tmp_path_factory.mktemp("tiny"), hidden_size=64, num_layers=2, seed=2)
 
 
 def diag(*args: str, cache: Path | None = None, process: bool = False) -> subprocess.CompletedProcess:
     """``offpolicy diagnose ARGS``: in this process (tests/cli_inprocess.py), or with ``process`` as its own
     ``python -m offpolicy`` (the report test: the command as typed, end to end)."""
-    env = {**os.environ, **({"OFFPOLICY_CACHE": str(cache)} if cache else {})}
-    if not process:
-        return run_cli("diagnose", *args, env=env)
-    return subprocess.run([sys.executable, "-m", "offpolicy", "diagnose", *args], capture_output=True, text=True,
-                          timeout=600, env=env)
+    return offpolicy("diagnose", *args, env={**os.environ, **({"OFFPOLICY_CACHE": str(cache)} if cache else {})},
+                     process=process)
 
 
 @pytest.fixture(scope="module")
 def bf16_sample(tiny_model):
     tok = build_char_tokenizer()
     prompts = [prompt_ids(tok, p) for p in problems(make_task("reverse"), 48, seed=1)]
-    return diagnose.sample(tiny_model, tok, prompts, "hf", "bf16", "fp32", SamplingConfig(max_tokens=12))
+    return diagnose.sample(diagnose.TrainerSide(tiny_model, SamplingConfig(max_tokens=12)), tok, prompts, "hf", "bf16")
 
 
 def test_what_if_equals_correct_on_the_same_tensors(bf16_sample):
@@ -189,7 +180,7 @@ def test_smollm2_raw_text_has_no_im_start(smollm2_dir, tmp_path):
 
 
 def test_cli_model_without_tokenizer(tmp_path):
-    build_tiny_qwen2(build_char_tokenizer(), hidden_size=64, num_layers=1).save_pretrained(tmp_path)
+    char_model_dir(tmp_path, with_tokenizer=False, hidden_size=64, num_layers=1)
     result = diag("--model", str(tmp_path), "--engine", "hf")
     assert result.returncode == 2 and "has no tokenizer files" in result.stderr
 
@@ -197,3 +188,51 @@ def test_cli_model_without_tokenizer(tmp_path):
 def test_cli_bad_compare(tiny_model):
     result = diag("--model", str(tiny_model), "--engine", "hf", "--compare", "colour=red")
     assert result.returncode == 2 and "expected KEY=V1,V2,..." in result.stderr
+
+
+def test_diagnose_scores_as_train_does_in_token_budget_micro_batches(tiny_model, monkeypatch):
+    """diagnose's trainer side is train's ``Scorer.score`` with the same token budget (issue #47): micro-batches
+    of at most ``micro_batch_tokens`` padded tokens, trimmed of the padding no row uses, the same numbers to
+    the bit as train's π_old on that batch. On f7091b3 diagnose cut fixed 64-row slices, untrimmed, and took
+    no budget."""
+    from offpolicy.engines import Rollouts
+    from offpolicy.policy import score
+    from offpolicy.policy.batch import to_batch
+
+    g = torch.Generator().manual_seed(4)
+    prompts = [[1, *torch.randint(5, 40, (n,), generator=g).tolist()] for n in (3, 9, 2, 6, 4, 8, 5, 7)]
+    responses = [torch.randint(5, 40, (n,), generator=g).tolist() for n in (6, 1, 9, 3, 7, 2, 5, 4)]
+    batch = to_batch(Rollouts(prompts, responses, [[-1.0] * len(r) for r in responses], [True] * 8, version=0), 0)
+    sampling = SamplingConfig(max_tokens=10)
+    whole = diagnose.score_batch(diagnose.TrainerSide(tiny_model, sampling, budget=None), batch)
+    shapes = []
+    real = score.trainer_logprobs
+    monkeypatch.setattr(score, "trainer_logprobs", lambda model, mb, *a, **k: shapes.append(
+        (tuple(mb.input_ids.shape), int(mb.attention_mask.sum(1).max()))) or real(model, mb, *a, **k))
+    budget = 3 * 19  # a few rows a micro-batch (the longest row is 19 tokens)
+    split = diagnose.score_batch(diagnose.TrainerSide(tiny_model, sampling, budget=budget), batch)
+    assert len(shapes) > 1 and all(rows * width <= budget or rows == 1 for (rows, width), _ in shapes)
+    assert all(width == used for (_, width), used in shapes)  # trimmed: no column of padding only
+    counted = batch.mask.bool()
+    torch.testing.assert_close(split.trainer[counted], whole.trainer[counted], rtol=0, atol=1e-5)
+    model = score.load_policy(tiny_model, torch.device("cpu")).eval()
+    trains = score.Scorer(model, sampling, torch.device("cpu"), "fp32", budget).score(batch)
+    assert torch.equal(split.trainer[counted], trains.float()[counted])
+
+
+@pytest.mark.parametrize("flags, message", [
+    ({"top_k": 0}, "--top-k 0: expected -1"),
+    ({"temperature": float("nan")}, "--temperature nan: expected a finite number > 0"),
+    ({"compare": "seed=1,2"}, "--compare 'seed=1,2': expected KEY=V1,V2,..."),
+    ({"micro_batch_tokens": 0}, "--micro-batch-tokens: Input should be greater than 0"),
+    ({"batch": "d", "compare": "engine=hf,vllm"}, "--batch reports on the dumped tensors as they are"),
+    ({"served_model_name": "m"}, "--served-model-name needs --engine-url URL"),
+])
+def test_diagnose_config_refuses_in_the_flags_words(flags, message):
+    """``DiagnoseConfig`` is the command line's one set of rules (issue #47): a refused value is one
+    ConfigError that names the flag, as ``offpolicy diagnose`` prints it."""
+    from offpolicy.diagnose_config import DiagnoseConfig
+
+    with pytest.raises(op.ConfigError) as err:
+        DiagnoseConfig(**flags)
+    assert str(err.value).startswith(message), str(err.value)

@@ -31,13 +31,14 @@ import math
 import pytest
 import torch
 
+from cli_inprocess import offpolicy
 from hf_fixtures import DATA, save_tiny_qwen2, train_bpe
 from offpolicy import diagnose as diagnose_module
 from offpolicy.cli import main
 from offpolicy.engines import SamplingConfig
 from offpolicy.engines.server import ServerError, completion_body
 from offpolicy.engines.vllm import vllm_available
-from offpolicy.train.batch import Batch
+from offpolicy.policy.batch import Batch
 from offpolicy.tasks.dataset import render_prompts
 from offpolicy.tasks.tokenizer import load_tokenizer
 
@@ -48,8 +49,8 @@ SHIPPED_DEFAULTS = {"temperature": 0.5, "top_k": 5, "top_p": 0.8, "min_p": 0.05,
 
 
 def diagnose(*args: str, env: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "offpolicy", "diagnose", *args], capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, **(env or {})})
+    """``python -m offpolicy diagnose ARGS``, its own process (``cli_inprocess.offpolicy``)."""
+    return offpolicy("diagnose", *args, env={**os.environ, **(env or {})}, process=True, timeout=timeout)
 
 
 def error_lines(stderr: str) -> list[str]:

@@ -61,9 +61,9 @@ def test_bad_dumps_name_the_problem(tmp_path):
 
 
 def _diagnose(*args: str, cwd) -> subprocess.CompletedProcess:
-    from cli_inprocess import run_cli  # the CLI in this process (tests/cli_inprocess.py)
+    from cli_inprocess import offpolicy  # the CLI in this process (tests/cli_inprocess.py)
 
-    return run_cli("diagnose", *args, cwd=cwd)
+    return offpolicy("diagnose", *args, cwd=cwd)
 
 
 def test_diagnose_batch_cli_reports_like_the_engine_path(tmp_path):
@@ -97,6 +97,27 @@ def test_diagnose_batch_directory_and_errors(tmp_path, capsys):
     # a wrong path is one clear error, exit 2
     assert main(["diagnose", "--batch", str(tmp_path / "missing.pt")]) == 2
     assert "no such file" in capsys.readouterr().err
+
+
+def test_diagnose_batch_writes_its_report_in_one_step(tmp_path, monkeypatch):
+    """--batch writes report.json as the server path does (issue #47: one writer, temp file + rename): a
+    write that fails leaves the previous report whole and no temporary file. On f7091b3 the --batch path
+    wrote with ``write_text`` and replaced the old report in place."""
+    import os
+
+    BatchDumper(tmp_path / "dump", every=1).maybe_dump(0, **_tensors(4, 6, 2))
+    out = tmp_path / "report"
+    out.mkdir()
+    (out / "report.json").write_text('{"previous": true}')
+
+    def refused(src, dst):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", refused)
+    r = _diagnose("--batch", str(tmp_path / "dump"), "--out", str(out), cwd=tmp_path)
+    assert r.returncode != 0 and "No space left on device" in r.stderr
+    assert json.loads((out / "report.json").read_text()) == {"previous": True}
+    assert not list(out.glob(".report-*"))
 
 
 from hypothesis import given, settings  # noqa: E402

@@ -29,7 +29,7 @@ ray = pytest.importorskip("ray", reason="Ray not installed (OpenRLHF's launcher 
 pytest.importorskip("pylatexenc", reason="pylatexenc (an OpenRLHF dependency) not installed: run install.sh")
 
 from conftest import fixed_denominator  # noqa: E402
-from e2e_reference import LR, MAX_NORM, MODEL, distance, make_setup, reference_steps  # noqa: E402
+from e2e_reference import LR, MAX_NORM, MODEL, assert_host_steps_equal_policy_loss, make_setup, statuses  # noqa: E402
 
 import offpolicy as op  # noqa: E402
 
@@ -96,21 +96,13 @@ def test_setup_hook_installed_the_loss_in_the_ray_worker(ray_worker_run) -> None
 
 
 def test_two_openrlhf_training_steps_equal_op_policy_loss(ray_worker_run) -> None:
-    state, batches, out = ray_worker_run
-    ref = reference_steps(state, batches, CFG)
-    moved = distance(ref, state)
-    assert moved > 1e-2  # the two steps move the weights
-    # the same weights as op.policy_loss called directly, to float noise (relative to the move)
-    print(f"OpenRLHF: weights moved {moved:.4f}, host vs op.policy_loss {distance(out['state'], ref):.2e}")
-    assert distance(out["state"], ref) < 1e-4 * moved, (distance(out["state"], ref), moved)
-    # and not those of an uncorrected PPO step on the same batches (the correction is what ran)
-    assert distance(out["state"], reference_steps(state, batches, PLAIN)) > 1e-2 * moved
+    # the same weights as op.policy_loss called directly, not those of an uncorrected PPO step
+    assert_host_steps_equal_policy_loss("OpenRLHF", *ray_worker_run, CFG, PLAIN)
 
 
 def test_offpolicy_metrics_reach_openrlhf_s_status(ray_worker_run) -> None:
     _, batches, out = ray_worker_run
-    assert len(out["status"]) == 2
-    for b, status in zip(batches, out["status"]):
+    for b, status in zip(batches, statuses(out)):
         assert status["offpolicy/valid_tokens"] == b["action_mask"].sum().item()  # 4·5 − 2 = 18
         assert "offpolicy/kl_k3" in status and "vllm_kl" in status and status["policy_loss"] != 0.0
         assert status["actor_grad_norm"] > 0

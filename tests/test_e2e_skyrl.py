@@ -29,7 +29,7 @@ for _dep in ("ray", "omegaconf", "jaxtyping", "loguru"):
     pytest.importorskip(_dep, reason=f"{_dep} (a SkyRL dependency) not installed: run install.sh")
 
 from conftest import fixed_denominator  # noqa: E402
-from e2e_reference import LR, MAX_NORM, MODEL, distance, make_setup, reference_steps  # noqa: E402
+from e2e_reference import LR, MAX_NORM, MODEL, assert_host_steps_equal_policy_loss, make_setup, statuses  # noqa: E402
 
 import offpolicy as op  # noqa: E402
 
@@ -76,20 +76,12 @@ def test_worker_uses_the_registered_offpolicy_loss(worker_run) -> None:
 
 
 def test_two_skyrl_worker_steps_equal_op_policy_loss(worker_run) -> None:
-    state, batches, out = worker_run
-    ref = reference_steps(state, batches, CFG)
-    moved = distance(ref, state)
-    assert moved > 1e-2  # the two steps move the weights
     # SkyRL: Σ over two micro-batches of Σ_t ℓ_t·m_t on A / Σ m (token_mean) == offpolicy's token-mean loss
-    print(f"SkyRL: weights moved {moved:.4f}, host vs op.policy_loss {distance(out['state'], ref):.2e}")
-    assert distance(out["state"], ref) < 1e-4 * moved, (distance(out["state"], ref), moved)
-    assert distance(out["state"], reference_steps(state, batches, PLAIN)) > 1e-2 * moved
+    assert_host_steps_equal_policy_loss("SkyRL", *worker_run, CFG, PLAIN)
 
 
 def test_offpolicy_metrics_reach_skyrl_s_status(worker_run) -> None:
-    _, batches, out = worker_run
-    assert len(out["status"]) == 2
-    for status in out["status"]:
+    for status in statuses(worker_run[2]):
         # the worker averages each micro-batch's metrics (2 micro-batches of 2 rows: 10 and 8 valid tokens)
         assert status["loss_metrics/offpolicy/valid_tokens"] == pytest.approx((10 + 8) / 2)
         assert "loss_metrics/offpolicy/kl_k3" in status and status["grad_norm"] > 0

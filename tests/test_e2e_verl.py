@@ -19,7 +19,7 @@ import torch  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 import offpolicy as op  # noqa: E402
-from offpolicy.tasks.model import build_tiny_qwen2  # noqa: E402
+from hf_fixtures import HOST_SHAPE, char_model_dir  # noqa: E402
 from offpolicy.tasks.tokenizer import build_char_tokenizer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,13 +38,7 @@ CONFIGS = {
 
 
 def _model_dir(tmp_path: Path) -> Path:
-    tokenizer = build_char_tokenizer()
-    model = build_tiny_qwen2(tokenizer, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
-                             intermediate_size=64, max_positions=64)
-    path = tmp_path / "model"
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+    return char_model_dir(tmp_path / "model", **HOST_SHAPE)
 
 
 def _load(path: Path, dtype=torch.float32):

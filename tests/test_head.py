@@ -14,8 +14,8 @@ from offpolicy.config import ConfigError
 from offpolicy.engines import SamplingConfig
 from offpolicy.metrics import Metrics
 from offpolicy.sampling import renormalize_logprobs
-from offpolicy.train.batch import Batch
-from offpolicy.train.head import chunk_tokens, token_entropy, trainer_logprobs
+from offpolicy.policy.batch import Batch
+from offpolicy.policy.head import chunk_tokens, token_entropy, trainer_logprobs
 
 SAMPLINGS = {
     "plain": SamplingConfig(),
@@ -260,7 +260,7 @@ def test_the_bf16_backward_casts_w_once_and_adds_no_vh_temporary_per_chunk():
     W to bf16 once (a fresh autocast region per chunk cast it in each: 4 casts), and the weight gradient is
     accumulated in fp32 in place — the only new [V, H] tensors are that cast and the gradient buffer (before:
     one bf16 [V, H] product per chunk too). The gradient is that of float64 within bf16's rounding."""
-    from offpolicy.train.head import LinearHead, token_logprobs
+    from offpolicy.policy.head import LinearHead, token_logprobs
 
     vocab, width, n, chunk = 512, 8, 15, 4
     g = torch.Generator().manual_seed(0)

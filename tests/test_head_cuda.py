@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from offpolicy.engines import SamplingConfig
-from offpolicy.train.head import LinearHead, _add_weight_grad, token_logprobs
+from offpolicy.policy.head import LinearHead, _add_weight_grad, token_logprobs
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="the out_dtype GEMM path runs on CUDA only")
 

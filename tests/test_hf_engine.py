@@ -19,9 +19,10 @@ from offpolicy.engines.base import left_pad
 from offpolicy.engines.generation import generate, explicit_config, without_model_defaults
 from offpolicy.engines.hf import HFEngine
 from offpolicy.tasks import make_task, problems
-from offpolicy.tasks.model import build_tiny_qwen2
-from offpolicy.tasks.tokenizer import build_char_tokenizer
-from offpolicy.train.warmstart import exact_match_accuracy, prompt_ids
+from offpolicy.tasks.tokenizer import build_char_tokenizer, prompt_ids
+from offpolicy.policy.warmstart import exact_match_accuracy
+
+from hf_fixtures import char_model_dir  # noqa: E402
 
 # what Qwen2.5-Instruct-like files ask for: sampling fields (temperature/top-k/top-p) and processors that
 # change the distribution, one of them (suppress_tokens) off only as None
@@ -30,11 +31,7 @@ GREEDY_CHANGING = {"repetition_penalty": 1.1, "no_repeat_ngram_size": 1, "top_k"
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("tiny-engine")
-    tok = build_char_tokenizer()
-    build_tiny_qwen2(tok, hidden_size=64, num_layers=2, seed=3).save_pretrained(path)
-    tok.save_pretrained(path)
-    return path
+    return char_model_dir(tmp_path_factory.mktemp("tiny-engine"), hidden_size=64, num_layers=2, seed=3)
 
 
 @pytest.fixture(scope="module")
@@ -129,8 +126,8 @@ def test_mu_ignores_the_models_generation_config(opinionated_dir, tiny_dir):
     engine_log.addHandler(handler)
     try:
         with mock.patch.object(engine_log, "disabled", False), mock.patch.object(engine_log, "level", logging.WARNING):
-            s = diagnose.sample(opinionated_dir, tok, prompts, "hf", "fp32", "fp32", SamplingConfig(max_tokens=12),
-                                seed=1)
+            s = diagnose.sample(diagnose.TrainerSide(opinionated_dir, SamplingConfig(max_tokens=12)), tok, prompts,
+                                "hf", "fp32", seed=1)
     finally:
         engine_log.removeHandler(handler)
     m = diagnose.mismatch(s)
@@ -200,7 +197,7 @@ def test_the_eval_generates_under_the_trainers_precision(tiny_dir, monkeypatch):
     update's forward does (4efb1a7 generated in fp32 without autocast)."""
     from transformers import AutoModelForCausalLM
 
-    from offpolicy.train import warmstart
+    from offpolicy.policy import warmstart
 
     seen = []
     real = warmstart.generate
@@ -220,18 +217,19 @@ def test_the_eval_generates_under_the_trainers_precision(tiny_dir, monkeypatch):
 
 
 def test_diagnose_scores_with_trains_loader_and_forward(tiny_dir):
-    """--trainer-dtype bf16 is bf16 autocast over fp32 weights — update.load_policy + update.forward, the
+    """--trainer-dtype bf16 is bf16 autocast over fp32 weights — score.load_policy + Scorer.forward, the
     very numbers train computes — not bf16 weights (4efb1a7); and the CLI's default is train's `auto`."""
     from offpolicy import cli
-    from offpolicy.train import update
+    from offpolicy.policy import score
+    from offpolicy.policy.score import Scorer
 
     tok = build_char_tokenizer()
     prompts = [prompt_ids(tok, p) for p in problems(make_task("reverse"), 8, seed=2)]
     sampling = SamplingConfig(max_tokens=8)
-    s = diagnose.sample(tiny_dir, tok, prompts, "hf", "fp32", "bf16", sampling, seed=0)
+    s = diagnose.sample(diagnose.TrainerSide(tiny_dir, sampling, "bf16"), tok, prompts, "hf", "fp32", seed=0)
     cpu = torch.device("cpu")
     with torch.no_grad():
-        want = update.forward(update.load_policy(tiny_dir, cpu).eval(), s.batch, sampling, cpu, "bf16")
+        want = Scorer(score.load_policy(tiny_dir, cpu).eval(), sampling, cpu, "bf16").forward(s.batch)
     counted = s.batch.mask.bool()
     assert torch.equal(s.trainer[counted], want[counted])
     assert 0 < float((s.trainer - s.batch.rollout_logprobs)[counted].abs().max()) < 0.5  # bf16 compute really ran

@@ -32,15 +32,13 @@ NAN = float("nan")
 @pytest.fixture(scope="module")
 def trl_env(tmp_path_factory):
     pytest.importorskip("trl", reason="TRL not installed (install.sh installs trl==1.16.0; pip install offpolicy[trl])")
-    from offpolicy.tasks.model import build_tiny_qwen2
+    from hf_fixtures import HOST_SHAPE, char_model_dir
     from offpolicy.tasks.tokenizer import build_char_tokenizer
 
     tokenizer = build_char_tokenizer()
     torch.manual_seed(0)
-    model = build_tiny_qwen2(tokenizer, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
-                             intermediate_size=64, max_positions=64)
-    path = tmp_path_factory.mktemp("tiny")
-    model.save_pretrained(path)  # beta > 0: TRL builds the reference model from the policy's path
+    # beta > 0: TRL builds the reference model from the policy's path
+    path = char_model_dir(tmp_path_factory.mktemp("tiny"), with_tokenizer=False, **HOST_SHAPE)
     return {"tokenizer": tokenizer, "model_path": str(path), "out": tmp_path_factory.mktemp("out")}
 
 

@@ -18,7 +18,7 @@ import torch
 
 openrlhf = pytest.importorskip("openrlhf", reason="OpenRLHF not installed (pip install offpolicy[openrlhf])")
 
-from conftest import fixed_denominator, previous_recommended  # noqa: E402
+from conftest import fixed_denominator, host_batch, previous_recommended  # noqa: E402
 from host_packages import import_openrlhf_loss  # noqa: E402
 
 import offpolicy as op  # noqa: E402
@@ -43,16 +43,7 @@ CONFIGS = {
 
 
 def _batch(seed: int = 0, b: int = 6, t: int = 7) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    logp = -torch.rand(b, t, generator=g) * 2 - 0.05
-    old = (logp + 0.05 * torch.randn(b, t, generator=g)).clamp(max=-1e-3)  # log-probs are ≤ 0
-    mu = (old + 0.6 * torch.randn(b, t, generator=g)).clamp(max=-1e-3)  # wide: the veto and bands reject rows
-    mu[2] = old[2] - 2.0  # row 2: log ρ = +2 on every token, ρ = 7.4 — outside every band here
-    adv = torch.randn(b, 1, generator=g).expand(b, t).contiguous()
-    mask = torch.ones(b, t)
-    mask[0, 4:] = 0
-    mask[3, 2:] = 0
-    return {"logp": logp, "old": old, "mu": mu, "adv": adv, "mask": mask}
+    return host_batch(seed, b, t, noise=0.6)  # wide: the veto and bands reject rows
 
 
 def _host_call(fn: torch.nn.Module, x: dict[str, torch.Tensor], **batch_info):

@@ -28,7 +28,7 @@ except ImportError as err:  # a SkyRL dependency missing (ray, jaxtyping, skyrl-
 
 from skyrl.train.config.config import AlgorithmConfig, OffPolicyCorrectionConfig, SamplingParams  # noqa: E402
 
-from conftest import fixed_denominator, previous_recommended  # noqa: E402
+from conftest import fixed_denominator, host_batch, previous_recommended  # noqa: E402
 
 import offpolicy as op  # noqa: E402
 from offpolicy.config import ConfigError  # noqa: E402
@@ -55,19 +55,6 @@ def _clean_registry():
         pu.PolicyLossRegistry.unregister(adapter.NAME)
 
 
-def _batch(seed: int = 0, b: int = 6, t: int = 7) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    logp = -torch.rand(b, t, generator=g) * 2 - 0.05
-    old = (logp + 0.05 * torch.randn(b, t, generator=g)).clamp(max=-1e-3)  # log-probs are ≤ 0
-    mu = (old + 0.3 * torch.randn(b, t, generator=g)).clamp(max=-1e-3)
-    mu[2] = old[2] - 2.0  # row 2: log ρ = +2 on every token, ρ = 7.4 — outside every band here
-    adv = torch.randn(b, 1, generator=g).expand(b, t).contiguous()
-    mask = torch.ones(b, t)
-    mask[0, 4:] = 0
-    mask[3, 2:] = 0
-    return {"logp": logp, "old": old, "mu": mu, "adv": adv, "mask": mask}
-
-
 def _train_config() -> types.SimpleNamespace:
     # The two sections of SkyRLTrainConfig that configure() touches, with SkyRL's own dataclasses.
     # (A full SkyRLTrainConfig() imports vLLM and installs SkyRL's vLLM patches process-wide — not
@@ -92,7 +79,7 @@ def test_loss_and_grad_equal_offpolicy(name: str) -> None:
     cfg = CONFIGS[name]
     adapter.register(cfg)
     fn = pu.PolicyLossRegistry.get("offpolicy")
-    x = _batch()
+    x = host_batch()
     reduction = {"token-mean": "token_mean", "seq-mean-token-mean": "sequence_mean"}[cfg.agg]
     loss, metrics, grad = _worker_call(fn, x, AlgorithmConfig(policy_loss_type="offpolicy", loss_reduction=reduction))
     logp = x["logp"].clone().requires_grad_(True)
@@ -110,7 +97,7 @@ def test_loss_and_grad_equal_offpolicy(name: str) -> None:
 def test_skyrl_s_own_token_tis_equals_the_preset_through_the_adapter() -> None:
     # Differential: SkyRL's "regular" loss with its own token TIS (cap 2) vs offpolicy's
     # skyrl:token_tis preset through the adapter, same pre-scaled batch.
-    x = _batch(1)
+    x = host_batch(1)
     own = AlgorithmConfig(policy_loss_type="regular",
                           off_policy_correction=OffPolicyCorrectionConfig(tis_ratio_type="token"))
     h_loss, h_metrics, h_grad = _worker_call(pu.PolicyLossRegistry.get("regular"), x, own)
@@ -123,7 +110,7 @@ def test_skyrl_s_own_token_tis_equals_the_preset_through_the_adapter() -> None:
 
 def test_refuses_skyrl_s_own_correction() -> None:
     adapter.register(CONFIGS["token_tis"])
-    x = _batch()
+    x = host_batch()
     both = AlgorithmConfig(policy_loss_type="offpolicy",
                            off_policy_correction=OffPolicyCorrectionConfig(sequence_mask_metric="geometric"))
     with pytest.raises(ConfigError, match="corrected twice"):
@@ -164,7 +151,7 @@ def test_registration_is_guarded() -> None:
 
 def test_missing_rollout_logprobs_is_an_error() -> None:
     adapter.register(CONFIGS["token_tis"])
-    x = _batch()
+    x = host_batch()
     with pytest.raises(RuntimeError, match="sampling_params.logprobs"):
         pu.PolicyLossRegistry.get("offpolicy")(x["logp"], x["old"], x["adv"], config=AlgorithmConfig(),
                                                 loss_mask=x["mask"], rollout_logprobs=None)
@@ -175,7 +162,7 @@ def test_missing_rollout_logprobs_is_an_error() -> None:
        reduction=st.sampled_from(["token_mean", "sequence_mean"]))
 def test_property_worker_path_equals_offpolicy(seed: int, b: int, t: int, reduction: str) -> None:
     # For any batch, SkyRL's pre-scaled-advantage sum == offpolicy's own reduction (ℓ is linear in A).
-    x = _batch(seed, b=b + 3, t=t + 2)  # _batch pads rows 0 and 3 and shifts row 2
+    x = host_batch(seed, b=b + 3, t=t + 2)  # host_batch pads rows 0 and 3 and shifts row 2
     agg = {"token_mean": "token-mean", "sequence_mean": "seq-mean-token-mean"}[reduction]
     cfg = CONFIGS["recommended"].model_copy(update={"agg": agg})
     if adapter.NAME in pu.PolicyLossRegistry.list_available():
@@ -194,7 +181,7 @@ def test_dump_is_readable_by_diagnose(tmp_path) -> None:
     from offpolicy.integrations.dump import BatchDumper, load_batch
 
     adapter.register(CONFIGS["token_tis"], dumper=BatchDumper(tmp_path, steps={0}, host="skyrl"))
-    x = _batch()
+    x = host_batch()
     _worker_call(pu.PolicyLossRegistry.get("offpolicy"), x, AlgorithmConfig(policy_loss_type="offpolicy"))
     got = load_batch(tmp_path)
     torch.testing.assert_close(got["rollout_logprobs"], x["mu"])

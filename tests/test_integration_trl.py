@@ -24,7 +24,7 @@ import torch  # noqa: E402
 
 import offpolicy as op  # noqa: E402
 from offpolicy.config import ConfigError  # noqa: E402
-from offpolicy.tasks.model import build_tiny_qwen2  # noqa: E402
+from hf_fixtures import HOST_SHAPE, char_model  # noqa: E402
 from offpolicy.tasks.tokenizer import build_char_tokenizer  # noqa: E402
 
 COMPLETION_LEN = 6
@@ -99,8 +99,7 @@ def _trainer(tmp_path, config, cls=None, trainer_kwargs=None, **overrides):
     host = _trl()
     cls = cls or host.Probe
     tokenizer = build_char_tokenizer()
-    model = build_tiny_qwen2(tokenizer, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
-                             intermediate_size=64, max_positions=64)
+    model = char_model(**HOST_SHAPE)
     # loss_type bnpo = Σ ℓ·m / Σ m per micro-batch (1 accumulation step), i.e. offpolicy's token-mean
     args = host.GRPOConfig(**{"output_dir": str(tmp_path / "out"), "per_device_train_batch_size": 4, "num_generations": 4,
                          "max_completion_length": COMPLETION_LEN, "max_steps": 2, "logging_steps": 1, "report_to": [],

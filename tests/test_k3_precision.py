@@ -17,7 +17,7 @@ import torch
 import offpolicy as op
 from offpolicy import diagnose
 from offpolicy.diagnose import Sample
-from offpolicy.train.batch import Batch
+from offpolicy.policy.batch import Batch
 
 X = 2.0**-13
 K3_PLUS = X * X / 2 + X**3 / 6 + X**4 / 24  # k3 at log ρ = +x, by the series

@@ -13,17 +13,17 @@ import torch
 
 import offpolicy as op
 from conftest import FAST
+from hf_fixtures import TRAINER_SHAPE, char_model, char_model_dir
 from offpolicy import diagnose
 from offpolicy.engines import Rollouts, SamplingConfig
 from offpolicy.metrics import Metrics
+from offpolicy.policy.batch import to_batch
+from offpolicy.policy.score import Scorer
 from offpolicy.tasks import make_task, problems
-from offpolicy.tasks.model import build_tiny_qwen2
-from offpolicy.tasks.tokenizer import build_char_tokenizer
+from offpolicy.tasks.tokenizer import build_char_tokenizer, prompt_ids
 from offpolicy.train import update
-from offpolicy.train.batch import to_batch
 from offpolicy.train.config import load_train_config
 from offpolicy.train.loop import train
-from offpolicy.train.warmstart import prompt_ids
 
 TOP3 = SamplingConfig(max_tokens=8, top_k=3)  # uniform random responses mostly fall outside a top-3
 
@@ -49,8 +49,7 @@ def test_within_support_masks_minus_inf_counts_it_and_leaves_nan_alone():
 def tiny_setup(seed: int = 0):
     """A float64 tiny Qwen2 and 6 rows of uniformly random responses (as in test_train_device)."""
     tok = build_char_tokenizer()
-    model = build_tiny_qwen2(tok, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=64,
-                             seed=seed).double()
+    model = char_model(**TRAINER_SHAPE, seed=seed).double()
     g = torch.Generator().manual_seed(seed)
     prompts = [[1, *torch.randint(5, 40, (n,), generator=g).tolist()] for n in (3, 6, 2, 5, 4, 7)]
     responses = [torch.randint(5, 40, (n,), generator=g).tolist() for n in (5, 1, 8, 3, 6, 2)]
@@ -69,9 +68,8 @@ def step_gradient(model, batch, adv, loss_cfg, budget, old=None, update_weights=
     def old_of(rows, mb, logprobs):
         return logprobs.detach() if old is None else old[rows, : mb.mask.shape[1]]
 
-    update.optimizer_step(model, opt, batch, torch.arange(6), adv, old_of=old_of, loss_cfg=loss_cfg, sampling=TOP3,
-                          device=torch.device("cpu"), trainer_dtype="fp32", micro_batch_tokens=budget,
-                          max_grad_norm=1e12, metrics=metrics, update=update_weights)
+    update.optimizer_step(Scorer(model, TOP3, torch.device("cpu"), "fp32", budget), opt, batch, torch.arange(6), adv,
+                          old_of=old_of, loss_cfg=loss_cfg, max_grad_norm=1e12, metrics=metrics, update=update_weights)
     grads = [b - p.detach() for b, p in zip(before, model.parameters())]
     with torch.no_grad():
         for p, b in zip(model.parameters(), before):
@@ -89,7 +87,7 @@ def test_micro_batched_step_drops_outside_tokens_exactly_as_the_whole_batch(pres
     loss_cfg = op.LossConfig() if preset is None else op.LossConfig.from_preset(preset)
     with torch.no_grad():
         other, _, _ = tiny_setup(seed=1)
-        old = update.old_logprobs(other, batch, TOP3, torch.device("cpu"), "fp32", 20)  # π_old's support too
+        old = Scorer(other, TOP3, torch.device("cpu"), "fp32", 20).score(batch)  # π_old's support too
         assert torch.isneginf(old).any()
     whole, m_whole = step_gradient(model, batch, adv, loss_cfg, None, old)
     split, m_split = step_gradient(model, batch, adv, loss_cfg, budget, old)
@@ -124,8 +122,8 @@ def assert_same_metrics(whole: dict[str, float], split: dict[str, float]) -> Non
 def test_old_logprobs_puts_each_micro_batch_back_in_its_rows():
     model, batch, _ = tiny_setup()
     with torch.no_grad():
-        whole = update.old_logprobs(model, batch, TOP3, torch.device("cpu"), "fp32", None)
-        split = update.old_logprobs(model, batch, TOP3, torch.device("cpu"), "fp32", 20)  # 4 groups, reordered
+        whole = Scorer(model, TOP3, torch.device("cpu"), "fp32", None).score(batch)
+        split = Scorer(model, TOP3, torch.device("cpu"), "fp32", 20).score(batch)  # 4 groups, reordered
     assert torch.equal(torch.isneginf(whole), torch.isneginf(split))
     torch.testing.assert_close(torch.where(torch.isfinite(whole), whole, 0), torch.where(torch.isfinite(split), split, 0),
                                rtol=1e-12, atol=1e-12)
@@ -149,10 +147,10 @@ def test_the_issue_setting_trains_and_reports_the_count(offpolicy_cache, tmp_pat
 
 def test_diagnose_counts_and_excludes_outside_tokens(tmp_path):
     tok = build_char_tokenizer()
-    build_tiny_qwen2(tok, hidden_size=64, num_layers=2, seed=2).save_pretrained(tmp_path)
+    char_model_dir(tmp_path, with_tokenizer=False, hidden_size=64, num_layers=2, seed=2)
     prompts = [prompt_ids(tok, p) for p in problems(make_task("reverse"), 16, seed=1)]
     sampling = SamplingConfig(max_tokens=8, temperature=0.7, top_k=10, top_p=0.9)
-    s = diagnose.sample(tmp_path, tok, prompts, "hf", "bf16", "fp32", sampling, logit_noise=1.0)
+    s = diagnose.sample(diagnose.TrainerSide(tmp_path, sampling), tok, prompts, "hf", "bf16", logit_noise=1.0)
     assert s.outside_support > 0
     assert torch.isfinite(s.trainer[s.batch.mask.bool()]).all()  # every statistic sees finite numbers only
     result = diagnose.report(s, {"engine": "hf", "engine_dtype": "bf16", "trainer_dtype": "fp32"}, tmp_path / "r",

@@ -174,7 +174,7 @@ def test_a_group_runs_on_one_worker_in_a_real_two_worker_run(tmp_path):
 def test_two_runs_beside_each_other_train_the_warm_start_once(tmp_path, monkeypatch):
     """Two `offpolicy train` runs (or two test workers) needing the same warm start: the second waits for
     the first and reuses its model instead of training it again (~15-60 s each)."""
-    from offpolicy.train import warmstart
+    from offpolicy.policy import warmstart
     from offpolicy.train.config import TrainConfig
 
     monkeypatch.setenv("OFFPOLICY_CACHE", str(tmp_path))

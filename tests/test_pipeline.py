@@ -53,14 +53,15 @@ def pipeline(engine, staleness: int, pending=None) -> RolloutPipeline:
                            staleness, seed=0, pending=pending)
 
 
-def drive(pipe: RolloutPipeline, steps: range, version: int, train_seconds: float = 0.0):
-    """The trainer's side of the loop: take the batch, 'train', sync the next version, commit."""
+def drive(pipe: RolloutPipeline, steps: range, version: int, train_seconds: float = 0.0, record=None):
+    """The trainer's side of the loop: take the batch, 'train', sync the next version, commit. Per step,
+    ``record(pipe, item)`` where given, else (step, the batch's version, training's start and end)."""
     trained = []
     for step in steps:
         item, _ = pipe.next(step, version)
         start = time.perf_counter()
         time.sleep(train_seconds)
-        trained.append((step, item.rollouts.version, start, time.perf_counter()))
+        trained.append(record(pipe, item) if record else (step, item.rollouts.version, start, time.perf_counter()))
         version += 1
         pipe.sync([("version", torch.tensor(version))])
         pipe.commit(step)

@@ -46,7 +46,7 @@ def test_a_finished_build_is_found(smollm2_dir):
 def test_the_script_and_the_package_share_one_cache(tmp_path, monkeypatch):
     import importlib.util
 
-    from offpolicy.train.warmstart import cache_root
+    from offpolicy.policy.warmstart import cache_root
 
     spec = importlib.util.spec_from_file_location("offpolicy_smollm2_script", SCRIPT)
     builder = importlib.util.module_from_spec(spec)

@@ -20,7 +20,7 @@ from offpolicy.tasks.tokenizer import build_char_tokenizer
 from offpolicy.train.config import load_train_config
 from offpolicy.train.loop import train
 from offpolicy.train.pipeline import RolloutPipeline
-from test_pipeline import RecordingEngine
+from test_pipeline import RecordingEngine, drive
 
 
 def _pipe(engine, staleness, policy, **state) -> RolloutPipeline:
@@ -30,14 +30,7 @@ def _pipe(engine, staleness, policy, **state) -> RolloutPipeline:
 
 def _drive(pipe, steps, version):
     """(batch index, its version, rollouts dropped to get it) per step, as the trainer's loop sees them."""
-    out = []
-    for step in steps:
-        item, _ = pipe.next(step, version)
-        out.append((item.step, item.rollouts.version, pipe.last_dropped))
-        version += 1
-        pipe.sync([("version", torch.tensor(version))])
-        pipe.commit(step)
-    return out, version
+    return drive(pipe, steps, version, record=lambda p, item: (item.step, item.rollouts.version, p.last_dropped))
 
 
 @pytest.mark.parametrize("staleness", [0, 1])

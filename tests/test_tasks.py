@@ -27,7 +27,7 @@ def test_plain_text_takes_the_tokenizers_own_bos_rule(tmp_path):
     from transformers import PreTrainedTokenizerFast
 
     from offpolicy.tasks.tokenizer import plain_text_ids
-    from offpolicy.train.warmstart import prompt_ids
+    from offpolicy.tasks.tokenizer import prompt_ids
 
     tok = build_char_tokenizer()  # its rule: <bos> + text, as the embedded model is trained
     assert plain_text_ids(tok, "12=") == [tok.bos_token_id, *tok("12=", add_special_tokens=False).input_ids]
@@ -67,7 +67,7 @@ def test_tiny_model_size():
 def test_walk_is_seeded_long_verifiable_and_fits_the_response_limit():
     from offpolicy.tasks import Walk
     from offpolicy.train.config import load_train_config
-    from offpolicy.train.warmstart import context_length
+    from offpolicy.policy.warmstart import context_length
 
     task = make_task("walk")
     batch = problems(task, 300, seed=7)

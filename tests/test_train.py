@@ -15,9 +15,9 @@ import torch
 
 import offpolicy as op
 from conftest import FAST
+from hf_fixtures import char_model, char_model_dir
 from offpolicy.engines import Rollouts, SamplingConfig
 from offpolicy.engines.hf import HFEngine
-from offpolicy.tasks.model import build_tiny_qwen2
 from offpolicy.tasks.tokenizer import build_char_tokenizer
 from offpolicy.train import loop as train_loop
 from offpolicy.train.config import load_train_config
@@ -31,13 +31,9 @@ TIMING = {"step_seconds", "generate/tokens_per_s", "staleness/in_flight", "stale
 def cli(*args: str, env_cache: Path, process: bool = False) -> subprocess.CompletedProcess:
     """``offpolicy train ARGS`` in this process (tests/cli_inprocess.py), or with ``process`` as its own
     ``python -m offpolicy``."""
-    if not process:
-        from cli_inprocess import run_cli
+    from cli_inprocess import offpolicy
 
-        return run_cli("train", *args, env={**os.environ, "OFFPOLICY_CACHE": str(env_cache)})
-    env = {**os.environ, "OFFPOLICY_CACHE": str(env_cache)}
-    return subprocess.run([sys.executable, "-m", "offpolicy", "train", *args], capture_output=True, text=True, env=env,
-                          timeout=600)
+    return offpolicy("train", *args, env={**os.environ, "OFFPOLICY_CACHE": str(env_cache)}, process=process)
 
 
 def records(run_dir: Path) -> list[dict]:
@@ -117,10 +113,7 @@ def test_async_staleness_is_bounded_and_corrected(offpolicy_cache, tmp_path):
 
 @pytest.mark.slow
 def test_any_local_hf_model_by_path(offpolicy_cache, tmp_path):
-    tok = build_char_tokenizer()
-    model_dir = tmp_path / "my-model"
-    build_tiny_qwen2(tok, hidden_size=64, num_layers=2, seed=3).save_pretrained(model_dir)
-    tok.save_pretrained(model_dir)
+    model_dir = char_model_dir(tmp_path / "my-model", hidden_size=64, num_layers=2, seed=3)
     from rich.console import Console
 
     console = Console(record=True, width=300)
@@ -137,7 +130,7 @@ def test_any_local_hf_model_by_path(offpolicy_cache, tmp_path):
 
 def test_hf_engine_sync_and_logprobs(tmp_path):
     tok = build_char_tokenizer()
-    trainer = build_tiny_qwen2(tok, hidden_size=64, num_layers=2, seed=1)
+    trainer = char_model(hidden_size=64, num_layers=2, seed=1)
     trainer.save_pretrained(tmp_path)
     engine = HFEngine(str(tmp_path), tok, dtype="fp32")
     with torch.no_grad():
@@ -146,7 +139,8 @@ def test_hf_engine_sync_and_logprobs(tmp_path):
     prompts = [[1, 5, 6, 17]] * 4
 
     def gap() -> float:
-        from offpolicy.train.batch import to_batch, trainer_logprobs
+        from offpolicy.policy.batch import to_batch
+        from offpolicy.policy.head import trainer_logprobs
 
         rollouts = engine.generate(prompts, SamplingConfig(max_tokens=6), seed=0, version=0)
         batch = to_batch(rollouts, tok.pad_token_id)
@@ -236,11 +230,30 @@ def wait_or_dump(proc: subprocess.Popen, stderr: Path, timeout: float = 120) -> 
                     f"dumped them:\n{stderr.read_text()[-6000:]}")
 
 
+def signal_after_steps(proc: subprocess.Popen, out: Path, stderr: Path, steps: int, signum: int) -> None:
+    """Send ``signum`` to the run ``proc`` once it has provably finished ``steps`` steps (that many lines in
+    ``out``/metrics.jsonl) and is still running — never on a timer, which sent it during start-up on a slow
+    box (issue #9 item 11: rc 0 instead of 130) — then wait for it to exit (``wait_or_dump``). The deadline
+    only fails the test."""
+    import time
+
+    deadline = time.time() + 900
+    while not ((out / "metrics.jsonl").exists() and len((out / "metrics.jsonl").read_text().splitlines()) >= steps):
+        if proc.poll() is not None:
+            pytest.fail(f"the run exited (rc {proc.returncode}) before step {steps}: {stderr.read_text()[-2000:]}")
+        if time.time() > deadline:
+            proc.kill()
+            pytest.fail(f"the run did not reach step {steps} within 900 s")
+        time.sleep(0.2)
+    assert proc.poll() is None, "the run ended before the signal could reach it"
+    proc.send_signal(signum)
+    wait_or_dump(proc, stderr)
+
+
 @pytest.mark.slow
 def test_ctrl_c_saves_a_checkpoint_and_resume_continues(offpolicy_cache, tmp_path):
     import os
     import signal
-    import time
 
     out = tmp_path / "interrupted"
     env = {**os.environ, "OFFPOLICY_CACHE": str(offpolicy_cache), "PYTHONFAULTHANDLER": "1"}  # wait_or_dump
@@ -250,20 +263,7 @@ def test_ctrl_c_saves_a_checkpoint_and_resume_continues(offpolicy_cache, tmp_pat
                             # a shell starts background jobs with SIGINT ignored, and Python then installs no
                             # KeyboardInterrupt handler: under `pytest &` the run would ignore the signal and finish
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    # Deterministic (issue #9 item 11): the signal is sent only once the run has provably finished
-    # 3 steps (3 lines in metrics.jsonl) and is still running — never on a timer, which sent it
-    # during start-up on a slow box (rc 0 instead of 130). The deadline only fails the test.
-    deadline = time.time() + 900
-    while not ((out / "metrics.jsonl").exists() and len((out / "metrics.jsonl").read_text().splitlines()) >= 3):
-        if proc.poll() is not None:
-            pytest.fail(f"the run exited (rc {proc.returncode}) before step 3: {(tmp_path / 'stderr').read_text()[-2000:]}")
-        if time.time() > deadline:
-            proc.kill()
-            pytest.fail("the run did not reach step 3 within 900 s")
-        time.sleep(0.2)
-    assert proc.poll() is None, "the run ended before it could be interrupted"
-    proc.send_signal(signal.SIGINT)
-    wait_or_dump(proc, tmp_path / "stderr")
+    signal_after_steps(proc, out, tmp_path / "stderr", 3, signal.SIGINT)  # deterministic: after step 3
     stdout, stderr = (tmp_path / "stdout").read_text(), (tmp_path / "stderr").read_text()
     assert proc.returncode == 130, stderr[-2000:]
     assert "interrupted after" in stdout and "--resume" in stdout
@@ -311,7 +311,7 @@ def test_a_failed_checkpoint_write_leaves_nothing_and_latest_untouched(tmp_path)
     from offpolicy.train.checkpoint import latest_checkpoint, save_checkpoint
 
     tok = build_char_tokenizer()
-    model = build_tiny_qwen2(tok, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=32)
+    model = char_model(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=32)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     save_checkpoint(tmp_path, 1, model, tok, optimizer, {"step": 1})
 
@@ -334,7 +334,6 @@ def test_sigterm_saves_a_checkpoint_and_resume_continues(offpolicy_cache, tmp_pa
     # issue #30: a scheduler's, a container's or `timeout`'s SIGTERM ended the run with no checkpoint
     import os
     import signal
-    import time
 
     out = tmp_path / "terminated"
     env = {**os.environ, "OFFPOLICY_CACHE": str(offpolicy_cache), "PYTHONFAULTHANDLER": "1"}  # wait_or_dump
@@ -342,17 +341,7 @@ def test_sigterm_saves_a_checkpoint_and_resume_continues(offpolicy_cache, tmp_pa
     proc = subprocess.Popen([sys.executable, "-m", "offpolicy", "train", *FAST, "steps=400", "checkpoint_every=1000",
                              "samples_per_step=0", f"out_dir={out}", "--no-progress"],
                             stdout=(tmp_path / "stdout").open("w"), stderr=(tmp_path / "stderr").open("w"), env=env)
-    deadline = time.time() + 900  # sent once 2 steps are provably done (as the Ctrl-C test), never on a timer
-    while not ((out / "metrics.jsonl").exists() and len((out / "metrics.jsonl").read_text().splitlines()) >= 2):
-        if proc.poll() is not None:
-            pytest.fail(f"the run exited (rc {proc.returncode}) before step 2: {(tmp_path / 'stderr').read_text()[-2000:]}")
-        if time.time() > deadline:
-            proc.kill()
-            pytest.fail("the run did not reach step 2 within 900 s")
-        time.sleep(0.2)
-    assert proc.poll() is None, "the run ended before it could be terminated"
-    proc.send_signal(signal.SIGTERM)
-    wait_or_dump(proc, tmp_path / "stderr")
+    signal_after_steps(proc, out, tmp_path / "stderr", 2, signal.SIGTERM)  # once 2 steps are provably done
     stdout, stderr = (tmp_path / "stdout").read_text(), (tmp_path / "stderr").read_text()
     assert proc.returncode == 143, stderr[-2000:]  # 128 + SIGTERM
     assert "terminated (SIGTERM) after" in stdout and "--resume" in stdout and "Traceback" not in stderr
@@ -404,7 +393,7 @@ def test_flat_rewards_skip_the_update(offpolicy_cache, tmp_path, monkeypatch, re
     assert state["version"] == 0 and state["optimizer"]["state"] == {}  # Adam never stepped: no moments, no count
     from transformers import AutoModelForCausalLM
 
-    from offpolicy.train.warmstart import default_model
+    from offpolicy.policy.warmstart import default_model
 
     start = default_model(load_train_config(None, [*FAST]))  # the warm start the run began from (cached)
     before = AutoModelForCausalLM.from_pretrained(start).state_dict()
@@ -416,7 +405,7 @@ def test_flat_rewards_skip_the_update(offpolicy_cache, tmp_path, monkeypatch, re
 
 
 def test_warm_start_that_never_succeeds_is_refused(tmp_path, monkeypatch):
-    from offpolicy.train import warmstart
+    from offpolicy.policy import warmstart
 
     monkeypatch.setenv("OFFPOLICY_CACHE", str(tmp_path))
     monkeypatch.setattr(warmstart, "exact_match_accuracy", lambda *a, **k: 0.0)
@@ -429,7 +418,7 @@ def test_warm_start_that_never_succeeds_is_refused(tmp_path, monkeypatch):
 
 def test_warm_start_at_zero_accuracy_proceeds_on_partial_credit(tmp_path, monkeypatch):
     # walk rewards the correct prefix of a wrong answer: a 0 % exact-match start still gives RL a signal
-    from offpolicy.train import warmstart
+    from offpolicy.policy import warmstart
 
     monkeypatch.setenv("OFFPOLICY_CACHE", str(tmp_path))
     monkeypatch.setattr(warmstart, "exact_match_accuracy", lambda *a, **k: 0.0)
@@ -446,7 +435,7 @@ def test_warm_start_at_zero_accuracy_proceeds_on_partial_credit(tmp_path, monkey
 
 
 def test_rl_seeds_share_the_warm_start():
-    from offpolicy.train.warmstart import warm_start_key
+    from offpolicy.policy.warmstart import warm_start_key
 
     base = load_train_config(None, [])
     assert warm_start_key(base) == warm_start_key(load_train_config(None, ["seed=7"]))

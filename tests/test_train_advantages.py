@@ -9,7 +9,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from offpolicy.train.batch import grpo_advantages
+from offpolicy.train.advantages import grpo_advantages
 
 
 def reference(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) -> torch.Tensor:

@@ -150,7 +150,7 @@ def test_other_model_families_train(family, tmp_path):
     """Qwen3's architecture; and Llama 3's layout — a BOS its chat template writes, no pad token."""
     from offpolicy.tasks.dataset import load_dataset_task
     from offpolicy.tasks.tokenizer import ensure_pad_token, load_tokenizer
-    from offpolicy.train.config import DataConfig
+    from offpolicy.tasks.dataset import DataConfig
 
     model = save_tiny_qwen2(tmp_path / family, family=family)
     tok = load_tokenizer(model)

@@ -16,13 +16,15 @@ import yaml
 
 import offpolicy as op
 from conftest import FAST
+from hf_fixtures import TRAINER_SHAPE, char_model
 from offpolicy.config import ConfigError
 from offpolicy.engines import Rollouts, SamplingConfig
 from offpolicy.metrics import Metrics
-from offpolicy.tasks.model import build_tiny_qwen2
+from offpolicy.policy import score
+from offpolicy.policy.batch import to_batch
+from offpolicy.policy.score import Scorer
 from offpolicy.tasks.tokenizer import build_char_tokenizer
 from offpolicy.train import update
-from offpolicy.train.batch import to_batch
 from offpolicy.train.config import load_train_config, resolve_device, resolve_trainer_dtype
 from offpolicy.engines.vllm import vllm_available
 from offpolicy.train.loop import throughput, train
@@ -34,8 +36,7 @@ SAMPLING = SamplingConfig(max_tokens=8)
 def tiny_setup(dtype=torch.float64, seed=0):
     """A tiny Qwen2 and a hand-made batch of 6 rows with different prompt and response lengths."""
     tok = build_char_tokenizer()
-    model = build_tiny_qwen2(tok, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=64,
-                             seed=seed).to(dtype)
+    model = char_model(**TRAINER_SHAPE, seed=seed).to(dtype)
     g = torch.Generator().manual_seed(seed)
     prompts = [[1, *torch.randint(5, 40, (n,), generator=g).tolist()] for n in (3, 6, 2, 5, 4, 7)]
     responses = [torch.randint(5, 40, (n,), generator=g).tolist() for n in (5, 1, 8, 3, 6, 2)]
@@ -59,9 +60,9 @@ def grads_after_step(model, batch, adv, loss_cfg, budget, old=None, trainer_dtyp
         return logprobs.detach() if old is None else old[rows, : mb.mask.shape[1]]
 
     for rows in steps:
-        update.optimizer_step(model, opt, batch, torch.tensor(list(rows)), adv, old_of=old_of, loss_cfg=loss_cfg,
-                              sampling=SAMPLING, device=torch.device("cpu"), trainer_dtype=trainer_dtype,
-                              micro_batch_tokens=budget, max_grad_norm=1e12, metrics=metrics)
+        update.optimizer_step(Scorer(model, SAMPLING, torch.device("cpu"), trainer_dtype, budget), opt, batch,
+                              torch.tensor(list(rows)), adv, old_of=old_of, loss_cfg=loss_cfg, max_grad_norm=1e12,
+                              metrics=metrics)
     grads = [b - p.detach() for b, p in zip(before, model.parameters())]
     with torch.no_grad():
         for p, b in zip(model.parameters(), before):
@@ -79,7 +80,7 @@ def near_setup():
     model, batch, adv = tiny_setup()
     g = torch.Generator().manual_seed(100)
     with torch.no_grad():
-        lp = update.old_logprobs(model, batch, SAMPLING, torch.device("cpu"), "fp32", None)
+        lp = Scorer(model, SAMPLING, torch.device("cpu"), "fp32", None).score(batch)
     mask = batch.mask.bool()
     zero = torch.zeros((), dtype=lp.dtype)
     sigma = torch.tensor(ROW_NOISE, dtype=lp.dtype).unsqueeze(1)
@@ -153,9 +154,9 @@ def test_data_chosen_bounds_are_not_per_micro_batch():
     cfg = op.LossConfig.from_preset("areal:m2po")
     whole = grads_after_step(model, batch, adv, cfg, None, old)
     per_call = Metrics()
-    for g in update.micro_batches(batch, torch.arange(6), 20):
-        mb = update.trim(batch.select(g))
-        lp = update.forward(model, mb, SAMPLING, torch.device("cpu"), "fp32")
+    for g in score.micro_batches(batch, torch.arange(6), 20):
+        mb = score.trim(batch.select(g))
+        lp = Scorer(model, SAMPLING, torch.device("cpu"), "fp32").forward(mb)
         per_call.update(op.policy_loss(lp, old[g, : mb.mask.shape[1]], adv[g, : mb.mask.shape[1]], mb.mask,
                                        mb.rollout_logprobs, cfg)[1])
     assert per_call["masked_fraction"] != pytest.approx(whole[1]["offpolicy/masked_fraction"], abs=1e-3)
@@ -169,8 +170,8 @@ def test_optimizer_steps_of_any_split_log_one_loss():
     model, batch, adv, old = near_setup()
     cfg = op.LossConfig.from_preset("recommended")
     steps = ([0, 1], [2, 3, 4, 5])  # rows 1, 0: 2·9 ≤ 20 tokens, one micro-batch; rows 2–5 need three
-    assert len(update.micro_batches(batch, torch.tensor(steps[0]), 20)) == 1
-    assert len(update.micro_batches(batch, torch.tensor(steps[1]), 20)) == 3
+    assert len(score.micro_batches(batch, torch.tensor(steps[0]), 20)) == 1
+    assert len(score.micro_batches(batch, torch.tensor(steps[1]), 20)) == 3
     whole = grads_after_step(model, batch, adv, cfg, None, old, steps=steps)
     split = grads_after_step(model, batch, adv, cfg, 20, old, steps=steps)
     assert_same_step(whole, split)
@@ -179,9 +180,9 @@ def test_optimizer_steps_of_any_split_log_one_loss():
     each = []
     for rows in steps:
         m = Metrics()
-        update.optimizer_step(model, opt, batch, torch.tensor(rows), adv, old_of=lambda r, mb, lp: old[r, : mb.mask.shape[1]],
-                              loss_cfg=cfg, sampling=SAMPLING, device=torch.device("cpu"), trainer_dtype="fp32",
-                              micro_batch_tokens=None, max_grad_norm=1e12, metrics=m)
+        update.optimizer_step(Scorer(model, SAMPLING, torch.device("cpu")), opt, batch, torch.tensor(rows), adv,
+                              old_of=lambda r, mb, lp: old[r, : mb.mask.shape[1]], loss_cfg=cfg, max_grad_norm=1e12,
+                              metrics=m)
         each.append(m["loss"])
     assert whole[1]["offpolicy/loss"] == pytest.approx((each[0] + each[1]) / 2, rel=1e-12)
     assert abs(each[0] - each[1]) > 1e-3  # two different losses: a sum would not pass for the mean
@@ -223,13 +224,13 @@ def test_micro_batches_by_padded_tokens():
     _, batch, _ = tiny_setup()
     lengths = batch.attention_mask.sum(1).tolist()
     assert lengths == [9, 8, 11, 9, 11, 10]  # prompt (bos + n) + response: 4+5, 7+1, 3+8, 6+3, 5+6, 8+2
-    groups = update.micro_batches(batch, torch.arange(6), 20)
+    groups = score.micro_batches(batch, torch.arange(6), 20)
     # shortest first: 8 (row 1), 9 (row 0), 9 (row 3), 10, 11, 11 → [1, 0] costs 2·9 = 18 ≤ 20, adding row 3
     # costs 3·9 = 27 > 20; [3, 5] costs 2·10 = 20; [2, 4] costs 2·11 = 22 > 20, so 2 and 4 go alone
     assert [g.tolist() for g in groups] == [[1, 0], [3, 5], [2], [4]]
-    assert [g.tolist() for g in update.micro_batches(batch, torch.arange(6), None)] == [list(range(6))]
-    assert [g.tolist() for g in update.micro_batches(batch, torch.arange(6), 5)] == [[1], [0], [3], [5], [2], [4]]
-    mb = update.trim(batch.select(torch.tensor([1, 0])))
+    assert [g.tolist() for g in score.micro_batches(batch, torch.arange(6), None)] == [list(range(6))]
+    assert [g.tolist() for g in score.micro_batches(batch, torch.arange(6), 5)] == [[1], [0], [3], [5], [2], [4]]
+    mb = score.trim(batch.select(torch.tensor([1, 0])))
     assert mb.input_ids.shape == (2, 9) and mb.mask.shape == (2, 5)  # longest row 9, longest response 5
 
 
@@ -238,13 +239,13 @@ def test_micro_batch_losses_add_up_to_the_whole_loss():
     loss_cfg = op.LossConfig.from_preset("recommended")
     cpu = torch.device("cpu")
     with torch.no_grad():
-        whole_mb = update.trim(batch)
-        lp = update.forward(model, whole_mb, SAMPLING, cpu, "fp32")
+        whole_mb = score.trim(batch)
+        lp = Scorer(model, SAMPLING, cpu, "fp32").forward(whole_mb)
         whole, _ = op.policy_loss(lp, lp, adv[:, : lp.shape[1]], whole_mb.mask, whole_mb.rollout_logprobs,
                                   loss_cfg)
-        groups = update.micro_batches(batch, torch.arange(6), 20)
-        mbs = [update.trim(batch.select(g)) for g in groups]
-        lps = [update.forward(model, mb, SAMPLING, cpu, "fp32") for mb in mbs]
+        groups = score.micro_batches(batch, torch.arange(6), 20)
+        mbs = [score.trim(batch.select(g)) for g in groups]
+        lps = [Scorer(model, SAMPLING, cpu, "fp32").forward(mb) for mb in mbs]
         advs = [adv[g][:, : mb.mask.shape[1]] for g, mb in zip(groups, mbs)]
         parts = [{"mask": mb.mask, "rollout_logprobs": mb.rollout_logprobs, "old_logprobs": x, "logprobs": x,
                   "advantages": a} for mb, x, a in zip(mbs, lps, advs)]
@@ -271,10 +272,10 @@ def test_gradient_checkpointing_gives_the_same_gradient():
 def test_bf16_is_autocast_compute_over_fp32_master_weights():
     model, batch, adv = tiny_setup(dtype=torch.float32)
     cpu = torch.device("cpu")
-    mb = update.trim(batch)
+    mb = score.trim(batch)
     with torch.no_grad():
-        fp32 = update.forward(model, mb, SAMPLING, cpu, "fp32")
-        bf16 = update.forward(model, mb, SAMPLING, cpu, "bf16")
+        fp32 = Scorer(model, SAMPLING, cpu, "fp32").forward(mb)
+        bf16 = Scorer(model, SAMPLING, cpu, "bf16").forward(mb)
     assert bf16.dtype == torch.float32  # log-probs (and every ratio after them) stay fp32
     gap = ((bf16 - fp32).abs() * mb.mask).max().item()
     assert 1e-5 < gap < 0.2  # bf16 compute really ran (8-bit mantissa: ~1e-2 on these logits), close to fp32
@@ -288,12 +289,12 @@ def test_the_loss_path_reads_nothing_on_the_host(monkeypatch):
     """On a GPU every host read of a device value is a synchronisation. On the CPU we check the
     same thing structurally: forward, loss, backward and update never turn a tensor into a Python
     value nor take a ``nonzero`` (a data-dependent shape: a host wait on CUDA). The forward is checked
-    from the micro-batch the trainer moves to the device (``update.to_device``, which works out the
+    from the micro-batch the trainer moves to the device (``score.to_device``, which works out the
     counted positions on the host) — issue #44: the head's ``nonzero`` of the device mask went unseen
     while this test began after the forward."""
     model, batch, adv = tiny_setup(dtype=torch.float32)
     cpu = torch.device("cpu")
-    mb = update.to_device(update.trim(batch), cpu)
+    mb = score.to_device(score.trim(batch), cpu)
     a = adv[:, : mb.mask.shape[1]].float()
     mb.rollout_logprobs = mb.rollout_logprobs.float()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -326,7 +327,7 @@ def test_the_loss_path_reads_nothing_on_the_host(monkeypatch):
                     monkeypatch.setattr(torch, "nonzero", refuse)
         return call
 
-    from offpolicy.train import head
+    from offpolicy.policy import head
 
     monkeypatch.setattr(op, "policy_loss", allowed(op.policy_loss))
     monkeypatch.setattr(opt, "step", allowed(opt.step))
@@ -337,7 +338,7 @@ def test_the_loss_path_reads_nothing_on_the_host(monkeypatch):
     monkeypatch.setattr(torch, "nonzero", refuse)
     for name in names:
         monkeypatch.setattr(torch.Tensor, name, refuse)
-    logprobs = update.forward(model, mb, SAMPLING, cpu, "fp32")
+    logprobs = Scorer(model, SAMPLING, cpu, "fp32").forward(mb)
     update.accumulate(logprobs, logprobs.detach(), a, mb, op.LossConfig.from_preset("recommended"), metrics)
     update.apply(model, opt, 1.0, metrics)
     monkeypatch.undo()
@@ -539,16 +540,16 @@ def test_cuda_loss_path_does_not_synchronise():
     model, batch, adv = tiny_setup(dtype=torch.float32)
     device = torch.device("cuda")
     model.to(device)
-    mb = update.trim(batch)
+    mb = score.trim(batch)
     mb.rollout_logprobs = mb.rollout_logprobs.float()
-    mb = update.to_device(mb, device)
+    mb = score.to_device(mb, device)
     a = adv[:, : mb.mask.shape[1]].float().to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     cfg = op.LossConfig.from_preset("recommended")
-    logprobs = update.forward(model, mb, SAMPLING, device, "bf16")
+    logprobs = Scorer(model, SAMPLING, device, "bf16").forward(mb)
     update.accumulate(logprobs, logprobs.detach(), a, mb, cfg, Metrics())  # warm-up: kernels compiled, state made
     update.apply(model, opt, 1.0, Metrics())
-    logprobs = update.forward(model, mb, SAMPLING, device, "bf16")
+    logprobs = Scorer(model, SAMPLING, device, "bf16").forward(mb)
     metrics = Metrics()
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")

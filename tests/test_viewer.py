@@ -81,13 +81,9 @@ def diagnosed(tmp_path_factory) -> Path:
     """``offpolicy diagnose`` on a tiny model (a noisy bf16 engine against the fp32 trainer): report.json and
     report.html."""
     from cli_inprocess import run_cli
-    from offpolicy.tasks.model import build_tiny_qwen2
-    from offpolicy.tasks.tokenizer import build_char_tokenizer
+    from hf_fixtures import char_model_dir
 
-    model = tmp_path_factory.mktemp("tiny")
-    tok = build_char_tokenizer()
-    build_tiny_qwen2(tok, hidden_size=64, num_layers=2, seed=2).save_pretrained(model)
-    tok.save_pretrained(model)
+    model = char_model_dir(tmp_path_factory.mktemp("tiny"), hidden_size=64, num_layers=2, seed=2)
     out = tmp_path_factory.mktemp("diag")
     # logit noise on the engine: a mismatch some presets reject part of (a tiny model's bf16 one is too small)
     result = run_cli("diagnose", "--model", str(model), "--engine", "hf", "--n", "24", "--max-tokens", "12",

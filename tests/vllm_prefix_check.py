@@ -17,7 +17,8 @@ if __name__ == "__main__":
     from offpolicy.engines import SamplingConfig
     from offpolicy.tasks.model import build_tiny_qwen2
     from offpolicy.tasks.tokenizer import build_char_tokenizer
-    from offpolicy.train.batch import to_batch, trainer_logprobs
+    from offpolicy.policy.batch import to_batch
+    from offpolicy.policy.head import trainer_logprobs
 
     # the CPU backend's default block is 128 tokens, longer than the tiny model's context: with 32
     # (its smallest) a 100-token prompt fills 3 blocks the prefix cache can reuse; stats on to count hits

@@ -17,7 +17,8 @@ if __name__ == "__main__":
     from offpolicy.engines.vllm import VLLMEngine
     from offpolicy.tasks.model import build_tiny_qwen2
     from offpolicy.tasks.tokenizer import build_char_tokenizer
-    from offpolicy.train.batch import to_batch, trainer_logprobs
+    from offpolicy.policy.batch import to_batch
+    from offpolicy.policy.head import trainer_logprobs
 
     dtype = sys.argv[1] if len(sys.argv) > 1 else "fp32"
     tok = build_char_tokenizer()

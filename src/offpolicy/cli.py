@@ -8,7 +8,6 @@ errors a user can fix are printed as one line on stderr with exit code 2.
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from collections.abc import Sequence
 
@@ -19,6 +18,7 @@ from rich.text import Text
 
 from offpolicy import presets
 from offpolicy.config import ConfigError
+from offpolicy.diagnose_config import MICRO_BATCH_TOKENS, DiagnoseConfig
 
 
 def _cmd_presets(args: argparse.Namespace, console: Console) -> int:
@@ -100,295 +100,28 @@ DIAGNOSE_HEADLINE = ["kl_k1", "kl_k3", "ppl_ratio", "chi2_token", "chi2_seq", "a
                      "abs_logp_diff_max", "mult_prob_error", "prob_diff_max", "ess"]
 
 
-def _diagnose_settings(args: argparse.Namespace) -> list[dict]:
-    base = {"engine": args.engine, "engine_dtype": args.engine_dtype, "trainer_dtype": args.trainer_dtype,
-            "logit_noise": args.logit_noise}
-    if not args.compare:
-        return [base]
-    key, _, values = args.compare.partition("=")
-    key = key.strip().replace("-", "_")
-    if key not in base or not values:
-        raise ConfigError(f"--compare {args.compare!r}: expected KEY=V1,V2,... with KEY one of {', '.join(base)}")
-    settings = []
-    for raw in values.split(","):
-        value = float(raw) if key == "logit_noise" else raw.strip()
-        settings.append({**base, key: value})
-    return settings
-
-
 def _cmd_diagnose(args: argparse.Namespace, console: Console) -> int:
-    server = _diagnose_server_config(args)  # --engine-url: a wrong flag fails before transformers even imports
-    if _vllm_flags(args) and server is None and not args.batch \
-            and all(s["engine"] != "vllm" for s in _diagnose_settings(args)):  # as train refuses vllm.* without vllm
-        raise ConfigError(f"{_vllm_flags(args)[0]} is read with --engine vllm only (engine is {args.engine!r}). "
-                          "Fix: --engine vllm, or drop it")
-    if not args.batch:  # the flags' own checks, before transformers and the engines import (~5 s)
-        if args.n <= 0 or args.max_tokens <= 0:
-            raise ConfigError("--n and --max-tokens must be positive")
-        _check_sampling_flags(args)
-        for setting in _diagnose_settings(args):
-            if setting["trainer_dtype"] not in ("auto", "fp32", "bf16"):
-                raise ConfigError(f"--trainer-dtype {setting['trainer_dtype']!r}: expected auto, fp32 or bf16")
-            noise = setting["logit_noise"]
-            if not (math.isfinite(noise) and noise >= 0):  # the hf engine adds noise only where σ > 0
-                raise ConfigError(f"--logit-noise {noise:g}: expected a finite σ ≥ 0 (0: no noise)")
-    import json
-    from pathlib import Path
+    """``offpolicy diagnose``: the flags as a ``DiagnoseConfig`` (every check before transformers and the
+    engines import, ~5 s), ``diagnose.run``, then the tables, where the files went, and the gate's verdict."""
+    config = DiagnoseConfig(**{k: v for k, v in vars(args).items() if k not in ("func", "command")})
+    from offpolicy import diagnose  # after the config: a wrong flag is refused before torch's models load
 
-    from offpolicy import diagnose
-    from offpolicy.engines import SamplingConfig
-    from offpolicy.tasks import make_task, problems
-    from offpolicy.tasks.tokenizer import ensure_pad_token, load_tokenizer
-    from offpolicy.tasks.dataset import dataset_prompts
-    from offpolicy.train.config import DataConfig, TrainConfig, VLLMConfig, resolve_device, resolve_trainer_dtype
-    from offpolicy.train.loop import resolve_model
-    from offpolicy.train.warmstart import prompt_ids
-
-    bounds = _diagnose_bounds(args)  # a mistyped gate fails now, not after sampling
-    trackers = _diagnose_trackers(args, console)  # a missing tracker is one line now, before any sampling
-    if args.batch:
-        return _diagnose_batch(args, console, bounds, trackers)
-    settings = _diagnose_settings(args)
     _quiet_libraries()
-    sampling = SamplingConfig(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                              top_k=args.top_k)
-    device = resolve_device(TrainConfig(model=args.model, task=args.task, engine="hf", device=args.device))
-    for setting in settings:  # the trainer's numerics are train's: its dtype resolution, its forward
-        setting["trainer_dtype"] = resolve_trainer_dtype(TrainConfig(trainer_dtype=setting["trainer_dtype"]), device)[0]
-    args.trainer_dtype = resolve_trainer_dtype(TrainConfig(trainer_dtype=args.trainer_dtype), device)[0]
-    vllm_options = VLLMConfig(max_num_batched_tokens=args.vllm_max_num_batched_tokens,  # train's vllm.* rules
-                              max_num_seqs=args.vllm_max_num_seqs,
-                              enable_chunked_prefill=args.vllm_enable_chunked_prefill,
-                              enforce_eager=args.vllm_enforce_eager).model_dump()
-    model_path = resolve_model(TrainConfig(model=args.model, task=args.task, engine="hf"), console)
-    tokenizer = load_tokenizer(model_path)
-    ensure_pad_token(tokenizer)
-    if args.data:  # the same data.* fields, chat template and prompt limit as task=dataset
-        data = DataConfig(path=args.data, prompt_field=args.prompt_field, system_prompt=args.system_prompt,
-                          chat_template=args.chat_template)
-        prompts = dataset_prompts(data, tokenizer, args.max_prompt_tokens)
-    elif args.prompts:
-        prompts = diagnose.read_prompts(Path(args.prompts), tokenizer)
-    else:
-        prompts = [prompt_ids(tokenizer, p) for p in problems(make_task(args.task), args.n, seed=args.seed)]
-    prompts = [prompts[i % len(prompts)] for i in range(args.n)]
-    empty = next((i for i, p in enumerate(prompts) if not p), None)
-    if empty is not None:  # before a request goes out or an engine starts (diagnose.score refuses it too)
-        raise ConfigError(f"prompt {empty} renders to no token; the first response token is scored from the "
-                          "prompt's last one: give every prompt some text")
-    if server is not None:
-        return _diagnose_server(args, console, server, model_path, tokenizer, prompts, sampling, device, bounds,
-                                trackers)
-    out = Path(args.out)
-    reports = []
-    for setting in settings:
-        name = f"{setting['engine']}-{setting['engine_dtype']}-vs-{setting['trainer_dtype']}"
-        if setting["logit_noise"]:
-            name += f"-noise{setting['logit_noise']}"
-        console.print(f"diagnose: {name} on {len(prompts)} samples ...")
-        s = diagnose.sample(model_path, tokenizer, prompts, setting["engine"], setting["engine_dtype"],
-                            setting["trainer_dtype"], sampling, seed=args.seed, logit_noise=setting["logit_noise"],
-                            log_path=out / "engine.log", max_model_len=max(map(len, prompts)) + args.max_tokens,
-                            device=device, vllm_options=vllm_options if setting["engine"] == "vllm" else None)
-        reports.append(diagnose.report(s, {**setting, "name": name, "model": str(model_path),
-                                           "sampling": sampling.__dict__}, out / name if len(settings) > 1 else out))
-    out.mkdir(parents=True, exist_ok=True)
-    body = reports[0] if len(reports) == 1 else {"runs": reports}
-    (out / "report.json").write_text(json.dumps(body, indent=1))
-    _print_diagnosis(console, reports)
-    _diagnose_page_and_trackers(console, reports, out, trackers)
-    console.print(f"report: {out / 'report.json'}  plots: {', '.join(p for r in reports for p in r.get('plots', []))}")
-    return _diagnose_gate(reports, bounds)
-
-
-def _check_sampling_flags(args: argparse.Namespace) -> None:
-    """``--temperature``, ``--top-p``, ``--top-k`` a sampler can use, checked before anything loads or a request
-    goes out (the trainer's ``sampling.renormalize_logprobs`` would refuse them only after sampling).
-
-    Raises:
-        ConfigError: temperature not a finite number > 0, top-p outside (0, 1], top-k neither -1 nor ≥ 1.
-    """
-    if not (math.isfinite(args.temperature) and args.temperature > 0):
-        raise ConfigError(f"--temperature {args.temperature:g}: expected a finite number > 0 (greedy decoding, "
-                          "temperature 0, samples no distribution whose log-probs a ratio could compare; a small "
-                          "value such as 0.1 samples almost greedily)")
-    if not 0 < args.top_p <= 1:  # NaN fails too
-        raise ConfigError(f"--top-p {args.top_p:g}: expected a value in (0, 1]; 1 keeps the whole distribution")
-    if args.top_k == 0 or args.top_k < -1:
-        raise ConfigError(f"--top-k {args.top_k}: expected -1 (no top-k; vLLM also reads 0 as off, offpolicy takes "
-                          "-1 only) or a number of tokens ≥ 1")
-
-
-def _diagnose_trackers(args: argparse.Namespace, console: Console):
-    """The trackers of ``--log-to`` (``offpolicy.trackers``), started into ``--out`` before any sampling."""
-    from pathlib import Path
-
-    from offpolicy.trackers import Trackers, open_trackers, parse_log_to
-
-    names = parse_log_to(args.log_to)
-    if not names:
-        return Trackers([], console)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    config = {k: v for k, v in vars(args).items() if k not in ("func", "api_key_env")}
-    return open_trackers(names, out, out.resolve().name, config, console)
-
-
-def _diagnose_page_and_trackers(console: Console, reports: list[dict], out, trackers) -> None:
-    """``report.html`` next to report.json (``offpolicy.viewer``), and the summary, what-if table and plots of
-    every setting to the trackers of ``--log-to`` (prefixed by the setting's name when there are several)."""
-    from pathlib import Path
-
-    from offpolicy import viewer
-
-    views = [viewer.diagnose_view(r, Path(out)) for r in reports]
-    page = viewer.write_html(Path(out) / "report.html", views, f"offpolicy diagnose — {Path(out).resolve().name}")
-    console.print(f"viewer: {page} (open it in a browser; one file, works offline)")
-    if not trackers:
-        return
-    what_if_columns = ["preset", "token_rejected", "seq_rejected", "weight_mean", "weight_min", "weight_max", "ess"]
-    for r in reports:
-        prefix = f"{r['setting']['name']}/" if len(reports) > 1 else ""
-        trackers.log_summary({prefix + k: v for k, v in r["summary"].items()})
-        trackers.log_table(prefix + "what_if", 0, what_if_columns,
-                           [[row[c] for c in what_if_columns] for row in r["what_if"]])
-        trackers.log_images(0, {prefix + Path(p).stem: Path(p) for p in r.get("plots", [])})
-    trackers.close()
-    for name, place in trackers.places().items():
+    done = diagnose.run(config, console)
+    _print_diagnosis(console, done.reports)
+    console.print(f"viewer: {done.page} (open it in a browser; one file, works offline)")
+    for name, place in done.places.items():
         console.print(f"log_to: {name} → {place}")
-
-
-def _vllm_flags(args: argparse.Namespace) -> list[str]:
-    """The ``--vllm-*`` flags given (train's ``vllm.*`` options), as typed."""
-    names = ("max_num_batched_tokens", "max_num_seqs", "enable_chunked_prefill", "enforce_eager")
-    given = {n: getattr(args, f"vllm_{n}") for n in names}
-    return [("--no-vllm-" if v is False else "--vllm-") + n.replace("_", "-") for n, v in given.items() if v is not None]
-
-
-# ------------------------------------------------------------------ diagnose --engine-url (issue #34)
-def _diagnose_server_config(args: argparse.Namespace):
-    """The ``ServerConfig`` of ``--engine-url`` (None without it), checked before anything loads.
-
-    Raises:
-        ConfigError: a flag that has no meaning against a server, a URL that is not http(s), an
-            ``--api-key-env`` variable that is unset, or a server flag without ``--engine-url``.
-    """
-    import os
-
-    from pydantic import ValidationError
-
-    from offpolicy.engines.server import ServerConfig, api_key_from_env
-
-    if args.engine_url is None:
-        given = [flag for flag, value in (("--api-key-env", args.api_key_env),
-                                          ("--served-model-name", args.served_model_name),
-                                          ("--no-cache-salt", args.no_cache_salt or None)) if value is not None]
-        if given:
-            raise ConfigError(f"{given[0]} needs --engine-url URL (the server to sample from)")
-        return None
-    if args.batch:
-        raise ConfigError("--engine-url samples from a server, --batch reads a dump: pass one of them")
-    if args.compare:
-        raise ConfigError("--compare starts engines in several settings; --engine-url measures the one server as it "
-                          "runs (run diagnose once per server)")
-    if args.logit_noise:
-        raise ConfigError("--logit-noise is added by the hf engine; a server samples as it is configured")
-    if _vllm_flags(args):
-        raise ConfigError(f"{_vllm_flags(args)[0]} configures the in-process vLLM engine; a server batches as it "
-                          "was started (pass the option to the server instead)")
-    try:
-        return ServerConfig(url=args.engine_url, api_key=api_key_from_env(args.api_key_env, os.environ),
-                            served_model=args.served_model_name, concurrency=args.concurrency,
-                            timeout=args.request_timeout, retries=args.retries,
-                            cache_salt=not args.no_cache_salt)
-    except ValidationError as err:
-        first = err.errors()[0]
-        if first["type"] == "value_error":  # our validator's message names the flag itself
-            raise ConfigError(first["msg"].removeprefix("Value error, ")) from None
-        flag = {"timeout": "--request-timeout"}.get(str(first["loc"][0]), "--" + str(first["loc"][0]))
-        raise ConfigError(f"{flag}: {first['msg']}") from None
-
-
-def _diagnose_server(args: argparse.Namespace, console: Console, server, model_path, tokenizer,
-                     prompts: list[list[int]], sampling, device, bounds: tuple[list, list], trackers=None) -> int:
-    """Sample through the server, score with the trainer, then write the report in one go: a failure
-    anywhere before leaves ``--out`` as it was."""
-    import json
-    import os
-    import tempfile
-    from pathlib import Path
-
-    from offpolicy import diagnose
-
-    console.print(f"diagnose: {server.url} on {len(prompts)} samples ({server.concurrency} in flight) ...")
-    s, info = diagnose.sample_server(server, model_path, tokenizer, prompts, args.trainer_dtype, sampling,
-                                     seed=args.seed, device=device, console=console)
-    for note in info["notes"]:
-        console.print(Text(f"note: {note}", style="yellow"))
-    console.print(Text(f"log-probs: {info['logprob_check']['verdict']}; prompt ids: {info['alignment']['prompt_ids']}"))
-    name = f"server-vs-{args.trainer_dtype}"
-    setting = {"engine": "server", "engine_dtype": "as served", "trainer_dtype": args.trainer_dtype, "name": name,
-               "label": f"server {info['served_model']} vs trainer {args.trainer_dtype}", "model": str(model_path),
-               "sampling": sampling.__dict__, "server": info}
-    out = Path(args.out)
-    result = diagnose.report(s, setting, out)
-    fd, staging = tempfile.mkstemp(prefix=".report-", suffix=".json", dir=out)
-    with os.fdopen(fd, "w") as f:
-        json.dump(result, f, indent=1)
-    os.replace(staging, out / "report.json")  # never a half-written report.json
-    _print_diagnosis(console, [result])
-    _diagnose_page_and_trackers(console, [result], out, trackers)
-    console.print(f"report: {out / 'report.json'}  plots: {', '.join(result.get('plots', []))}")
-    return _diagnose_gate([result], bounds)
-
-
-def _diagnose_bounds(args: argparse.Namespace) -> tuple[list, list]:
-    from offpolicy.diagnose import parse_bounds
-
-    return parse_bounds(args.fail_above, "--fail-above"), parse_bounds(args.fail_below, "--fail-below")
-
-
-def _diagnose_gate(reports: list[dict], bounds: tuple[list, list]) -> int:
-    """Exit 0 when every ``--fail-above``/``--fail-below`` bound holds on every setting, else 3 with
-    one line per failed bound on stderr (2, a usage error, is raised as ConfigError before)."""
-    from offpolicy.diagnose import gate
-
-    above, below = bounds
-    if not above and not below:
+    console.print(f"report: {done.report_path}  plots: {', '.join(done.plots)}")
+    if not config.fail_above and not config.fail_below:
         return 0
-    failed = []
-    for r in reports:
-        prefix = f"{r['setting']['name']}: " if len(reports) > 1 else ""
-        failed += [prefix + line for line in gate(r["summary"], above, below, r["summary_notes"])]
+    failed = diagnose.gate_failures(config, done.reports)
     for line in failed:
         print(f"offpolicy diagnose: {line}", file=sys.stderr)
     if not failed:
-        print(f"offpolicy diagnose: gate passed ({len(above) + len(below)} bound(s))", file=sys.stderr)
+        print(f"offpolicy diagnose: gate passed ({len(config.fail_above or []) + len(config.fail_below or [])} "
+              "bound(s))", file=sys.stderr)
     return 3 if failed else 0
-
-
-def _diagnose_batch(args: argparse.Namespace, console: Console, bounds: tuple[list, list] = ([], []),
-                    trackers=None) -> int:
-    """``diagnose --batch FILE_OR_DIR``: the same report on tensors a host framework dumped."""
-    import json
-    from pathlib import Path
-
-    from offpolicy import diagnose
-
-    if args.compare:
-        raise ConfigError("--batch reports on the dumped tensors as they are; --compare needs an engine to sample with")
-    _quiet_libraries()
-    s, source = diagnose.from_dump(Path(args.batch))
-    name = "batch " + ", ".join(source["hosts"])
-    setting = {"name": name, "label": name, "batch": str(args.batch), **source}
-    out = Path(args.out)
-    console.print(f"diagnose: {args.batch} ({len(source['files'])} file(s), {len(s.batch.mask)} samples) ...")
-    result = diagnose.report(s, setting, out)
-    (out / "report.json").write_text(json.dumps(result, indent=1))
-    _print_diagnosis(console, [result])
-    _diagnose_page_and_trackers(console, [result], out, trackers)
-    console.print(f"report: {out / 'report.json'}  plots: {', '.join(result.get('plots', []))}")
-    return _diagnose_gate([result], bounds)
 
 
 def _print_diagnosis(console: Console, reports: list[dict]) -> None:
@@ -480,6 +213,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--top-p", type=float, default=1.0)
     d.add_argument("--top-k", type=int, default=-1)
     d.add_argument("--logit-noise", type=float, default=0.0, help="additive engine logit noise σ (hf engine)")
+    d.add_argument("--micro-batch-tokens", type=int, default=MICRO_BATCH_TOKENS, metavar="N",
+                   help=f"the trainer's micro-batches, in padded tokens, as train's micro_batch_tokens (default "
+                   f"{MICRO_BATCH_TOKENS}, train's for a pretrained model)")
     v = d.add_argument_group("vLLM (--engine vllm; train's vllm.* options; unset = the platform's default)")
     v.add_argument("--vllm-max-num-batched-tokens", type=int, metavar="N",
                    help="tokens per engine step (vllm.max_num_batched_tokens)")

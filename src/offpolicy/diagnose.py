@@ -31,12 +31,13 @@ import torch
 import offpolicy as op
 from offpolicy import ops, presets, viewer
 from offpolicy.config import ConfigError
+from offpolicy.diagnose_config import MICRO_BATCH_TOKENS, DiagnoseConfig
 from offpolicy.engines import Rollouts, SamplingConfig, make_engine
 from offpolicy.integrations.dump import load_batch
 from offpolicy.metrics import Metrics
+from offpolicy.policy.batch import Batch, to_batch
+from offpolicy.policy.score import Scorer, load_policy
 from offpolicy.tasks.tokenizer import plain_text_ids
-from offpolicy.train.update import forward, load_policy, to_device
-from offpolicy.train.batch import Batch, to_batch
 
 POSITION_EDGES = [0, 4, 8, 16, 32, 64, 128, 256, 1 << 30]
 PROBABILITY_EDGES = [0.0, 0.01, 0.1, 0.5, 0.9, 1.0000001]
@@ -92,34 +93,50 @@ def read_prompts(path: Path, tokenizer) -> list[list[int]]:
     return prompts
 
 
-def sample(model_path: Path, tokenizer, prompts: list[list[int]], engine: str, engine_dtype: str,
-           trainer_dtype: str, sampling: SamplingConfig, seed: int = 0, logit_noise: float = 0.0,
-           log_path: Path | None = None, max_model_len: int = 1024, device: torch.device | None = None,
+@dataclass(frozen=True)
+class TrainerSide:
+    """The trainer's side of a diagnosis, frozen: the model directory it loads (fp32 master weights,
+    ``load_policy``) and how it scores — the engine's ``sampling`` support, the compute ``dtype`` (``fp32``,
+    or ``bf16`` autocast), the ``device`` (the hf engine's too), the ``budget`` of padded tokens a
+    micro-batch: train's ``Scorer``, with train's numbers."""
+
+    model_path: Path
+    sampling: SamplingConfig
+    dtype: str = "fp32"
+    device: torch.device = torch.device("cpu")
+    budget: int | None = MICRO_BATCH_TOKENS
+
+    def scorer(self) -> Scorer:
+        return Scorer(load_policy(self.model_path, self.device).eval(), self.sampling, self.device, self.dtype,
+                      self.budget)
+
+
+def sample(trainer: TrainerSide, tokenizer, prompts: list[list[int]], engine: str, engine_dtype: str, seed: int = 0,
+           logit_noise: float = 0.0, log_path: Path | None = None, max_model_len: int = 1024,
            vllm_options: dict | None = None) -> Sample:
-    """Generate with the engine, then recompute the sampled tokens' log-probs with the trainer (``score``).
-    The engine's output goes to ``log_path`` when given (see ``engines.make_engine``); ``vllm_options``
-    are vLLM's batching options (``engines.vllm.OPTIONS``).
-    ``device`` (default CPU) is where the trainer and the hf engine run; the sample comes back on the CPU."""
+    """Generate with the engine (on ``trainer.device``, with ``trainer.sampling``), then recompute the sampled
+    tokens' log-probs with the trainer (``score``). The engine's output goes to ``log_path`` when given (see
+    ``engines.make_engine``); ``vllm_options`` are vLLM's batching options (``engines.vllm.OPTIONS``). The
+    sample comes back on the CPU."""
     import time
 
-    eng = make_engine(engine, str(model_path), tokenizer, engine_dtype, seed=seed, logit_noise=logit_noise,
-                      max_model_len=max(max_model_len, 1024), log_path=log_path, device=device,
+    eng = make_engine(engine, str(trainer.model_path), tokenizer, engine_dtype, seed=seed, logit_noise=logit_noise,
+                      max_model_len=max(max_model_len, 1024), log_path=log_path, device=trainer.device,
                       vllm_options=vllm_options)
     try:
         start = time.perf_counter()
-        rollouts = eng.generate(prompts, sampling, seed=seed, version=0)
+        rollouts = eng.generate(prompts, trainer.sampling, seed=seed, version=0)
         seconds = time.perf_counter() - start
         rollouts.validate(eng.name)
     finally:
         eng.close()
-    return score(rollouts, model_path, tokenizer, trainer_dtype, sampling, device=device, seconds=seconds)
+    return score(rollouts, trainer, tokenizer, seconds=seconds)
 
 
-def score(rollouts: Rollouts, model_path: Path, tokenizer, trainer_dtype: str, sampling: SamplingConfig,
-          device: torch.device | None = None, seconds: float | None = None) -> Sample:
-    """The trainer half: log π_train(y_t) of every sampled token, on the engine's sampling support,
-    from the model at ``model_path`` in ``trainer_dtype`` on ``device`` (default CPU); ``seconds`` is the
-    engine's time, kept for the report. The sample comes back on the CPU.
+def score(rollouts: Rollouts, trainer: TrainerSide, tokenizer, seconds: float | None = None) -> Sample:
+    """The trainer half: log π_train(y_t) of every sampled token, on the engine's sampling support, as
+    ``trainer`` scores them; ``seconds`` is the engine's time, kept for the report. The sample comes back on
+    the CPU.
 
     Raises:
         RuntimeError: every response is empty (nothing to compare).
@@ -131,27 +148,23 @@ def score(rollouts: Rollouts, model_path: Path, tokenizer, trainer_dtype: str, s
         raise ConfigError(f"prompt {empty} has no token: the first response token is scored from the prompt's last one")
     if not any(rollouts.response_ids):
         raise RuntimeError("the engine returned only empty responses: nothing to compare")
-    s = score_batch(model_path, to_batch(rollouts, tokenizer.pad_token_id), sampling, trainer_dtype, seconds, device)
+    s = score_batch(trainer, to_batch(rollouts, tokenizer.pad_token_id), seconds)
     # each response token as text, and each prompt, for the per-token viewer (report.html)
     return replace(s, token_text=[[tokenizer.decode([t]) for t in ids] for ids in rollouts.response_ids],
                    prompt_text=[tokenizer.decode(ids) for ids in rollouts.prompt_ids])
 
 
-def score_batch(model_path: Path, batch: Batch, sampling: SamplingConfig, trainer_dtype: str,
-                seconds: float | None, device: torch.device | None = None) -> Sample:
+def score_batch(trainer: TrainerSide, batch: Batch, seconds: float | None = None) -> Sample:
     """The trainer's side of a sample: log π_train of the engine's tokens computed as ``train``
-    computes them — fp32 master weights, bf16 as autocast (``update.load_policy``,
-    ``update.forward``), the one head (``train/head.py``) — and its mean token entropy.
+    computes them — fp32 master weights, bf16 as autocast, micro-batches of ≤ ``trainer.budget``
+    padded tokens trimmed of unused padding (``policy.score.Scorer.score``, train's π_old), the one head
+    (``policy/head.py``) — and its mean token entropy.
 
     Tokens the engine drew outside the trainer's top-k/top-p support (log π_train = −inf) leave the
     statistics, as they leave train's loss, and are counted (``Sample.outside_support``)."""
-    device = torch.device(device or "cpu")
-    trainer = load_policy(model_path, device).eval()
     seen = Metrics()  # the trainer's token entropy, from its logits (the denominator of kl_over_entropy)
-    entropy: list[torch.Tensor] = []  # and per token, for the viewer (report.html)
-    with torch.no_grad():
-        lp = torch.cat([forward(trainer, to_device(batch.select(rows), device), sampling, device, trainer_dtype,
-                                seen, entropy).cpu() for rows in torch.arange(len(batch.mask)).split(64)]).float()
+    lp, entropy = trainer.scorer().score(batch, seen, entropy=True)  # and per token, for the viewer (report.html)
+    lp = lp.float().cpu()
     outside = (lp == float("-inf")) & batch.mask.bool()  # [B, T]
     batch = replace(batch, mask=batch.mask * ~outside)
     if not bool(batch.mask.any()):
@@ -159,7 +172,7 @@ def score_batch(model_path: Path, batch: Batch, sampling: SamplingConfig, traine
     return Sample(batch, torch.where(outside, 0.0, lp), seconds, entropy=seen["entropy"],
                   outside_support=int(outside.sum()),
                   outside_mass=seen["outside_mass"] if "outside_mass" in seen else None,
-                  token_entropy=torch.cat([e.float().cpu() for e in entropy]))
+                  token_entropy=entropy.float().cpu())
 
 
 def from_dump(path: Path) -> tuple[Sample, dict[str, Any]]:
@@ -182,8 +195,7 @@ def from_dump(path: Path) -> tuple[Sample, dict[str, Any]]:
     return Sample(batch, torch.where(keep, data["old_logprobs"], 0.0), None), source
 
 
-def sample_server(config, model_path: Path, tokenizer, prompts: list[list[int]], trainer_dtype: str,
-                  sampling: SamplingConfig, seed: int = 0, device: torch.device | None = None,
+def sample_server(config, trainer: TrainerSide, tokenizer, prompts: list[list[int]], seed: int = 0,
                   console=None) -> tuple[Sample, dict[str, Any]]:
     """Sample through a running server (``engines.server.generate``, a ``ServerConfig``), then score the
     same tokens with the trainer. With temperature, top-k or top-p the server's log-probs are checked to
@@ -197,16 +209,17 @@ def sample_server(config, model_path: Path, tokenizer, prompts: list[list[int]],
 
     from offpolicy.engines import server
 
-    vocab_size = AutoConfig.from_pretrained(model_path).get_text_config().vocab_size  # the trainer's embedding rows
-    rollouts, info = server.generate(config, tokenizer, prompts, sampling, seed=seed, model_path=model_path,
+    sampling = trainer.sampling
+    vocab_size = AutoConfig.from_pretrained(trainer.model_path).get_text_config().vocab_size  # the embedding's rows
+    rollouts, info = server.generate(config, tokenizer, prompts, sampling, seed=seed, model_path=trainer.model_path,
                                      console=console, vocab_size=vocab_size)
-    s = score(rollouts, model_path, tokenizer, trainer_dtype, sampling, device=device, seconds=info["seconds"])
+    s = score(rollouts, trainer, tokenizer, seconds=info["seconds"])
     if (sampling.temperature, sampling.top_p, sampling.top_k) == (1.0, 1.0, -1):
         info["logprob_check"] = {"verdict": "not needed: at temperature 1, top_p 1, top_k -1 the sampling "
                                  "distribution is the model's own (processed = raw log-probs)"}
     else:
-        untruncated = score(rollouts, model_path, tokenizer, trainer_dtype,
-                            SamplingConfig(max_tokens=sampling.max_tokens), device=device)
+        raw = replace(trainer, sampling=SamplingConfig(max_tokens=sampling.max_tokens))  # the full vocabulary
+        untruncated = score(rollouts, raw, tokenizer)
         info["logprob_check"] = logprob_semantics(s, untruncated.trainer, sampling)
     return s, info
 
@@ -409,6 +422,26 @@ def parse_bounds(items: list[str] | None, flag: str) -> list[tuple[str, float]]:
     return bounds
 
 
+def bounds(config: DiagnoseConfig) -> tuple[list[tuple[str, float]], list[tuple[str, float]]]:
+    """The gate's (``--fail-above``, ``--fail-below``) bounds of ``config`` (``parse_bounds``)."""
+    return parse_bounds(config.fail_above, "--fail-above"), parse_bounds(config.fail_below, "--fail-below")
+
+
+def gate_failures(config: DiagnoseConfig, reports: list[dict[str, Any]]) -> list[str]:
+    """One line per failed bound of ``config``'s gate over every setting's report (prefixed by the setting's
+    name when there are several); empty when every bound holds.
+
+    Raises:
+        ConfigError: a bounded STAT a report does not hold (``gate``).
+    """
+    above, below = bounds(config)
+    failed = []
+    for r in reports:
+        prefix = f"{r['setting']['name']}: " if len(reports) > 1 else ""
+        failed += [prefix + line for line in gate(r["summary"], above, below, r["summary_notes"])]
+    return failed
+
+
 def can_reject(preset: str) -> bool:
     """Whether ``preset``'s correction can take a token out of the mask: a rejection rule, or a
     ``nonfinite`` policy that masks (under ``error`` a bad value raises, under ``neutral`` it is kept)."""
@@ -532,3 +565,161 @@ def report(s: Sample, setting: dict[str, Any], out_dir: Path, plots: bool = True
                                            s.token_entropy, s.prompt_text)
     result["token_verdicts"] = viewer.token_verdicts(s.trainer, s.batch.rollout_logprobs, s.batch.mask)
     return result
+
+
+# ------------------------------------------------------------------ one run: config in, reports written
+@dataclass
+class Diagnosis:
+    """What ``run`` wrote: each setting's report (``report``), report.json, report.html, the plots, and
+    where the trackers of ``--log-to`` stored their copy (name → place)."""
+
+    reports: list[dict[str, Any]]
+    report_path: Path
+    page: Path
+    places: dict[str, str]
+
+    @property
+    def plots(self) -> list[str]:
+        return [p for r in self.reports for p in r.get("plots", [])]
+
+
+def write_atomically(path: Path, body: dict[str, Any]) -> None:
+    """``body`` as JSON at ``path`` in one step (a temporary file beside it, then a rename): a run that
+    fails or is stopped midway never leaves a half-written report."""
+    import os
+    import tempfile
+
+    fd, staging = tempfile.mkstemp(prefix=".report-", suffix=".json", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(body, f, indent=1)
+        os.replace(staging, path)
+    except BaseException:
+        Path(staging).unlink(missing_ok=True)
+        raise
+
+
+def run(config: DiagnoseConfig, console) -> Diagnosis:
+    """``offpolicy diagnose``: sample (an engine in each setting, the server of ``engine_url``) or read a dump
+    (``batch``), score with the trainer, and write report.json (atomically), the plots and report.html into
+    ``config.out``, and the summary, what-if table and plots to the trackers of ``log_to``. Progress goes to
+    ``console``; the tables are the caller's to print.
+
+    Raises:
+        ConfigError: a model, prompt or data file that cannot be used; ServerError: the server failed.
+    """
+    from offpolicy.trackers import open_trackers, parse_log_to
+
+    bounds(config)  # a mistyped gate fails now, not after sampling
+    out = Path(config.out)
+    names = parse_log_to(config.log_to)
+    trackers = None
+    if names:  # a missing tracker is one line now, before any sampling
+        out.mkdir(parents=True, exist_ok=True)
+        trackers = open_trackers(names, out, out.resolve().name, config.model_dump(exclude={"api_key_env"}), console)
+    reports = _batch_reports(config, console) if config.batch else _sampled_reports(config, console)
+    out.mkdir(parents=True, exist_ok=True)
+    write_atomically(out / "report.json", reports[0] if len(reports) == 1 else {"runs": reports})
+    views = [viewer.diagnose_view(r, out) for r in reports]
+    page = viewer.write_html(out / "report.html", views, f"offpolicy diagnose — {out.resolve().name}")
+    return Diagnosis(reports, out / "report.json", page, _to_trackers(trackers, reports))
+
+
+def _to_trackers(trackers, reports: list[dict[str, Any]]) -> dict[str, str]:
+    """Every setting's summary, what-if table and plots to ``trackers`` (prefixed by the setting's name when
+    there are several); returns where each tracker stored them."""
+    if not trackers:
+        return {}
+    columns = ["preset", "token_rejected", "seq_rejected", "weight_mean", "weight_min", "weight_max", "ess"]
+    for r in reports:
+        prefix = f"{r['setting']['name']}/" if len(reports) > 1 else ""
+        trackers.log_summary({prefix + k: v for k, v in r["summary"].items()})
+        trackers.log_table(prefix + "what_if", 0, columns, [[row[c] for c in columns] for row in r["what_if"]])
+        trackers.log_images(0, {prefix + Path(p).stem: Path(p) for p in r.get("plots", [])})
+    trackers.close()
+    return trackers.places()
+
+
+def _batch_reports(config: DiagnoseConfig, console) -> list[dict[str, Any]]:
+    """``--batch FILE_OR_DIR``: the report on tensors a host framework dumped."""
+    s, source = from_dump(Path(config.batch))
+    name = "batch " + ", ".join(source["hosts"])
+    console.print(f"diagnose: {config.batch} ({len(source['files'])} file(s), {len(s.batch.mask)} samples) ...")
+    return [report(s, {"name": name, "label": name, "batch": str(config.batch), **source}, Path(config.out))]
+
+
+def _sampled_reports(config: DiagnoseConfig, console) -> list[dict[str, Any]]:
+    """Sample in each setting (or through the server), score with the trainer, one report each."""
+    from offpolicy.policy.score import resolve_device, resolve_dtype
+    from offpolicy.policy.warmstart import model_dir, warm_start_progress
+    from offpolicy.tasks.tokenizer import ensure_pad_token, load_tokenizer
+
+    sampling = SamplingConfig(max_tokens=config.max_tokens, temperature=config.temperature, top_p=config.top_p,
+                              top_k=config.top_k)
+    device = resolve_device(config.device)
+    settings = config.settings()
+    for setting in settings:  # the trainer's numerics are train's: its dtype resolution, its forward
+        setting["trainer_dtype"] = resolve_dtype(setting["trainer_dtype"], device)[0]
+    model_path = model_dir(config.model, config.warm_start_spec(), warm_start_progress(console))
+    tokenizer = load_tokenizer(model_path)
+    ensure_pad_token(tokenizer)
+    prompts = _prompts(config, tokenizer)
+    server = config.server()
+    if server is not None:
+        trainer = TrainerSide(model_path, sampling, settings[0]["trainer_dtype"], device, config.micro_batch_tokens)
+        return [_server_report(config, console, server, trainer, tokenizer, prompts)]
+    out, reports = Path(config.out), []
+    for setting in settings:
+        name = f"{setting['engine']}-{setting['engine_dtype']}-vs-{setting['trainer_dtype']}"
+        if setting["logit_noise"]:
+            name += f"-noise{setting['logit_noise']}"
+        console.print(f"diagnose: {name} on {len(prompts)} samples ...")
+        trainer = TrainerSide(model_path, sampling, setting["trainer_dtype"], device, config.micro_batch_tokens)
+        s = sample(trainer, tokenizer, prompts, setting["engine"], setting["engine_dtype"], seed=config.seed,
+                   logit_noise=setting["logit_noise"], log_path=out / "engine.log",
+                   max_model_len=max(map(len, prompts)) + config.max_tokens,
+                   vllm_options=config.vllm_options() if setting["engine"] == "vllm" else None)
+        reports.append(report(s, {**setting, "name": name, "model": str(model_path), "sampling": sampling.__dict__},
+                              out / name if len(settings) > 1 else out))
+    return reports
+
+
+def _prompts(config: DiagnoseConfig, tokenizer) -> list[list[int]]:
+    """``config.n`` prompts as token ids, cycling through ``--data``, ``--prompts`` or the task's problems.
+
+    Raises:
+        ConfigError: a prompt that renders to no token.
+    """
+    from offpolicy.tasks import make_task, problems
+    from offpolicy.tasks.dataset import dataset_prompts
+    from offpolicy.tasks.tokenizer import prompt_ids
+
+    if config.data:  # the same data.* fields, chat template and prompt limit as task=dataset
+        prompts = dataset_prompts(config.data_config(), tokenizer, config.max_prompt_tokens)
+    elif config.prompts:
+        prompts = read_prompts(Path(config.prompts), tokenizer)
+    else:
+        prompts = [prompt_ids(tokenizer, p) for p in problems(make_task(config.task), config.n, seed=config.seed)]
+    prompts = [prompts[i % len(prompts)] for i in range(config.n)]
+    empty = next((i for i, p in enumerate(prompts) if not p), None)
+    if empty is not None:  # before a request goes out or an engine starts (score refuses it too)
+        raise ConfigError(f"prompt {empty} renders to no token; the first response token is scored from the "
+                          "prompt's last one: give every prompt some text")
+    return prompts
+
+
+def _server_report(config: DiagnoseConfig, console, server, trainer: TrainerSide, tokenizer,
+                   prompts: list[list[int]]) -> dict[str, Any]:
+    """Sample through the server, score with the trainer: its report (nothing is written before it is whole)."""
+    from rich.text import Text
+
+    console.print(f"diagnose: {server.url} on {len(prompts)} samples ({server.concurrency} in flight) ...")
+    s, info = sample_server(server, trainer, tokenizer, prompts, seed=config.seed, console=console)
+    for note in info["notes"]:
+        console.print(Text(f"note: {note}", style="yellow"))
+    console.print(Text(f"log-probs: {info['logprob_check']['verdict']}; prompt ids: {info['alignment']['prompt_ids']}"))
+    dtype = trainer.dtype
+    setting = {"engine": "server", "engine_dtype": "as served", "trainer_dtype": dtype, "name": f"server-vs-{dtype}",
+               "label": f"server {info['served_model']} vs trainer {dtype}", "model": str(trainer.model_path),
+               "sampling": trainer.sampling.__dict__, "server": info}
+    return report(s, setting, Path(config.out))

@@ -31,7 +31,7 @@ def renormalize_logprobs(
     return_outside_mass: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Log-probs ``[..., V]`` (fp32; float64 for float64 logits) over the top-k/top-p support of
-    ``logits / temperature``. The trainer's head (``offpolicy.train.head``) applies it to each chunk
+    ``logits / temperature``. The trainer's head (``offpolicy.policy.head``) applies it to each chunk
     of response tokens, so this function is the one definition of log π̃ on the sampler's support.
 
     Args:

@@ -14,16 +14,22 @@
 * ``check_kl``: the hosts verl / OpenRLHF / SkyRL add their own KL to a reference model and never
   hand the loss reference log-probs; a KL to μ (``kl_to: rollout``, prime-rl's presets) needs no
   reference model, so offpolicy computes it on the μ the host passes.
+* ``loss_config_of``: one reading of what a user hands an adapter as its loss — a ``LossConfig``, a
+  ``CorrectionConfig``, a dict, JSON, a YAML path or a preset name; ``host_version``: an installed
+  host's version, for its version check and its dumps.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+from importlib import metadata
+from typing import Any
 
 import torch
 
 import offpolicy as op
-from offpolicy.config import ConfigError
+from offpolicy.config import ConfigError, CorrectionConfig, LossConfig
 
 logger = logging.getLogger(__name__)
 
@@ -83,3 +89,48 @@ def check_kl(config: op.LossConfig, host: str, host_kl: str) -> None:
             f"({host_kl}) and never passes reference log-probs to the loss; set loss.kl_coef 0 and use {host}'s. "
             "(A KL to the sampling log-probs μ, kl_to 'rollout', is computed here.)"
         )
+
+
+def check_fixed_denominator(config: op.LossConfig, why: str) -> None:
+    """Refuse any ``correction.denominator`` but ``fixed`` (``renormalize``, or an integer count after the first
+    n rules) inside a host that fixes the loss's count before the loss runs (``why`` says how it does).
+
+    Raises:
+        ConfigError: a correction whose denominator is not ``fixed``.
+    """
+    if config.correction is not None and config.correction.denominator != "fixed":
+        raise ConfigError(f"loss.correction.denominator={config.correction.denominator!r}: {why}, so rejected tokens cannot leave the "
+                          "denominator; set correction.denominator 'fixed' (e.g. op.presets.loss('recommended') with "
+                          "correction.denominator='fixed')")
+
+
+def loss_config_of(spec: LossConfig | CorrectionConfig | dict[str, Any] | str, what: str = "loss config") -> LossConfig:
+    """A ``LossConfig`` from a ``LossConfig`` (as it is), a ``CorrectionConfig`` (PPO ε = 0.2 around it), a
+    dict of its fields, its JSON (``{...}``: what ``runtime_env`` hands a Ray worker), the path of a YAML file,
+    or a preset name (``"recommended"``, ``"verl:bypass_ppo_clip"``).
+
+    Raises:
+        ConfigError: ``spec`` is none of these (``what`` names where it came from), or an invalid config.
+    """
+    if isinstance(spec, LossConfig):
+        return spec
+    if isinstance(spec, CorrectionConfig):
+        return LossConfig(correction=spec)
+    if isinstance(spec, dict):
+        return LossConfig(**spec)
+    if not isinstance(spec, str):
+        raise ConfigError(f"{what}: expected a preset name, a YAML path, a dict or an op.LossConfig, "
+                          f"got {type(spec).__name__}")
+    if spec.lstrip().startswith("{"):
+        return LossConfig.model_validate_json(spec)
+    if os.path.isfile(spec):
+        return LossConfig.from_yaml(spec)
+    return LossConfig.from_preset(spec)
+
+
+def host_version(package: str) -> str:
+    """The installed version of the host's distribution ``package`` ("unknown" where it has no metadata)."""
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:  # pragma: no cover
+        return "unknown"

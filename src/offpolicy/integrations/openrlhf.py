@@ -58,7 +58,6 @@ import importlib.util
 import inspect
 import os
 import sys
-from importlib import metadata
 from typing import Any, ClassVar
 
 import torch
@@ -92,10 +91,7 @@ METRIC_PREFIX = "offpolicy/"
 
 
 def host_version() -> str:
-    try:
-        return metadata.version("openrlhf")
-    except metadata.PackageNotFoundError:  # pragma: no cover
-        return "unknown"
+    return host.host_version("openrlhf")
 
 
 def _require_host() -> None:
@@ -129,15 +125,7 @@ def resolve_config(spec: LossConfig | CorrectionConfig | str | None) -> LossConf
                 f"OffpolicyPolicyLoss: no offpolicy loss configured; call install(config) in this process or set "
                 f"{ENV_LOSS} (a preset name or a YAML path) — runtime_env(config) does both for Ray workers"
             )
-    if isinstance(spec, LossConfig):
-        return spec
-    if isinstance(spec, CorrectionConfig):
-        return LossConfig(correction=spec)
-    if spec.lstrip().startswith("{"):  # runtime_env() passes config objects as JSON
-        return LossConfig.model_validate_json(spec)
-    if os.path.isfile(spec):
-        return LossConfig.from_yaml(spec)
-    return op.presets.loss(spec)
+    return host.loss_config_of(spec, "OffpolicyPolicyLoss")  # runtime_env() passes config objects as JSON
 
 
 class OffpolicyPolicyLoss(PolicyLoss):
@@ -182,15 +170,10 @@ class OffpolicyPolicyLoss(PolicyLoss):
     def _check_agrees(self, cfg: LossConfig) -> None:
         # Aggregation is OpenRLHF's (token_level_loss from --actor.loss_agg_mode; gspo forces
         # per-sample, as PolicyLoss.__init__ 0.11.2 does); the LossConfig's agg is not used.
-        if cfg.correction is not None and cfg.correction.denominator != "fixed":  # renormalize, or a count after n rules
-            # ppo_actor always passes batch_num_tokens / global_batch_size (loss_utils.get_loss_batch_info,
-            # 0.11.2): counts of *valid* tokens/samples over ranks, fixed before the loss runs.
-            raise ConfigError(
-                f"loss.correction.denominator={cfg.correction.denominator!r}: OpenRLHF divides by its global count of valid tokens "
-                "(batch_num_tokens) or samples, fixed before the loss runs, so rejected tokens cannot leave the "
-                "denominator; set correction.denominator 'fixed' (e.g. op.presets.loss('recommended') with "
-                "correction.denominator='fixed')"
-            )
+        # ppo_actor always passes batch_num_tokens / global_batch_size (loss_utils.get_loss_batch_info,
+        # 0.11.2): counts of *valid* tokens/samples over ranks, fixed before the loss runs.
+        host.check_fixed_denominator(cfg, "OpenRLHF divides by its global count of valid tokens (batch_num_tokens) "
+                                     "or samples, fixed before the loss runs")
         host.check_kl(cfg, "OpenRLHF", "--algo.kl.use_loss, --algo.kl.init_coef")
         want_type = "gspo" if cfg.kind == "gspo" else "ppo"
         if self.policy_loss_type != want_type:

@@ -43,7 +43,6 @@ aggregation is SkyRL's ``loss_reduction`` (any of them); the LossConfig's ``agg`
 from __future__ import annotations
 
 import os
-from importlib import metadata
 from typing import Any
 
 import torch
@@ -68,21 +67,12 @@ METRIC_PREFIX = "offpolicy/"
 
 
 def host_version() -> str:
-    try:
-        return metadata.version("skyrl")
-    except metadata.PackageNotFoundError:  # pragma: no cover
-        return "unknown"
+    return host.host_version("skyrl")
 
 
 def resolve_config(spec: LossConfig | CorrectionConfig | str) -> LossConfig:
     """A LossConfig from a LossConfig, a CorrectionConfig (PPO ε = 0.2 around it), a preset name or a YAML path."""
-    if isinstance(spec, LossConfig):
-        return spec
-    if isinstance(spec, CorrectionConfig):
-        return LossConfig(correction=spec)
-    if os.path.isfile(spec):
-        return LossConfig.from_yaml(spec)
-    return op.presets.loss(spec)
+    return host.loss_config_of(spec, "skyrl loss config")
 
 
 class OffpolicyLoss:
@@ -93,13 +83,8 @@ class OffpolicyLoss:
 
     def __init__(self, config: LossConfig, dumper: BatchDumper | None = None) -> None:
         host.check_kl(config, "SkyRL", "trainer.algorithm.use_kl_loss, kl_loss_coef")
-        if config.correction is not None and config.correction.denominator != "fixed":  # renormalize, or a count after n rules
-            raise ConfigError(
-                f"loss.correction.denominator={config.correction.denominator!r}: SkyRL divides the advantages by its token/sequence "
-                "count before the loss runs, so rejected tokens cannot leave the denominator; set "
-                "correction.denominator 'fixed' (e.g. op.presets.loss('recommended') with "
-                "correction.denominator='fixed')"
-            )
+        host.check_fixed_denominator(config, "SkyRL divides the advantages by its token/sequence count before "
+                                     "the loss runs")
         if config.kind == "sapo":
             raise ConfigError(
                 "loss.kind='sapo': SkyRL's loss_reduction rescales A before the loss, which is exact only for "

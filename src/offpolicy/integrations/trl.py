@@ -76,16 +76,6 @@ _FORWARD_KEYS = ("pixel_values", "image_grid_thw", "num_images", "pixel_attentio
                  "num_tiles", "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids")
 
 
-def _loss_config(config: op.LossConfig | str | dict) -> op.LossConfig:
-    if isinstance(config, op.LossConfig):
-        return config
-    if isinstance(config, str):
-        return op.LossConfig.from_preset(config)
-    if isinstance(config, dict):
-        return op.LossConfig(**config)
-    raise ConfigError(f"offpolicy_config: expected a preset name, a dict or an op.LossConfig, got {type(config).__name__}")
-
-
 def trl_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, old_logprobs: torch.Tensor,
            bias_correction: bool) -> torch.Tensor:
     """TRL's per-token KL term (trl 1.16.0 ``GRPOTrainer._compute_loss``), ``[B, T]`` fp32, gradient
@@ -148,7 +138,7 @@ class OffpolicyGRPOTrainer(GRPOTrainer):
     def __init__(self, *args: Any, offpolicy_config: op.LossConfig | str | dict = "recommended",
                  dump_dir: str | None = None, dump_steps: set[int] | None = None, dump_every: int | None = None,
                  **kwargs: Any) -> None:
-        config = _loss_config(offpolicy_config)
+        config = host.loss_config_of(offpolicy_config, "offpolicy_config")
         super().__init__(*args, **kwargs)
         a = self.args
         has_corr = config.correction is not None

@@ -55,7 +55,6 @@ Would break on upgrade if verl changes the policy-loss signature, ``agg_loss``'s
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -79,7 +78,7 @@ _dumper: BatchDumper | None = None
 def configure(config: op.LossConfig | str | None) -> None:
     """Set the offpolicy loss for this process (a ``LossConfig`` or preset name; None = use ``OFFPOLICY_VERL_LOSS``)."""
     global _configured
-    _configured = op.LossConfig.from_preset(config) if isinstance(config, str) else config
+    _configured = None if config is None else host.loss_config_of(config, "configure")
 
 
 def loss_config() -> op.LossConfig:
@@ -95,9 +94,7 @@ def loss_config() -> op.LossConfig:
         raise ConfigError(f"actor.policy_loss.loss_mode={LOSS_NAME!r} but {ENV} is not set in this worker: set it to "
                           "a preset name (e.g. verl:bypass_ppo_clip) or a LossConfig YAML path, for every Ray worker "
                           "(ray runtime_env env_vars), or call offpolicy.integrations.verl.configure(...)")
-    if Path(value).is_file():
-        return op.LossConfig.from_yaml(value)
-    return op.LossConfig.from_preset(value)
+    return host.loss_config_of(value, ENV)
 
 
 def _check(cfg: op.LossConfig, rollout_is_weights: torch.Tensor | None) -> None:

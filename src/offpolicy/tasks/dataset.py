@@ -39,14 +39,47 @@ import math
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
+from pydantic import Field, model_validator
+
+from offpolicy.config import _Strict
 from offpolicy.errors import ConfigError
 from offpolicy.tasks.rewards import RewardFn, checked_value, resolve_reward
 from offpolicy.tasks.tasks import Problem
 
 log = logging.getLogger(__name__)
 BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+
+
+class DataConfig(_Strict):
+    """``task: dataset``: where the prompts and reference answers come from, and how prompts are rendered."""
+
+    path: str | None = Field(None, description="a local .jsonl/.json/.parquet/.csv file (or a dataset directory, or "
+                             "a hub name where the hub is reachable), read through the `datasets` library")
+    prompt_field: str = Field("question", description="column holding the prompt text (GSM8K: question)")
+    answer_field: str = Field("answer", description="column holding the reference the reward compares against "
+                              "(GSM8K: answer, ending in '#### N')")
+    split: str = Field("train", description="split to read from a dataset directory or hub name")
+    subset: str | None = Field(None, description="a hub dataset's configuration name (openai/gsm8k: main)")
+    eval_split: str = Field("test", description="split of data.eval_path when it is a dataset directory or hub name")
+    eval_path: str | None = Field(None, description="held-out file for eval/accuracy; unset = hold out eval_fraction")
+    eval_fraction: float | None = Field(None, ge=0, lt=1, description="share of data.path's rows held out for eval "
+                                        "(shuffled with data.seed); unset = 0.1 without eval_path; 0 = no eval")
+    seed: int = Field(0, description="the held-out split's shuffle: fixed across RL seeds")
+    system_prompt: str | None = Field(None, description="a system message (chat template) or a first paragraph")
+    chat_template: Literal["auto", "none"] = Field(
+        "auto", description="auto: render prompts with the tokenizer's chat template when it has one; none: raw text")
+    drop_long_prompts: bool = Field(False, description="rows whose prompt exceeds max_prompt_tokens: false = refuse "
+                                    "the file before training (the default), true = drop those rows and say how many")
+
+    @model_validator(mode="after")
+    def _one_eval_source(self) -> DataConfig:
+        if self.eval_path is not None and self.eval_fraction:
+            raise ValueError(f"data.eval_path={self.eval_path!r} and data.eval_fraction={self.eval_fraction}: "
+                             "pick one held-out source (unset eval_fraction, or drop eval_path)")
+        return self
+
 
 
 def _datasets():

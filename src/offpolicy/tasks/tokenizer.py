@@ -44,6 +44,14 @@ def plain_text_ids(tokenizer, text: str) -> list[int]:
     return tokenizer(text).input_ids
 
 
+def prompt_ids(tokenizer, problem) -> list[int]:
+    """A ``Problem``'s prompt as token ids: as task=dataset rendered it (chat template, BOS) when it loaded,
+    else its text by ``plain_text_ids``."""
+    if problem.prompt_ids is not None:
+        return list(problem.prompt_ids)
+    return plain_text_ids(tokenizer, problem.prompt)
+
+
 def load_tokenizer(path) -> PreTrainedTokenizerFast:
     """Load a saved tokenizer. The character tokenizer is loaded as itself: ``AutoTokenizer`` would
     pick the model family's class (``Qwen2Tokenizer``), whose own pre-tokenizer drops spaces."""

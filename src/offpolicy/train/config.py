@@ -14,7 +14,10 @@ from pydantic import Field, field_validator, model_validator
 
 from offpolicy import presets
 from offpolicy.config import ConfigError, LossConfig, _read_yaml, _Strict
-from offpolicy.tasks import TASKS, make_task
+from offpolicy.engines.config import VLLMConfig
+from offpolicy.policy.warmstart_config import WarmStartConfig, task_warm_start
+from offpolicy.tasks import make_task
+from offpolicy.tasks.dataset import DataConfig
 
 
 NO_CORRECTION = "none"  # preset value that turns the correction off explicitly (async guard)
@@ -76,76 +79,6 @@ def preset_loss(preset: str | None, user: dict[str, Any]) -> dict[str, Any]:
         base = {k: v for k, v in base.items() if k not in KIND_OPTIONS}
     return _merge(base, user)
 
-
-
-class WarmStartConfig(_Strict):
-    """Supervised warm start of the embedded default model, cached on disk and reused."""
-
-    seed: int = Field(0, description="initialisation and data order of the warm start; every RL seed "
-                      "starts from the same warm-started policy, so seeds vary only the RL")
-    target_accuracy: float = Field(0.2, gt=0, lt=1, description="stop SFT once sampled accuracy reaches this")
-    max_steps: int = Field(400, gt=0)
-    batch_size: int = Field(128, gt=0)
-    lr: float = Field(3e-3, gt=0)
-    eval_every: int = Field(5, gt=0)
-    eval_problems: int = Field(128, gt=0)
-
-
-class DataConfig(_Strict):
-    """``task: dataset``: where the prompts and reference answers come from, and how prompts are rendered."""
-
-    path: str | None = Field(None, description="a local .jsonl/.json/.parquet/.csv file (or a dataset directory, or "
-                             "a hub name where the hub is reachable), read through the `datasets` library")
-    prompt_field: str = Field("question", description="column holding the prompt text (GSM8K: question)")
-    answer_field: str = Field("answer", description="column holding the reference the reward compares against "
-                              "(GSM8K: answer, ending in '#### N')")
-    split: str = Field("train", description="split to read from a dataset directory or hub name")
-    subset: str | None = Field(None, description="a hub dataset's configuration name (openai/gsm8k: main)")
-    eval_split: str = Field("test", description="split of data.eval_path when it is a dataset directory or hub name")
-    eval_path: str | None = Field(None, description="held-out file for eval/accuracy; unset = hold out eval_fraction")
-    eval_fraction: float | None = Field(None, ge=0, lt=1, description="share of data.path's rows held out for eval "
-                                        "(shuffled with data.seed); unset = 0.1 without eval_path; 0 = no eval")
-    seed: int = Field(0, description="the held-out split's shuffle: fixed across RL seeds")
-    system_prompt: str | None = Field(None, description="a system message (chat template) or a first paragraph")
-    chat_template: Literal["auto", "none"] = Field(
-        "auto", description="auto: render prompts with the tokenizer's chat template when it has one; none: raw text")
-    drop_long_prompts: bool = Field(False, description="rows whose prompt exceeds max_prompt_tokens: false = refuse "
-                                    "the file before training (the default), true = drop those rows and say how many")
-
-    @model_validator(mode="after")
-    def _one_eval_source(self) -> DataConfig:
-        if self.eval_path is not None and self.eval_fraction:
-            raise ValueError(f"data.eval_path={self.eval_path!r} and data.eval_fraction={self.eval_fraction}: "
-                             "pick one held-out source (unset eval_fraction, or drop eval_path)")
-        return self
-
-
-class VLLMConfig(_Strict):
-    """``engine: vllm``: vLLM's batching and compilation options, passed to ``vllm.LLM`` under the same
-    names (checked against the installed vLLM's ``EngineArgs``). Unset = the platform's default."""
-
-    max_num_batched_tokens: int | None = Field(
-        None, gt=0, description="tokens vLLM processes per engine step (prefill + decode); unset = vLLM's default "
-        "(CPU: 4,096, raised to the context with chunked prefill off; GPUs of ≥ 70 GiB but A100s — H100, H200, B200: "
-        "16,384; other GPUs: 8,192)")
-    max_num_seqs: int | None = Field(None, gt=0, description="sequences in flight per engine step; unset = vLLM's "
-                                     "default (CPU 256; GPUs of ≥ 70 GiB but A100s 1,024; other GPUs 256)")
-    enable_chunked_prefill: bool | None = Field(
-        None, description="split long prompts over engine steps; unset = off on the CPU (vLLM cannot rewind a split "
-        "prompt's seeded CPU generator: 'CPU Generator does not use offset'; true is refused there), vLLM's default "
-        "(on) on CUDA")
-    enforce_eager: bool | None = Field(
-        None, description="no CUDA graphs, no compilation; unset = true on the CPU, false on CUDA (graphs on, as "
-        "TRL's colocate mode: the in-place weight reload keeps the captured tensors valid)")
-
-    @model_validator(mode="after")
-    def _budget_holds_a_token_per_sequence(self) -> VLLMConfig:
-        if self.max_num_batched_tokens is not None and self.max_num_seqs is not None \
-                and self.max_num_batched_tokens < self.max_num_seqs:
-            raise ValueError(f"vllm.max_num_batched_tokens={self.max_num_batched_tokens} < vllm.max_num_seqs="
-                             f"{self.max_num_seqs}: each running sequence needs at least one token of the step's "
-                             "budget. Fix: raise the budget or lower max_num_seqs")
-        return self
 
 
 class TrainConfig(_Strict):
@@ -310,10 +243,7 @@ class TrainConfig(_Strict):
                              "character-level model warm-started on reverse/addition/walk")
         if self.max_new_tokens is None:  # the task's own limit (a frozen model: set once, here)
             object.__setattr__(self, "max_new_tokens", task.max_new_tokens)
-        task_ws = {k: v for k, v in getattr(TASKS[self.task], "warm_start_defaults", {}).items()
-                   if k not in self.warm_start.model_fields_set}  # the task's warm start, unless set
-        if task_ws:
-            object.__setattr__(self, "warm_start", self.warm_start.model_copy(update=task_ws))
+        object.__setattr__(self, "warm_start", task_warm_start(self.task, self.warm_start))
         return self
 
     def model_defaults(self) -> str | None:
@@ -444,37 +374,21 @@ def resolve_engine_dtype(cfg: TrainConfig) -> tuple[str, str]:
 
 
 def resolve_device(cfg: TrainConfig):
-    """The ``torch.device`` the trainer runs on (``device``; auto = CUDA when available).
+    """The ``torch.device`` the trainer runs on (``device``; auto = CUDA when available): ``policy.score.resolve_device``.
 
     Raises:
         ConfigError: CUDA asked for but absent, or a CUDA index past the visible devices.
     """
-    import torch
+    from offpolicy.policy.score import resolve_device as from_name  # torch: imported when a run starts
 
-    if cfg.device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(cfg.device)
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            build = f"torch {torch.__version__} " + ("has CUDA " + torch.version.cuda + " but sees no GPU"
-                                                      if torch.version.cuda else "is a CPU-only build")
-            raise ConfigError(f"device={cfg.device}: CUDA is not available ({build}). Fix: device=cpu (or auto), "
-                              "or install a CUDA build of torch on a machine with a GPU")
-        if device.index is not None and device.index >= torch.cuda.device_count():
-            raise ConfigError(f"device={cfg.device}: only {torch.cuda.device_count()} CUDA device(s) visible "
-                              f"(cuda:0 … cuda:{torch.cuda.device_count() - 1}). Fix: a visible index, or device=cuda")
-    return device
+    return from_name(cfg.device)
 
 
 def resolve_trainer_dtype(cfg: TrainConfig, device) -> tuple[str, str]:
-    """The trainer's compute dtype and why: ``trainer_dtype`` unless it is ``auto``."""
-    if cfg.trainer_dtype != "auto":
-        return cfg.trainer_dtype, "set in the config"
-    import torch
+    """The trainer's compute dtype and why: ``trainer_dtype`` unless it is ``auto`` (``policy.score.resolve_dtype``)."""
+    from offpolicy.policy.score import resolve_dtype
 
-    if device.type == "cuda" and torch.cuda.is_bf16_supported():
-        return "bf16", "auto: CUDA with bf16: bf16 autocast compute, fp32 master weights"
-    return "fp32", f"auto: {'CUDA without bf16' if device.type == 'cuda' else 'CPU'}: fp32"
+    return resolve_dtype(cfg.trainer_dtype, device)
 
 
 def _set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:

@@ -47,17 +47,19 @@ import offpolicy as op
 from offpolicy.config import ConfigError
 from offpolicy.engines import EngineError, SamplingConfig, make_engine, perturb
 from offpolicy.metrics import Metrics
+from offpolicy.policy.batch import to_batch
+from offpolicy.policy.score import Scorer, device_index, load_policy
+from offpolicy.policy.warmstart import exact_match_accuracy, model_dir, warm_start_progress
 from offpolicy.tasks import ChatRendered, make_task, problems
 from offpolicy.tasks.dataset import load_dataset_task
 from offpolicy.tasks.tokenizer import ensure_pad_token, load_tokenizer
-from offpolicy.train.batch import grpo_advantages, to_batch
+from offpolicy.train.advantages import grpo_advantages
 from offpolicy.train.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint
 from offpolicy.train.config import TrainConfig, resolve_device, resolve_engine_dtype, resolve_trainer_dtype
 from offpolicy.train.logger import RunLogger, StageTimer, sample_records
 from offpolicy.train.memory import memory_metrics, reset_memory_peaks
 from offpolicy.train.pipeline import Pending, RolloutPipeline
-from offpolicy.train.update import device_index, load_policy, old_logprobs, optimizer_step
-from offpolicy.train.warmstart import default_model, exact_match_accuracy
+from offpolicy.train.update import optimizer_step
 
 log = logging.getLogger(__name__)
 
@@ -120,16 +122,7 @@ class GracefulStop:
 
 def resolve_model(cfg: TrainConfig, console: Console) -> Path:
     """The model to start from: the warm-started default, or a local HF model directory."""
-    if cfg.model == "default":
-        def progress(step, total, loss, accuracy):
-            console.print(f"  warm start: step {step}/{total}  loss {loss:.3f}  sampled accuracy {accuracy:.0%}")
-        return default_model(cfg, progress)
-    path = Path(cfg.model).expanduser()
-    if not (path / "config.json").is_file():
-        raise ConfigError(f"model: {cfg.model!r} is not a local Hugging Face model directory (no config.json); "
-                          "use model=default for the embedded tiny model")
-    if not any((path / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "vocab.json")):
-        raise ConfigError(f"model: {cfg.model!r} has no tokenizer files; save the tokenizer next to the model")
+    path = model_dir(cfg.model, cfg, warm_start_progress(console))
     if cfg.task == "dataset":  # prompt + response must fit the model's context (RoPE past it is untrained)
         context = json.loads((path / "config.json").read_text()).get("max_position_embeddings")
         if context is not None and cfg.max_prompt_tokens + cfg.max_new_tokens > context:
@@ -228,9 +221,8 @@ def throughput(values: dict[str, float], n_tokens: float, device: torch.device, 
     return {**out, **memory_metrics(device, engine_bytes)}
 
 
-def step_samples(cfg: TrainConfig, policy, tokenizer, item, batch, texts: list[str], rewards: torch.Tensor,
-                 advantages: torch.Tensor, old: torch.Tensor | None, sampling: SamplingConfig, device: torch.device,
-                 trainer_dtype: str) -> list[dict]:
+def step_samples(cfg: TrainConfig, scorer: Scorer, tokenizer, item, batch, texts: list[str], rewards: torch.Tensor,
+                 advantages: torch.Tensor, old: torch.Tensor | None) -> list[dict]:
     """``cfg.samples_per_step`` rows of this step as text (``logger.sample_records``): one row from each of
     the first groups (the first response of group 0, 1, …; then the second of each), with log ρ = log π_old
     − log μ per token — from the π_old forward where one ran, else from a no-grad forward on those rows
@@ -241,7 +233,7 @@ def step_samples(cfg: TrainConfig, policy, tokenizer, item, batch, texts: list[s
     if old is not None:
         trainer = old[rows.to(old.device)].float().cpu()
     else:
-        trainer = old_logprobs(policy, batch.select(rows), sampling, device, trainer_dtype, None).float().cpu()
+        trainer = scorer.whole().score(batch.select(rows)).float().cpu()
     # −inf where a token lies outside the trainer's top-k/top-p support (sample_records leaves it out)
     log_ratio = torch.where(batch.mask[rows].bool(), trainer - batch.rollout_logprobs[rows], 0.0)  # [k, T]
     # each response token as text, for the per-token viewer (offpolicy view)
@@ -311,12 +303,13 @@ def train(cfg: TrainConfig, resume: Path | None = None, console: Console | None 
         dropped = getattr(task, "dropped", 0) and f"{task.dropped} prompts over max_prompt_tokens dropped"
         for note in filter(None, (padded, dropped)):
             console.print(f"  data: {note}")
-        # fp32 master weights on the device; bf16 is autocast compute (update.precision)
+        # fp32 master weights on the device; bf16 is autocast compute (policy.score.precision)
         policy = load_policy(load_from, device).train()
         if cfg.gradient_checkpointing:
             policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             policy.config.use_cache = False
         optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=0.0)
+        scorer = Scorer(policy, sampling, device, trainer_dtype, cfg.micro_batch_tokens)  # one way to score, all run
         state = load_trainer_state(checkpoint) if checkpoint else {"step": 0, "version": 0, "pending": []}
         state.setdefault("pipeline", {})  # staleness policy's queue cursor (issue #25); older checkpoints lack it
         if checkpoint:
@@ -377,8 +370,7 @@ def train(cfg: TrainConfig, resume: Path | None = None, console: Console | None 
             # ------------------------------------------------ π_old: the trainer before this step
             loglinear = cfg.prox_logp == "loglinear"  # π_old from the versions: no forward (AReaL)
             with timer("pi_old"):
-                old = None if skip_old or loglinear else old_logprobs(policy, batch, sampling, device, trainer_dtype,
-                                                                       cfg.micro_batch_tokens)
+                old = None if skip_old or loglinear else scorer.score(batch)
 
             def old_of(rows, mb, logprobs):
                 if loglinear:  # proximal = this step's starting weights (v + 1 − 1)
@@ -389,8 +381,7 @@ def train(cfg: TrainConfig, resume: Path | None = None, console: Console | None 
                 return old[device_index(rows, device), : mb.mask.shape[1]]
 
             with timer("samples"):  # a few rows as text, with their log ρ under the weights that start the step
-                samples = step_samples(cfg, policy, tokenizer, item, batch, texts, rewards, advantages, old, sampling,
-                                       device, trainer_dtype)
+                samples = step_samples(cfg, scorer, tokenizer, item, batch, texts, rewards, advantages, old)
             # ------------------------------------------------ corrected loss, PPO mini-batches, micro-batches
             metrics = Metrics()
             order = torch.Generator().manual_seed(cfg.seed * 31 + step)
@@ -400,24 +391,21 @@ def train(cfg: TrainConfig, resume: Path | None = None, console: Console | None 
             updating = stop.updating = True  # from here until the step is logged, the weights are mid-update
             kl_rows = spread_rows(len(rewards), cfg.group_size, cfg.policy_kl_rows) if cfg.policy_kl_rows else None
             with timer("policy_kl"):  # the policy before the update, on a few rows (policy/kl_k3_update)
-                kl_before = None if kl_rows is None or skipped else old_logprobs(
-                    policy, batch.select(kl_rows), sampling, device, trainer_dtype, None).detach()
+                kl_before = None if kl_rows is None or skipped else scorer.whole().score(batch.select(kl_rows))
             with timer("train"):
-                step_args = dict(old_of=old_of, loss_cfg=loss_cfg, sampling=sampling, device=device,
-                                 trainer_dtype=trainer_dtype, micro_batch_tokens=cfg.micro_batch_tokens,
-                                 max_grad_norm=cfg.max_grad_norm, metrics=metrics,
+                step_args = dict(old_of=old_of, loss_cfg=loss_cfg, max_grad_norm=cfg.max_grad_norm, metrics=metrics,
                                  split_metrics=cfg.split_metrics)
                 if skipped:  # the mismatch is still measured: one no-grad pass over the batch (module doc)
-                    optimizer_step(policy, optimizer, batch, torch.arange(len(rewards)), adv_tokens, **step_args,
+                    optimizer_step(scorer, optimizer, batch, torch.arange(len(rewards)), adv_tokens, **step_args,
                                    update=False)
                 for _ in range(0 if skipped else cfg.ppo_epochs):
                     for rows in torch.randperm(len(rewards), generator=order).chunk(cfg.minibatches):
                         if batch.mask[rows].sum() == 0:  # the CPU batch: no device read
                             continue
-                        optimizer_step(policy, optimizer, batch, rows, adv_tokens, **step_args)
+                        optimizer_step(scorer, optimizer, batch, rows, adv_tokens, **step_args)
             with timer("policy_kl"):
                 kl_update = None if kl_rows is None else 0.0 if skipped else update_kl_k3(
-                    kl_before, old_logprobs(policy, batch.select(kl_rows), sampling, device, trainer_dtype, None),
+                    kl_before, scorer.whole().score(batch.select(kl_rows)),
                     batch.mask[kl_rows].to(device))
             # ------------------------------------------------ new weights to the engine
             with timer("sync"):

@@ -54,7 +54,7 @@ import torch
 
 from offpolicy.engines import RolloutEngine, Rollouts, SamplingConfig
 from offpolicy.tasks import Problem, Task, problems
-from offpolicy.train.warmstart import prompt_ids
+from offpolicy.tasks.tokenizer import prompt_ids
 
 
 @dataclass

@@ -1,6 +1,6 @@
-"""One optimizer step of the trainer on its device: micro-batches by tokens, the precision
-context, the corrected loss and the update — the helpers ``loop.py`` calls between "π_old" and
-"sync".
+"""One optimizer step of the trainer on its device: the corrected loss over a ``Scorer``'s
+micro-batches (``offpolicy.policy.score``: precision, trimming, device moves) and the update — the
+helpers ``loop.py`` calls between "π_old" and "sync".
 
 Micro-batching is exact (issue #21): with micro-batches b = 1 … M of one optimizer step,
 
@@ -30,7 +30,6 @@ correction whose count or bound depends on the data).
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -38,111 +37,11 @@ import torch
 
 import offpolicy as op
 from offpolicy.config import M2Rule
-from offpolicy.engines import SamplingConfig
 from offpolicy.kernels.common import row_aggregation
 from offpolicy.metrics import Metrics
-from offpolicy.train.batch import TENSORS, Batch
-from offpolicy.train.head import trainer_logprobs, truncates
-
-
-def load_policy(path, device: torch.device):
-    """The trainer's model: fp32 master weights on ``device`` — what ``train`` updates and what
-    ``diagnose`` scores with (its bf16 is ``precision``'s autocast too, never bf16 weights)."""
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
-
-
-def precision(device: torch.device, trainer_dtype: str) -> contextlib.AbstractContextManager:
-    """The forward's compute dtype: bf16 autocast over fp32 master weights, or nothing (fp32).
-
-    fp32 master weights + bf16 compute is what FSDP's MixedPrecision (param_dtype bf16, fp32
-    sharded master copy) and verl's actor use; the optimizer state and the update stay fp32, so
-    small updates are not lost to bf16's 8-bit mantissa. Log-probs are taken in fp32 from the
-    bf16 logits (``trainer_logprobs`` casts before the log-sum-exp).
-    """
-    if trainer_dtype == "bf16":
-        return torch.autocast(device.type, dtype=torch.bfloat16)
-    return contextlib.nullcontext()
-
-
-def micro_batches(batch: Batch, rows: torch.Tensor, budget: int | None) -> list[torch.Tensor]:
-    """``rows`` split into groups of at most ``budget`` padded tokens each (rows × the group's
-    longest prompt + response); a row longer than the budget goes alone. Rows are taken
-    shortest first, so rows of similar length share a group and little is padding. ``batch``
-    must be on the CPU (its lengths are read on the host). ``budget=None``: one group."""
-    if budget is None:
-        return [rows]
-    lengths = batch.attention_mask[rows].sum(dim=1)  # [b] prompt + response tokens
-    order = torch.argsort(lengths, stable=True)
-    groups: list[list[int]] = []
-    widest = 0
-    for i in order.tolist():
-        width = int(lengths[i])
-        if groups and (len(groups[-1]) + 1) * max(widest, width) <= budget:
-            groups[-1].append(i)
-            widest = max(widest, width)
-        else:
-            groups.append([i])
-            widest = width
-    return [rows[torch.tensor(g, dtype=torch.long)] for g in groups]
-
-
-def trim(batch: Batch) -> Batch:
-    """``batch`` without the padding columns no row uses (CPU batch: lengths read on the host).
-    Response tensors keep their first T' columns and inputs their first L' (rows are right-padded),
-    so a trimmed micro-batch's ``[b, T']`` tensors are a prefix of the full batch's."""
-    width = max(1, int(batch.attention_mask.sum(dim=1).max()))
-    t_max = max(1, int(batch.mask.sum(dim=1).max()))
-    return Batch(batch.input_ids[:, :width], batch.attention_mask[:, :width],
-                 batch.positions[:, :t_max].clamp(max=width - 1), batch.response_ids[:, :t_max],
-                 batch.mask[:, :t_max], batch.rollout_logprobs[:, :t_max], batch.versions)
-
-
-def to_device(batch: Batch, device: torch.device) -> Batch:
-    """The batch's tensors on ``device``, with the positions of its counted tokens (``Batch.counted``)
-    worked out here while the mask is on the host: the forward then gathers them without reading the
-    device (a ``nonzero`` of a CUDA mask waits for every kernel queued before it)."""
-    moved = Batch(*(getattr(batch, f).to(device, non_blocking=True) for f in TENSORS))
-    if batch.mask.device.type == "cpu":
-        rows, cols = batch.mask.bool().nonzero(as_tuple=True)
-        moved.counted = (moved.mask, device_index(rows, device), device_index(cols, device))
-    return moved
-
-
-def forward(policy, mb: Batch, sampling: SamplingConfig, device: torch.device, trainer_dtype: str,
-            metrics: Metrics | None = None, entropy_out: list[torch.Tensor] | None = None) -> torch.Tensor:
-    """log π(y_t) ``[b, T']`` fp32 of a device micro-batch under the configured precision (``entropy_out``:
-    see ``head.trainer_logprobs``)."""
-    with precision(device, trainer_dtype):
-        logprobs = trainer_logprobs(policy, mb, sampling, metrics, entropy_out=entropy_out)
-    return logprobs.to(torch.promote_types(logprobs.dtype, torch.float32))
-
-
-@torch.no_grad()
-def old_logprobs(policy, batch: Batch, sampling: SamplingConfig, device: torch.device, trainer_dtype: str,
-                 micro_batch_tokens: int | None) -> torch.Tensor:
-    """log π_old ``[B, T]`` fp32 on ``device`` for the whole CPU ``batch``, in micro-batches; the
-    columns past a micro-batch's longest response stay 0 (masked everywhere). The rows' order goes
-    to the device once, after the last forward, without a host wait (``device_index``)."""
-    groups = micro_batches(batch, torch.arange(len(batch.mask)), micro_batch_tokens)
-    parts = []
-    for rows in groups:
-        mb = to_device(trim(batch.select(rows)), device)
-        logprobs = forward(policy, mb, sampling, device, trainer_dtype)  # [b, T'] fp32 (fp64 for a fp64 model)
-        parts.append(torch.nn.functional.pad(logprobs, (0, batch.mask.shape[1] - logprobs.shape[1])))
-    order = torch.cat(groups)  # row of each stacked part
-    inverse = torch.empty_like(order)
-    inverse[order] = torch.arange(len(order))
-    return torch.cat(parts)[device_index(inverse, device)]  # [B, T]
-
-
-def device_index(index: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A CPU index on ``device`` without a host wait: on CUDA through pinned memory, non-blocking (a
-    plain ``.to(device)`` waits for every kernel queued before it)."""
-    if device.type == "cuda":
-        return index.pin_memory().to(device, non_blocking=True)
-    return index.to(device)
+from offpolicy.policy.batch import Batch
+from offpolicy.policy.head import truncates
+from offpolicy.policy.score import Scorer, widen
 
 
 def within_support(mb: Batch, logprobs: torch.Tensor, old: torch.Tensor | None, metrics: Metrics | None = None
@@ -257,11 +156,6 @@ def rule_names(loss_cfg: op.LossConfig):
     return rename
 
 
-def widen(x: torch.Tensor, width: int) -> torch.Tensor:
-    """``[b, T']`` → ``[b, width]`` with zeros in the new columns (masked everywhere)."""
-    return x if x.shape[1] == width else torch.nn.functional.pad(x, (0, width - x.shape[1]))
-
-
 def _part(mb: Batch, advantages: torch.Tensor, logprobs: torch.Tensor, old: torch.Tensor | None) -> dict:
     """What ``correct`` reads of one micro-batch, for the step-level counts and bounds."""
     part = {"mask": mb.mask, "rollout_logprobs": mb.rollout_logprobs, "logprobs": logprobs, "advantages": advantages}
@@ -270,12 +164,12 @@ def _part(mb: Batch, advantages: torch.Tensor, logprobs: torch.Tensor, old: torc
     return part
 
 
-def optimizer_step(policy, optimizer, batch: Batch, rows: torch.Tensor, advantages: torch.Tensor, *,
+def optimizer_step(scorer: Scorer, optimizer, batch: Batch, rows: torch.Tensor, advantages: torch.Tensor, *,
                    old_of: Callable[[torch.Tensor, Batch, torch.Tensor | None], torch.Tensor | None],
-                   loss_cfg: op.LossConfig, sampling: SamplingConfig, device: torch.device, trainer_dtype: str,
-                   micro_batch_tokens: int | None, max_grad_norm: float, metrics: Metrics,
+                   loss_cfg: op.LossConfig, max_grad_norm: float, metrics: Metrics,
                    update: bool = True, split_metrics: bool = False) -> None:
-    """One optimizer step on ``rows`` of the CPU ``batch`` (``advantages`` ``[B, T]`` CPU).
+    """One optimizer step of ``scorer.model`` on ``rows`` of the CPU ``batch`` (``advantages`` ``[B, T]``
+    CPU), in ``scorer``'s micro-batches, precision and sampling support.
 
     ``update=False`` measures without updating: the same forwards under ``no_grad``, the same
     correction and metrics (the mismatch of μ against π_θ: ``kl_k3``, ``ess``, the rejected
@@ -297,21 +191,18 @@ def optimizer_step(policy, optimizer, batch: Batch, rows: torch.Tensor, advantag
     """
     if not update:
         with torch.no_grad():
-            _step(policy, batch, rows, advantages, old_of, loss_cfg, sampling, device, trainer_dtype,
-                  micro_batch_tokens, metrics, backward=False, split=split_metrics)
+            _step(scorer, batch, rows, advantages, old_of, loss_cfg, metrics, backward=False, split=split_metrics)
         return
     optimizer.zero_grad(set_to_none=True)
-    total = _step(policy, batch, rows, advantages, old_of, loss_cfg, sampling, device, trainer_dtype,
-                  micro_batch_tokens, metrics, backward=True, split=split_metrics)
+    total = _step(scorer, batch, rows, advantages, old_of, loss_cfg, metrics, backward=True, split=split_metrics)
     if total is None:
         return
     metrics.mean("loss", total.reshape(1))
-    apply(policy, optimizer, max_grad_norm, metrics)
+    apply(scorer.model, optimizer, max_grad_norm, metrics)
 
 
-def _step(policy, batch: Batch, rows: torch.Tensor, advantages: torch.Tensor, old_of, loss_cfg: op.LossConfig,
-          sampling: SamplingConfig, device: torch.device, trainer_dtype: str, micro_batch_tokens: int | None,
-          metrics: Metrics, backward: bool, split: bool = False) -> torch.Tensor | None:
+def _step(scorer: Scorer, batch: Batch, rows: torch.Tensor, advantages: torch.Tensor, old_of,
+          loss_cfg: op.LossConfig, metrics: Metrics, backward: bool, split: bool = False) -> torch.Tensor | None:
     """The forwards, the correction and (``backward``) the backward passes of one optimizer step
     (``optimizer_step``'s docstring); records the step's metrics but ``loss`` in ``metrics`` and
     returns the step's loss (float64, detached), or None for rows without a response token."""
@@ -319,10 +210,10 @@ def _step(policy, batch: Batch, rows: torch.Tensor, advantages: torch.Tensor, ol
     if rows.numel() == 0:
         return None
     width = int(batch.mask[rows].sum(dim=1).max())  # the step's response width (the CPU batch: no sync)
-    groups = micro_batches(batch, rows, micro_batch_tokens)
-    mbs = [to_device(trim(batch.select(g)), device) for g in groups]
-    advs = [advantages[g][:, :width].to(device, non_blocking=True) for g in groups]
-    truncated = truncates(sampling)
+    groups = scorer.micro_batches(batch, rows)
+    mbs = [scorer.to_device(batch, g) for g in groups]
+    advs = [advantages[g][:, :width].to(scorer.device, non_blocking=True) for g in groups]
+    truncated = truncates(scorer.sampling)
 
     def loss_inputs(g, mb, logprobs, support_metrics=None):
         """(the micro-batch's loss view at the step's width, without the tokens outside the
@@ -336,10 +227,10 @@ def _step(policy, batch: Batch, rows: torch.Tensor, advantages: torch.Tensor, ol
         return not truncated or bool(view.mask.any())
 
     step = Metrics()
-    total = torch.zeros((), dtype=torch.float64, device=device)
+    total = torch.zeros((), dtype=torch.float64, device=scorer.device)
     if len(groups) == 1:  # the update's own forward gives π_θ for the step's bounds: no extra forward
         (g,), (mb,), (adv,) = groups, mbs, advs
-        view, logprobs, old = loss_inputs(g, mb, forward(policy, mb, sampling, device, trainer_dtype, metrics),
+        view, logprobs, old = loss_inputs(g, mb, scorer.forward(mb, metrics),
                                           metrics if truncated else None)
         if counts(view):
             parts = [{"mask": view.mask}] if loss_cfg.correction is None else [_part(view, adv, logprobs.detach(), old)]
@@ -358,7 +249,7 @@ def _step(policy, batch: Batch, rows: torch.Tensor, advantages: torch.Tensor, ol
                 measured.append(False)
                 continue
             with torch.no_grad():  # π_θ is the same for every micro-batch of this step
-                view, current, old = loss_inputs(g, mb, forward(policy, mb, sampling, device, trainer_dtype, metrics),
+                view, current, old = loss_inputs(g, mb, scorer.forward(mb, metrics),
                                                  metrics if truncated else None)
             kept.append(counts(view))
             measured.append(True)
@@ -370,8 +261,7 @@ def _step(policy, batch: Batch, rows: torch.Tensor, advantages: torch.Tensor, ol
                 continue
             # π_old from the update's own forward where it is sg(π_θ), as in the unsplit step (the
             # no-grad forward above may take other kernels and differ in the last bit)
-            view, logprobs, old = loss_inputs(g, mb, forward(policy, mb, sampling, device, trainer_dtype,
-                                                             None if done else metrics))
+            view, logprobs, old = loss_inputs(g, mb, scorer.forward(mb, None if done else metrics))
             total = total + accumulate(logprobs, old, adv, view, cfg, step, backward, split)
     metrics.update(step.renamed(rule_names(loss_cfg)))
     return total

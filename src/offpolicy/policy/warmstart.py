@@ -17,20 +17,33 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
+from typing import Any, Protocol
 
 import torch
 from filelock import FileLock  # a dependency of torch
 from transformers import PreTrainedTokenizerBase
 
+from offpolicy.config import ConfigError
 from offpolicy.engines.base import left_pad, stop_token_ids
 from offpolicy.engines.generation import explicit_config, generate
 from offpolicy.tasks import Problem, Task, make_task, problems
 from offpolicy.tasks.tasks import exact_match
 from offpolicy.tasks.model import build_tiny_qwen2
-from offpolicy.tasks.tokenizer import build_char_tokenizer, plain_text_ids
-from offpolicy.train.config import TrainConfig
+from offpolicy.policy.score import precision
+from offpolicy.policy.warmstart_config import WarmStartConfig
+from offpolicy.tasks.tokenizer import build_char_tokenizer, prompt_ids
 
 log = logging.getLogger(__name__)
+
+
+class WarmStartSpec(Protocol):
+    """What names a warm start: train's ``TrainConfig`` has these fields, and so has ``diagnose``'s
+    ``DiagnoseConfig.warm_start_spec()`` (the same task, the same cached model)."""
+
+    task: str
+    task_params: dict[str, Any]
+    max_new_tokens: int
+    warm_start: WarmStartConfig
 WARMSTART_VERSION = 1  # bump when the procedure changes: old cache entries are then ignored
 
 
@@ -38,12 +51,6 @@ def cache_root() -> Path:
     """``$OFFPOLICY_CACHE``, or ``~/.cache/offpolicy`` where it is unset or empty (``OFFPOLICY_CACHE=`` must
     not put the cache in the working directory)."""
     return Path(os.environ.get("OFFPOLICY_CACHE") or Path.home() / ".cache" / "offpolicy")
-
-
-def prompt_ids(tokenizer: PreTrainedTokenizerBase, problem: Problem) -> list[int]:
-    if problem.prompt_ids is not None:  # task=dataset rendered it (chat template, BOS) when it loaded
-        return list(problem.prompt_ids)
-    return plain_text_ids(tokenizer, problem.prompt)
 
 
 def answer_ids(tokenizer: PreTrainedTokenizerBase, problem: Problem) -> list[int]:
@@ -73,8 +80,6 @@ def exact_match_accuracy(model, tokenizer, task: Task, batch: list[Problem], max
     ``score(problem, completion)`` replaces exact match (task=dataset: its reward; mean over the batch).
     Decoding uses this explicit config alone (never the model's ``generation_config.json``), under
     the trainer's precision (``trainer_dtype``: bf16 is autocast over the fp32 weights, as in the update)."""
-    from offpolicy.train.update import precision
-
     input_ids, attention = left_pad([prompt_ids(tokenizer, p) for p in batch], tokenizer.pad_token_id)
     if sample_seed is not None:
         torch.manual_seed(sample_seed)
@@ -100,7 +105,7 @@ def context_length(max_new_tokens: int) -> int:
     return max(128, 64 * -(-(max_new_tokens + 64) // 64))
 
 
-def warm_start_key(cfg: TrainConfig) -> str:
+def warm_start_key(cfg: WarmStartSpec) -> str:
     ws = cfg.warm_start.model_dump()
     seed = ws.pop("seed")
     spec = {"v": WARMSTART_VERSION, "task": cfg.task, "task_params": cfg.task_params, "seed": seed,
@@ -108,7 +113,32 @@ def warm_start_key(cfg: TrainConfig) -> str:
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def default_model(cfg: TrainConfig, progress=None) -> Path:
+def warm_start_progress(console):
+    """A ``progress`` for ``default_model`` that prints each evaluation of the warm start on ``console``."""
+    def progress(step, total, loss, accuracy):
+        console.print(f"  warm start: step {step}/{total}  loss {loss:.3f}  sampled accuracy {accuracy:.0%}")
+    return progress
+
+
+def model_dir(model: str, spec: WarmStartSpec, progress=None) -> Path:
+    """The model to start from: ``default``, the warm-started embedded model of ``spec`` (trained now if
+    not cached; ``progress(step, total, loss, accuracy)`` hears of it), or a local HF model directory.
+
+    Raises:
+        ConfigError: ``model`` is neither ``default`` nor a directory with a config and tokenizer files.
+    """
+    if model == "default":
+        return default_model(spec, progress)
+    path = Path(model).expanduser()
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"model: {model!r} is not a local Hugging Face model directory (no config.json); "
+                          "use model=default for the embedded tiny model")
+    if not any((path / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "vocab.json")):
+        raise ConfigError(f"model: {model!r} has no tokenizer files; save the tokenizer next to the model")
+    return path
+
+
+def default_model(cfg: WarmStartSpec, progress=None) -> Path:
     """Path of the warm-started default model for ``cfg`` (trained now if not cached)."""
     target = cache_root() / "warmstart" / f"{cfg.task}-{warm_start_key(cfg)}"
     if (target / "warmstart.json").exists():
@@ -124,7 +154,7 @@ def default_model(cfg: TrainConfig, progress=None) -> Path:
         return _warm_start(cfg, target, progress)
 
 
-def _warm_start(cfg: TrainConfig, target: Path, progress) -> Path:
+def _warm_start(cfg: WarmStartSpec, target: Path, progress) -> Path:
     ws = cfg.warm_start
     task = make_task(cfg.task, **cfg.task_params)
     tokenizer = build_char_tokenizer()

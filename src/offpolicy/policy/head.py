@@ -54,7 +54,6 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -62,10 +61,8 @@ import torch.nn.functional as F
 from offpolicy.config import ConfigError
 from offpolicy.engines.base import SamplingConfig
 from offpolicy.metrics import Metrics
+from offpolicy.policy.batch import Batch
 from offpolicy.sampling import outside_mass_metrics, renormalize_logprobs
-
-if TYPE_CHECKING:
-    from offpolicy.train.batch import Batch
 
 # one fp32 [C, V] buffer (a chunk's peak holds a handful): on CUDA large enough that a chunk's kernels
 # are not launch-bound (128 MiB: 220 tokens at V = 151,936); on the CPU, where nothing is launched,
@@ -114,13 +111,13 @@ def linear_head(model) -> LinearHead:
         value = getattr(config, key, None)
         if value is not None and value != 1:
             raise ConfigError(
-                f"model: {name} {what} ({key}={value}); offpolicy's trainer head (offpolicy/train/head.py) "
+                f"model: {name} {what} ({key}={value}); offpolicy's trainer head (offpolicy/policy/head.py) "
                 "reproduces a linear head and Gemma's soft cap only. Use a model with a plain head")
     out = model.get_output_embeddings()
     weight = getattr(out, "weight", None)
     if not isinstance(out, torch.nn.Linear) or weight is None or weight.dim() != 2:
         raise ConfigError(f"model: {name}'s output embedding is {type(out).__name__}, not a linear layer; "
-                          "offpolicy's trainer head (offpolicy/train/head.py) needs logits = W h + b")
+                          "offpolicy's trainer head (offpolicy/policy/head.py) needs logits = W h + b")
     softcap = getattr(config, "final_logit_softcapping", None)
     return LinearHead(weight, out.bias, float(softcap) if softcap else None)
 
@@ -170,7 +167,7 @@ def check_head(model, head: LinearHead, input_ids: torch.Tensor) -> None:
         raise ConfigError(
             f"model: {type(model).__name__}'s logits are not W·h + b of its decoder's hidden states (max "
             f"difference {error:.3g} on a probe, tolerance {tolerance:.3g}); offpolicy's trainer head "
-            "(offpolicy/train/head.py) would score it wrongly. Use a model with a plain linear head")
+            "(offpolicy/policy/head.py) would score it wrongly. Use a model with a plain linear head")
     model._offpolicy_head_checked = True
 
 
@@ -350,7 +347,7 @@ def token_logprobs(hidden: torch.Tensor, tokens: torch.Tensor, head: LinearHead,
 
 def counted_positions(batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
     """(rows, cols) ``[N]`` each of the tokens with mask 1: the copy the trainer worked out on the host
-    (``Batch.counted``, set by ``update.to_device``) while it belongs to the batch's current mask, else
+    (``Batch.counted``, set by ``score.to_device``) while it belongs to the batch's current mask, else
     a ``nonzero`` of the mask (on CUDA, a host wait for the work queued before it)."""
     if batch.counted is not None and batch.counted[0] is batch.mask:
         return batch.counted[1], batch.counted[2]
@@ -362,7 +359,7 @@ def trainer_logprobs(model, batch: Batch, sampling: SamplingConfig, metrics: Met
     """log π(y_t) ``[B, T]`` (fp32; float64 for a float64 model) under ``model`` on the engine's
     sampling support (docs/specification.md §6), 0 where ``batch.mask`` is 0; −inf exactly where the sampled token
     lies outside the trainer's top-k/top-p support (the caller masks those, see
-    ``update.within_support``).
+    ``train.update.within_support``).
 
     With ``metrics`` given, the mean token entropy of the sampling distribution is recorded as
     ``entropy`` (``token_entropy``; the denominator of prime-rl's mismatch KL / entropy, issue #25)

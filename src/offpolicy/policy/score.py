@@ -1,0 +1,203 @@
+"""The trained model scored on its device: loading, precision, micro-batches and the one ``score``
+that ``train`` (π_old, the samples' log ρ, the update's KL) and ``diagnose`` (the trainer's side of
+the mismatch) both call.
+
+A ``Scorer`` holds what travels together — the model, the engine's sampling support, the device, the
+compute dtype and the token budget of a micro-batch — frozen, so every caller scores the same way:
+
+    score(batch) = log π̃(y_t) ``[B, T]`` fp32, the rows split into micro-batches of ≤ ``budget``
+                   padded tokens (``micro_batches``), each trimmed of the padding no row uses (``trim``)
+                   and moved to the device with its counted positions (``to_device``).
+
+A micro-batch's columns past its longest response are 0 (masked everywhere); a row's log-probs do not
+depend on the split beyond the last bit of the matmuls.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, replace
+
+import torch
+
+from offpolicy.config import ConfigError
+from offpolicy.engines.base import SamplingConfig
+from offpolicy.metrics import Metrics
+from offpolicy.policy.batch import TENSORS, Batch
+from offpolicy.policy.head import trainer_logprobs
+
+DTYPES = ("fp32", "bf16")
+
+
+def resolve_device(name: str) -> torch.device:
+    """The ``torch.device`` named ``name`` (``auto`` = CUDA when available): train's ``device=`` and
+    diagnose's ``--device`` alike.
+
+    Raises:
+        ConfigError: CUDA asked for but absent, or a CUDA index past the visible devices.
+    """
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            build = f"torch {torch.__version__} " + ("has CUDA " + torch.version.cuda + " but sees no GPU"
+                                                      if torch.version.cuda else "is a CPU-only build")
+            raise ConfigError(f"device={name}: CUDA is not available ({build}). Fix: device=cpu (or auto), "
+                              "or install a CUDA build of torch on a machine with a GPU")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ConfigError(f"device={name}: only {torch.cuda.device_count()} CUDA device(s) visible "
+                              f"(cuda:0 … cuda:{torch.cuda.device_count() - 1}). Fix: a visible index, or device=cuda")
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device) -> tuple[str, str]:
+    """The trainer's compute dtype (``fp32`` or ``bf16``) and why: ``name`` unless it is ``auto``."""
+    if name != "auto":
+        return name, "set in the config"
+    if device.type == "cuda" and torch.cuda.is_bf16_supported():
+        return "bf16", "auto: CUDA with bf16: bf16 autocast compute, fp32 master weights"
+    return "fp32", f"auto: {'CUDA without bf16' if device.type == 'cuda' else 'CPU'}: fp32"
+
+
+def load_policy(path, device: torch.device):
+    """The trainer's model: fp32 master weights on ``device`` — what ``train`` updates and what
+    ``diagnose`` scores with (its bf16 is ``precision``'s autocast too, never bf16 weights)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
+
+
+def precision(device: torch.device, trainer_dtype: str) -> contextlib.AbstractContextManager:
+    """The forward's compute dtype: bf16 autocast over fp32 master weights, or nothing (fp32).
+
+    fp32 master weights + bf16 compute is what FSDP's MixedPrecision (param_dtype bf16, fp32
+    sharded master copy) and verl's actor use; the optimizer state and the update stay fp32, so
+    small updates are not lost to bf16's 8-bit mantissa. Log-probs are taken in fp32 from the
+    bf16 logits (``trainer_logprobs`` casts before the log-sum-exp).
+    """
+    if trainer_dtype == "bf16":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def micro_batches(batch: Batch, rows: torch.Tensor, budget: int | None) -> list[torch.Tensor]:
+    """``rows`` split into groups of at most ``budget`` padded tokens each (rows × the group's
+    longest prompt + response); a row longer than the budget goes alone. Rows are taken
+    shortest first, so rows of similar length share a group and little is padding. ``batch``
+    must be on the CPU (its lengths are read on the host). ``budget=None``: one group."""
+    if budget is None:
+        return [rows]
+    lengths = batch.attention_mask[rows].sum(dim=1)  # [b] prompt + response tokens
+    order = torch.argsort(lengths, stable=True)
+    groups: list[list[int]] = []
+    widest = 0
+    for i in order.tolist():
+        width = int(lengths[i])
+        if groups and (len(groups[-1]) + 1) * max(widest, width) <= budget:
+            groups[-1].append(i)
+            widest = max(widest, width)
+        else:
+            groups.append([i])
+            widest = width
+    return [rows[torch.tensor(g, dtype=torch.long)] for g in groups]
+
+
+def trim(batch: Batch) -> Batch:
+    """``batch`` without the padding columns no row uses (CPU batch: lengths read on the host).
+    Response tensors keep their first T' columns and inputs their first L' (rows are right-padded),
+    so a trimmed micro-batch's ``[b, T']`` tensors are a prefix of the full batch's."""
+    width = max(1, int(batch.attention_mask.sum(dim=1).max()))
+    t_max = max(1, int(batch.mask.sum(dim=1).max()))
+    return Batch(batch.input_ids[:, :width], batch.attention_mask[:, :width],
+                 batch.positions[:, :t_max].clamp(max=width - 1), batch.response_ids[:, :t_max],
+                 batch.mask[:, :t_max], batch.rollout_logprobs[:, :t_max], batch.versions)
+
+
+def to_device(batch: Batch, device: torch.device) -> Batch:
+    """The batch's tensors on ``device``, with the positions of its counted tokens (``Batch.counted``)
+    worked out here while the mask is on the host: the forward then gathers them without reading the
+    device (a ``nonzero`` of a CUDA mask waits for every kernel queued before it)."""
+    moved = Batch(*(getattr(batch, f).to(device, non_blocking=True) for f in TENSORS))
+    if batch.mask.device.type == "cpu":
+        rows, cols = batch.mask.bool().nonzero(as_tuple=True)
+        moved.counted = (moved.mask, device_index(rows, device), device_index(cols, device))
+    return moved
+
+
+@dataclass(frozen=True)
+class Scorer:
+    """The trained model as ``train`` and ``diagnose`` score it: ``model`` (fp32 master weights,
+    ``load_policy``) on ``device``, the engine's ``sampling`` support, the compute ``dtype`` (``fp32``,
+    or ``bf16`` autocast: ``precision``) and ``budget``, the padded tokens of one micro-batch
+    (``micro_batches``; None: the whole batch at once)."""
+
+    model: torch.nn.Module
+    sampling: SamplingConfig
+    device: torch.device
+    dtype: str = "fp32"
+    budget: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"trainer dtype {self.dtype!r}: expected one of {', '.join(DTYPES)} (resolve 'auto' "
+                              "with resolve_dtype first)")
+
+    def whole(self) -> Scorer:
+        """This scorer without a token budget: a few rows in one forward."""
+        return replace(self, budget=None)
+
+    def forward(self, mb: Batch, metrics: Metrics | None = None,
+                entropy_out: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """log π(y_t) ``[b, T']`` fp32 of a device micro-batch under the configured precision
+        (``metrics``, ``entropy_out``: see ``head.trainer_logprobs``)."""
+        with precision(self.device, self.dtype):
+            logprobs = trainer_logprobs(self.model, mb, self.sampling, metrics, entropy_out=entropy_out)
+        return logprobs.to(torch.promote_types(logprobs.dtype, torch.float32))
+
+    def micro_batches(self, batch: Batch, rows: torch.Tensor) -> list[torch.Tensor]:
+        """``rows`` of the CPU ``batch`` in groups of at most ``budget`` padded tokens."""
+        return micro_batches(batch, rows, self.budget)
+
+    def to_device(self, batch: Batch, rows: torch.Tensor) -> Batch:
+        """``rows`` of the CPU ``batch``, trimmed of unused padding, on the device."""
+        return to_device(trim(batch.select(rows)), self.device)
+
+    @torch.no_grad()
+    def score(self, batch: Batch, metrics: Metrics | None = None, entropy: bool = False
+              ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """log π ``[B, T]`` fp32 on the device for the whole CPU ``batch``, in micro-batches; the
+        columns past a micro-batch's longest response stay 0 (masked everywhere). The rows' order
+        goes to the device once, after the last forward, without a host wait (``device_index``).
+        ``metrics``: the forward's own (mean token entropy, outside mass); ``entropy``: also each
+        token's entropy ``[B, T]`` (0 off the mask), returned second."""
+        groups = self.micro_batches(batch, torch.arange(len(batch.mask)))
+        width = batch.mask.shape[1]
+        parts, entropies = [], []
+        for rows in groups:
+            out: list[torch.Tensor] | None = [] if entropy else None
+            logprobs = self.forward(self.to_device(batch, rows), metrics, out)  # [b, T'] fp32 (fp64: fp64 model)
+            parts.append(widen(logprobs, width))
+            if entropy:
+                entropies.append(widen(out[0], width))
+        order = torch.cat(groups)  # row of each stacked part
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(len(order))
+        index = device_index(inverse, self.device)
+        logprobs = torch.cat(parts)[index]  # [B, T]
+        return (logprobs, torch.cat(entropies)[index]) if entropy else logprobs
+
+
+def widen(x: torch.Tensor, width: int) -> torch.Tensor:
+    """``[b, T']`` → ``[b, width]`` with zeros in the new columns (masked everywhere)."""
+    return x if x.shape[1] == width else torch.nn.functional.pad(x, (0, width - x.shape[1]))
+
+
+def device_index(index: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A CPU index on ``device`` without a host wait: on CUDA through pinned memory, non-blocking (a
+    plain ``.to(device)`` waits for every kernel queued before it)."""
+    if device.type == "cuda":
+        return index.pin_memory().to(device, non_blocking=True)
+    return index.to(device)
+
+

@@ -1,0 +1,77 @@
+"""The package's rooms and what each may import (docs/development.md, "Layout"): the trained model's room
+(``offpolicy.policy``) and ``diagnose`` import nothing from ``train/``, and the head and the batch import
+each other in one direction only — type-only imports and imports inside functions count."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "offpolicy"
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(SRC.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imported(path: Path, modules: set[str] = frozenset()) -> set[str]:
+    """Every module ``path`` names in an import, at any depth (functions, ``if TYPE_CHECKING:``). ``from a
+    import b`` names ``a.b`` — and ``a`` itself only where ``b`` is not one of ``modules`` (the package's
+    own: ``from offpolicy import ops`` imports ``offpolicy.ops``, not the package's facade)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            subs = {f"{node.module}.{a.name}" for a in node.names}
+            names |= subs if subs & set(modules) else subs | {node.module}
+    return names
+
+
+BELOW_TRAIN = [*sorted((SRC / "policy").glob("*.py")), *sorted((SRC / "tasks").glob("*.py")),
+               *sorted((SRC / "engines").glob("*.py")), SRC / "diagnose.py", SRC / "diagnose_config.py"]
+
+
+@pytest.mark.parametrize("path", BELOW_TRAIN, ids=lambda p: str(p.relative_to(SRC)))
+def test_nothing_below_train_imports_from_train(path):
+    """On f7091b3 diagnose reached train/update.py, train/loop.py, train/warmstart.py and train/config.py."""
+    reached = sorted(n for n in imported(path) if n == "offpolicy.train" or n.startswith("offpolicy.train."))
+    assert not reached, f"{path.relative_to(SRC)} imports {reached}"
+
+
+def test_the_batch_does_not_import_the_head():
+    """One direction: the head reads a Batch; the batch module re-exported the head (a circle, type-only on
+    the head's side, on f7091b3)."""
+    assert not {n for n in imported(SRC / "policy" / "batch.py") if n.startswith("offpolicy.policy.head")}
+
+
+def graph() -> dict[str, set[str]]:
+    """Module → the package's modules it imports (at any depth; ``imported``)."""
+    paths = {module_name(p): p for p in SRC.rglob("*.py")}
+    return {name: {m for m in imported(path, set(paths)) if m in paths} - {name} for name, path in paths.items()}
+
+
+def test_diagnose_reaches_no_train_module():
+    """Whatever ``offpolicy.diagnose`` and its config import, and what those import in turn (the package's
+    facade ``offpolicy`` included), none is a module of ``train/``."""
+    edges, seen, todo = graph(), set(), ["offpolicy.diagnose", "offpolicy.diagnose_config"]
+    while todo:
+        name = todo.pop()
+        if name not in seen:
+            seen.add(name)
+            todo.extend(edges.get(name, ()))
+    assert not sorted(m for m in seen if m.startswith("offpolicy.train"))
+
+
+def test_no_import_circle():
+    """No module of the package reaches itself through imports — at module level, in a function or under
+    ``TYPE_CHECKING``. On f7091b3: ``train/batch.py`` → ``train/head.py`` → ``train/batch.py``."""
+    import graphlib
+
+    try:
+        tuple(graphlib.TopologicalSorter(graph()).static_order())
+    except graphlib.CycleError as err:
+        pytest.fail(f"an import circle: {' → '.join(err.args[1])}")
