@@ -36,7 +36,10 @@ place (no [V, H] temporary per chunk, in any precision) and W is cast to the com
 backward, not once per chunk. Hidden states of padding and prompt positions never reach the head:
 the response tokens that count are gathered first, at positions the trainer works out on the host
 when it moves a micro-batch to the device (``Batch.counted``), so the forward reads nothing back
-from the device (a batch without them pays one ``nonzero`` of its mask).
+from the device (a batch without them pays one ``nonzero`` of its mask). With the engine's kept sets
+replayed (``Batch.kept``, ``offpolicy.kept_set``) each chunk makes its sets dense, ``[C, V]`` bool, in the
+forward and again in the backward; that reads the chunk's set sizes on the host (``repeat_interleave``):
+one wait per chunk on CUDA, the price of a ragged set.
 
 Precision: the head runs in the caller's autocast context, like the decoder (bf16 compute over
 fp32 master weights), and the logits are cast to fp32 before any log-sum-exp; log-probs are fp32
