@@ -119,6 +119,8 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=64, help="samples per setting")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--engine-dtypes", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
+    parser.add_argument("--settings", nargs="+", default=[name for name, _ in SETTINGS],
+                        choices=[name for name, _ in SETTINGS], help="which samplings to run (default: all)")
     args = parser.parse_args()
     model = args.model or smollm2_dir()
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
@@ -129,7 +131,7 @@ def main() -> None:
 
     policy = load_policy(model, torch.device("cpu")).eval()  # the fp32 trainer, one for every setting
     rows = [run(model, policy, dtype, name, knobs, args.n, args.max_tokens)
-            for dtype in args.engine_dtypes for name, knobs in SETTINGS]
+            for dtype in args.engine_dtypes for name, knobs in SETTINGS if name in args.settings]
     print("\n" + HEADER)
     for r in rows:
         print(table_row(r))
