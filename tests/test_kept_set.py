@@ -261,3 +261,22 @@ def test_cli_diagnose_replays_the_hf_engines_set(tmp_path):
     assert kept["with_replay"]["fraction_outside_trainer_support"] == 0.0 == report["fraction_outside_trainer_support"]
     assert kept["without_replay"]["fraction_outside_trainer_support"] > 0
     assert "without replay: outside trainer's set" in result.stdout
+
+
+def test_a_train_step_replays_the_hf_engines_set(offpolicy_cache, tmp_path):
+    """The setting of ``test_outside_support.py``'s issue test (a bf16 engine with logit noise σ = 1 at top_k 10,
+    top_p 0.9, π_old in micro-batches), with the engine's sets: no engine token falls outside the trainer's
+    set, and the step says the set was replayed."""
+    from conftest import FAST
+
+    from offpolicy.train.config import load_train_config
+    from offpolicy.train.loop import train
+
+    cfg = load_train_config(None, [*FAST, "steps=1", "engine_dtype=bf16", "top_k=10", "top_p=0.9", "temperature=0.7",
+                                   "engine_logit_noise=1.0", "recompute_old=true", "micro_batch_tokens=64",
+                                   "preset=verl:decoupled_token_is", f"out_dir={tmp_path / 'run'}"])
+    train(cfg, progress=False)
+    row = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    assert row["offpolicy/kept_set_replayed"] == 1.0
+    assert row["offpolicy/outside_support_tokens"] == 0
+    assert row["offpolicy/grad_norm"] > 0
