@@ -13,7 +13,7 @@ the same formula as the trainer's own set (the set is replaced, not the math), a
 Representation (``KeptIds``): ragged, compressed-row style. Each position holds ``start`` (int64) and
 ``count`` (int32) into one flat ``ids`` (int32) vector of kept token ids, ascending within a position:
 
-    memory = 12 bytes per position + 4 bytes per kept id,   |K_t| ≤ top_k  (top_k 20: 20 ids)
+    memory = 12 bytes per position + 4 bytes per kept id,   |K_t| = top_k + the ties at the k-th logit
 
 Flat in V for top-k. Under top-p alone, |K_t| is the smallest prefix of the sorted distribution whose
 mass reaches p: a few ids on a peaked distribution, ⌈p·V⌉ on a perfectly flat one (the bound: V ids,
