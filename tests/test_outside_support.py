@@ -25,6 +25,18 @@ from offpolicy.train import update
 from offpolicy.train.config import load_train_config
 from offpolicy.train.loop import train
 
+
+@pytest.fixture
+def no_recorded_set(monkeypatch):
+    """The hf engine without its kept sets (issue #46): the trainer recomputes top-k/top-p on its own logits,
+    as it does for vLLM, whose CPU build records none — the path where tokens can fall outside its set."""
+    from dataclasses import replace
+
+    from offpolicy.engines.hf import HFEngine
+
+    generate = HFEngine.generate
+    monkeypatch.setattr(HFEngine, "generate", lambda self, *a, **k: replace(generate(self, *a, **k), kept=None))
+
 TOP3 = SamplingConfig(max_tokens=8, top_k=3)  # uniform random responses mostly fall outside a top-3
 
 
@@ -130,7 +142,7 @@ def test_old_logprobs_puts_each_micro_batch_back_in_its_rows():
 
 
 @pytest.mark.slow
-def test_the_issue_setting_trains_and_reports_the_count(offpolicy_cache, tmp_path):
+def test_the_issue_setting_trains_and_reports_the_count(offpolicy_cache, tmp_path, no_recorded_set):
     """engine=hf engine_dtype=bf16 top_k=10 top_p=0.9 temperature=0.7 — at 4efb1a7 step 0 stopped with
     "logprobs has N non-finite value(s)". Engine logit noise (σ = 1) makes a token outside the fp32
     trainer's kept set certain rather than likely; π_old is recomputed in micro-batches, so the π_old
@@ -145,7 +157,7 @@ def test_the_issue_setting_trains_and_reports_the_count(offpolicy_cache, tmp_pat
     assert math.isfinite(row["offpolicy/loss"]) and row["offpolicy/grad_norm"] > 0
 
 
-def test_diagnose_counts_and_excludes_outside_tokens(tmp_path):
+def test_diagnose_counts_and_excludes_outside_tokens(tmp_path, no_recorded_set):
     tok = build_char_tokenizer()
     char_model_dir(tmp_path, with_tokenizer=False, hidden_size=64, num_layers=2, seed=2)
     prompts = [prompt_ids(tok, p) for p in problems(make_task("reverse"), 16, seed=1)]

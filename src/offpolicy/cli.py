@@ -140,6 +140,8 @@ def _print_diagnosis(console: Console, reports: list[dict]) -> None:
         table.add_row(f"ρ outside [{low:g}, {high:g}]", *(f"{r['breakdowns']['fraction_ratio_outside'][key]:.4f}"
                                                          for r in reports))
     table.add_row("outside trainer's top-k/p", *(f"{r.get('fraction_outside_trainer_support', 0.0):.4f}" for r in reports))
+    if any((r.get("kept_set") or {}).get("applied") == "replayed" for r in reports):
+        _add_replay_rows(table, reports)
     table.add_row("mass outside top-k/p", *("–" if r.get("outside_mass") is None else f"{r['outside_mass']:.4f}"
                                              for r in reports))
     table.add_row("kl_over_entropy", *(f"{r['summary']['kl_over_entropy']:.4g}" if "kl_over_entropy" in r["summary"]
@@ -168,6 +170,25 @@ def _print_diagnosis(console: Console, reports: list[dict]) -> None:
                             f"{row['weight_mean']:.3f}", f"{row['weight_min']:.3f}", f"{row['weight_max']:.3f}",
                             f"{row['ess']:.4f}")
         console.print(what_if)
+
+
+def _add_replay_rows(table: Table, reports: list[dict]) -> None:
+    """The rows the engine's kept set changes, without replay (the trainer's own top-k/top-p set): the
+    rows above are with replay wherever the engine recorded its set (issue #46)."""
+    from offpolicy.diagnose import RATIO_BANDS
+
+    def without(r: dict) -> dict | None:
+        kept = r.get("kept_set") or {}
+        return kept.get("without_replay") if kept.get("applied") == "replayed" else None
+
+    table.add_row("kept set", *((r.get("kept_set") or {}).get("applied", "–") for r in reports))
+    table.add_row("  without replay: outside trainer's set",
+                  *("–" if without(r) is None else f"{without(r)['fraction_outside_trainer_support']:.4f}"
+                    for r in reports))
+    for key, (low, high) in RATIO_BANDS.items():
+        table.add_row(f"  without replay: ρ outside [{low:g}, {high:g}]",
+                      *("–" if without(r) is None else f"{without(r)['fraction_ratio_outside'][key]:.4f}"
+                        for r in reports))
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -14,6 +14,10 @@ engine's top-k/top-p support, docs/specification.md §6), and reports:
   and ``report.json``;
 * per token (``sequences``, ``token_verdicts``): each response's tokens with log π, log μ, the trainer's
   entropy, and what each preset does to each token — the data of ``report.html`` (``offpolicy.viewer``);
+* under top-k/top-p, which kept set the trainer scored on (``kept_set``): the engine's, replayed
+  (the hf engine records it, ``offpolicy.kept_set``) or the trainer's own, recomputed (vLLM, a server,
+  a dump) — with replay, the share of engine tokens outside the trainer's own set and the ρ band
+  shares both with and without replay (issue #46);
 * a flat ``summary`` of the numbers a CI gate reads (``--fail-above STAT=V``, ``--fail-below
   STAT=V``; ``gate``): exit 3 when a bound fails (issue #25, docs/ci-gate.md).
 """
@@ -61,6 +65,9 @@ class Sample:
     token_entropy: torch.Tensor | None = None  # [B, T] the trainer's entropy at each token (the viewer's)
     token_text: list[list[str]] | None = None  # each response token as text (None: a dump holds no token ids)
     prompt_text: list[str] | None = None  # each prompt as text (None: a dump holds no token ids)
+    # where ``trainer`` replayed the engine's kept sets: the same tokens scored on the trainer's own,
+    # recomputed top-k/top-p set (the numbers "without replay"); None where no set was replayed
+    without_replay: Sample | None = None
 
 
 def read_prompts(path: Path, tokenizer) -> list[list[int]]:
@@ -148,22 +155,28 @@ def score(rollouts: Rollouts, trainer: TrainerSide, tokenizer, seconds: float | 
         raise ConfigError(f"prompt {empty} has no token: the first response token is scored from the prompt's last one")
     if not any(rollouts.response_ids):
         raise RuntimeError("the engine returned only empty responses: nothing to compare")
-    s = score_batch(trainer, to_batch(rollouts, tokenizer.pad_token_id), seconds)
+    batch = to_batch(rollouts, tokenizer.pad_token_id)
+    scorer = trainer.scorer()  # loaded once: with replay it scores twice
+    s = score_batch(trainer, batch, seconds, scorer)
+    if replays(batch, trainer.sampling):  # and without replay: the trainer's own set, for the with/without shares
+        s = replace(s, without_replay=score_batch(trainer, replace(batch, kept=None), seconds, scorer))
     # each response token as text, and each prompt, for the per-token viewer (report.html)
     return replace(s, token_text=[[tokenizer.decode([t]) for t in ids] for ids in rollouts.response_ids],
                    prompt_text=[tokenizer.decode(ids) for ids in rollouts.prompt_ids])
 
 
-def score_batch(trainer: TrainerSide, batch: Batch, seconds: float | None = None) -> Sample:
+def score_batch(trainer: TrainerSide, batch: Batch, seconds: float | None = None, scorer: Scorer | None = None
+                ) -> Sample:
     """The trainer's side of a sample: log π_train of the engine's tokens computed as ``train``
     computes them — fp32 master weights, bf16 as autocast, micro-batches of ≤ ``trainer.budget``
     padded tokens trimmed of unused padding (``policy.score.Scorer.score``, train's π_old), the one head
     (``policy/head.py``) — and its mean token entropy.
 
     Tokens the engine drew outside the trainer's top-k/top-p support (log π_train = −inf) leave the
-    statistics, as they leave train's loss, and are counted (``Sample.outside_support``)."""
+    statistics, as they leave train's loss, and are counted (``Sample.outside_support``). ``scorer``: one
+    already loaded (else ``trainer.scorer()`` loads the model)."""
     seen = Metrics()  # the trainer's token entropy, from its logits (the denominator of kl_over_entropy)
-    lp, entropy = trainer.scorer().score(batch, seen, entropy=True)  # and per token, for the viewer (report.html)
+    lp, entropy = (scorer or trainer.scorer()).score(batch, seen, entropy=True)  # and per token, for the viewer (report.html)
     lp = lp.float().cpu()
     outside = (lp == float("-inf")) & batch.mask.bool()  # [B, T]
     batch = replace(batch, mask=batch.mask * ~outside)
@@ -173,6 +186,32 @@ def score_batch(trainer: TrainerSide, batch: Batch, seconds: float | None = None
                   outside_support=int(outside.sum()),
                   outside_mass=seen["outside_mass"] if "outside_mass" in seen else None,
                   token_entropy=entropy.float().cpu())
+
+
+def replays(batch: Batch, sampling: SamplingConfig) -> bool:
+    """Whether the trainer scores ``batch`` on the engine's kept sets: they were recorded (``Batch.kept``)
+    and sampling truncates (top-k or top-p; ``head.replayed_sets``)."""
+    return batch.kept is not None and (sampling.top_k != -1 or sampling.top_p < 1.0)
+
+
+def kept_set_report(s: Sample) -> dict[str, Any]:
+    """Which kept set the trainer scored on, and with replay the shares it changes, with and without it:
+
+    ``fraction_outside_trainer_support``: engine tokens outside the set the trainer scores on (−inf, no ratio);
+    ``fraction_ratio_outside``: tokens with ρ outside each ``RATIO_BANDS`` band (of the tokens with a ratio).
+    Without replay, the set is the trainer's own top-k/top-p set recomputed on its logits."""
+    def shares(x: Sample) -> dict[str, Any]:
+        x, outside = within_support(x)
+        lr = (x.trainer - x.batch.rollout_logprobs) * x.batch.mask
+        return {"fraction_outside_trainer_support": outside,
+                "fraction_ratio_outside": {k: fraction_outside(lr, x.batch.mask, lo, hi)
+                                           for k, (lo, hi) in RATIO_BANDS.items()}}
+
+    if s.without_replay is None:
+        return {"applied": "recomputed", "why": "the engine recorded no kept set (or sampling does not truncate): "
+                "the trainer recomputes top-k/top-p on its own logits", "with_replay": None, "without_replay": shares(s)}
+    return {"applied": "replayed", "why": "the trainer renormalises over the engine's recorded kept set",
+            "with_replay": shares(s), "without_replay": shares(s.without_replay)}
 
 
 def from_dump(path: Path) -> tuple[Sample, dict[str, Any]]:
@@ -349,6 +388,12 @@ SUMMARY_STATS = {
                                         "(log π = −inf: no ratio; left out of every other statistic)",
     "outside_mass": "top-k/top-p runs: the trainer's mean probability mass outside its kept set (1 − S, the bias "
                     "of a ratio against full-vocabulary log-probs, TRL #6789)",
+    "kept_set_replayed": "1 where the trainer renormalised over the engine's recorded kept set, 0 where it "
+                         "recomputed top-k/top-p on its own logits",
+    "fraction_outside_trainer_support_without_replay": "with replay: the share of engine tokens outside the "
+                                                       "trainer's own recomputed top-k/top-p set",
+    **{f"fraction_outside_{k}_without_replay": f"with replay: fraction of tokens with ρ outside [{lo:g}, {hi:g}] "
+       "on the trainer's own recomputed set" for k, (lo, hi) in RATIO_BANDS.items()},
 }
 # per preset, "STAT@PRESET": what that preset's correct() does to this batch (the what-if table)
 PRESET_STATS = {"masked_fraction": "token_rejected", "seq_masked_fraction": "seq_rejected", "weight_ess": "ess"}
@@ -369,6 +414,15 @@ def summary(result: dict[str, Any], entropy: float | None) -> tuple[dict[str, fl
            **{f"fraction_outside_{k}": v for k, v in result["breakdowns"]["fraction_ratio_outside"].items()},
            "fraction_outside_trainer_support": result.get("fraction_outside_trainer_support", 0.0)}
     notes = []
+    kept_set = result.get("kept_set")
+    out["kept_set_replayed"] = float(kept_set is not None and kept_set["applied"] == "replayed")
+    if out["kept_set_replayed"]:
+        without = kept_set["without_replay"]
+        out["fraction_outside_trainer_support_without_replay"] = without["fraction_outside_trainer_support"]
+        out.update({f"fraction_outside_{k}_without_replay": v for k, v in without["fraction_ratio_outside"].items()})
+    else:
+        notes += [f"{name}: left out, no kept set was replayed (the figures without the suffix are already the "
+                  "trainer's own recomputed set)" for name in SUMMARY_STATS if name.endswith("_without_replay")]
     if result.get("outside_mass") is not None:
         out["outside_mass"] = result["outside_mass"]
     else:
@@ -541,6 +595,7 @@ def within_support(s: Sample) -> tuple[Sample, float]:
 
 def report(s: Sample, setting: dict[str, Any], out_dir: Path, plots: bool = True) -> dict[str, Any]:
     out_dir.mkdir(parents=True, exist_ok=True)
+    kept_set = kept_set_report(s)  # before within_support: "without replay" has its own outside tokens
     s, outside = within_support(s)
     tokens = float(s.batch.mask.sum()) + s.outside_support  # every token the engine sampled
     result = {
@@ -551,6 +606,7 @@ def report(s: Sample, setting: dict[str, Any], out_dir: Path, plots: bool = True
         "engine_tokens_per_s": None if s.seconds is None else tokens / max(s.seconds, 1e-9),
         "fraction_outside_trainer_support": outside,
         "outside_mass": s.outside_mass,
+        "kept_set": kept_set,
         "mismatch": mismatch(s),
         "breakdowns": breakdowns(s),
         "what_if": what_if(s),

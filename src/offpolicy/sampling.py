@@ -29,6 +29,7 @@ def renormalize_logprobs(
     temperature: float = 1.0,
     *,
     return_outside_mass: bool = False,
+    keep: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Log-probs ``[..., V]`` (fp32; float64 for float64 logits) over the top-k/top-p support of
     ``logits / temperature``. The trainer's head (``offpolicy.policy.head``) applies it to each chunk
@@ -41,6 +42,9 @@ def renormalize_logprobs(
         temperature: > 0.
         return_outside_mass: also return ``[...]`` mass of the untruncated distribution that
             lies outside the kept support.
+        keep: bool ``[..., V]``, the kept set to use instead of recomputing top-k/top-p on these
+            logits — the engine's own set, replayed (``offpolicy.kept_set``). The formula is the same:
+            log π̃(v) = z_v − logsumexp_{keep} z on kept tokens, −inf elsewhere.
 
     Raises:
         ValueError: temperature ≤ 0, top_p outside (0, 1], or top_k = 0 / below -1.
@@ -54,6 +58,11 @@ def renormalize_logprobs(
     # at least fp32 (bf16/fp16 logits are cast up; float64 stays float64, for exactness tests)
     z = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature  # [..., V]
     vocab = z.shape[-1]
+    if keep is not None:
+        if keep.shape != z.shape or keep.dtype != torch.bool:
+            raise ValueError(f"keep must be a bool mask of the logits' shape {tuple(z.shape)}; got {keep.dtype} "
+                             f"{tuple(keep.shape)}")
+        return _masked_logprobs(z, keep, return_outside_mass)
     if (top_k == -1 or top_k >= vocab) and top_p == 1.0:
         # nothing truncated: the plain log-softmax (the same numbers as the masked path below, which
         # would subtract the same log-sum-exp from an unmasked copy of z), nothing outside the support
@@ -65,6 +74,12 @@ def renormalize_logprobs(
         keep &= z >= kth
     if top_p < 1.0:
         keep &= top_p_keep(torch.softmax(z.masked_fill(~keep, float("-inf")), dim=-1), top_p)
+    return _masked_logprobs(z, keep, return_outside_mass)
+
+
+def _masked_logprobs(z: torch.Tensor, keep: torch.Tensor, return_outside_mass: bool
+                     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """log π̃ = z − logsumexp_{keep} z on ``keep``, −inf elsewhere (and the mass of softmax(z) off ``keep``)."""
     kept_logits = z.masked_fill(~keep, float("-inf"))
     kept_lse = torch.logsumexp(kept_logits, dim=-1, keepdim=True)
     logprobs = kept_logits - kept_lse

@@ -13,6 +13,8 @@ from typing import Protocol
 
 import torch
 
+from offpolicy.kept_set import KeptIds
+
 
 class EngineError(RuntimeError):
     """The rollout engine failed (to start, generate, sleep or load weights). The message is one line:
@@ -33,7 +35,9 @@ class Rollouts:
 
     ``logprobs[i][t]`` is log μ(response_ids[i][t]); ``response_ids`` include the EOS token when
     the engine stopped on it (``finished[i]``). ``version`` is the policy version of the
-    weights that sampled them.
+    weights that sampled them. ``kept`` ``[rows, steps]``: under top-k/top-p, the set each token was
+    drawn from (``offpolicy.kept_set``; the hf engine records it), for the trainer to renormalise over;
+    None where the engine records none (vLLM, a server), and the trainer recomputes the set.
     """
 
     prompt_ids: list[list[int]]
@@ -42,6 +46,7 @@ class Rollouts:
     finished: list[bool]
     version: int
     meta: dict[str, float] = field(default_factory=dict)
+    kept: KeptIds | None = None
 
     def __len__(self) -> int:
         return len(self.prompt_ids)

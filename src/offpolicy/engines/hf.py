@@ -24,6 +24,11 @@ it at the token just drawn and drops it. The draws are the same as with transfor
 warpers, bit for bit (``tests/test_hf_engine.py``); top-p is transformers' nucleus computed by the
 trainer's own function (``offpolicy.sampling.top_p_keep``), so that exactly tied probabilities at
 the cut keep the same tokens on both sides.
+
+Under top-k/top-p, ``_SampledLogprobs`` also records each step's kept set — the tokens whose processed
+score is not −inf, exactly the support ``multinomial`` draws from — as kept ids
+(``offpolicy.kept_set.StepRecorder``: only the ids, the step's ``[B, V]`` mask is dropped at once), and
+``Rollouts.kept`` carries them to the trainer, which renormalises over them (replay, issue #46).
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from transformers import (AutoModelForCausalLM, LogitsProcessor, LogitsProcessor
 
 from offpolicy.engines.base import Rollouts, SamplingConfig, left_pad, stop_token_ids
 from offpolicy.engines.generation import explicit_config, generate, ignored_line
+from offpolicy.kept_set import StepRecorder
 from offpolicy.sampling import top_p_keep
 
 log = logging.getLogger(__name__)
@@ -64,15 +70,19 @@ class _SampledLogprobs(LogitsProcessor):
     """The log-prob of each drawn token under the processed distribution, in O(B·V) memory. As the
     last logits processor it keeps log_softmax(scores) ``[B, V]`` (fp32); its ``criterion``, a
     stopping criterion that runs once the drawn token is appended to ``input_ids``, gathers that
-    token's log-prob (``[B]`` per step, in ``steps``) and drops the ``[B, V]``."""
+    token's log-prob (``[B]`` per step, in ``steps``) and drops the ``[B, V]``. With ``record_kept``, each
+    step's kept set (scores > −inf: the support the token is drawn from) goes to ``kept``."""
 
-    def __init__(self):
+    def __init__(self, record_kept: bool = False):
         self.pending: torch.Tensor | None = None
         self.steps: list[torch.Tensor] = []
         self.criterion = _GatherDrawn(self)
+        self.kept = StepRecorder() if record_kept else None
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         self.pending = scores.float().log_softmax(-1)
+        if self.kept is not None:
+            self.kept.add(scores > float("-inf"))
         return scores
 
 
@@ -140,7 +150,8 @@ class HFEngine:
         input_ids, attention = (t.to(self.device) for t in left_pad(prompt_ids, pad))
         width = input_ids.shape[1]
         torch.manual_seed(seed)  # generate() samples from the global generator (seeds CUDA's too)
-        recorder = _SampledLogprobs()
+        truncated = sampling.top_k > 0 or sampling.top_p < 1.0  # without, the set is the whole vocabulary
+        recorder = _SampledLogprobs(record_kept=truncated)
         noise = [_LogitNoise(self.logit_noise, seed + 1)] if self.logit_noise > 0 else []
         sequences = generate(self.model, input_ids, attention,
                              explicit_config(do_sample=True, max_new_tokens=sampling.max_tokens, stop=self.stop, pad=pad),
@@ -155,8 +166,9 @@ class HFEngine:
             responses.append(row_ids[:stop])
             logprobs.append(row_lps[:stop])
             finished.append(bool(ends))
+        kept = None if recorder.kept is None else recorder.kept.assemble(new_tokens.shape[1], list(map(len, responses)))
         return Rollouts(prompt_ids=[list(p) for p in prompt_ids], response_ids=responses, logprobs=logprobs,
-                        finished=finished, version=version)
+                        finished=finished, version=version, kept=None if kept is None else kept.to("cpu"))
 
     @torch.no_grad()
     def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from offpolicy.engines import Rollouts
+from offpolicy.kept_set import KeptIds
 
 __all__ = ["Batch", "TENSORS", "to_batch"]
 
@@ -32,9 +33,12 @@ class Batch:
     # (mask, rows, cols): the positions where ``mask`` is 1, worked out on the host before the batch went
     # to the device (``score.to_device``), valid while ``mask`` is that very tensor (``head.counted_positions``)
     counted: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = field(default=None, repr=False, compare=False)
+    # [B, T] the engine's kept set of each response token (``offpolicy.kept_set``), replayed by the trainer's
+    # head; None: the engine recorded none and the trainer recomputes top-k/top-p on its own logits
+    kept: KeptIds | None = field(default=None, repr=False, compare=False)
 
     def select(self, rows: torch.Tensor) -> Batch:
-        return Batch(*(getattr(self, f)[rows] for f in TENSORS))
+        return Batch(*(getattr(self, f)[rows] for f in TENSORS), kept=None if self.kept is None else self.kept[rows])
 
 
 def to_batch(rollouts: Rollouts, pad_id: int) -> Batch:
@@ -58,4 +62,5 @@ def to_batch(rollouts: Rollouts, pad_id: int) -> Batch:
             mask[i, :n] = 1
             rollout_lp[i, :n] = torch.tensor(lps, dtype=torch.float32)
     versions = torch.full((rows,), rollouts.version, dtype=torch.long)
-    return Batch(input_ids, attention, positions, response, mask, rollout_lp, versions)
+    kept = None if rollouts.kept is None else rollouts.kept.pad(t_max)
+    return Batch(input_ids, attention, positions, response, mask, rollout_lp, versions, kept=kept)

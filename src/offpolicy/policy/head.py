@@ -36,7 +36,10 @@ place (no [V, H] temporary per chunk, in any precision) and W is cast to the com
 backward, not once per chunk. Hidden states of padding and prompt positions never reach the head:
 the response tokens that count are gathered first, at positions the trainer works out on the host
 when it moves a micro-batch to the device (``Batch.counted``), so the forward reads nothing back
-from the device (a batch without them pays one ``nonzero`` of its mask).
+from the device (a batch without them pays one ``nonzero`` of its mask). With the engine's kept sets
+replayed (``Batch.kept``, ``offpolicy.kept_set``) each chunk makes its sets dense, ``[C, V]`` bool, in the
+forward and again in the backward; that reads the chunk's set sizes on the host (``repeat_interleave``):
+one wait per chunk on CUDA, the price of a ragged set.
 
 Precision: the head runs in the caller's autocast context, like the decoder (bf16 compute over
 fp32 master weights), and the logits are cast to fp32 before any log-sum-exp; log-probs are fp32
@@ -60,6 +63,7 @@ import torch.nn.functional as F
 
 from offpolicy.config import ConfigError
 from offpolicy.engines.base import SamplingConfig
+from offpolicy.kept_set import KeptIds
 from offpolicy.metrics import Metrics
 from offpolicy.policy.batch import Batch
 from offpolicy.sampling import outside_mass_metrics, renormalize_logprobs
@@ -172,20 +176,22 @@ def check_head(model, head: LinearHead, input_ids: torch.Tensor) -> None:
 
 
 def _chunk_numbers(lin: torch.Tensor, tokens: torch.Tensor, sampling: SamplingConfig, softcap: float | None,
-                   stats: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+                   stats: bool = False, keep: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """One chunk: head output ``lin`` ``[C, V]`` → log π̃(y) ``[C]`` and, with ``stats``, the token
-    entropy ``[C]`` and (truncated sampling) the outside mass ``[C]``."""
+    entropy ``[C]`` and (truncated sampling) the outside mass ``[C]``. ``keep`` ``[C, V]``: the engine's
+    kept set, replayed instead of the trainer's own top-k/top-p set (``offpolicy.kept_set``)."""
     logits = capped(lin, softcap)
     want_outside = stats and truncates(sampling)
     result = renormalize_logprobs(logits, top_p=sampling.top_p, top_k=sampling.top_k,
-                                  temperature=sampling.temperature, return_outside_mass=want_outside)
+                                  temperature=sampling.temperature, return_outside_mass=want_outside, keep=keep)
     logprobs, outside = result if want_outside else (result, None)
     token_lp = logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
     return token_lp, token_entropy(logprobs) if stats else None, outside
 
 
 def _chunk_grad(lin: torch.Tensor, tokens: torch.Tensor, grad: torch.Tensor, sampling: SamplingConfig,
-                softcap: float | None) -> torch.Tensor:
+                softcap: float | None, keep: torch.Tensor | None = None) -> torch.Tensor:
     """∂(Σ_n g_n log π̃(y_n)) / ∂lin ``[c, V]`` in ``lin``'s dtype, for head outputs ``lin``:
 
         z = c·tanh(l / c) / τ   (no cap: z = l / τ);  log π̃(y) = z_y − logsumexp_{v ∈ K} z_v
@@ -193,14 +199,16 @@ def _chunk_grad(lin: torch.Tensor, tokens: torch.Tensor, grad: torch.Tensor, sam
                                                      in z almost everywhere, as for autograd)
         ∂z_v / ∂l_v = (1 − tanh²(l_v / c)) / τ
 
-    with π̃ = exp(``renormalize_logprobs``) — the forward's own definition. A row with g = 0 (a
+    with π̃ = exp(``renormalize_logprobs``) — the forward's own definition, on the forward's K (the
+    engine's replayed set ``keep`` when given). A row with g = 0 (a
     token outside the support, a masked one) gets 0, even where its logits are not finite."""
     logits = lin.to(torch.promote_types(lin.dtype, torch.float32))
     squash = None
     if softcap is not None:
         squash = torch.tanh(logits / softcap)
         logits = softcap * squash
-    d = renormalize_logprobs(logits, top_p=sampling.top_p, top_k=sampling.top_k, temperature=sampling.temperature)
+    d = renormalize_logprobs(logits, top_p=sampling.top_p, top_k=sampling.top_k, temperature=sampling.temperature,
+                             keep=keep)
     del logits
     g = grad.to(d.dtype).unsqueeze(-1)  # [c, 1]
     d.exp_().mul_(-g)  # −g π̃
@@ -246,10 +254,11 @@ def _release_freed(device: torch.device, several_chunks: bool) -> None:
 class _ChunkedHead(torch.autograd.Function):
     """log π̃(y_n) ``[N]`` from hidden states ``[N, H]``, one chunk of tokens at a time; the backward
     recomputes each chunk's logits under the forward's autocast state and takes its gradient from the
-    same ``renormalize_logprobs`` (``_chunk_grad``): memory O(chunk · V)."""
+    same ``renormalize_logprobs`` (``_chunk_grad``): memory O(chunk · V). ``kept`` (``KeptIds`` ``[N]`` or
+    None): the engine's kept sets, made dense one chunk at a time."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, tokens, sampling, softcap, chunk, stats):
+    def forward(ctx, hidden, weight, bias, tokens, sampling, softcap, chunk, stats, kept=None):
         n = hidden.shape[0]
         dtype = torch.promote_types(weight.dtype, torch.float32)
         token_lp = torch.empty(n, dtype=dtype, device=hidden.device)
@@ -257,17 +266,18 @@ class _ChunkedHead(torch.autograd.Function):
         for start in range(0, n, chunk):
             end = min(n, start + chunk)
             lin = F.linear(hidden[start:end], weight, bias)  # [c, V] in the autocast dtype
-            lp, entropy, outside = _chunk_numbers(lin, tokens[start:end], sampling, softcap, stats)
+            keep = None if kept is None else kept[start:end].dense(lin.shape[-1])
+            lp, entropy, outside = _chunk_numbers(lin, tokens[start:end], sampling, softcap, stats, keep)
             token_lp[start:end] = _mark_nonfinite(lp, lin)
             if stats:
                 extra[start:end, 0] = entropy
                 if outside is not None:
                     extra[start:end, 1] = outside
-            del lin, lp, entropy, outside  # before the next chunk's: one chunk's buffers at a time
+            del lin, lp, entropy, outside, keep  # before the next chunk's: one chunk's buffers at a time
             _release_freed(hidden.device, n > chunk)
         device = hidden.device.type
         ctx.autocast = (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
-        ctx.sampling, ctx.softcap, ctx.chunk = sampling, softcap, chunk
+        ctx.sampling, ctx.softcap, ctx.chunk, ctx.kept = sampling, softcap, chunk, kept
         ctx.save_for_backward(hidden, weight, bias, tokens, token_lp)
         ctx.mark_non_differentiable(extra)
         return token_lp, extra
@@ -291,8 +301,9 @@ class _ChunkedHead(torch.autograd.Function):
             end = min(hidden.shape[0], start + ctx.chunk)
             h = _compute_dtype(hidden[start:end], autocast, autocast_dtype)
             lin = F.linear(h, weight_c, bias_c)  # the forward's [c, V], recomputed with the same casts
-            d_lin = _chunk_grad(lin, tokens[start:end], grad_lp[start:end], ctx.sampling, ctx.softcap)
-            del lin
+            keep = None if ctx.kept is None else ctx.kept[start:end].dense(lin.shape[-1])
+            d_lin = _chunk_grad(lin, tokens[start:end], grad_lp[start:end], ctx.sampling, ctx.softcap, keep)
+            del lin, keep
             # the linear layer's backward in the compute dtype, as autograd does under autocast
             if need_hidden:
                 d_hidden[start:end] = d_lin.mm(weight_c).to(hidden.dtype)
@@ -302,7 +313,7 @@ class _ChunkedHead(torch.autograd.Function):
                 d_bias.add_(d_lin.sum(dim=0))
             del d_lin  # before the next chunk's: one chunk's buffers at a time
             _release_freed(hidden.device, hidden.shape[0] > ctx.chunk)
-        return d_hidden, d_weight, d_bias, None, None, None, None, None
+        return d_hidden, d_weight, d_bias, None, None, None, None, None, None
 
 
 def _compute_dtype(x: torch.Tensor | None, autocast: bool, dtype: torch.dtype) -> torch.Tensor | None:
@@ -329,17 +340,19 @@ def _add_weight_grad(d_weight: torch.Tensor, d_lin: torch.Tensor, h: torch.Tenso
 
 
 def token_logprobs(hidden: torch.Tensor, tokens: torch.Tensor, head: LinearHead, sampling: SamplingConfig, *,
-                   stats: bool = False, chunk: int | None = None
+                   stats: bool = False, chunk: int | None = None, kept: KeptIds | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """log π̃(y_n) ``[N]`` of tokens ``[N]`` from their hidden states ``[N, H]``, flat in N.
 
     ``stats``: also the token entropy ``[N]`` and, under top-k/top-p, the outside mass ``[N]``
     (detached; else None). A token outside the kept support gets exactly −inf; NaN marks any other
-    non-finite value. ``chunk`` tokens per chunk (default ``chunk_tokens(V, device)``).
+    non-finite value. ``chunk`` tokens per chunk (default ``chunk_tokens(V, device)``). ``kept``
+    (``KeptIds`` ``[N]``): the engine's kept set of each token, the support instead of the trainer's own
+    top-k/top-p set (``offpolicy.kept_set``); None recomputes it from the trainer's logits.
     """
     chunk = chunk or chunk_tokens(head.weight.shape[0], hidden.device)
     token_lp, extra = _ChunkedHead.apply(hidden, head.weight, head.bias, tokens, sampling, head.softcap, chunk,
-                                         stats)
+                                         stats, kept)
     if not stats:
         return token_lp, None, None
     return token_lp, extra[:, 0], extra[:, 1] if truncates(sampling) else None
@@ -359,7 +372,10 @@ def trainer_logprobs(model, batch: Batch, sampling: SamplingConfig, metrics: Met
     """log π(y_t) ``[B, T]`` (fp32; float64 for a float64 model) under ``model`` on the engine's
     sampling support (docs/specification.md §6), 0 where ``batch.mask`` is 0; −inf exactly where the sampled token
     lies outside the trainer's top-k/top-p support (the caller masks those, see
-    ``train.update.within_support``).
+    ``train.update.within_support``). Where the batch carries the engine's kept sets (``Batch.kept``: the hf
+    engine records them) and sampling truncates, the support is the engine's set, replayed
+    (``offpolicy.kept_set``); otherwise the trainer recomputes top-k/top-p on its own logits. With
+    ``metrics``, ``kept_set_replayed`` says which (1: replayed, 0: recomputed).
 
     With ``metrics`` given, the mean token entropy of the sampling distribution is recorded as
     ``entropy`` (``token_entropy``; the denominator of prime-rl's mismatch KL / entropy, issue #25)
@@ -371,12 +387,14 @@ def trainer_logprobs(model, batch: Batch, sampling: SamplingConfig, metrics: Met
         ConfigError: a head this module does not reproduce (``linear_head``, ``check_head``).
     """
     rows, cols = counted_positions(batch)  # [N] each, the response tokens that count
+    kept = replayed_sets(batch, sampling, rows, cols)
     head = linear_head(model)
     check_head(model, head, batch.input_ids[:1, :PROBE_TOKENS])
     hidden = decoder_hidden(model, batch.input_ids, batch.attention_mask)  # [B, L, H]
     token_lp, entropy, outside = token_logprobs(hidden[rows, batch.positions[rows, cols]],  # [N, H]
                                                 batch.response_ids[rows, cols], head, sampling,
-                                                stats=metrics is not None or entropy_out is not None, chunk=chunk)
+                                                stats=metrics is not None or entropy_out is not None, chunk=chunk,
+                                                kept=kept)
     if entropy_out is not None:
         per_token = torch.zeros(batch.mask.shape, dtype=entropy.dtype, device=entropy.device)
         entropy_out.append(per_token.index_put((rows, cols), entropy))
@@ -384,8 +402,17 @@ def trainer_logprobs(model, batch: Batch, sampling: SamplingConfig, metrics: Met
         metrics.mean("entropy", entropy)
         if outside is not None:
             outside_mass_metrics(outside, torch.ones_like(outside, dtype=torch.bool), metrics)
+            metrics.mean("kept_set_replayed", torch.full_like(outside, float(kept is not None)))
     out = torch.zeros(batch.mask.shape, dtype=token_lp.dtype, device=token_lp.device)
     return out.index_put((rows, cols), token_lp)  # [B, T]
+
+
+def replayed_sets(batch: Batch, sampling: SamplingConfig, rows: torch.Tensor, cols: torch.Tensor
+                  ) -> KeptIds | None:
+    """The engine's kept sets ``[N]`` of the counted tokens when the batch carries them and sampling
+    truncates (without truncation the set is the whole vocabulary: nothing to replay), else None."""
+    kept = getattr(batch, "kept", None)
+    return kept[rows, cols] if kept is not None and truncates(sampling) else None
 
 
 @torch.no_grad()

@@ -111,14 +111,16 @@ def trim(batch: Batch) -> Batch:
     t_max = max(1, int(batch.mask.sum(dim=1).max()))
     return Batch(batch.input_ids[:, :width], batch.attention_mask[:, :width],
                  batch.positions[:, :t_max].clamp(max=width - 1), batch.response_ids[:, :t_max],
-                 batch.mask[:, :t_max], batch.rollout_logprobs[:, :t_max], batch.versions)
+                 batch.mask[:, :t_max], batch.rollout_logprobs[:, :t_max], batch.versions,
+                 kept=None if batch.kept is None else batch.kept[:, :t_max])
 
 
 def to_device(batch: Batch, device: torch.device) -> Batch:
     """The batch's tensors on ``device``, with the positions of its counted tokens (``Batch.counted``)
     worked out here while the mask is on the host: the forward then gathers them without reading the
     device (a ``nonzero`` of a CUDA mask waits for every kernel queued before it)."""
-    moved = Batch(*(getattr(batch, f).to(device, non_blocking=True) for f in TENSORS))
+    moved = Batch(*(getattr(batch, f).to(device, non_blocking=True) for f in TENSORS),
+                  kept=None if batch.kept is None else batch.kept.to(device, non_blocking=True))
     if batch.mask.device.type == "cpu":
         rows, cols = batch.mask.bool().nonzero(as_tuple=True)
         moved.counted = (moved.mask, device_index(rows, device), device_index(cols, device))

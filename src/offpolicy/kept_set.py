@@ -1,0 +1,137 @@
+"""The engine's kept set, recorded with each sampled token and replayed by the trainer (issue #46).
+
+Under top-k/top-p the engine draws y_t from its kept set K_t (the tokens its sampler left finite) and
+reports log μ(y_t) renormalised over K_t. The trainer used to recompute K on its own logits
+(``sampling.renormalize_logprobs``); two numerics (a bf16 engine, a fp32 trainer) disagree at the
+set's edge, so a token could lie outside the trainer's set and π̃ and μ were normalised over different
+sets. Replay takes the engine's K_t instead:
+
+    log π̃(y_t) = z_y − logsumexp_{v ∈ K_t} z_v        z = trainer logits / τ
+
+the same formula as the trainer's own set (the set is replaced, not the math), and y_t ∈ K_t always.
+
+Representation (``KeptIds``): ragged, compressed-row style. Each position holds ``start`` (int64) and
+``count`` (int32) into one flat ``ids`` (int32) vector of kept token ids, ascending within a position:
+
+    memory = 12 bytes per position + 4 bytes per kept id,   |K_t| = top_k + the ties at the k-th logit
+
+Flat in V for top-k. Under top-p alone, |K_t| is the smallest prefix of the sorted distribution whose
+mass reaches p: a few ids on a peaked distribution, ⌈p·V⌉ on a perfectly flat one (the bound: V ids,
+4·V bytes per position — still 8× less than the fp32 row the sampler itself held). A per-position
+threshold would be smaller but is exact only on the engine's own logits, which the trainer does not
+have: the trainer needs the ids. Positions index like the ``[B, T]`` tensors of a batch (``kept[rows]``,
+``kept[:, :t]``, ``kept[rows, cols]``); ``ids`` is shared, never copied by indexing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class KeptIds:
+    """Kept token ids per position: ``ids[start[p] : start[p] + count[p]]`` is the set of position p.
+
+    ``start`` int64 and ``count`` int32 share one shape (``[B, T]`` in a batch, ``[N]`` in the head);
+    ``ids`` is int32 ``[nnz]``."""
+
+    start: torch.Tensor
+    count: torch.Tensor
+    ids: torch.Tensor
+
+    def __getitem__(self, index) -> KeptIds:
+        return KeptIds(self.start[index], self.count[index], self.ids)
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.start.shape
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> KeptIds:
+        return KeptIds(*(t.to(device, non_blocking=non_blocking) for t in (self.start, self.count, self.ids)))
+
+    def kept_ids(self) -> int:
+        """Σ_p |K_p| over these positions (the ids they reference)."""
+        return int(self.count.sum())
+
+    def nbytes(self) -> int:
+        """Bytes these positions take: 12 per position + 4 per kept id they reference."""
+        return self.start.numel() * 12 + 4 * self.kept_ids()
+
+    def _flat(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(position index, source index into ``ids``) of every kept id, and the counts: ``[nnz']`` each."""
+        count = self.count.reshape(-1).long()
+        start = self.start.reshape(-1)
+        position = torch.repeat_interleave(torch.arange(count.numel(), device=count.device), count)
+        first = torch.cumsum(count, 0) - count  # where each position's ids begin in the flat output
+        source = start[position] + torch.arange(position.numel(), device=count.device) - first[position]
+        return position, source, count
+
+    def dense(self, vocab: int) -> torch.Tensor:
+        """The sets as a bool mask ``[*shape, vocab]`` (the head builds one chunk's at a time: C·V, the
+        chunk's own budget).
+
+        Raises:
+            ValueError: a kept id ≥ ``vocab`` (the engine's vocabulary is not the trainer's).
+        """
+        position, source, _ = self._flat()
+        ids = self.ids[source].long()
+        if ids.numel() and int(ids.max()) >= vocab:
+            raise ValueError(f"kept set: token id {int(ids.max())} is outside the trainer's vocabulary of {vocab}; "
+                             "the engine that recorded it samples from another vocabulary (replay needs the same model)")
+        mask = torch.zeros((self.start.numel(), vocab), dtype=torch.bool, device=self.start.device)
+        mask[position, ids] = True
+        return mask.view(*self.start.shape, vocab)
+
+    def compact(self, valid: torch.Tensor | None = None) -> KeptIds:
+        """The same sets with ``ids`` holding only theirs (and, with ``valid`` a bool of ``shape``, only the
+        valid positions'; the others become empty): what a record keeps once the generation is done."""
+        count = self.count if valid is None else torch.where(valid, self.count, torch.zeros_like(self.count))
+        trimmed = KeptIds(self.start, count, self.ids)
+        _, source, flat_count = trimmed._flat()
+        start = (torch.cumsum(flat_count, 0) - flat_count).view(self.start.shape)
+        return KeptIds(start, count, self.ids[source])
+
+    def pad(self, width: int) -> KeptIds:
+        """``[B, T] → [B, width]``: cut, or extended with empty positions."""
+        rows, have = self.start.shape
+        if have >= width:
+            return self[:, :width]
+        start = torch.zeros((rows, width), dtype=self.start.dtype, device=self.start.device)
+        count = torch.zeros((rows, width), dtype=self.count.dtype, device=self.count.device)
+        start[:, :have], count[:, :have] = self.start, self.count
+        return KeptIds(start, count, self.ids)
+
+    @staticmethod
+    def from_mask(keep: torch.Tensor) -> KeptIds:
+        """Bool ``[..., V]`` → the kept ids of each position (ascending), compact."""
+        flat = keep.reshape(-1, keep.shape[-1])
+        count = flat.sum(-1).to(torch.int32)
+        ids = flat.nonzero(as_tuple=True)[1].to(torch.int32)  # row-major: row by row, ids ascending
+        start = torch.cumsum(count.long(), 0) - count.long()
+        return KeptIds(start.view(keep.shape[:-1]), count.view(keep.shape[:-1]), ids)
+
+
+class StepRecorder:
+    """The kept sets of a generation, one step at a time (``[B]`` positions per step), assembled into
+    ``[B, steps]`` (``KeptIds``) at the end. Each step's bool ``[B, V]`` lives only during its call."""
+
+    def __init__(self):
+        self.counts: list[torch.Tensor] = []  # [B] int32 per step
+        self.ids: list[torch.Tensor] = []  # [Σ_b |K_b|] int32 per step, row-major
+
+    def add(self, keep: torch.Tensor) -> None:
+        step = KeptIds.from_mask(keep)
+        self.counts.append(step.count)
+        self.ids.append(step.ids)
+
+    def assemble(self, steps: int, lengths: list[int]) -> KeptIds:
+        """``[B, steps]`` sets of the first ``steps`` steps, only the first ``lengths[b]`` of row b kept."""
+        counts = torch.stack(self.counts[:steps], dim=1) if steps else torch.zeros((len(lengths), 0), dtype=torch.int32)
+        ids = torch.cat(self.ids[:steps]) if steps else torch.zeros(0, dtype=torch.int32)
+        # the ids are step-major (step 0's rows, then step 1's ...): exclusive cumsum in that order
+        step_major = counts.t().reshape(-1).long()
+        start = (torch.cumsum(step_major, 0) - step_major).view(steps, -1).t()
+        valid = torch.arange(steps, device=counts.device) < torch.tensor(lengths, device=counts.device).unsqueeze(1)
+        return KeptIds(start.contiguous(), counts, ids).compact(valid)
