@@ -114,10 +114,11 @@ def peak_memory_gib(device: str) -> float:
 
 
 def offpolicy_worker(extra: list[str], name: str, model: Path, device: str, steps: int, length: int, out: Path) -> dict:
+    import torch
     from rich.console import Console
 
     from offpolicy.train.config import load_train_config
-    from offpolicy.train.logger import read_jsonl
+    from offpolicy.train.logger import RunLogger, read_jsonl
     from offpolicy.train.loop import train
 
     prompts, lr = SETTINGS[name]
@@ -127,12 +128,26 @@ def offpolicy_worker(extra: list[str], name: str, model: Path, device: str, step
                                    f"group_size={GROUP}", f"steps={steps}", f"max_new_tokens={length}", f"lr={lr}",
                                    "eval_every=100000", "eval_problems=16", f"checkpoint_every={steps}",
                                    f"out_dir={out}", *task, *extra])
+    # the clock TRL's gets (its on_step_end): the wall time between the ends of consecutive steps, the
+    # logger's own write included (step_seconds stops before it)
+    stamps: list[float] = []
+    threads: list[int] = []  # torch's threads while the run trains (offpolicy's threads=auto may set them)
+    log = RunLogger.log
+
+    def clocked(self, step, values):
+        log(self, step, values)
+        stamps.append(time.perf_counter())
+        threads.append(torch.get_num_threads())
+
+    RunLogger.log = clocked
     train(cfg, console=Console(quiet=True), progress=False)
     rows = read_jsonl(out / "metrics.jsonl")[1:-1]  # first step warms up; the last one evaluates
-    per_step = statistics.median(r["step_seconds"] for r in rows)
+    gaps = [b - a for a, b in zip(stamps, stamps[1:])][: len(rows)]  # steps 1 … n − 2, as rows
+    per_step = statistics.median(gaps)
     tokens = statistics.median(r["response_length"] * prompts * GROUP for r in rows)
     return {"steps_per_s": 1.0 / per_step, "tokens_per_s": tokens / per_step,
-            "stages": {s: statistics.median(r.get(f"time/{s}", 0.0) for r in rows) for s in STAGES}}
+            "stages": {s: statistics.median(r.get(f"time/{s}", 0.0) for r in rows) for s in STAGES},
+            "threads": threads[-1]}
 
 
 def trl_data(name: str, n: int):
@@ -219,7 +234,7 @@ def worker(args: argparse.Namespace) -> None:
             result = offpolicy_worker(TRAINERS[args.worker], args.model, model, args.device, args.steps, args.length,
                                       Path(tmp) / "run")
         result["peak_gib"] = peak_memory_gib(args.device)
-        result["threads"] = torch.get_num_threads()
+        result.setdefault("threads", torch.get_num_threads())
     print("RESULT " + json.dumps(result), flush=True)
 
 
@@ -289,7 +304,8 @@ def main() -> None:
                             continue
                         r = results[name][-1]
                         print(f"  {model} threads={threads} length {length} run {run}: {name}: "
-                              f"{r['steps_per_s']:.2f} steps/s ({r['threads']} threads)", flush=True)
+                              f"{r['steps_per_s']:.2f} steps/s ({r['threads']} threads; load average "
+                              f"{os.getloadavg()[0]:.2f})", flush=True)
                 kept = [n for n in names if n not in failed]
                 if failed:
                     print(f"  left out of the table (failed): {', '.join(sorted(failed))}")

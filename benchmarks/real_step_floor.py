@@ -87,9 +87,14 @@ def floors(train: dict, rows: list[dict], n_body: int, n_head: int, prompt: floa
     evals = [r for r in rows if "eval/accuracy" in r and r["step"] >= 1]
     if evals:
         eval_flops = 2 * (n_body + n_head) * train["eval_problems"] * (prompt + train["max_new_tokens"])
-        out["eval (per eval)"] = (statistics.median(r["time/log"] for r in evals), eval_flops / gflops / 1e9)
+        # time/eval: its own stage since issue #49 (a run from before kept it inside time/log)
+        out["eval (per eval)"] = (statistics.median(r.get("time/eval", r["time/log"]) for r in evals),
+                                  eval_flops / gflops / 1e9)
     step = sum(v[1] for k, v in out.items() if k != "eval (per eval)")
-    out["step (no eval)"] = (statistics.median(r["step_seconds"] for r in later if "eval/accuracy" not in r), step)
+    # every step's time without its eval (a run from before time/eval: the steps that did not evaluate)
+    no_eval = [r["step_seconds"] - r.get("time/eval", 0.0) for r in later
+               if "time/eval" in r or "eval/accuracy" not in r] or [r["step_seconds"] for r in later]
+    out["step (no eval)"] = (statistics.median(no_eval), step)
     return out
 
 

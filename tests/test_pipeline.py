@@ -182,8 +182,10 @@ def test_pi_old_skip_is_identical_to_recomputing_it(offpolicy_cache, tmp_path):
     wb = load_file(recomputed.run_dir / "checkpoints" / "step-3" / "model.safetensors")
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
     # the summary shows where the time went, stage by stage
-    for stage in ("generate", "score", "pi_old", "train", "sync", "log", "write"):
+    for stage in ("generate", "score", "pi_old", "train", "sync", "log", "eval", "write"):
         assert f"time/{stage}" in skipped.summary, stage
+    # the eval has its own stage, on the steps that evaluate only (step 0 and the last): not inside "log"
+    assert [r["step"] for r in a if "time/eval" in r] == [r["step"] for r in a if "eval/accuracy" in r] == [0, 2]
 
 
 def test_engine_dtype_auto_is_resolved_with_a_reason(monkeypatch):
@@ -209,3 +211,41 @@ def test_run_config_records_the_dtype_and_resumes_from_it(offpolicy_cache, tmp_p
     resumed = train(again, resume=first.run_dir, progress=False)
     assert [r["step"] for r in _records(resumed.run_dir)] == [0, 1, 2]
     assert [r["staleness"] for r in _records(resumed.run_dir)] == [0, 1, 1]
+
+
+def test_threads_auto_is_one_for_a_small_model_on_the_cpu(monkeypatch):
+    """threads=auto (issue #49): one torch thread for a policy under SMALL_MODEL_PARAMS on a CPU, where two
+    threads split matmuls too small to gain from it; OMP_NUM_THREADS in the environment and a set number win."""
+    from offpolicy.train import loop
+
+    cpu, small = torch.device("cpu"), torch.nn.Linear(8, 8)  # 72 parameters
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    cfg = load_train_config(None, [])
+    assert cfg.threads == "auto"
+    threads, reason = loop.cpu_threads(cfg, small, cpu)
+    assert threads == 1 and "parameters" in reason
+    monkeypatch.setattr(loop, "SMALL_MODEL_PARAMS", 50)  # the same model, now over the bound: torch's default
+    assert loop.cpu_threads(cfg, small, cpu)[0] is None
+    monkeypatch.setattr(loop, "SMALL_MODEL_PARAMS", 10_000_000)
+    assert loop.cpu_threads(cfg, small, torch.device("cuda"))[0] is None  # not a CPU run
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    assert loop.cpu_threads(cfg, small, cpu) == (None, "auto: OMP_NUM_THREADS=2 in the environment")
+    assert loop.cpu_threads(load_train_config(None, ["threads=3"]), small, cpu) == (3, "set in the config")
+    with pytest.raises(Exception, match="threads=0"):
+        load_train_config(None, ["threads=0"])
+
+
+def test_a_run_trains_at_its_thread_count_and_gives_the_callers_back(offpolicy_cache, tmp_path):
+    """The run's torch threads are set before the engine starts and restored when it ends, even after vLLM's
+    CPU worker (engine=vllm) has made torch.set_num_threads a no-op in this process."""
+    from offpolicy.train.logger import RunLogger
+
+    seen: list[int] = []
+    log = RunLogger.log
+    before = torch.get_num_threads()
+    try:
+        RunLogger.log = lambda self, step, values: (seen.append(torch.get_num_threads()), log(self, step, values))
+        _run(tmp_path, "threads", "steps=1", "threads=3")
+    finally:
+        RunLogger.log = log
+    assert seen == [3] and torch.get_num_threads() == before

@@ -8,8 +8,9 @@ staleness for the correction (anchor old / rollout / current) to fix. With one u
 (ppo_epochs = minibatches = 1) and no dropout, π_old = sg(π_θ) exactly: the update's own forward
 is taken before any weight changes, so π_old's extra forward is skipped (``recompute_old`` forces it).
 
-Each step logs its time per stage (``time/generate`` … ``time/log``); overlapped, ``time/generate``
-is the engine's time in its own thread and ``time/wait`` what the trainer waited for it.
+Each step logs its time per stage (``time/generate`` … ``time/log``, and ``time/eval`` on the steps that
+evaluate); overlapped, ``time/generate`` is the engine's time in its own thread and ``time/wait`` what the
+trainer waited for it.
 
 A step whose advantages are all 0 (every group's rewards equal) with no other loss term (``loss.kl_coef``
 = 0) has a zero gradient: its backward and optimizer step are skipped (``skipped_update`` = 1). Nothing
@@ -30,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import shutil
 import signal
 import threading
@@ -171,6 +173,38 @@ def engine_weights(policy, cfg: TrainConfig, version: int, snapshot: bool):
     return perturb(weights, cfg.engine_weight_noise, seed=cfg.seed * 104_729 + version)
 
 
+# below this many parameters a CPU step's matmuls are too small to split over cores: the embedded 0.8M model's
+# step measured faster on one thread than on two on the 2-core box, quiet or loaded (docs/performance.md)
+SMALL_MODEL_PARAMS = 10_000_000
+
+
+def cpu_threads(cfg: TrainConfig, policy, device: torch.device) -> tuple[int | None, str]:
+    """torch's intra-op thread count for this run and why; None = leave torch's as it is.
+
+    ``threads=auto``: on a CPU device, 1 for a policy under ``SMALL_MODEL_PARAMS`` parameters, unless
+    OMP_NUM_THREADS is set (the user's choice, which torch already follows); else torch's default. A set
+    number is taken as it is (CPU or not: the engine and the host side use it too)."""
+    if cfg.threads != "auto":
+        return cfg.threads, "set in the config"
+    if device.type != "cpu":
+        return None, "auto: not a CPU run"
+    if os.environ.get("OMP_NUM_THREADS"):
+        return None, f"auto: OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']} in the environment"
+    params = sum(p.numel() for p in policy.parameters())
+    if params < SMALL_MODEL_PARAMS:
+        return 1, f"auto: {params / 1e6:.1f}M parameters < {SMALL_MODEL_PARAMS / 1e6:.0f}M on a CPU"
+    return None, f"auto: {params / 1e6:.1f}M parameters, torch's default"
+
+
+def set_threads(n: int) -> int:
+    """Set torch's intra-op threads to ``n``; returns the count before. vLLM's CPU worker replaces
+    ``torch.set_num_threads`` with a no-op once an engine has started (vllm/v1/worker/cpu_worker.py), so this
+    calls torch's own function (``torch._C.set_num_threads``, what ``torch.set_num_threads`` is)."""
+    before = torch.get_num_threads()
+    torch._C.set_num_threads(n)
+    return before
+
+
 def single_update(cfg: TrainConfig, policy) -> bool:
     """π_old = sg(π_θ) exactly: one optimizer step per batch and no dropout to make forwards differ."""
     dropout = any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in policy.modules()) or \
@@ -300,6 +334,7 @@ def train(cfg: TrainConfig, resume: Path | None = None, console: Console | None 
         "engine_dtype": engine_dtype, "engine_dtype_reason": dtype_reason, "device": str(device),
         "trainer_dtype": trainer_dtype, "trainer_dtype_reason": trainer_dtype_reason,
         "loss": loss_cfg.model_dump(mode="json")})  # the preset with the loss.* keys on top: what runs
+    threads_before = None  # torch's thread count before this run set its own (restored when it ends)
     try:
         # ---------------------------------------------------------------- setup
         checkpoint = latest_checkpoint(run_dir) if resume is not None else None
@@ -313,6 +348,9 @@ def train(cfg: TrainConfig, resume: Path | None = None, console: Console | None 
             console.print(f"  data: {note}")
         # fp32 master weights on the device; bf16 is autocast compute (update.precision)
         policy = load_policy(load_from, device).train()
+        # before the engine starts: vLLM's CPU worker reads the count and pins torch's setter (set_threads)
+        threads, threads_reason = cpu_threads(cfg, policy, device)
+        threads_before = set_threads(threads) if threads is not None else None
         if cfg.gradient_checkpointing:
             policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             policy.config.use_cache = False
@@ -329,6 +367,7 @@ def train(cfg: TrainConfig, resume: Path | None = None, console: Console | None 
         defaults = cfg.model_defaults()
         if defaults:  # chosen by the model, not the task: say which applied
             console.print(f"  {defaults}")
+        console.print(f"  threads: {torch.get_num_threads()} ({threads_reason})")
         context = cfg.max_prompt_tokens + cfg.max_new_tokens if cfg.task == "dataset" else 1024
         engine_bytes = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
         engine = make_engine(cfg.engine, str(load_from), tokenizer, engine_dtype, seed=cfg.seed,
@@ -349,6 +388,8 @@ def train(cfg: TrainConfig, resume: Path | None = None, console: Console | None 
         logger = RunLogger(run_dir, cfg.steps, start_step, console, progress=progress, log_to=cfg.log_to,
                            config=yaml.safe_load((run_dir / "config.yaml").read_text()))
     except BaseException as err:
+        if threads_before is not None:
+            set_threads(threads_before)
         if created and not isinstance(err, EngineError):
             shutil.rmtree(run_dir, ignore_errors=True)  # nothing half-written (an engine failure keeps engine.log)
         raise
@@ -443,7 +484,10 @@ def train(cfg: TrainConfig, resume: Path | None = None, console: Console | None 
                 }
                 if kl_update is not None:  # a skipped update moves nothing: exactly 0
                     values["policy/kl_k3_update"] = kl_update
-                if eval_set and (step % cfg.eval_every == 0 or step == cfg.steps - 1):
+            # its own stage: greedy answers to the held-out prompts cost seconds on a real model (issue #49),
+            # which inside "log" hid what writing the step's records costs (milliseconds)
+            if eval_set and (step % cfg.eval_every == 0 or step == cfg.steps - 1):
+                with timer("eval"):
                     values["eval/accuracy"] = exact_match_accuracy(policy, tokenizer, task, eval_set,
                                                                    cfg.max_new_tokens, sample_seed=None,
                                                                    score=task.reward if hasattr(task, "held_out") else None,
@@ -483,6 +527,8 @@ def train(cfg: TrainConfig, resume: Path | None = None, console: Console | None 
         if raised:
             logger.finish(failed=True)  # the trackers' runs end as failed
         engine.close()
+        if threads_before is not None:  # the caller's process as it was (a run started in-process, a test)
+            set_threads(threads_before)
         if failed and created and not (run_dir / "checkpoints").exists():
             shutil.rmtree(run_dir, ignore_errors=True)  # a run that never checkpointed leaves nothing
     plot = logger.plot()
