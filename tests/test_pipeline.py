@@ -218,12 +218,14 @@ def test_threads_auto_is_one_for_a_small_model_on_the_cpu(monkeypatch):
     threads split matmuls too small to gain from it; OMP_NUM_THREADS in the environment and a set number win."""
     from offpolicy.train import loop
 
-    cpu, small = torch.device("cpu"), torch.nn.Linear(8, 8)  # 72 parameters
+    cpu, small = torch.device("cpu"), 72  # parameters
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     cfg = load_train_config(None, [])
     assert cfg.threads == "auto"
     threads, reason = loop.cpu_threads(cfg, small, cpu)
     assert threads == 1 and "parameters" in reason
+    assert loop.cpu_threads(cfg, None, cpu)[0] == 1  # the embedded model, before its warm start
+    assert loop.cpu_threads(cfg, 135_000_000, cpu)[0] is None  # SmolLM2-135M: torch's default
     monkeypatch.setattr(loop, "SMALL_MODEL_PARAMS", 50)  # the same model, now over the bound: torch's default
     assert loop.cpu_threads(cfg, small, cpu)[0] is None
     monkeypatch.setattr(loop, "SMALL_MODEL_PARAMS", 10_000_000)
@@ -243,9 +245,34 @@ def test_a_run_trains_at_its_thread_count_and_gives_the_callers_back(offpolicy_c
     seen: list[int] = []
     log = RunLogger.log
     before = torch.get_num_threads()
+    torch._C.set_num_threads(2)  # the caller's count, other than the run's (torch's own setter: see set_threads)
     try:
         RunLogger.log = lambda self, step, values: (seen.append(torch.get_num_threads()), log(self, step, values))
-        _run(tmp_path, "threads", "steps=1", "threads=3")
+        _run(tmp_path, "threads", "steps=1", "threads=1")
+        after = torch.get_num_threads()
     finally:
         RunLogger.log = log
-    assert seen == [3] and torch.get_num_threads() == before
+        torch._C.set_num_threads(before)
+    assert seen == [1] and after == 2
+
+
+def test_samples_take_log_pi_old_from_the_update_forward(offpolicy_cache, tmp_path, monkeypatch):
+    """With one update per batch the sample rows' log π_old come from the update's own forward (issue #49): no
+    forward of their own — the same numbers, to fp32 rounding, as the π_old forward of recompute_old=true."""
+    from offpolicy.train import loop
+
+    calls = []
+    forward = loop.old_logprobs
+    monkeypatch.setattr(loop, "old_logprobs", lambda *a, **k: (calls.append(1), forward(*a, **k))[1])
+    kept = _run(tmp_path, "kept", "steps=2")
+    assert calls == []  # old code: one forward of the sample rows per step
+    recomputed = _run(tmp_path, "recomputed", "steps=2", "recompute_old=true")
+
+    def samples(run_dir):
+        return [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+
+    a, b = samples(kept.run_dir), samples(recomputed.run_dir)
+    assert len(a) == len(b) == 2 * 4 and all(r["tokens"] > 0 for r in a)
+    for ra, rb in zip(a, b):
+        assert ra["log_mu"] == rb["log_mu"] and len(ra["log_pi"]) == ra["tokens"]
+        assert ra["log_pi"] == pytest.approx(rb["log_pi"], abs=1e-5)

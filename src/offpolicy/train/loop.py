@@ -178,8 +178,9 @@ def engine_weights(policy, cfg: TrainConfig, version: int, snapshot: bool):
 SMALL_MODEL_PARAMS = 10_000_000
 
 
-def cpu_threads(cfg: TrainConfig, policy, device: torch.device) -> tuple[int | None, str]:
-    """torch's intra-op thread count for this run and why; None = leave torch's as it is.
+def cpu_threads(cfg: TrainConfig, params: int | None, device: torch.device) -> tuple[int | None, str]:
+    """torch's intra-op thread count for this run and why; None = leave torch's as it is. ``params``: the
+    policy's parameter count, None for the embedded model (model=default, ~0.8M: tasks/model.py).
 
     ``threads=auto``: on a CPU device, 1 for a policy under ``SMALL_MODEL_PARAMS`` parameters, unless
     OMP_NUM_THREADS is set (the user's choice, which torch already follows); else torch's default. A set
@@ -190,7 +191,8 @@ def cpu_threads(cfg: TrainConfig, policy, device: torch.device) -> tuple[int | N
         return None, "auto: not a CPU run"
     if os.environ.get("OMP_NUM_THREADS"):
         return None, f"auto: OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']} in the environment"
-    params = sum(p.numel() for p in policy.parameters())
+    if params is None:
+        return 1, f"auto: the embedded model, < {SMALL_MODEL_PARAMS / 1e6:.0f}M parameters, on a CPU"
     if params < SMALL_MODEL_PARAMS:
         return 1, f"auto: {params / 1e6:.1f}M parameters < {SMALL_MODEL_PARAMS / 1e6:.0f}M on a CPU"
     return None, f"auto: {params / 1e6:.1f}M parameters, torch's default"
@@ -264,16 +266,23 @@ def throughput(values: dict[str, float], n_tokens: float, device: torch.device, 
 
 def step_samples(cfg: TrainConfig, policy, tokenizer, item, batch, texts: list[str], rewards: torch.Tensor,
                  advantages: torch.Tensor, old: torch.Tensor | None, sampling: SamplingConfig, device: torch.device,
-                 trainer_dtype: str) -> list[dict]:
+                 trainer_dtype: str, kept: dict[int, torch.Tensor] | None = None) -> list[dict]:
     """``cfg.samples_per_step`` rows of this step as text (``logger.sample_records``): one row from each of
     the first groups (the first response of group 0, 1, …; then the second of each), with log ρ = log π_old
-    − log μ per token — from the π_old forward where one ran, else from a no-grad forward on those rows
-    only, before the update (π_old = the weights that start the step)."""
+    − log μ per token — from the π_old forward where one ran; else, with one update per batch, from the
+    update's own forward (``kept``: row → its log-probs, what ``old_of`` returned for it; π_old = sg(π_θ)
+    there); else from a no-grad forward on those rows only, before the update (π_old = the weights that
+    start the step)."""
     if cfg.samples_per_step == 0:
         return []
     rows = spread_rows(len(rewards), cfg.group_size, cfg.samples_per_step)
     if old is not None:
         trainer = old[rows.to(old.device)].float().cpu()
+    elif kept is not None:  # a row the update never saw has no response token: all of it is masked below
+        trainer = torch.zeros(len(rows), batch.mask.shape[1], dtype=torch.float32)
+        for i, r in enumerate(rows.tolist()):
+            if r in kept:
+                trainer[i, : kept[r].shape[0]] = kept[r].float().cpu()
     else:
         trainer = old_logprobs(policy, batch.select(rows), sampling, device, trainer_dtype, None).float().cpu()
     # −inf where a token lies outside the trainer's top-k/top-p support (sample_records leaves it out)
@@ -338,6 +347,9 @@ def train(cfg: TrainConfig, resume: Path | None = None, console: Console | None 
     try:
         # ---------------------------------------------------------------- setup
         checkpoint = latest_checkpoint(run_dir) if resume is not None else None
+        if cfg.model == "default":  # known small before its warm start, which then trains at the run's threads too
+            threads, threads_reason = cpu_threads(cfg, None, device)
+            threads_before = set_threads(threads) if threads is not None else None
         model_path = resolve_model(cfg, console)
         load_from = checkpoint or model_path
         tokenizer = load_tokenizer(load_from)
@@ -348,9 +360,9 @@ def train(cfg: TrainConfig, resume: Path | None = None, console: Console | None 
             console.print(f"  data: {note}")
         # fp32 master weights on the device; bf16 is autocast compute (update.precision)
         policy = load_policy(load_from, device).train()
-        # before the engine starts: vLLM's CPU worker reads the count and pins torch's setter (set_threads)
-        threads, threads_reason = cpu_threads(cfg, policy, device)
-        threads_before = set_threads(threads) if threads is not None else None
+        if cfg.model != "default":  # before the engine starts, which pins torch's setter (set_threads)
+            threads, threads_reason = cpu_threads(cfg, sum(p.numel() for p in policy.parameters()), device)
+            threads_before = set_threads(threads) if threads is not None else None
         if cfg.gradient_checkpointing:
             policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             policy.config.use_cache = False
@@ -378,7 +390,8 @@ def train(cfg: TrainConfig, resume: Path | None = None, console: Console | None 
         engine_bytes = torch.cuda.memory_allocated(device) - engine_bytes if device.type == "cuda" else 0
         engine.sync_weights(engine_weights(policy, cfg, version, snapshot=False))
         # no π_old forward where it equals sg(π_θ) exactly, or where the loss never reads it
-        skip_old = single_update(cfg, policy) or (not uses_old(loss_cfg) and not cfg.recompute_old)
+        single = single_update(cfg, policy)
+        skip_old = single or (not uses_old(loss_cfg) and not cfg.recompute_old)
         pipeline = RolloutPipeline(engine, task, tokenizer, sampling, cfg.prompts_per_step, cfg.group_size,
                                    cfg.max_staleness, cfg.seed, pending=state["pending"],
                                    staleness_policy=cfg.staleness_policy, **state["pipeline"])
@@ -421,17 +434,26 @@ def train(cfg: TrainConfig, resume: Path | None = None, console: Console | None 
                 old = None if skip_old or loglinear else old_logprobs(policy, batch, sampling, device, trainer_dtype,
                                                                        cfg.micro_batch_tokens)
 
+            # one update per batch: the update's forward is π_old exactly (module doc), so the sample rows'
+            # log π_old are kept from it (no forward of their own, issue #49); else they take one before the update
+            shown = set(spread_rows(len(rewards), cfg.group_size, cfg.samples_per_step).tolist())
+            kept: dict[int, torch.Tensor] | None = {} if single and not loglinear and shown else None
+
             def old_of(rows, mb, logprobs):
                 if loglinear:  # proximal = this step's starting weights (v + 1 − 1)
                     return op.loglinear_proximal(logprobs, mb.rollout_logprobs, item.rollouts.version,
                                                  current_version=version + 1)
                 if skip_old:
+                    if kept is not None:
+                        kept.update({r: logprobs[i].detach() for i, r in enumerate(rows.tolist()) if r in shown})
                     return logprobs.detach()
                 return old[device_index(rows, device), : mb.mask.shape[1]]
 
-            with timer("samples"):  # a few rows as text, with their log ρ under the weights that start the step
-                samples = step_samples(cfg, policy, tokenizer, item, batch, texts, rewards, advantages, old, sampling,
-                                       device, trainer_dtype)
+            samples = []
+            if kept is None:
+                with timer("samples"):  # a few rows as text, with their log ρ under the weights that start the step
+                    samples = step_samples(cfg, policy, tokenizer, item, batch, texts, rewards, advantages, old,
+                                           sampling, device, trainer_dtype)
             # ------------------------------------------------ corrected loss, PPO mini-batches, micro-batches
             metrics = Metrics()
             order = torch.Generator().manual_seed(cfg.seed * 31 + step)
@@ -456,6 +478,10 @@ def train(cfg: TrainConfig, resume: Path | None = None, console: Console | None 
                         if batch.mask[rows].sum() == 0:  # the CPU batch: no device read
                             continue
                         optimizer_step(policy, optimizer, batch, rows, adv_tokens, **step_args)
+            if kept is not None:
+                with timer("samples"):  # log π_old from the update's own forward (kept above)
+                    samples = step_samples(cfg, policy, tokenizer, item, batch, texts, rewards, advantages, old,
+                                           sampling, device, trainer_dtype, kept=kept)
             with timer("policy_kl"):
                 kl_update = None if kl_rows is None else 0.0 if skipped else update_kl_k3(
                     kl_before, old_logprobs(policy, batch.select(kl_rows), sampling, device, trainer_dtype, None),
