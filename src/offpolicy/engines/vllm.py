@@ -307,6 +307,9 @@ class VLLMEngine:
                 max_tokens=sampling.max_tokens,
                 logprobs=0,  # the sampled token's own log-prob
                 seed=seed * 1_000_003 + i,  # per request: independent of batch composition
+                # one object per request, never reused: vLLM may take it as it is instead of deep-copying it
+                # (SamplingParams.clone: ~2,900 deepcopy calls a step of 64 requests, issue #49)
+                skip_clone=True,
             )
             for i in range(len(prompt_ids))
         ]
