@@ -127,8 +127,7 @@ def test_a_sync_that_loads_fewer_weights_than_the_engine_has_is_an_error(monkeyp
 
 def test_a_sync_sets_no_logger_level(monkeypatch, tiny_qwen2_dir):
     """Issue #49: each sync set and restored two loggers' levels, and ``Logger.setLevel`` clears the level
-    cache of every logger in the process (vLLM registers hundreds): ~10 ms of a 15 ms sync of the embedded
-    model. The partial-sync check is installed once per engine; the engine's own quieting of the ``vllm``
+    cache of every logger in the process (vLLM registers hundreds): milliseconds of each sync. The partial-sync check is installed once per engine; the engine's own quieting of the ``vllm``
     logger is set only where it is not quiet already. Closing the engine gives the reload logger back."""
     fake = vllm_fakes.install(monkeypatch, "cpu")
     reload_logger = logging.getLogger("vllm.model_executor.model_loader.reload.inplace")

@@ -198,8 +198,8 @@ class _UnloadedWatch:
     """While installed: vLLM's "weights were not loaded" warnings are kept (``found``, one message each)
     instead of printed, whatever level the ``vllm`` logger is at (the engine quiets it to ERROR). Installed
     once per engine, not per sync: ``Logger.setLevel`` clears the level cache of every logger in the process
-    (vLLM registers hundreds), ~2.6 ms a call on the 2-core box — four calls, 10.5 ms of each sync, before
-    (issue #49)."""
+    (vLLM registers hundreds) — four calls a sync before (issue #49: 10.5 ms of a step under cProfile; the
+    embedded model's sync, timed without it, 15.4 → 13.3–14.2 ms on one thread)."""
 
     def __init__(self) -> None:
         self.found: list[str] = []
