@@ -212,7 +212,7 @@ class TrainConfig(_Strict):
         "auto", description="torch's intra-op threads on a CPU run: auto = 1 for a policy under "
         "SMALL_MODEL_PARAMS (10M) parameters, where splitting each small matmul over cores costs more than it "
         "saves, else torch's default; OMP_NUM_THREADS set in the environment wins over auto "
-        "(docs/performance.md#the-embedded-default-step-issue-49)")
+        "(docs/performance.md#the-embedded-defaults-step-issue-49)")
     gradient_checkpointing: bool = Field(False, description="recompute activations in the backward: less memory, "
                                          "about one more forward per update")
     micro_batch_tokens: int | None = Field(None, gt=0, description="split each optimizer step's rows into "
