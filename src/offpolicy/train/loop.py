@@ -173,8 +173,9 @@ def engine_weights(policy, cfg: TrainConfig, version: int, snapshot: bool):
     return perturb(weights, cfg.engine_weight_noise, seed=cfg.seed * 104_729 + version)
 
 
-# below this many parameters a CPU step's matmuls are too small to split over cores: the embedded 0.8M model's
-# step measured faster on one thread than on two on the 2-core box, quiet or loaded (docs/performance.md)
+# below this many parameters a CPU step's matmuls are too small to gain much from a second core, and a second
+# OpenMP thread stalls every op when the machine is busy: the embedded 0.8M model's step on the 2-core box was
+# level at load 6–7 (train slower, generate and sync faster) and 1.5× faster at load 10–14 (docs/performance.md)
 SMALL_MODEL_PARAMS = 10_000_000
 
 
