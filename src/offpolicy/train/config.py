@@ -210,8 +210,8 @@ class TrainConfig(_Strict):
         "every ratio stay fp32")
     threads: int | Literal["auto"] = Field(
         "auto", description="torch's intra-op threads on a CPU run: auto = 1 for a policy under "
-        "SMALL_MODEL_PARAMS (10M) parameters, where splitting each small matmul over cores costs more than it "
-        "saves, else torch's default; OMP_NUM_THREADS set in the environment wins over auto "
+        "SMALL_MODEL_PARAMS (10M) parameters, whose small ops gain little from a second core and stall on a busy "
+        "machine, else torch's default; OMP_NUM_THREADS set in the environment wins over auto "
         "(docs/performance.md#the-embedded-defaults-step-issue-49)")
     gradient_checkpointing: bool = Field(False, description="recompute activations in the backward: less memory, "
                                          "about one more forward per update")
