@@ -213,26 +213,12 @@ def test_run_config_records_the_dtype_and_resumes_from_it(offpolicy_cache, tmp_p
     assert [r["staleness"] for r in _records(resumed.run_dir)] == [0, 1, 1]
 
 
-def test_threads_auto_is_one_for_a_small_model_on_the_cpu(monkeypatch):
-    """threads=auto (issue #49): one torch thread for a policy under SMALL_MODEL_PARAMS on a CPU, where two
-    threads split matmuls too small to gain from it; OMP_NUM_THREADS in the environment and a set number win."""
+def test_threads_auto_leaves_torchs_default_and_a_set_number_is_taken():
     from offpolicy.train import loop
 
-    cpu, small = torch.device("cpu"), 72  # parameters
-    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     cfg = load_train_config(None, [])
-    assert cfg.threads == "auto"
-    threads, reason = loop.cpu_threads(cfg, small, cpu)
-    assert threads == 1 and "parameters" in reason
-    assert loop.cpu_threads(cfg, None, cpu)[0] == 1  # the embedded model, before its warm start
-    assert loop.cpu_threads(cfg, 135_000_000, cpu)[0] is None  # SmolLM2-135M: torch's default
-    monkeypatch.setattr(loop, "SMALL_MODEL_PARAMS", 50)  # the same model, now over the bound: torch's default
-    assert loop.cpu_threads(cfg, small, cpu)[0] is None
-    monkeypatch.setattr(loop, "SMALL_MODEL_PARAMS", 10_000_000)
-    assert loop.cpu_threads(cfg, small, torch.device("cuda"))[0] is None  # not a CPU run
-    monkeypatch.setenv("OMP_NUM_THREADS", "2")
-    assert loop.cpu_threads(cfg, small, cpu) == (None, "auto: OMP_NUM_THREADS=2 in the environment")
-    assert loop.cpu_threads(load_train_config(None, ["threads=3"]), small, cpu) == (3, "set in the config")
+    assert cfg.threads == "auto" and loop.cpu_threads(cfg)[0] is None
+    assert loop.cpu_threads(load_train_config(None, ["threads=3"])) == (3, "set in the config")
     with pytest.raises(Exception, match="threads=0"):
         load_train_config(None, ["threads=0"])
 

@@ -209,9 +209,8 @@ class TrainConfig(_Strict):
         "optimizer state with bf16 autocast compute (FSDP MixedPrecision's and verl's practice); log-probs and "
         "every ratio stay fp32")
     threads: int | Literal["auto"] = Field(
-        "auto", description="torch's intra-op threads on a CPU run: auto = 1 for a policy under "
-        "SMALL_MODEL_PARAMS (10M) parameters, whose small ops gain little from a second core and stall on a busy "
-        "machine, else torch's default; OMP_NUM_THREADS set in the environment wins over auto "
+        "auto", description="torch's intra-op threads: auto = torch's default (OMP_NUM_THREADS, else one a core); "
+        "threads=1 on a busy CPU machine, where a second OpenMP thread stalls every small op "
         "(docs/performance.md#the-embedded-defaults-step-issue-49)")
     gradient_checkpointing: bool = Field(False, description="recompute activations in the backward: less memory, "
                                          "about one more forward per update")

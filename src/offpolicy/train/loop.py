@@ -31,7 +31,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
 import shutil
 import signal
 import threading
@@ -173,30 +172,14 @@ def engine_weights(policy, cfg: TrainConfig, version: int, snapshot: bool):
     return perturb(weights, cfg.engine_weight_noise, seed=cfg.seed * 104_729 + version)
 
 
-# below this many parameters a CPU step's matmuls are too small to gain much from a second core, and a second
-# OpenMP thread stalls every op when the machine is busy: the embedded 0.8M model's step on the 2-core box was
-# level at load 6–7 (train slower, generate and sync faster) and 1.5× faster at load 10–14 (docs/performance.md)
-SMALL_MODEL_PARAMS = 10_000_000
-
-
-def cpu_threads(cfg: TrainConfig, params: int | None, device: torch.device) -> tuple[int | None, str]:
-    """torch's intra-op thread count for this run and why; None = leave torch's as it is. ``params``: the
-    policy's parameter count, None for the embedded model (model=default, ~0.8M: tasks/model.py).
-
-    ``threads=auto``: on a CPU device, 1 for a policy under ``SMALL_MODEL_PARAMS`` parameters, unless
-    OMP_NUM_THREADS is set (the user's choice, which torch already follows); else torch's default. A set
-    number is taken as it is (CPU or not: the engine and the host side use it too)."""
+def cpu_threads(cfg: TrainConfig) -> tuple[int | None, str]:
+    """torch's intra-op thread count for this run and why; None = leave torch's as it is (``threads=auto``:
+    OMP_NUM_THREADS, else one a core). On the 2-core box one thread made the embedded model's step 1.5×
+    faster under load 10–14 and 9 % slower on the quiet box (docs/performance.md): a choice for the
+    machine, not the model, so it is the user's (``threads=1`` on a busy machine)."""
     if cfg.threads != "auto":
         return cfg.threads, "set in the config"
-    if device.type != "cpu":
-        return None, "auto: not a CPU run"
-    if os.environ.get("OMP_NUM_THREADS"):
-        return None, f"auto: OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']} in the environment"
-    if params is None:
-        return 1, f"auto: the embedded model, < {SMALL_MODEL_PARAMS / 1e6:.0f}M parameters, on a CPU"
-    if params < SMALL_MODEL_PARAMS:
-        return 1, f"auto: {params / 1e6:.1f}M parameters < {SMALL_MODEL_PARAMS / 1e6:.0f}M on a CPU"
-    return None, f"auto: {params / 1e6:.1f}M parameters, torch's default"
+    return None, "auto: torch's default (OMP_NUM_THREADS, else one a core)"
 
 
 def set_threads(n: int) -> int:
@@ -348,9 +331,9 @@ def train(cfg: TrainConfig, resume: Path | None = None, console: Console | None 
     try:
         # ---------------------------------------------------------------- setup
         checkpoint = latest_checkpoint(run_dir) if resume is not None else None
-        if cfg.model == "default":  # known small before its warm start, which then trains at the run's threads too
-            threads, threads_reason = cpu_threads(cfg, None, device)
-            threads_before = set_threads(threads) if threads is not None else None
+        # before the warm start (it trains too) and the engine (vLLM's CPU worker pins torch's setter: set_threads)
+        threads, threads_reason = cpu_threads(cfg)
+        threads_before = set_threads(threads) if threads is not None else None
         model_path = resolve_model(cfg, console)
         load_from = checkpoint or model_path
         tokenizer = load_tokenizer(load_from)
@@ -361,9 +344,6 @@ def train(cfg: TrainConfig, resume: Path | None = None, console: Console | None 
             console.print(f"  data: {note}")
         # fp32 master weights on the device; bf16 is autocast compute (update.precision)
         policy = load_policy(load_from, device).train()
-        if cfg.model != "default":  # before the engine starts, which pins torch's setter (set_threads)
-            threads, threads_reason = cpu_threads(cfg, sum(p.numel() for p in policy.parameters()), device)
-            threads_before = set_threads(threads) if threads is not None else None
         if cfg.gradient_checkpointing:
             policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             policy.config.use_cache = False
