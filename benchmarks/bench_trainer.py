@@ -2,8 +2,8 @@
 
 Same model, same task, the same completions per step, one optimizer step per batch, the same
 response-length limit and sampling (temperature 1, no top-k/top-p). For each trainer: steps/s on the steady state
-(the seconds between consecutive optimizer steps; setup, the first step and offpolicy's eval step
-excluded), response tokens/s (generated tokens per second of step), and peak memory (CUDA: peak
+(the seconds between the ends of consecutive steps — TRL's ``on_step_end``, offpolicy's logger call, so
+the logger's own write is counted; setup, the first step and offpolicy's eval step excluded), response tokens/s (generated tokens per second of step), and peak memory (CUDA: peak
 allocated GPU memory; CPU: the process's peak RSS). The table gives the median of ``--runs``.
 
 Every measurement runs in its own process (``--worker``), so thread settings, vLLM's process-wide
@@ -13,6 +13,7 @@ back to back, in alternating order from run to run (paired runs on a shared mach
     python3 benchmarks/bench_trainer.py --device cpu --threads default 1 --runs 5 --steps 12 --lengths 10
     python3 benchmarks/bench_trainer.py --device cuda --models embedded qwen2-0.5b --lengths 128
     python3 benchmarks/bench_trainer.py --device cpu --models smollm2 --lengths 64 --runs 3 --steps 6
+    python3 benchmarks/bench_trainer.py --device cpu --profile --steps 22    # where a step goes, by function
 
 ``--models``: ``embedded`` (the warm-started tiny Qwen2 of src/offpolicy/tasks/model.py) and
 ``qwen2-0.5b`` (Qwen2-0.5B's shapes — 24 layers, width 896, 14 heads / 2 KV heads, MLP 4864,
@@ -58,6 +59,7 @@ TRAINERS = {
     "offpolicy async s=1 (hf)": ["engine=hf", "max_staleness=1", "preset=verl:decoupled_token_is"],
 }
 TRL = "TRL GRPOTrainer (HF generate)"
+PROFILE = bool(os.environ.get("BENCH_TRAINER_PROFILE"))  # set by --profile for the worker
 STAGES = ["generate", "wait", "score", "pi_old", "samples", "train", "sync", "log"]
 
 
@@ -114,10 +116,11 @@ def peak_memory_gib(device: str) -> float:
 
 
 def offpolicy_worker(extra: list[str], name: str, model: Path, device: str, steps: int, length: int, out: Path) -> dict:
+    import torch
     from rich.console import Console
 
     from offpolicy.train.config import load_train_config
-    from offpolicy.train.logger import read_jsonl
+    from offpolicy.train.logger import RunLogger, read_jsonl
     from offpolicy.train.loop import train
 
     prompts, lr = SETTINGS[name]
@@ -127,12 +130,51 @@ def offpolicy_worker(extra: list[str], name: str, model: Path, device: str, step
                                    f"group_size={GROUP}", f"steps={steps}", f"max_new_tokens={length}", f"lr={lr}",
                                    "eval_every=100000", "eval_problems=16", f"checkpoint_every={steps}",
                                    f"out_dir={out}", *task, *extra])
+    # the clock TRL's gets (its on_step_end): the wall time between the ends of consecutive steps, the
+    # logger's own write included (step_seconds stops before it)
+    stamps: list[float] = []
+    threads: list[int] = []  # torch's threads while the run trains (offpolicy's threads=auto may set them)
+    log = RunLogger.log
+
+    import cProfile
+
+    profiler = cProfile.Profile()  # --profile: the timed steps (1 … n − 2) by function
+
+    def clocked(self, step, values):
+        log(self, step, values)
+        stamps.append(time.perf_counter())
+        threads.append(torch.get_num_threads())
+        if PROFILE and step == 0:
+            profiler.enable()
+        if PROFILE and step == steps - 2:
+            profiler.disable()
+
+    RunLogger.log = clocked
     train(cfg, console=Console(quiet=True), progress=False)
+    if PROFILE:
+        profile_table(profiler, steps - 2)
     rows = read_jsonl(out / "metrics.jsonl")[1:-1]  # first step warms up; the last one evaluates
-    per_step = statistics.median(r["step_seconds"] for r in rows)
+    gaps = [b - a for a, b in zip(stamps, stamps[1:])][: len(rows)]  # steps 1 … n − 2, as rows
+    per_step = statistics.median(gaps)
     tokens = statistics.median(r["response_length"] * prompts * GROUP for r in rows)
     return {"steps_per_s": 1.0 / per_step, "tokens_per_s": tokens / per_step,
-            "stages": {s: statistics.median(r.get(f"time/{s}", 0.0) for r in rows) for s in STAGES}}
+            "stages": {s: statistics.median(r.get(f"time/{s}", 0.0) for r in rows) for s in STAGES},
+            "threads": threads[-1]}
+
+
+def profile_table(profiler, steps: int, top: int = 25) -> None:
+    """The functions that took the most time of the timed steps (self time per step), from ``cProfile``:
+    what the stage timers do not split."""
+    import pstats
+
+    stats = pstats.Stats(profiler).stats
+    rows = sorted(((tt, ct, nc, f"{Path(file).name}:{line}({fn})") for (file, line, fn), (_, nc, tt, ct, _) in
+                   stats.items()), reverse=True)[:top]
+    print(f"\n--profile: the {top} largest self times (ms per step, {steps} timed steps; cProfile's own overhead "
+          "included)")
+    print("| function | self ms/step | cumulative ms/step | calls/step |\n|---|---:|---:|---:|")
+    for tt, ct, nc, name in rows:
+        print(f"| {name} | {1e3 * tt / steps:.1f} | {1e3 * ct / steps:.1f} | {nc / steps:.0f} |")
 
 
 def trl_data(name: str, n: int):
@@ -219,7 +261,7 @@ def worker(args: argparse.Namespace) -> None:
             result = offpolicy_worker(TRAINERS[args.worker], args.model, model, args.device, args.steps, args.length,
                                       Path(tmp) / "run")
         result["peak_gib"] = peak_memory_gib(args.device)
-        result["threads"] = torch.get_num_threads()
+        result.setdefault("threads", torch.get_num_threads())
     print("RESULT " + json.dumps(result), flush=True)
 
 
@@ -247,12 +289,22 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--lengths", type=int, nargs="+", default=[10])
     parser.add_argument("--only", nargs="*", help="trainer names (substrings) to run")
+    parser.add_argument("--profile", action="store_true", help="one offpolicy defaults run under cProfile: "
+                        "its largest self times per step (no timing table)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--model", default="embedded", help=argparse.SUPPRESS)
     parser.add_argument("--length", type=int, default=10, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         return worker(args)
+    if args.profile:
+        env = dict(os.environ, BENCH_TRAINER_PROFILE="1")
+        cmd = [sys.executable, __file__, "--worker", "offpolicy defaults (vllm)", "--model", args.models[0],
+               "--device", "cpu" if args.device == "auto" else args.device, "--steps", str(args.steps),
+               "--length", str(args.lengths[0])]
+        print(f"load average at start {os.getloadavg()[0]:.2f}")
+        subprocess.run(cmd, env=env, check=True)
+        return None
     import torch
 
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
@@ -289,7 +341,8 @@ def main() -> None:
                             continue
                         r = results[name][-1]
                         print(f"  {model} threads={threads} length {length} run {run}: {name}: "
-                              f"{r['steps_per_s']:.2f} steps/s ({r['threads']} threads)", flush=True)
+                              f"{r['steps_per_s']:.2f} steps/s ({r['threads']} threads; load average "
+                              f"{os.getloadavg()[0]:.2f})", flush=True)
                 kept = [n for n in names if n not in failed]
                 if failed:
                     print(f"  left out of the table (failed): {', '.join(sorted(failed))}")

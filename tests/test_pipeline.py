@@ -183,8 +183,10 @@ def test_pi_old_skip_is_identical_to_recomputing_it(offpolicy_cache, tmp_path):
     wb = load_file(recomputed.run_dir / "checkpoints" / "step-3" / "model.safetensors")
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
     # the summary shows where the time went, stage by stage
-    for stage in ("generate", "score", "pi_old", "train", "sync", "log", "write"):
+    for stage in ("generate", "score", "pi_old", "train", "sync", "log", "eval", "write"):
         assert f"time/{stage}" in skipped.summary, stage
+    # the eval has its own stage, on the steps that evaluate only (step 0 and the last): not inside "log"
+    assert [r["step"] for r in a if "time/eval" in r] == [r["step"] for r in a if "eval/accuracy" in r] == [0, 2]
 
 
 def test_engine_dtype_auto_is_resolved_with_a_reason(monkeypatch):
@@ -210,3 +212,54 @@ def test_run_config_records_the_dtype_and_resumes_from_it(offpolicy_cache, tmp_p
     resumed = train(again, resume=first.run_dir, progress=False)
     assert [r["step"] for r in _records(resumed.run_dir)] == [0, 1, 2]
     assert [r["staleness"] for r in _records(resumed.run_dir)] == [0, 1, 1]
+
+
+def test_threads_auto_leaves_torchs_default_and_a_set_number_is_taken():
+    from offpolicy.train import loop
+
+    cfg = load_train_config(None, [])
+    assert cfg.threads == "auto" and loop.cpu_threads(cfg)[0] is None
+    assert loop.cpu_threads(load_train_config(None, ["threads=3"])) == (3, "set in the config")
+    with pytest.raises(Exception, match="threads=0"):
+        load_train_config(None, ["threads=0"])
+
+
+def test_a_run_trains_at_its_thread_count_and_gives_the_callers_back(offpolicy_cache, tmp_path):
+    """The run's torch threads are set before the engine starts and restored when it ends, even after vLLM's
+    CPU worker (engine=vllm) has made torch.set_num_threads a no-op in this process."""
+    from offpolicy.train.logger import RunLogger
+
+    seen: list[int] = []
+    log = RunLogger.log
+    before = torch.get_num_threads()
+    torch._C.set_num_threads(2)  # the caller's count, other than the run's (torch's own setter: see set_threads)
+    try:
+        RunLogger.log = lambda self, step, values: (seen.append(torch.get_num_threads()), log(self, step, values))
+        _run(tmp_path, "threads", "steps=1", "threads=1")
+        after = torch.get_num_threads()
+    finally:
+        RunLogger.log = log
+        torch._C.set_num_threads(before)
+    assert seen == [1] and after == 2
+
+
+def test_samples_take_log_pi_old_from_the_update_forward(offpolicy_cache, tmp_path, monkeypatch):
+    """With one update per batch the sample rows' log π_old come from the update's own forward (issue #49): no
+    forward of their own — the same numbers, to fp32 rounding, as the π_old forward of recompute_old=true."""
+    from offpolicy.train import loop
+
+    calls = []
+    forward = loop.old_logprobs
+    monkeypatch.setattr(loop, "old_logprobs", lambda *a, **k: (calls.append(1), forward(*a, **k))[1])
+    kept = _run(tmp_path, "kept", "steps=2")
+    assert calls == []  # old code: one forward of the sample rows per step
+    recomputed = _run(tmp_path, "recomputed", "steps=2", "recompute_old=true")
+
+    def samples(run_dir):
+        return [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+
+    a, b = samples(kept.run_dir), samples(recomputed.run_dir)
+    assert len(a) == len(b) == 2 * 4 and all(r["tokens"] > 0 for r in a)
+    for ra, rb in zip(a, b):
+        assert ra["log_mu"] == rb["log_mu"] and len(ra["log_pi"]) == ra["tokens"]
+        assert ra["log_pi"] == pytest.approx(rb["log_pi"], abs=1e-5)

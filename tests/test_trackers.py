@@ -320,3 +320,20 @@ def test_log_to_names():
     assert load_train_config(None, []).log_to == ["tensorboard"]  # TensorBoard stays on by default
     assert load_train_config(None, ["log_to=wandb,mlflow"]).log_to == ["wandb", "mlflow"]
     assert load_train_config(None, ["log_to=[]"]).log_to == []
+
+
+def test_tensorboard_writes_a_steps_scalars_as_one_event(tmp_path):
+    """Issue #49: one event per step, not one per metric (add_scalar's): the same scalars read back."""
+    from offpolicy.trackers.tensorboard import TensorBoardTracker
+
+    tracker = TensorBoardTracker(tmp_path, {}, 0)
+    events = []
+    add = tracker.writer.file_writer.add_event
+    tracker.writer.file_writer.add_event = lambda event, *a, **k: (events.append(event), add(event, *a, **k))
+    values = {f"offpolicy/m{i}": 0.5 * i for i in range(40)}
+    tracker.log_metrics(3, values)
+    tracker.close()
+    assert len(events) == 1
+    read = tb_events(tmp_path / "tensorboard")
+    assert {key: [(e.step, e.value) for e in read.Scalars(key)] for key in values} == \
+        {key: [(3, value)] for key, value in values.items()}

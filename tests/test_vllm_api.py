@@ -125,6 +125,41 @@ def test_a_sync_that_loads_fewer_weights_than_the_engine_has_is_an_error(monkeyp
     engine.close()
 
 
+def test_a_sync_sets_no_logger_level(monkeypatch, tiny_qwen2_dir):
+    """Issue #49: each sync set and restored two loggers' levels, and ``Logger.setLevel`` clears the level
+    cache of every logger in the process (vLLM registers hundreds): milliseconds of each sync. The partial-sync check is installed once per engine; the engine's own quieting of the ``vllm``
+    logger is set only where it is not quiet already. Closing the engine gives the reload logger back."""
+    fake = vllm_fakes.install(monkeypatch, "cpu")
+    reload_logger = logging.getLogger("vllm.model_executor.model_loader.reload.inplace")
+    before = (reload_logger.level, reload_logger.propagate, list(reload_logger.handlers))
+    monkeypatch.setattr(logging.getLogger("vllm"), "level", logging.ERROR)
+    engine = VLLMEngine(str(tiny_qwen2_dir), dtype="fp32")
+    monkeypatch.setattr(fake.instances[-1].worker, "parameters", {"embed"})
+    calls = []
+    monkeypatch.setattr(logging.Logger, "setLevel", lambda self, level: calls.append((self.name, level)))
+    for _ in range(3):
+        engine.sync_weights([("embed", torch.ones(2))])
+    assert calls == []
+    with pytest.raises(EngineError, match="'head'"):  # the check still holds, sync after sync
+        monkeypatch.setattr(fake.instances[-1].worker, "parameters", {"embed", "head"})
+        engine.sync_weights([("embed", torch.ones(2))])
+    monkeypatch.undo()
+    engine.close()
+    assert (reload_logger.level, reload_logger.propagate, list(reload_logger.handlers)) == before
+
+
+def test_each_request_gets_its_own_sampling_params_which_vllm_need_not_copy(monkeypatch, tiny_qwen2_dir):
+    """Issue #49: vLLM deep-copies every request's SamplingParams unless told the object is the request's
+    alone (``skip_clone``); the engine builds one per request (its own seed) and never reuses them."""
+    fake = vllm_fakes.install(monkeypatch, "cpu")
+    engine = VLLMEngine(str(tiny_qwen2_dir), dtype="fp32")
+    engine.generate([[1, 2], [3], [4]], SAMPLING, seed=7, version=0)
+    params = fake.instances[-1].sampling_params
+    assert len({id(p) for p in params}) == 3 and all(p.skip_clone for p in params)
+    assert [p.seed for p in params] == [7 * 1_000_003 + i for i in range(3)]
+    engine.close()
+
+
 def test_diagnose_vllm_flags_reach_the_engine(monkeypatch, tiny_qwen2_dir, tmp_path, capsys):
     fake = vllm_fakes.install(monkeypatch, "cpu")
     prompts = tmp_path / "p.jsonl"

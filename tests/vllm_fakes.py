@@ -84,6 +84,7 @@ class FakeLLM:
     def generate(self, *args, **kwargs) -> list[RequestOutput]:
         bound = bind(LLM, "generate", *args, **kwargs)
         self.calls.append(("generate",))
+        self.sampling_params = bound.arguments["sampling_params"]
         if FakeLLM.fail_generate is not None:
             logging.getLogger("vllm.v1.engine.core").error("%s (v%s) with config: %s", DUMP, vllm.__version__,
                                                             "x" * 50_000)

@@ -23,8 +23,12 @@ class TensorBoardTracker:
                                  start_step)
 
     def log_metrics(self, step: int, values: dict[str, float]) -> None:
-        for key, value in values.items():
-            self.writer.add_scalar(key, value, step)
+        """One event holding every scalar of the step (``Summary.value`` is repeated), the same values
+        ``add_scalar`` writes one event each: ~0.2 ms a step for 70 metrics against ~3 ms (issue #49)."""
+        from tensorboard.compat.proto.summary_pb2 import Summary
+
+        summary = Summary(value=[Summary.Value(tag=key, simple_value=float(value)) for key, value in values.items()])
+        self.writer.file_writer.add_summary(summary, step)
 
     def log_table(self, key: str, step: int, columns: list[str], rows: list[list[Any]]) -> None:
         records = [dict(zip(columns, row)) for row in rows]

@@ -141,6 +141,10 @@ class TrainConfig(_Strict):
         "auto", description="auto = bf16 on a CUDA device with bf16, else fp32. bf16 = fp32 master weights and "
         "optimizer state with bf16 autocast compute (FSDP MixedPrecision's and verl's practice); log-probs and "
         "every ratio stay fp32")
+    threads: int | Literal["auto"] = Field(
+        "auto", description="torch's intra-op threads: auto = torch's default (OMP_NUM_THREADS, else one a core); "
+        "threads=1 on a busy CPU machine, where a second OpenMP thread stalls every small op "
+        "(docs/performance.md#the-embedded-defaults-step-issue-49)")
     gradient_checkpointing: bool = Field(False, description="recompute activations in the backward: less memory, "
                                          "about one more forward per update")
     micro_batch_tokens: int | None = Field(None, gt=0, description="split each optimizer step's rows into "
@@ -206,6 +210,13 @@ class TrainConfig(_Strict):
         if not (preset is None or isinstance(preset, str)):
             return data
         return {**data, "loss": preset_loss(preset, user)}
+
+    @field_validator("threads")
+    @classmethod
+    def _threads_positive(cls, value: int | str) -> int | str:
+        if isinstance(value, int) and value < 1:
+            raise ValueError(f"threads={value}: at least 1, or auto")
+        return value
 
     @field_validator("log_to", mode="before")
     @classmethod

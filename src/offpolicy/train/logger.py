@@ -24,7 +24,7 @@ PLOTS = [
 ]
 
 
-STAGES = ["generate", "wait", "score", "pi_old", "samples", "train", "sync", "log", "write"]
+STAGES = ["generate", "wait", "score", "pi_old", "samples", "train", "sync", "log", "eval", "write"]
 SUMMARY_WINDOW = 5  # steps averaged at each end of the run summary (fewer for short runs: see summary)
 
 

@@ -8,8 +8,9 @@ staleness for the correction (anchor old / rollout / current) to fix. With one u
 (ppo_epochs = minibatches = 1) and no dropout, π_old = sg(π_θ) exactly: the update's own forward
 is taken before any weight changes, so π_old's extra forward is skipped (``recompute_old`` forces it).
 
-Each step logs its time per stage (``time/generate`` … ``time/log``); overlapped, ``time/generate``
-is the engine's time in its own thread and ``time/wait`` what the trainer waited for it.
+Each step logs its time per stage (``time/generate`` … ``time/log``, and ``time/eval`` on the steps that
+evaluate); overlapped, ``time/generate`` is the engine's time in its own thread and ``time/wait`` what the
+trainer waited for it.
 
 A step whose advantages are all 0 (every group's rewards equal) with no other loss term (``loss.kl_coef``
 = 0) has a zero gradient: its backward and optimizer step are skipped (``skipped_update`` = 1). Nothing
@@ -164,6 +165,25 @@ def engine_weights(policy, cfg: TrainConfig, version: int, snapshot: bool):
     return perturb(weights, cfg.engine_weight_noise, seed=cfg.seed * 104_729 + version)
 
 
+def cpu_threads(cfg: TrainConfig) -> tuple[int | None, str]:
+    """torch's intra-op thread count for this run and why; None = leave torch's as it is (``threads=auto``:
+    OMP_NUM_THREADS, else one a core). On the 2-core box one thread made the embedded model's step 1.5×
+    faster under load 10–14 and 9 % slower on the quiet box (docs/performance.md): a choice for the
+    machine, not the model, so it is the user's (``threads=1`` on a busy machine)."""
+    if cfg.threads != "auto":
+        return cfg.threads, "set in the config"
+    return None, "auto: torch's default (OMP_NUM_THREADS, else one a core)"
+
+
+def set_threads(n: int) -> int:
+    """Set torch's intra-op threads to ``n``; returns the count before. vLLM's CPU worker replaces
+    ``torch.set_num_threads`` with a no-op once an engine has started (vllm/v1/worker/cpu_worker.py), so this
+    calls torch's own function (``torch._C.set_num_threads``, what ``torch.set_num_threads`` is)."""
+    before = torch.get_num_threads()
+    torch._C.set_num_threads(n)
+    return before
+
+
 def single_update(cfg: TrainConfig, policy) -> bool:
     """π_old = sg(π_θ) exactly: one optimizer step per batch and no dropout to make forwards differ."""
     dropout = any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in policy.modules()) or \
@@ -222,16 +242,24 @@ def throughput(values: dict[str, float], n_tokens: float, device: torch.device, 
 
 
 def step_samples(cfg: TrainConfig, scorer: Scorer, tokenizer, item, batch, texts: list[str], rewards: torch.Tensor,
-                 advantages: torch.Tensor, old: torch.Tensor | None) -> list[dict]:
+                 advantages: torch.Tensor, old: torch.Tensor | None, kept: dict[int, torch.Tensor] | None = None
+                 ) -> list[dict]:
     """``cfg.samples_per_step`` rows of this step as text (``logger.sample_records``): one row from each of
     the first groups (the first response of group 0, 1, …; then the second of each), with log ρ = log π_old
-    − log μ per token — from the π_old forward where one ran, else from a no-grad forward on those rows
-    only, before the update (π_old = the weights that start the step)."""
+    − log μ per token — from the π_old forward where one ran; else, with one update per batch, from the
+    update's own forward (``kept``: row → its log-probs, what ``old_of`` returned for it; π_old = sg(π_θ)
+    there); else from a no-grad forward on those rows only, before the update (π_old = the weights that
+    start the step)."""
     if cfg.samples_per_step == 0:
         return []
     rows = spread_rows(len(rewards), cfg.group_size, cfg.samples_per_step)
     if old is not None:
         trainer = old[rows.to(old.device)].float().cpu()
+    elif kept is not None:  # a row the update never saw has no response token: all of it is masked below
+        trainer = torch.zeros(len(rows), batch.mask.shape[1], dtype=torch.float32)
+        for i, r in enumerate(rows.tolist()):
+            if r in kept:
+                trainer[i, : kept[r].shape[0]] = kept[r].float().cpu()
     else:
         trainer = scorer.whole().score(batch.select(rows)).float().cpu()
     # −inf where a token lies outside the trainer's top-k/top-p support (sample_records leaves it out)
@@ -292,9 +320,13 @@ def train(cfg: TrainConfig, resume: Path | None = None, console: Console | None 
         "engine_dtype": engine_dtype, "engine_dtype_reason": dtype_reason, "device": str(device),
         "trainer_dtype": trainer_dtype, "trainer_dtype_reason": trainer_dtype_reason,
         "loss": loss_cfg.model_dump(mode="json")})  # the preset with the loss.* keys on top: what runs
+    threads_before = None  # torch's thread count before this run set its own (restored when it ends)
     try:
         # ---------------------------------------------------------------- setup
         checkpoint = latest_checkpoint(run_dir) if resume is not None else None
+        # before the warm start (it trains too) and the engine (vLLM's CPU worker pins torch's setter: set_threads)
+        threads, threads_reason = cpu_threads(cfg)
+        threads_before = set_threads(threads) if threads is not None else None
         model_path = resolve_model(cfg, console)
         load_from = checkpoint or model_path
         tokenizer = load_tokenizer(load_from)
@@ -322,6 +354,7 @@ def train(cfg: TrainConfig, resume: Path | None = None, console: Console | None 
         defaults = cfg.model_defaults()
         if defaults:  # chosen by the model, not the task: say which applied
             console.print(f"  {defaults}")
+        console.print(f"  threads: {torch.get_num_threads()} ({threads_reason})")
         context = cfg.max_prompt_tokens + cfg.max_new_tokens if cfg.task == "dataset" else 1024
         engine_bytes = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
         engine = make_engine(cfg.engine, str(load_from), tokenizer, engine_dtype, seed=cfg.seed,
@@ -332,7 +365,8 @@ def train(cfg: TrainConfig, resume: Path | None = None, console: Console | None 
         engine_bytes = torch.cuda.memory_allocated(device) - engine_bytes if device.type == "cuda" else 0
         engine.sync_weights(engine_weights(policy, cfg, version, snapshot=False))
         # no π_old forward where it equals sg(π_θ) exactly, or where the loss never reads it
-        skip_old = single_update(cfg, policy) or (not uses_old(loss_cfg) and not cfg.recompute_old)
+        single = single_update(cfg, policy)
+        skip_old = single or (not uses_old(loss_cfg) and not cfg.recompute_old)
         pipeline = RolloutPipeline(engine, task, tokenizer, sampling, cfg.prompts_per_step, cfg.group_size,
                                    cfg.max_staleness, cfg.seed, pending=state["pending"],
                                    staleness_policy=cfg.staleness_policy, **state["pipeline"])
@@ -342,6 +376,8 @@ def train(cfg: TrainConfig, resume: Path | None = None, console: Console | None 
         logger = RunLogger(run_dir, cfg.steps, start_step, console, progress=progress, log_to=cfg.log_to,
                            config=yaml.safe_load((run_dir / "config.yaml").read_text()))
     except BaseException as err:
+        if threads_before is not None:
+            set_threads(threads_before)
         if created and not isinstance(err, EngineError):
             shutil.rmtree(run_dir, ignore_errors=True)  # nothing half-written (an engine failure keeps engine.log)
         raise
@@ -372,16 +408,25 @@ def train(cfg: TrainConfig, resume: Path | None = None, console: Console | None 
             with timer("pi_old"):
                 old = None if skip_old or loglinear else scorer.score(batch)
 
+            # one update per batch: the update's forward is π_old exactly (module doc), so the sample rows'
+            # log π_old are kept from it (no forward of their own, issue #49); else they take one before the update
+            shown = set(spread_rows(len(rewards), cfg.group_size, cfg.samples_per_step).tolist())
+            kept: dict[int, torch.Tensor] | None = {} if single and not loglinear and shown else None
+
             def old_of(rows, mb, logprobs):
                 if loglinear:  # proximal = this step's starting weights (v + 1 − 1)
                     return op.loglinear_proximal(logprobs, mb.rollout_logprobs, item.rollouts.version,
                                                  current_version=version + 1)
                 if skip_old:
+                    if kept is not None:
+                        kept.update({r: logprobs[i].detach() for i, r in enumerate(rows.tolist()) if r in shown})
                     return logprobs.detach()
                 return old[device_index(rows, device), : mb.mask.shape[1]]
 
-            with timer("samples"):  # a few rows as text, with their log ρ under the weights that start the step
-                samples = step_samples(cfg, scorer, tokenizer, item, batch, texts, rewards, advantages, old)
+            samples = []
+            if kept is None:
+                with timer("samples"):  # a few rows as text, with their log ρ under the weights that start the step
+                    samples = step_samples(cfg, scorer, tokenizer, item, batch, texts, rewards, advantages, old)
             # ------------------------------------------------ corrected loss, PPO mini-batches, micro-batches
             metrics = Metrics()
             order = torch.Generator().manual_seed(cfg.seed * 31 + step)
@@ -403,6 +448,10 @@ def train(cfg: TrainConfig, resume: Path | None = None, console: Console | None 
                         if batch.mask[rows].sum() == 0:  # the CPU batch: no device read
                             continue
                         optimizer_step(scorer, optimizer, batch, rows, adv_tokens, **step_args)
+            if kept is not None:
+                with timer("samples"):  # log π_old from the update's own forward (kept above)
+                    samples = step_samples(cfg, scorer, tokenizer, item, batch, texts, rewards, advantages, old,
+                                           kept=kept)
             with timer("policy_kl"):
                 kl_update = None if kl_rows is None else 0.0 if skipped else update_kl_k3(
                     kl_before, scorer.whole().score(batch.select(kl_rows)),
@@ -431,7 +480,10 @@ def train(cfg: TrainConfig, resume: Path | None = None, console: Console | None 
                 }
                 if kl_update is not None:  # a skipped update moves nothing: exactly 0
                     values["policy/kl_k3_update"] = kl_update
-                if eval_set and (step % cfg.eval_every == 0 or step == cfg.steps - 1):
+            # its own stage: greedy answers to the held-out prompts cost seconds on a real model (issue #49),
+            # which inside "log" hid what writing the step's records costs (milliseconds)
+            if eval_set and (step % cfg.eval_every == 0 or step == cfg.steps - 1):
+                with timer("eval"):
                     values["eval/accuracy"] = exact_match_accuracy(policy, tokenizer, task, eval_set,
                                                                    cfg.max_new_tokens, sample_seed=None,
                                                                    score=task.reward if hasattr(task, "held_out") else None,
@@ -471,6 +523,8 @@ def train(cfg: TrainConfig, resume: Path | None = None, console: Console | None 
         if raised:
             logger.finish(failed=True)  # the trackers' runs end as failed
         engine.close()
+        if threads_before is not None:  # the caller's process as it was (a run started in-process, a test)
+            set_threads(threads_before)
         if failed and created and not (run_dir / "checkpoints").exists():
             shutil.rmtree(run_dir, ignore_errors=True)  # a run that never checkpointed leaves nothing
     plot = logger.plot()
