@@ -246,11 +246,11 @@ def test_a_run_trains_at_its_thread_count_and_gives_the_callers_back(offpolicy_c
 def test_samples_take_log_pi_old_from_the_update_forward(offpolicy_cache, tmp_path, monkeypatch):
     """With one update per batch the sample rows' log π_old come from the update's own forward (issue #49): no
     forward of their own — the same numbers, to fp32 rounding, as the π_old forward of recompute_old=true."""
-    from offpolicy.train import loop
+    from offpolicy.policy.score import Scorer
 
     calls = []
-    forward = loop.old_logprobs
-    monkeypatch.setattr(loop, "old_logprobs", lambda *a, **k: (calls.append(1), forward(*a, **k))[1])
+    forward = Scorer.score  # a no-grad forward of some rows: π_old's, or the sample rows' own
+    monkeypatch.setattr(Scorer, "score", lambda *a, **k: (calls.append(1), forward(*a, **k))[1])
     kept = _run(tmp_path, "kept", "steps=2")
     assert calls == []  # old code: one forward of the sample rows per step
     recomputed = _run(tmp_path, "recomputed", "steps=2", "recompute_old=true")
