@@ -161,6 +161,18 @@ def test_any_other_difference_from_the_model_logits_is_refused():
         trainer_logprobs(model, ragged_batch(base, 97), SAMPLINGS["plain"])
 
 
+def long_rows_batch(vocab: int, b: int, t: int, kept=None) -> tuple[torch.nn.Module, Batch]:
+    """A two-layer llama at ``vocab`` and ``b`` rows of 6 prompt + ``t`` response tokens, drawn uniformly
+    (seed 0); ``kept(input_ids, generator)``: the engine's kept sets of the response tokens (``Batch.kept``)."""
+    model = tiny_causal_lm("llama", vocab, hidden=8)
+    g = torch.Generator().manual_seed(0)
+    input_ids = torch.randint(0, vocab, (b, t + 6), generator=g)
+    positions = (5 + torch.arange(t))[None].expand(b, t)
+    return model, Batch(input_ids, torch.ones_like(input_ids), positions, input_ids[:, 6:], torch.ones(b, t),
+                        torch.zeros(b, t), torch.zeros(b, dtype=torch.long),
+                        kept=None if kept is None else kept(input_ids, g))
+
+
 class _LargestTensor(TorchDispatchMode):
     """The largest number of elements of any tensor an op returns while the mode is on."""
 
@@ -180,14 +192,8 @@ def test_no_tensor_grows_with_tokens_times_vocabulary():
     """Forward and backward at 4 rows × 32 response tokens, chunks of 8: no op returns more than one
     chunk's [8, V] (the [V, H] gradient of the embedding is smaller here), where the old path held
     [4, 38, V] logits — 19 times more."""
-    vocab, chunk = 2048, 8
-    model = tiny_causal_lm("llama", vocab, hidden=8)
-    g = torch.Generator().manual_seed(0)
-    b, t = 4, 32
-    input_ids = torch.randint(0, vocab, (b, t + 6), generator=g)
-    positions = (5 + torch.arange(t))[None].expand(b, t)
-    batch = Batch(input_ids, torch.ones_like(input_ids), positions, input_ids[:, 6:], torch.ones(b, t),
-                  torch.zeros(b, t), torch.zeros(b, dtype=torch.long))
+    vocab, chunk, b, t = 2048, 8, 4, 32
+    model, batch = long_rows_batch(vocab, b, t)
     trainer_logprobs(model, batch, SAMPLINGS["all"], chunk=chunk)  # the one-time head check runs outside the count
     with _LargestTensor() as seen:
         lp = trainer_logprobs(model, batch, SAMPLINGS["all"], Metrics(), chunk=chunk)

@@ -26,7 +26,7 @@ from offpolicy.policy.score import Scorer, to_device, trim
 from offpolicy.tasks.tokenizer import prompt_ids
 
 from cli_inprocess import run_cli  # noqa: E402
-from test_head import _LargestTensor, ragged_batch, tiny_causal_lm, value_and_grads  # noqa: E402
+from test_head import _LargestTensor, long_rows_batch, ragged_batch, tiny_causal_lm, value_and_grads  # noqa: E402
 
 VOCAB = 97
 SAMPLING = SamplingConfig(temperature=1.3, top_p=0.8)
@@ -135,15 +135,13 @@ def test_replayed_head_is_exact_against_float64_full_logits_over_the_engines_set
 def test_replay_keeps_the_head_flat_in_tokens():
     """Forward and backward with the engine's sets at 4 × 32 tokens, chunks of 8: no op returns more than a
     chunk's [8, V] (each chunk's sets are made dense one chunk at a time)."""
-    vocab, chunk = 2048, 8
-    model = tiny_causal_lm("llama", vocab, hidden=8)
-    g = torch.Generator().manual_seed(0)
-    b, t = 4, 32
-    input_ids = torch.randint(0, vocab, (b, t + 6), generator=g)
-    positions = (5 + torch.arange(t))[None].expand(b, t)
-    keep = (torch.rand(b, t, vocab, generator=g) < 0.01).scatter(-1, input_ids[:, 6:].unsqueeze(-1), True)
-    batch = Batch(input_ids, torch.ones_like(input_ids), positions, input_ids[:, 6:], torch.ones(b, t),
-                  torch.zeros(b, t), torch.zeros(b, dtype=torch.long), kept=KeptIds.from_mask(keep))
+    vocab, chunk, b, t = 2048, 8, 4, 32
+
+    def sets(input_ids, g):  # ~1 % of the vocabulary, and the drawn token
+        keep = torch.rand(b, t, vocab, generator=g) < 0.01
+        return KeptIds.from_mask(keep.scatter(-1, input_ids[:, 6:].unsqueeze(-1), True))
+
+    model, batch = long_rows_batch(vocab, b, t, kept=sets)
     sampling = SamplingConfig(top_p=0.9)
     trainer_logprobs(model, batch, sampling, chunk=chunk)  # the one-time head check runs outside the count
     with _LargestTensor() as seen:
