@@ -232,6 +232,26 @@ if triton is not None:
         return tl.where(tl.abs(x) < 0.0625, series, tl.exp(x) - 1.0)
 
     @triton.jit
+    def _program_cols(T, BLOCK: tl.constexpr):
+        """This program's row, its chunk of the row, the chunk's token columns and which lie inside the row."""
+        row = tl.program_id(0)
+        chunk = tl.program_id(1)
+        cols = chunk * BLOCK + tl.arange(0, BLOCK)
+        return row, chunk, cols, cols < T
+
+    @triton.jit
+    def _rule_value(STAT: tl.constexpr, ratio, lr, bounds_ptr, I: tl.constexpr, L: tl.constexpr):
+        """Rule I's per-token statistic (STAT 0: ρ itself, else ``_k_stat``) and its band [lo, hi], read from
+        the runtime bounds vector (two fp32 a rule: data-chosen bounds change no compile key)."""
+        if STAT == 0:
+            x = ratio
+        else:
+            x = _k_stat(STAT, lr, L)
+        lo = tl.load(bounds_ptr + 2 * I)
+        hi = tl.load(bounds_ptr + 2 * I + 1)
+        return x, lo, hi
+
+    @triton.jit
     def _k_stat(STAT: tl.constexpr, lr, L: tl.constexpr):
         """k1 = −log ρ, k2 = ½(log ρ)², k3 = ρ − 1 − log ρ = expm1(log ρ) − log ρ (verl rollout_rs; docs/specification.md §4);
         direction pi_mu (AReaL): 4 = k1 = log ρ, 5 = k3 = 1/ρ − 1 + log ρ."""
@@ -312,10 +332,7 @@ if triton is not None:
         """Pass 1: per (row, chunk), the partial sums the row decisions need (see module docstring).
         Slots: 2i, 2i+1 → rule i's statistic and n_seen; 2n, 2n+1 → Σ log ρ and n over the tokens
         that pass every token rule (the weight's row ratio); 2n+2 → non-finite tokens."""
-        row = tl.program_id(0)
-        chunk = tl.program_id(1)
-        cols = chunk * BLOCK + tl.arange(0, BLOCK)
-        inb = cols < T
+        row, chunk, cols, inb = _program_cols(T, BLOCK)
         mval, m_in, lp, old, trainer, roll, adv = _load(lp_ptr, old_ptr, roll_ptr, adv_ptr, m_ptr, row, cols, inb, s_lp,
                                                         s_old, s_roll, s_adv_b, s_adv_t, s_m, CORRECTED, ANCHOR, OLD_IN)
         bad = _bad(m_in, lp, old, roll, adv, CORRECTED, OLD_IN)
@@ -330,12 +347,7 @@ if triton is not None:
                 seen = tok_ok
             else:
                 seen = valid
-            if RULES[i][0] == 0:
-                x = ratio
-            else:
-                x = _k_stat(RULES[i][0], lr, L)
-            lo = tl.load(bounds_ptr + 2 * i)
-            hi = tl.load(bounds_ptr + 2 * i + 1)
+            x, lo, hi = _rule_value(RULES[i][0], ratio, lr, bounds_ptr, i, L)
             if RULES[i][1] == 0:
                 tok_ok = tok_ok & _band(x, lo, hi)
             else:
@@ -363,10 +375,7 @@ if triton is not None:
                 KIND: tl.constexpr, UNREDUCED: tl.constexpr, CP: tl.constexpr, BLOCK: tl.constexpr):
         """Pass 2: sanitize → log ρ → rejection → weights → loss and derivative → partial sums.
         ``bounds_ptr``: fp32 (low, high) per rule, the weight's (low, high), 1 − ε_low, 1 + ε_high, c."""
-        row = tl.program_id(0)
-        chunk = tl.program_id(1)
-        cols = chunk * BLOCK + tl.arange(0, BLOCK)
-        inb = cols < T
+        row, chunk, cols, inb = _program_cols(T, BLOCK)
         mval, m_in, lp, old, trainer, roll, adv = _load(lp_ptr, old_ptr, roll_ptr, adv_ptr, m_ptr, row, cols, inb, s_lp,
                                                         s_old, s_roll, s_adv_b, s_adv_t, s_m, CORRECTED, ANCHOR, OLD_IN)
         n_rules: tl.constexpr = len(RULES)
@@ -408,12 +417,7 @@ if triton is not None:
                 seen = tok_ok & alive
             else:
                 seen = valid
-            if RULES[i][0] == 0:
-                x = ratio
-            else:
-                x = _k_stat(RULES[i][0], lr, L)
-            lo = tl.load(bounds_ptr + 2 * i)
-            hi = tl.load(bounds_ptr + 2 * i + 1)
+            x, lo, hi = _rule_value(RULES[i][0], ratio, lr, bounds_ptr, i, L)
             if RULES[i][1] == 0:
                 ok = _band(x, lo, hi)
                 removed = seen & ~ok
