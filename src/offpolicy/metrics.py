@@ -60,6 +60,12 @@ class FlatLayout(NamedTuple):
         return cls(reducers, offsets, widths, offset)
 
 
+
+def _detached_f64(values: torch.Tensor, mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``values`` detached in float64 (a metric's partial sums), and ``mask`` (None: every element)."""
+    values = values.detach().to(torch.float64)
+    return values, torch.ones_like(values, dtype=torch.bool) if mask is None else mask
+
 class Metrics:
     """A dict-like bag of reducible metrics (docs/specification.md §7). Keys are stored without the prefix."""
 
@@ -148,9 +154,7 @@ class Metrics:
         self._extreme(key, "max", values, mask)
 
     def _extreme(self, key: str, reducer: str, values: torch.Tensor, mask: torch.Tensor | None) -> None:
-        values = values.detach().to(torch.float64)
-        if mask is None:
-            mask = torch.ones_like(values, dtype=torch.bool)
+        values, mask = _detached_f64(values, mask)
         fill = torch.full((), _EMPTY_EXTREME[reducer], dtype=torch.float64, device=values.device)
         selected = torch.where(mask, values, fill)
         value = selected.amin() if reducer == "min" else selected.amax()
@@ -164,9 +168,7 @@ class Metrics:
         self._moments(key, "ess", weights, mask)
 
     def _moments(self, key: str, reducer: str, values: torch.Tensor, mask: torch.Tensor | None) -> None:
-        values = values.detach().to(torch.float64)
-        if mask is None:
-            mask = torch.ones_like(values, dtype=torch.bool)
+        values, mask = _detached_f64(values, mask)
         zero = torch.zeros((), dtype=torch.float64, device=values.device)
         selected = torch.where(mask, values, zero)
         parts = torch.stack([selected.sum(), (selected * selected).sum(), mask.sum().to(torch.float64)])
