@@ -108,7 +108,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     saved = yaml.safe_load((args.run / "config.yaml").read_text())
     train, resolved = saved["train"], saved["resolved"]
-    rows = [json.loads(line) for line in (args.run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    from offpolicy.train.logger import read_jsonl
+
+    rows = read_jsonl(args.run / "metrics.jsonl")  # a run cut mid-write leaves a torn last line
     config = json.loads((Path(train["model"]) / "config.json").read_text())
     n_body, n_head = model_params(config)
     prompt = prompt_tokens(train, train["model"])

@@ -96,14 +96,11 @@ def run_overrides(cell: Cell, seed: int, args: argparse.Namespace, run_dir: Path
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
-    path = run_dir / "metrics.jsonl"
-    if not path.is_file():
-        return []
+    from offpolicy.train.logger import read_jsonl
+
     rows = {}
-    for line in path.read_text().splitlines():
-        if line.strip():
-            row = json.loads(line)
-            rows[row["step"]] = row  # a resumed run rewrites the steps past its checkpoint: the last wins
+    for row in read_jsonl(run_dir / "metrics.jsonl"):  # a run cut mid-write leaves a torn last line
+        rows[row["step"]] = row  # a resumed run rewrites the steps past its checkpoint: the last wins
     return [rows[k] for k in sorted(rows)]
 
 

@@ -40,6 +40,7 @@ from offpolicy.engines import Rollouts, SamplingConfig, make_engine
 from offpolicy.integrations.dump import load_batch
 from offpolicy.metrics import Metrics
 from offpolicy.policy.batch import Batch, to_batch
+from offpolicy.policy.head import truncates
 from offpolicy.policy.score import Scorer, load_policy
 from offpolicy.tasks.tokenizer import plain_text_ids
 
@@ -140,7 +141,8 @@ def sample(trainer: TrainerSide, tokenizer, prompts: list[list[int]], engine: st
     return score(rollouts, trainer, tokenizer, seconds=seconds)
 
 
-def score(rollouts: Rollouts, trainer: TrainerSide, tokenizer, seconds: float | None = None) -> Sample:
+def score(rollouts: Rollouts, trainer: TrainerSide, tokenizer, seconds: float | None = None,
+          scorer: Scorer | None = None) -> Sample:
     """The trainer half: log π_train(y_t) of every sampled token, on the engine's sampling support, as
     ``trainer`` scores them; ``seconds`` is the engine's time, kept for the report. The sample comes back on
     the CPU.
@@ -156,7 +158,7 @@ def score(rollouts: Rollouts, trainer: TrainerSide, tokenizer, seconds: float | 
     if not any(rollouts.response_ids):
         raise RuntimeError("the engine returned only empty responses: nothing to compare")
     batch = to_batch(rollouts, tokenizer.pad_token_id)
-    scorer = trainer.scorer()  # loaded once: with replay it scores twice
+    scorer = scorer or trainer.scorer()  # loaded once: with replay it scores twice
     s = score_batch(trainer, batch, seconds, scorer)
     if replays(batch, trainer.sampling):  # and without replay: the trainer's own set, for the with/without shares
         s = replace(s, without_replay=score_batch(trainer, replace(batch, kept=None), seconds, scorer))
@@ -191,7 +193,7 @@ def score_batch(trainer: TrainerSide, batch: Batch, seconds: float | None = None
 def replays(batch: Batch, sampling: SamplingConfig) -> bool:
     """Whether the trainer scores ``batch`` on the engine's kept sets: they were recorded (``Batch.kept``)
     and sampling truncates (top-k or top-p; ``head.replayed_sets``)."""
-    return batch.kept is not None and (sampling.top_k != -1 or sampling.top_p < 1.0)
+    return batch.kept is not None and truncates(sampling)
 
 
 def kept_set_report(s: Sample) -> dict[str, Any]:
@@ -252,13 +254,14 @@ def sample_server(config, trainer: TrainerSide, tokenizer, prompts: list[list[in
     vocab_size = AutoConfig.from_pretrained(trainer.model_path).get_text_config().vocab_size  # the embedding's rows
     rollouts, info = server.generate(config, tokenizer, prompts, sampling, seed=seed, model_path=trainer.model_path,
                                      console=console, vocab_size=vocab_size)
-    s = score(rollouts, trainer, tokenizer, seconds=info["seconds"])
+    scorer = trainer.scorer()  # one model for both scorings below
+    s = score(rollouts, trainer, tokenizer, seconds=info["seconds"], scorer=scorer)
     if (sampling.temperature, sampling.top_p, sampling.top_k) == (1.0, 1.0, -1):
         info["logprob_check"] = {"verdict": "not needed: at temperature 1, top_p 1, top_k -1 the sampling "
                                  "distribution is the model's own (processed = raw log-probs)"}
     else:
         raw = replace(trainer, sampling=SamplingConfig(max_tokens=sampling.max_tokens))  # the full vocabulary
-        untruncated = score(rollouts, raw, tokenizer)
+        untruncated = score(rollouts, raw, tokenizer, scorer=replace(scorer, sampling=raw.sampling))
         info["logprob_check"] = logprob_semantics(s, untruncated.trainer, sampling)
     return s, info
 

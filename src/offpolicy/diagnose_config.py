@@ -26,6 +26,20 @@ MICRO_BATCH_TOKENS = 2048
 VLLM_FLAGS = ("max_num_batched_tokens", "max_num_seqs", "enable_chunked_prefill", "enforce_eager")
 
 
+# ServerConfig's fields under the names of the flags that set them
+SERVER_FIELD_FLAGS = {"url": "--engine-url", "api_key": "--api-key-env", "served_model": "--served-model-name",
+                "timeout": "--request-timeout", "cache_salt": "--no-cache-salt"}
+
+
+def flag_error(err: ValidationError, flags: dict[str, str] | None = None) -> ConfigError:
+    """A config's first validation error in the CLI's words: our validators' messages name the flag
+    themselves; any other names the field as its flag (``flags``, else ``--field-name``)."""
+    first = err.errors()[0]
+    if first["type"] == "value_error":
+        return ConfigError(first["msg"].removeprefix("Value error, "))
+    field = str(first["loc"][0])
+    return ConfigError(f"{(flags or {}).get(field, '--' + field.replace('_', '-'))}: {first['msg']}")
+
 class DiagnoseConfig(_Strict):
     """Where the prompts come from (``task``, ``prompts``, ``data``; or ``batch``, a host's dump), what
     samples them (an engine in one or several settings, or the server at ``engine_url``), how the trainer
@@ -76,10 +90,7 @@ class DiagnoseConfig(_Strict):
         try:
             BaseModel.__init__(self, **flags)  # not _Strict's: its message names the class, not the flag
         except ValidationError as err:
-            first = err.errors()[0]
-            if first["type"] == "value_error":  # our checks' messages name the flag themselves
-                raise ConfigError(first["msg"].removeprefix("Value error, ")) from None
-            raise ConfigError(f"--{str(first['loc'][0]).replace('_', '-')}: {first['msg']}") from None
+            raise flag_error(err) from None
 
     @model_validator(mode="before")
     @classmethod
@@ -192,8 +203,4 @@ class DiagnoseConfig(_Strict):
                                 served_model=self.served_model_name, concurrency=self.concurrency,
                                 timeout=self.request_timeout, retries=self.retries, cache_salt=not self.no_cache_salt)
         except ValidationError as err:
-            first = err.errors()[0]
-            if first["type"] == "value_error":  # our validator's message names the flag itself
-                raise ConfigError(first["msg"].removeprefix("Value error, ")) from None
-            flag = {"timeout": "--request-timeout"}.get(str(first["loc"][0]), "--" + str(first["loc"][0]))
-            raise ConfigError(f"{flag}: {first['msg']}") from None
+            raise flag_error(err, SERVER_FIELD_FLAGS) from None

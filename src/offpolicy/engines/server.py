@@ -369,14 +369,14 @@ def expected_texts(tokenizer, ids: list[int], prompt: list[int],
     does: a SentencePiece decoder strips a leading space only at the start of a text), ``"special_skipped"``
     (a server that ignores ``skip_special_tokens: false``). The plain decode comes first."""
     bases = [(ids, ())] + ([(ids[:-1], ("stop_token_left_out",))] if stopped and ids else [])
+    context = list(prompt[-CONTEXT_TOKENS:])
     for skip in (False, True):
+        before = tokenizer.decode(context, skip_special_tokens=skip)
         for base, why in bases:
             for cut in _held_back(tokenizer, base, skip):
                 form = why + (("held_back",) if cut < len(base) else ()) + (("special_skipped",) if skip else ())
                 part = base[:cut]
                 yield _clean(tokenizer.decode(part, skip_special_tokens=skip)), form
-                context = list(prompt[-CONTEXT_TOKENS:])
-                before = tokenizer.decode(context, skip_special_tokens=skip)
                 after = tokenizer.decode(context + part, skip_special_tokens=skip)
                 if context and after.startswith(before):
                     yield _clean(after[len(before):]), form + ("after_prompt",)

@@ -411,8 +411,7 @@ def replayed_sets(batch: Batch, sampling: SamplingConfig, rows: torch.Tensor, co
                   ) -> KeptIds | None:
     """The engine's kept sets ``[N]`` of the counted tokens when the batch carries them and sampling
     truncates (without truncation the set is the whole vocabulary: nothing to replay), else None."""
-    kept = getattr(batch, "kept", None)
-    return kept[rows, cols] if kept is not None and truncates(sampling) else None
+    return batch.kept[rows, cols] if batch.kept is not None and truncates(sampling) else None
 
 
 @torch.no_grad()

@@ -93,12 +93,11 @@ class Larger:
 class ChatRendered:
     """A synthetic task whose prompts are rendered once with a tokenizer's chat template (a user turn,
     generation prompt added; plain text where the tokenizer has no template), as ``task=dataset`` renders
-    its rows (``dataset.render_prompts``). ``eval_reward``: the eval scores with ``reward`` (partial credit)."""
+    its rows (``dataset.render_prompts``)."""
 
     task: Any
     tokenizer: Any = field(repr=False)
     held_out: tuple[Problem, ...] = ()
-    eval_reward: bool = True
     _cache: dict[str, tuple[int, ...]] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod

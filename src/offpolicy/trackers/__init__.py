@@ -114,7 +114,6 @@ class Trackers:
     def __init__(self, trackers: list[Tracker], console: Console, run_dir: Path | None = None):
         self.trackers = trackers
         self.console = console
-        self.failed: dict[str, str] = {}
         self.where = {t.name: t.where for t in trackers}  # kept after close: the run's last line says where
         if run_dir is not None and trackers:
             (run_dir / "trackers.json").write_text(json.dumps(self.where, indent=1, default=str))
@@ -133,7 +132,6 @@ class Trackers:
                 call(tracker)
             except Exception as err:  # noqa: BLE001 - a tracker never stops the run
                 self.trackers.remove(tracker)
-                self.failed[tracker.name] = f"{type(err).__name__}: {err}"
                 self.console.print(Text(f"log_to: {tracker.name} failed while {what} ({type(err).__name__}: "
                                         f"{_first_line(err)}); it is off for the rest of this run, metrics.jsonl "
                                         "and the other trackers go on", style="yellow"), soft_wrap=True)

@@ -45,6 +45,7 @@ import yaml
 from rich.console import Console
 
 import offpolicy as op
+from offpolicy import ops
 from offpolicy.config import ConfigError
 from offpolicy.engines import EngineError, SamplingConfig, make_engine, perturb
 from offpolicy.metrics import Metrics
@@ -242,12 +243,12 @@ def throughput(values: dict[str, float], n_tokens: float, device: torch.device, 
 
 
 def step_samples(cfg: TrainConfig, scorer: Scorer, tokenizer, item, batch, texts: list[str], rewards: torch.Tensor,
-                 advantages: torch.Tensor, old: torch.Tensor | None, kept: dict[int, torch.Tensor] | None = None
+                 advantages: torch.Tensor, old: torch.Tensor | None, update_logprobs: dict[int, torch.Tensor] | None = None
                  ) -> list[dict]:
     """``cfg.samples_per_step`` rows of this step as text (``logger.sample_records``): one row from each of
     the first groups (the first response of group 0, 1, …; then the second of each), with log ρ = log π_old
     − log μ per token — from the π_old forward where one ran; else, with one update per batch, from the
-    update's own forward (``kept``: row → its log-probs, what ``old_of`` returned for it; π_old = sg(π_θ)
+    update's own forward (``update_logprobs``: row → its log-probs, what ``old_of`` returned for it; π_old = sg(π_θ)
     there); else from a no-grad forward on those rows only, before the update (π_old = the weights that
     start the step)."""
     if cfg.samples_per_step == 0:
@@ -255,11 +256,11 @@ def step_samples(cfg: TrainConfig, scorer: Scorer, tokenizer, item, batch, texts
     rows = spread_rows(len(rewards), cfg.group_size, cfg.samples_per_step)
     if old is not None:
         trainer = old[rows.to(old.device)].float().cpu()
-    elif kept is not None:  # a row the update never saw has no response token: all of it is masked below
+    elif update_logprobs is not None:  # a row the update never saw has no response token: all of it is masked below
         trainer = torch.zeros(len(rows), batch.mask.shape[1], dtype=torch.float32)
         for i, r in enumerate(rows.tolist()):
-            if r in kept:
-                trainer[i, : kept[r].shape[0]] = kept[r].float().cpu()
+            if r in update_logprobs:
+                trainer[i, : update_logprobs[r].shape[0]] = update_logprobs[r].float().cpu()
     else:
         trainer = scorer.whole().score(batch.select(rows)).float().cpu()
     # −inf where a token lies outside the trainer's top-k/top-p support (sample_records leaves it out)
@@ -296,8 +297,7 @@ def update_kl_k3(before: torch.Tensor, after: torch.Tensor, mask: torch.Tensor) 
     if not valid.any():
         return 0.0
     log_r = torch.where(valid, after - before, 0.0).clamp(-20.0, 20.0)
-    k3 = torch.expm1(log_r) - log_r
-    return (k3[valid].sum() / valid.sum()).item()
+    return ops.masked_mean(ops.k3(log_r, 20.0), valid).item()
 
 
 def train(cfg: TrainConfig, resume: Path | None = None, console: Console | None = None,
@@ -411,20 +411,20 @@ def train(cfg: TrainConfig, resume: Path | None = None, console: Console | None 
             # one update per batch: the update's forward is π_old exactly (module doc), so the sample rows'
             # log π_old are kept from it (no forward of their own, issue #49); else they take one before the update
             shown = set(spread_rows(len(rewards), cfg.group_size, cfg.samples_per_step).tolist())
-            kept: dict[int, torch.Tensor] | None = {} if single and not loglinear and shown else None
+            update_lp: dict[int, torch.Tensor] | None = {} if single and not loglinear and shown else None
 
             def old_of(rows, mb, logprobs):
                 if loglinear:  # proximal = this step's starting weights (v + 1 − 1)
                     return op.loglinear_proximal(logprobs, mb.rollout_logprobs, item.rollouts.version,
                                                  current_version=version + 1)
                 if skip_old:
-                    if kept is not None:
-                        kept.update({r: logprobs[i].detach() for i, r in enumerate(rows.tolist()) if r in shown})
+                    if update_lp is not None:
+                        update_lp.update({r: logprobs[i].detach() for i, r in enumerate(rows.tolist()) if r in shown})
                     return logprobs.detach()
                 return old[device_index(rows, device), : mb.mask.shape[1]]
 
             samples = []
-            if kept is None:
+            if update_lp is None:
                 with timer("samples"):  # a few rows as text, with their log ρ under the weights that start the step
                     samples = step_samples(cfg, scorer, tokenizer, item, batch, texts, rewards, advantages, old)
             # ------------------------------------------------ corrected loss, PPO mini-batches, micro-batches
@@ -448,10 +448,10 @@ def train(cfg: TrainConfig, resume: Path | None = None, console: Console | None 
                         if batch.mask[rows].sum() == 0:  # the CPU batch: no device read
                             continue
                         optimizer_step(scorer, optimizer, batch, rows, adv_tokens, **step_args)
-            if kept is not None:
-                with timer("samples"):  # log π_old from the update's own forward (kept above)
+            if update_lp is not None:
+                with timer("samples"):  # log π_old from the update's own forward (update_lp above)
                     samples = step_samples(cfg, scorer, tokenizer, item, batch, texts, rewards, advantages, old,
-                                           kept=kept)
+                                           update_logprobs=update_lp)
             with timer("policy_kl"):
                 kl_update = None if kl_rows is None else 0.0 if skipped else update_kl_k3(
                     kl_before, scorer.whole().score(batch.select(kl_rows)),

@@ -241,27 +241,26 @@ def _step(scorer: Scorer, batch: Batch, rows: torch.Tensor, advantages: torch.Te
         # the forward's own metrics (entropy, outside mass) come from the first forward of each micro-batch —
         # also of one whose tokens all fall outside the trainer's support, which gets no second forward: the
         # whole batch's forward covers its tokens too, so the split reports the same numbers (issue #43)
-        parts, kept, measured = [], [], []
+        first_pass = loss_cfg.correction is not None or truncated  # else the count needs the masks only
+        parts, kept = [], []
         for g, mb, adv in zip(groups, mbs, advs):
-            if loss_cfg.correction is None and not truncated:  # the count needs the masks only
+            if not first_pass:
                 parts.append({"mask": widen(mb.mask, width)})
                 kept.append(True)
-                measured.append(False)
                 continue
             with torch.no_grad():  # π_θ is the same for every micro-batch of this step
                 view, current, old = loss_inputs(g, mb, scorer.forward(mb, metrics),
                                                  metrics if truncated else None)
             kept.append(counts(view))
-            measured.append(True)
             if kept[-1]:
                 parts.append({"mask": view.mask} if loss_cfg.correction is None else _part(view, adv, current, old))
         cfg = step_config(loss_cfg, parts, step) if parts else loss_cfg
-        for g, mb, adv, keep, done in zip(groups, mbs, advs, kept, measured):
+        for g, mb, adv, keep in zip(groups, mbs, advs, kept):
             if not keep:
                 continue
             # π_old from the update's own forward where it is sg(π_θ), as in the unsplit step (the
             # no-grad forward above may take other kernels and differ in the last bit)
-            view, logprobs, old = loss_inputs(g, mb, scorer.forward(mb, None if done else metrics))
+            view, logprobs, old = loss_inputs(g, mb, scorer.forward(mb, None if first_pass else metrics))
             total = total + accumulate(logprobs, old, adv, view, cfg, step, backward, split)
     metrics.update(step.renamed(rule_names(loss_cfg)))
     return total
