@@ -130,9 +130,7 @@ class Metrics:
 
     def mean(self, key: str, values: torch.Tensor, mask: torch.Tensor | None = None) -> None:
         """Record the mean of ``values`` over ``mask`` (all elements if ``mask`` is None)."""
-        values = values.detach().to(torch.float64)
-        if mask is None:
-            mask = torch.ones_like(values, dtype=torch.bool)
+        values, mask = _detached_f64(values, mask)
         total = torch.where(mask, values, torch.zeros((), dtype=values.dtype, device=values.device)).sum()
         self._put(key, "mean", torch.stack([total, mask.sum().to(torch.float64)]))
 

@@ -101,11 +101,12 @@ def top_p_keep(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     tokens the engine kept; a plain descending sort kept the smaller id instead.
     """
     ascending, order = probs.sort(dim=-1, stable=True)  # ties in id order
-    descending, order = ascending.flip(-1), order.flip(-1)  # ties: the larger id first
+    descending = ascending.flip(-1)  # ties: the larger id first
     mass_before = descending.cumsum(dim=-1) - descending  # mass strictly above each token
     keep_sorted = mass_before < top_p
     keep_sorted[..., 0] = True
-    return torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+    # back to ascending order before the scatter: the flip lands on this bool [..., V], not on the int64 order
+    return torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted.flip(-1))
 
 
 def outside_mass_metrics(outside_mass: torch.Tensor, mask: torch.Tensor, metrics: Metrics | None = None) -> Metrics:
