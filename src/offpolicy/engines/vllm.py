@@ -353,7 +353,7 @@ class VLLMEngine:
             loud = quiet.getEffectiveLevel() < logging.ERROR
             if loud:
                 quiet.setLevel(logging.ERROR)
-            watch = _UnloadedWatch() if self._watch is None else self._watch
+            watch = self._watch  # installed once the engine started, closed by close()
             watch.found.clear()
             try:
                 # the worker's reload runs inside vLLM's config context (set_current_vllm_config)
@@ -361,8 +361,6 @@ class VLLMEngine:
             finally:
                 if loud:
                     quiet.setLevel(level)
-                if watch is not self._watch:
-                    watch.close()
             unloaded = list(watch.found)
             if unloaded:
                 raise EngineError(
