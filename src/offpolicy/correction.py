@@ -718,8 +718,8 @@ def correct(
     )
     after: list[torch.Tensor] = []
     surviving = apply_rejection(cfg, batch, valid, input_mask, metrics, after)
-    counted = {"fixed": valid, "renormalize": surviving}.get(cfg.denominator) if isinstance(cfg.denominator, str) \
-        else after[cfg.denominator]
+    # after[0] is valid (fixed), after[-1] the surviving mask (renormalize), after[n] the count after n rules
+    counted = after[{"fixed": 0, "renormalize": -1}.get(cfg.denominator, cfg.denominator)]
     metrics.ratio("masked_fraction", (input_mask & ~surviving).sum(), input_mask.sum())
     metrics.ratio("masked_fraction_seq", (input_mask & ~surviving).any(dim=-1).sum(), input_mask.any(dim=-1).sum())
 
