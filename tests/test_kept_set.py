@@ -50,6 +50,46 @@ def engine_sets(model, batch: Batch, sampling: SamplingConfig, noise: float = 0.
 
 
 # ---------------------------------------------------------------------------------------- the representation
+def test_flat_sets_give_every_run_of_positions_its_mask_from_host_bounds():
+    """``FlatKept.mask(a, b)`` — what the head builds per chunk — is the dense mask of positions [a, b),
+    for every chunking, on sets gathered like the head's (``kept[rows, cols]``), including empty sets and
+    empty runs; the bounds are host ints (no device read per chunk), the vocabulary checked once."""
+    g = torch.Generator().manual_seed(1)
+    keep = torch.rand(4, 6, 13, generator=g) < 0.25
+    keep[1, 2] = False  # an empty set
+    kept = KeptIds.from_mask(keep)
+    rows, cols = torch.tensor([3, 0, 1, 1, 2, 0, 3]), torch.tensor([5, 1, 2, 0, 4, 4, 0])
+    flat = kept[rows, cols].flat()
+    want = keep[rows, cols]
+    assert flat.positions == 7 and all(isinstance(e, int) for e in flat.ends)
+    assert flat.top == int(want.nonzero()[:, 1].max())
+    for chunk in range(1, 9):
+        parts = [flat.mask(a, min(7, a + chunk), 13) for a in range(0, 7, chunk)]
+        assert torch.equal(torch.cat(parts), want)
+    assert flat.mask(3, 3, 13).shape == (0, 13)
+    flat.check(13)
+    with pytest.raises(ValueError, match="outside the trainer's vocabulary of 12"):
+        flat.check(12)
+
+
+def test_the_head_replays_the_same_sets_whatever_its_chunk():
+    """Values and gradients of the replayed head do not depend on how the tokens are chunked (each chunk's
+    mask is a slice of one expansion): chunks of 1, 3 and all tokens agree, to the matrix products' rounding."""
+    model = tiny_causal_lm("llama", VOCAB)
+    batch = ragged_batch(model, VOCAB)
+    replayed = replace(batch, kept=KeptIds.from_mask(engine_sets(model, batch, SAMPLING)))
+    results = []
+    for chunk in (1, 3, None):
+        model.zero_grad()
+        lp = trainer_logprobs(model, replayed, SAMPLING, chunk=chunk)
+        lp[batch.mask.bool()].sum().backward()
+        results.append((lp.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]))
+    for lp, grads in results[:2]:
+        assert torch.allclose(lp, results[-1][0], rtol=1e-6, atol=1e-6) and torch.isfinite(lp[batch.mask.bool()]).all()
+        assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-7) for a, b in zip(grads, results[-1][1]))
+
+
+
 def test_ragged_sets_round_trip_and_index_like_the_batch():
     g = torch.Generator().manual_seed(0)
     keep = torch.rand(3, 5, 11, generator=g) < 0.3

@@ -19,6 +19,7 @@ from conftest import FAST
 from hf_fixtures import TRAINER_SHAPE, char_model
 from offpolicy.config import ConfigError
 from offpolicy.engines import Rollouts, SamplingConfig
+from offpolicy.kept_set import KeptIds
 from offpolicy.metrics import Metrics
 from offpolicy.policy import score
 from offpolicy.policy.batch import to_batch
@@ -285,14 +286,24 @@ def test_bf16_is_autocast_compute_over_fp32_master_weights():
 
 
 # ---------------------------------------------------------------------- host reads
-def test_the_loss_path_reads_nothing_on_the_host(monkeypatch):
+@pytest.mark.parametrize("replay", [False, True], ids=["own_set", "kept_set_replayed"])
+def test_the_loss_path_reads_nothing_on_the_host(monkeypatch, replay):
     """On a GPU every host read of a device value is a synchronisation. On the CPU we check the
     same thing structurally: forward, loss, backward and update never turn a tensor into a Python
     value nor take a ``nonzero`` (a data-dependent shape: a host wait on CUDA). The forward is checked
     from the micro-batch the trainer moves to the device (``score.to_device``, which works out the
     counted positions on the host) — issue #44: the head's ``nonzero`` of the device mask went unseen
-    while this test began after the forward."""
+    while this test began after the forward. ``kept_set_replayed``: under top-k with the engine's kept
+    sets (issue #46) the head made each chunk's sets dense with two host reads per chunk, forward and
+    backward; their bounds now come from the host too (``Batch.counted``)."""
     model, batch, adv = tiny_setup(dtype=torch.float32)
+    sampling = SAMPLING
+    if replay:  # the engine's top-5 sets of a noisy copy of the logits, each holding its sampled token
+        sampling = SamplingConfig(max_tokens=8, top_k=5)
+        vocab = model.get_output_embeddings().weight.shape[0]
+        noisy = torch.rand((*batch.mask.shape, vocab), generator=torch.Generator().manual_seed(5))
+        keep = torch.zeros_like(noisy, dtype=torch.bool).scatter(-1, noisy.topk(5, dim=-1).indices, True)
+        batch.kept = KeptIds.from_mask(keep.scatter(-1, batch.response_ids.unsqueeze(-1), True))
     cpu = torch.device("cpu")
     mb = score.to_device(score.trim(batch), cpu)
     a = adv[:, : mb.mask.shape[1]].float()
@@ -338,12 +349,13 @@ def test_the_loss_path_reads_nothing_on_the_host(monkeypatch):
     monkeypatch.setattr(torch, "nonzero", refuse)
     for name in names:
         monkeypatch.setattr(torch.Tensor, name, refuse)
-    logprobs = Scorer(model, SAMPLING, cpu, "fp32").forward(mb)
+    logprobs = Scorer(model, sampling, cpu, "fp32").forward(mb, metrics)
     update.accumulate(logprobs, logprobs.detach(), a, mb, op.LossConfig.from_preset("recommended"), metrics)
     update.apply(model, opt, 1.0, metrics)
     monkeypatch.undo()
     values = metrics.to_dict()  # the one copy per step
     assert values["offpolicy/grad_norm"] > 0 and values["offpolicy/kl_k3"] >= 0
+    assert values.get("offpolicy/kept_set_replayed", 0.0) == float(replay)
 
 
 def test_throughput_numbers_per_step():

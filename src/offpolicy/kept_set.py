@@ -69,20 +69,25 @@ class KeptIds:
         return position, source, count
 
     def dense(self, vocab: int) -> torch.Tensor:
-        """The sets as a bool mask ``[*shape, vocab]`` (the head builds one chunk's at a time: C·V, the
-        chunk's own budget).
+        """The sets as a bool mask ``[*shape, vocab]`` (the head makes one chunk's at a time through
+        ``flat``: C·V, the chunk's own budget).
 
         Raises:
             ValueError: a kept id ≥ ``vocab`` (the engine's vocabulary is not the trainer's).
         """
-        position, source, _ = self._flat()
-        ids = self.ids[source].long()
-        if ids.numel() and int(ids.max()) >= vocab:
-            raise ValueError(f"kept set: token id {int(ids.max())} is outside the trainer's vocabulary of {vocab}; "
-                             "the engine that recorded it samples from another vocabulary (replay needs the same model)")
-        mask = torch.zeros((self.start.numel(), vocab), dtype=torch.bool, device=self.start.device)
-        mask[position, ids] = True
-        return mask.view(*self.start.shape, vocab)
+        flat = self.flat()
+        flat.check(vocab)
+        return flat.mask(0, flat.positions, vocab).view(*self.start.shape, vocab)
+
+    def flat(self) -> FlatKept:
+        """These positions' sets expanded id by id (``FlatKept``), flattened in row-major order. Reads
+        two numbers per position back to the host (their ends, and the largest id): done where the
+        sets are on the host (``score.to_device``), it costs no device wait."""
+        position, source, count = self._flat()
+        ids = self.ids[source]
+        ends = torch.cumsum(count, 0).tolist()
+        top = int(ids.max()) if ids.numel() else -1
+        return FlatKept(position.to(torch.int32), ids, ends, top)
 
     def compact(self, valid: torch.Tensor | None = None) -> KeptIds:
         """The same sets with ``ids`` holding only theirs (and, with ``valid`` a bool of ``shape``, only the
@@ -111,6 +116,47 @@ class KeptIds:
         ids = flat.nonzero(as_tuple=True)[1].to(torch.int32)  # row-major: row by row, ids ascending
         start = torch.cumsum(count.long(), 0) - count.long()
         return KeptIds(start.view(keep.shape[:-1]), count.view(keep.shape[:-1]), ids)
+
+
+@dataclass(frozen=True)
+class FlatKept:
+    """The kept sets of ``N`` positions (the counted tokens of a micro-batch, in the head's order), one
+    entry per kept id: ``ids[j]`` is kept at position ``position[j]``, positions ascending. ``ends``
+    (host ints, ``[N]``): ``ends[p]`` = Σ_{q ≤ p} |K_q|, so any run of positions [a, b) is the slice
+    ``[ends[a − 1], ends[b − 1])``; ``top``: the largest id (−1: none).
+
+    Worked out on the host once per micro-batch, it lets the head make each chunk's dense mask from
+    slices whose bounds it already knows: no ``nonzero``, no host read of a device value in the forward
+    or the backward (on a GPU, each would wait for every kernel queued before it: four per chunk
+    before, zero now). Memory: 8 bytes per kept id (the ``KeptIds`` it came from hold 4)."""
+
+    position: torch.Tensor  # [nnz] int32
+    ids: torch.Tensor  # [nnz] int32
+    ends: list[int]
+    top: int
+
+    @property
+    def positions(self) -> int:
+        return len(self.ends)
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> FlatKept:
+        return FlatKept(self.position.to(device, non_blocking=non_blocking),
+                        self.ids.to(device, non_blocking=non_blocking), self.ends, self.top)
+
+    def check(self, vocab: int) -> None:
+        """Raises ValueError when a kept id is outside a vocabulary of ``vocab`` (a host comparison)."""
+        if self.top >= vocab:
+            raise ValueError(f"kept set: token id {self.top} is outside the trainer's vocabulary of {vocab}; "
+                             "the engine that recorded it samples from another vocabulary (replay needs the same model)")
+
+    def mask(self, start: int, end: int, vocab: int) -> torch.Tensor:
+        """The sets of positions [start, end) as a bool mask ``[end − start, vocab]``, on their device."""
+        first = self.ends[start - 1] if start > 0 else 0
+        last = self.ends[end - 1] if end > start else first
+        out = torch.zeros((end - start, vocab), dtype=torch.bool, device=self.ids.device)
+        rows = self.position[first:last].long() - start
+        true = torch.ones((), dtype=torch.bool, device=out.device)  # made there: no host → device copy
+        return out.index_put_((rows, self.ids[first:last].long()), true)
 
 
 class StepRecorder:

@@ -9,16 +9,30 @@ sampled from (temperature, top-k, top-p — docs/specification.md §6), come fro
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
 from offpolicy.engines import Rollouts
-from offpolicy.kept_set import KeptIds
+from offpolicy.kept_set import FlatKept, KeptIds
 
-__all__ = ["Batch", "TENSORS", "to_batch"]
+__all__ = ["Batch", "Counted", "TENSORS", "to_batch"]
 
 
 TENSORS = ("input_ids", "attention_mask", "positions", "response_ids", "mask", "rollout_logprobs", "versions")
+
+
+class Counted(NamedTuple):
+    """What the host works out for a micro-batch's forward before it goes to the device (``score.to_device``):
+    the positions (``rows``, ``cols``, ``[N]`` each, on the device) where ``mask`` is 1 and, when the batch
+    carries ``kept``, those positions' kept sets expanded (``FlatKept``, on the device, its bounds on the
+    host). The head uses them while ``mask`` and ``kept`` are the batch's (``head.counted_positions``)."""
+
+    mask: torch.Tensor
+    rows: torch.Tensor
+    cols: torch.Tensor
+    kept: KeptIds | None = None
+    flat: FlatKept | None = None
 
 
 @dataclass
@@ -30,9 +44,9 @@ class Batch:
     mask: torch.Tensor  # [B, T] 1 on response tokens (EOS included)
     rollout_logprobs: torch.Tensor  # [B, T] log μ(y_t) from the engine
     versions: torch.Tensor  # [B] policy version that sampled each row
-    # (mask, rows, cols): the positions where ``mask`` is 1, worked out on the host before the batch went
-    # to the device (``score.to_device``), valid while ``mask`` is that very tensor (``head.counted_positions``)
-    counted: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = field(default=None, repr=False, compare=False)
+    # the positions where ``mask`` is 1 (and their kept sets), worked out on the host before the batch went
+    # to the device (``score.to_device``), valid while ``mask`` and ``kept`` are those very objects
+    counted: Counted | None = field(default=None, repr=False, compare=False)
     # [B, T] the engine's kept set of each response token (``offpolicy.kept_set``), replayed by the trainer's
     # head; None: the engine recorded none and the trainer recomputes top-k/top-p on its own logits
     kept: KeptIds | None = field(default=None, repr=False, compare=False)

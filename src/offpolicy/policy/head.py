@@ -38,8 +38,9 @@ the response tokens that count are gathered first, at positions the trainer work
 when it moves a micro-batch to the device (``Batch.counted``), so the forward reads nothing back
 from the device (a batch without them pays one ``nonzero`` of its mask). With the engine's kept sets
 replayed (``Batch.kept``, ``offpolicy.kept_set``) each chunk makes its sets dense, ``[C, V]`` bool, in the
-forward and again in the backward; that reads the chunk's set sizes on the host (``repeat_interleave``):
-one wait per chunk on CUDA, the price of a ragged set.
+forward and again in the backward, from slices of the sets expanded id by id (``FlatKept``) whose
+bounds the trainer also worked out on the host when it moved the micro-batch (``Batch.counted``): no
+host read there either.
 
 Precision: the head runs in the caller's autocast context, like the decoder (bf16 compute over
 fp32 master weights), and the logits are cast to fp32 before any log-sum-exp; log-probs are fp32
@@ -63,7 +64,7 @@ import torch.nn.functional as F
 
 from offpolicy.config import ConfigError
 from offpolicy.engines.base import SamplingConfig
-from offpolicy.kept_set import KeptIds
+from offpolicy.kept_set import FlatKept, KeptIds
 from offpolicy.metrics import Metrics
 from offpolicy.policy.batch import Batch
 from offpolicy.sampling import outside_mass_metrics, renormalize_logprobs
@@ -254,8 +255,8 @@ def _release_freed(device: torch.device, several_chunks: bool) -> None:
 class _ChunkedHead(torch.autograd.Function):
     """log π̃(y_n) ``[N]`` from hidden states ``[N, H]``, one chunk of tokens at a time; the backward
     recomputes each chunk's logits under the forward's autocast state and takes its gradient from the
-    same ``renormalize_logprobs`` (``_chunk_grad``): memory O(chunk · V). ``kept`` (``KeptIds`` ``[N]`` or
-    None): the engine's kept sets, made dense one chunk at a time."""
+    same ``renormalize_logprobs`` (``_chunk_grad``): memory O(chunk · V). ``kept`` (``FlatKept`` of ``[N]``
+    positions, or None): the engine's kept sets, made dense one chunk at a time."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, tokens, sampling, softcap, chunk, stats, kept=None):
@@ -263,10 +264,12 @@ class _ChunkedHead(torch.autograd.Function):
         dtype = torch.promote_types(weight.dtype, torch.float32)
         token_lp = torch.empty(n, dtype=dtype, device=hidden.device)
         extra = torch.zeros((n, 2 if stats else 0), dtype=dtype, device=hidden.device)  # entropy, outside mass
+        if kept is not None:
+            kept.check(weight.shape[0])
         for start in range(0, n, chunk):
             end = min(n, start + chunk)
             lin = F.linear(hidden[start:end], weight, bias)  # [c, V] in the autocast dtype
-            keep = None if kept is None else kept[start:end].dense(lin.shape[-1])
+            keep = None if kept is None else kept.mask(start, end, lin.shape[-1])
             lp, entropy, outside = _chunk_numbers(lin, tokens[start:end], sampling, softcap, stats, keep)
             token_lp[start:end] = _mark_nonfinite(lp, lin)
             if stats:
@@ -301,7 +304,7 @@ class _ChunkedHead(torch.autograd.Function):
             end = min(hidden.shape[0], start + ctx.chunk)
             h = _compute_dtype(hidden[start:end], autocast, autocast_dtype)
             lin = F.linear(h, weight_c, bias_c)  # the forward's [c, V], recomputed with the same casts
-            keep = None if ctx.kept is None else ctx.kept[start:end].dense(lin.shape[-1])
+            keep = None if ctx.kept is None else ctx.kept.mask(start, end, lin.shape[-1])
             d_lin = _chunk_grad(lin, tokens[start:end], grad_lp[start:end], ctx.sampling, ctx.softcap, keep)
             del lin, keep
             # the linear layer's backward in the compute dtype, as autograd does under autocast
@@ -340,17 +343,24 @@ def _add_weight_grad(d_weight: torch.Tensor, d_lin: torch.Tensor, h: torch.Tenso
 
 
 def token_logprobs(hidden: torch.Tensor, tokens: torch.Tensor, head: LinearHead, sampling: SamplingConfig, *,
-                   stats: bool = False, chunk: int | None = None, kept: KeptIds | None = None
+                   stats: bool = False, chunk: int | None = None, kept: KeptIds | FlatKept | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """log π̃(y_n) ``[N]`` of tokens ``[N]`` from their hidden states ``[N, H]``, flat in N.
 
     ``stats``: also the token entropy ``[N]`` and, under top-k/top-p, the outside mass ``[N]``
     (detached; else None). A token outside the kept support gets exactly −inf; NaN marks any other
     non-finite value. ``chunk`` tokens per chunk (default ``chunk_tokens(V, device)``). ``kept``
-    (``KeptIds`` ``[N]``): the engine's kept set of each token, the support instead of the trainer's own
-    top-k/top-p set (``offpolicy.kept_set``); None recomputes it from the trainer's logits.
+    (``KeptIds`` ``[N]``, or its ``FlatKept``): the engine's kept set of each token, the support instead of
+    the trainer's own top-k/top-p set (``offpolicy.kept_set``); None recomputes it from the trainer's
+    logits. ``KeptIds`` are expanded here (two host reads: a wait on CUDA); the trainer passes the
+    ``FlatKept`` it made on the host (``Batch.counted``).
+
+    Raises:
+        ValueError: a kept id outside the head's vocabulary.
     """
     chunk = chunk or chunk_tokens(head.weight.shape[0], hidden.device)
+    if isinstance(kept, KeptIds):
+        kept = kept.flat()
     token_lp, extra = _ChunkedHead.apply(hidden, head.weight, head.bias, tokens, sampling, head.softcap, chunk,
                                          stats, kept)
     if not stats:
@@ -362,8 +372,8 @@ def counted_positions(batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
     """(rows, cols) ``[N]`` each of the tokens with mask 1: the copy the trainer worked out on the host
     (``Batch.counted``, set by ``score.to_device``) while it belongs to the batch's current mask, else
     a ``nonzero`` of the mask (on CUDA, a host wait for the work queued before it)."""
-    if batch.counted is not None and batch.counted[0] is batch.mask:
-        return batch.counted[1], batch.counted[2]
+    if batch.counted is not None and batch.counted.mask is batch.mask:
+        return batch.counted.rows, batch.counted.cols
     return batch.mask.bool().nonzero(as_tuple=True)
 
 
@@ -408,10 +418,16 @@ def trainer_logprobs(model, batch: Batch, sampling: SamplingConfig, metrics: Met
 
 
 def replayed_sets(batch: Batch, sampling: SamplingConfig, rows: torch.Tensor, cols: torch.Tensor
-                  ) -> KeptIds | None:
-    """The engine's kept sets ``[N]`` of the counted tokens when the batch carries them and sampling
-    truncates (without truncation the set is the whole vocabulary: nothing to replay), else None."""
-    return batch.kept[rows, cols] if batch.kept is not None and truncates(sampling) else None
+                  ) -> FlatKept | None:
+    """The engine's kept sets of the ``[N]`` counted tokens (``rows``, ``cols``) when the batch carries them
+    and sampling truncates (without truncation the set is the whole vocabulary: nothing to replay), else
+    None: the ``FlatKept`` the trainer made on the host (``Batch.counted``), or made here (two host reads)."""
+    if batch.kept is None or not truncates(sampling):
+        return None
+    counted = batch.counted
+    if counted is not None and counted.mask is batch.mask and counted.kept is batch.kept and counted.flat is not None:
+        return counted.flat
+    return batch.kept[rows, cols].flat()
 
 
 @torch.no_grad()

@@ -23,7 +23,7 @@ import torch
 from offpolicy.config import ConfigError
 from offpolicy.engines.base import SamplingConfig
 from offpolicy.metrics import Metrics
-from offpolicy.policy.batch import TENSORS, Batch
+from offpolicy.policy.batch import TENSORS, Batch, Counted
 from offpolicy.policy.head import trainer_logprobs
 
 DTYPES = ("fp32", "bf16")
@@ -116,14 +116,18 @@ def trim(batch: Batch) -> Batch:
 
 
 def to_device(batch: Batch, device: torch.device) -> Batch:
-    """The batch's tensors on ``device``, with the positions of its counted tokens (``Batch.counted``)
-    worked out here while the mask is on the host: the forward then gathers them without reading the
-    device (a ``nonzero`` of a CUDA mask waits for every kernel queued before it)."""
+    """The batch's tensors on ``device``, with the positions of its counted tokens and their kept sets
+    (``Batch.counted``) worked out here while the mask is on the host: the forward then gathers them
+    without reading the device (a ``nonzero`` of a CUDA mask waits for every kernel queued before it)."""
     moved = Batch(*(getattr(batch, f).to(device, non_blocking=True) for f in TENSORS),
                   kept=None if batch.kept is None else batch.kept.to(device, non_blocking=True))
     if batch.mask.device.type == "cpu":
         rows, cols = batch.mask.bool().nonzero(as_tuple=True)
-        moved.counted = (moved.mask, device_index(rows, device), device_index(cols, device))
+        flat = None
+        if batch.kept is not None:  # the counted tokens' sets, expanded here (``FlatKept``): host reads are free
+            where = batch.kept.start.device
+            flat = batch.kept[rows.to(where), cols.to(where)].flat().to(device, non_blocking=True)
+        moved.counted = Counted(moved.mask, device_index(rows, device), device_index(cols, device), moved.kept, flat)
     return moved
 
 
