@@ -101,6 +101,72 @@ def test_data_chosen_bounds_do_not_recompile_across_steps(name, compile_keys):
     assert launched.get("_tokens") == 1 and set(launched.values()) == {1}, launched
 
 
+@pytest.mark.parametrize("name", _data_chosen_presets())
+def test_a_data_chosen_bound_rebuilds_only_the_bounds_vector(name, compile_keys, monkeypatch):
+    """Optimizer steps of a data-chosen preset bring one config each (``resolve_thresholds``), alike but for
+    a bound. The plan's structure — metric layouts (``_layout``), shapes, launch arguments and the metric
+    index's device copy — is built for the first and found for the others: each later step costs one host
+    tensor (its bounds vector) and the launches get the same index tensor. On 953ff76 every step rebuilt the
+    plan: 2 ``_layout`` calls and 3 tensors copied to the device (bounds, index, index_global) a step."""
+    cfg = op.LossConfig.from_preset(name)
+    g = torch.Generator().manual_seed(4)
+    steps = [_batch(g, 5, 40, noise=0.2 + 0.1 * i) for i in range(4)]
+    resolved = [resolve_thresholds(cfg, [b]) for b in steps]
+    assert len({tk.bounds_of(r) for r in resolved}) == len(steps), "the steps chose the same bounds: vacuous"
+    launches: list[tuple[torch.Tensor, torch.Tensor]] = []  # (bounds given to _tokens, index given to _finish)
+    run_tokens, run_finish = tk._tokens.run, tk._finish.run  # compile_keys' stubs (they record, launch nothing)
+    monkeypatch.setattr(tk._tokens, "run", lambda *a, **kw: (launches.append((a[10], None)), run_tokens(*a, **kw)))
+    monkeypatch.setattr(tk._finish, "run", lambda *a, **kw: (launches.__setitem__(
+        -1, (launches[-1][0], a[4])), run_finish(*a, **kw)))
+    layout, tensor = tk._layout, torch.tensor
+    calls = {"_layout": 0, "tensor": 0}
+
+    def counted_layout(*args, **kwargs):
+        calls["_layout"] += 1
+        return layout(*args, **kwargs)
+
+    def counted_tensor(*args, **kwargs):
+        calls["tensor"] += 1
+        return tensor(*args, **kwargs)
+
+    monkeypatch.setattr(tk, "_layout", counted_layout)
+    _launch(steps[0], resolved[0])  # the first step may build the structure (or find it: an earlier test's)
+    monkeypatch.setattr(torch, "tensor", counted_tensor)
+    calls["_layout"] = 0
+    for batch, rcfg in zip(steps[1:], resolved[1:]):
+        _launch(batch, rcfg)
+    assert calls == {"_layout": 0, "tensor": len(steps) - 1}, calls
+    index = launches[0][1]
+    assert all(i is index for _, i in launches), "the metric index was copied to the device again"
+    for (bounds, _), rcfg in zip(launches, resolved):  # each step's own numbers, never a stale vector
+        assert torch.equal(bounds, torch.tensor(tk.bounds_of(rcfg), dtype=torch.float32))
+    # the same numbers in a fresh config object (one made per call): no copy at all
+    again = op.LossConfig(**resolved[-1].model_dump())
+    assert again is not resolved[-1]
+    calls["tensor"] = 0
+    _launch(steps[-1], again)
+    assert calls["tensor"] == 0 and launches[-1][0] is launches[-2][0], calls
+
+
+def test_the_per_config_cache_holds_its_key_and_starts_afresh_past_its_size():
+    """``kernels.common.per_config``, the one invalidation rule of the rungs' per-config caches: a hit is
+    the very object (its id cannot be reused while the cache holds it), other arguments are part of the
+    key, and past ``maxsize`` entries the cache is emptied rather than grown."""
+    from offpolicy.kernels.common import per_config
+
+    made = []
+
+    @per_config(3)
+    def f(config, flag):
+        made.append((config, flag))
+        return len(made)
+
+    a, b = op.LossConfig(), op.LossConfig()
+    assert (f(a, True), f(a, True), f(a, False), f(b, True)) == (1, 1, 2, 3)
+    assert f(op.LossConfig(), True) == 4  # the cache was full: emptied, then this entry
+    assert f(a, True) == 5 and len(made) == 5
+
+
 def test_one_variant_per_kernel_over_forty_trainer_shapes(compile_keys):
     """Item 4: 40 random micro-batch shapes (1–64 rows × 1–4,096 tokens, odd sizes, offsets and strides
     included), fp32 log-probs, with and without a row-level rule, reduced and not: one variant per
