@@ -231,3 +231,45 @@ def test_the_compiled_rung_does_not_recompile_for_a_new_threshold(monkeypatch):
         assert fast[1]["masked_fraction"] == pytest.approx(ref[1]["masked_fraction"])
     assert not compiled._compile_failed
     assert frames[1] == 0, frames
+
+
+def test_the_compiled_rung_reads_each_configs_own_bounds(monkeypatch):
+    """The compiled rung takes the Triton rung's bounds vector (``common.bounds_of``: ±inf where a bound is
+    open, which its core never reads — the spec says which are set) through the same value-keyed device
+    copy: configs alike but for their numbers, called in turn, each get the reference's result, and a
+    fresh config object with the same numbers reuses the copy (953ff76 made one per config object). The
+    core runs uncompiled here: the graph is the same function of the same vector, compiled or not."""
+    import functools
+
+    from offpolicy.kernels import compiled
+
+    monkeypatch.setattr(compiled, "_compiled", lambda spec: functools.partial(compiled._core, spec=spec))
+    monkeypatch.setenv("OFFPOLICY_COMPILE", "1")
+
+    def config(x: float) -> op.LossConfig:  # open bounds among the set ones: the rule's high, the weight's low
+        return op.LossConfig(clip_low=x / 3, clip_high=x / 3, dual_clip=2 + x, correction={
+            "weight": {"level": "sequence", "mode": "truncate", "high": 1 + x},
+            "reject": [{"stat": "ratio", "level": "token", "low": 1 - x}]})
+
+    batch = _batch(torch.Generator().manual_seed(5), 6, 32, noise=0.5)
+    args = (batch["logprobs"], batch["old_logprobs"], batch["advantages"], batch["mask"])
+    results = {}
+    for x in (0.3, 0.5, 0.3):
+        fast = op.policy_loss(*args, rollout_logprobs=batch["rollout_logprobs"], config=config(x),
+                              implementation="compiled")
+        ref = op.policy_loss(*args, rollout_logprobs=batch["rollout_logprobs"], config=config(x),
+                             implementation="reference")
+        torch.testing.assert_close(fast[0], ref[0], rtol=1e-5, atol=1e-6)
+        got, want = fast[1].to_dict(), ref[1].to_dict()
+        assert got.keys() == want.keys()
+        for key in want:
+            assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), key
+        if x in results:  # called again after another config: bit for bit the same
+            assert torch.equal(results[x][0], fast[0]) and results[x][1] == got
+        results[x] = (fast[0], got)
+    assert results[0.3][1]["offpolicy/masked_fraction"] != results[0.5][1]["offpolicy/masked_fraction"]
+    assert results[0.3][1]["offpolicy/clip_fraction"] != results[0.5][1]["offpolicy/clip_fraction"]
+    device = batch["mask"].device
+    assert compiled._bounds(config(0.3), device) is compiled._bounds(config(0.3), device)
+    assert torch.equal(compiled._bounds(config(0.5), device),
+                       torch.tensor(tk.bounds_of(config(0.5)), dtype=torch.float32))
