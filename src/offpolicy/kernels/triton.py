@@ -858,12 +858,12 @@ def _aligned(n: int) -> int:
 
 def _shape(structure: _Structure, B: int, T: int, unreduced: bool, old_in: bool, has_global: bool,
            max_len: int | None) -> _Shape:
-    """The structure's ``_Shape`` for a [B, T] batch, made on first use (shared by every config of it). One workspace holds the per-chunk
-    partial sums (fp64: sums such as Σ(w − 1)² feed differences of moments — is_std — and ρ² passes
-    fp32's range past log ρ = 44), the derivative, the backward scale, the loss and, unreduced, the
-    per-token loss and its denominator; each part starts 16-byte aligned whatever B, T and C (a
-    pointer's alignment is a specialisation of the kernels: parts misaligned for some shapes
-    compiled them again)."""
+    """The structure's ``_Shape`` for a [B, T] batch, made on first use (shared by every config of it).
+    One workspace holds the per-chunk partial sums (fp64: sums such as Σ(w − 1)² feed differences of
+    moments — is_std — and ρ² passes fp32's range past log ρ = 44), the derivative, the backward scale,
+    the loss and, unreduced, the per-token loss and its denominator; each part starts 16-byte aligned
+    whatever B, T and C (a pointer's alignment is a specialisation of the kernels: parts misaligned for
+    some shapes compiled them again)."""
     key = (B, T, unreduced, old_in, has_global, max_len, BLOCK)  # BLOCK: a test's override of the size classes
     found = structure.shapes.get(key)
     if found is not None:
