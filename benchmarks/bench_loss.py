@@ -256,7 +256,8 @@ def _per_call_us(calls_of: list[Callable[[], object]], calls: int, rounds: int =
     return [statistics.median(out) for out in times]
 
 
-def host_overhead_us(device: str, calls: int = 300, b: int = 8, t: int = 64) -> tuple[float, float, float, float]:
+def host_overhead_us(device: str, calls: int = 300, b: int = 8, t: int = 64,
+                     rounds: int = 7) -> tuple[float, float, float, float, float]:
     """Microseconds of host work per call of the Triton rung — ``policy_loss(implementation="triton")``
     forward, and forward + backward — with its kernel launches stubbed out: what a GPU step pays on the
     host around its 3 kernels (the launches' own cost is Triton's). The finishing kernel's stub writes
@@ -266,11 +267,11 @@ def host_overhead_us(device: str, calls: int = 300, b: int = 8, t: int = 64) -> 
     Measured in the same interleaved rounds, for scale, what torch itself costs the host now:
     ``torch.empty(100)``, and ``x.sum().backward()`` of a fresh [b, t] leaf — one autograd node and
     the engine's round trip, the least any loss's forward + backward can cost. Returns (forward,
-    forward + backward, empty, floor)."""
+    forward + backward, forward with a new config, empty, floor)."""
     from offpolicy.kernels import triton as tk
 
     if not tk.available():
-        return math.nan, math.nan, math.nan, math.nan
+        return math.nan, math.nan, math.nan, math.nan, math.nan
     saved_env = os.environ.get("TRITON_INTERPRET")
     if not device.startswith("cuda"):
         os.environ["TRITON_INTERPRET"] = "1"
@@ -290,21 +291,27 @@ def host_overhead_us(device: str, calls: int = 300, b: int = 8, t: int = 64) -> 
         tk._row_stats.run = tk._tokens.run = lambda *args, grid, warmup, **kwargs: None
         tk._finish.run = finish
 
-        def call(backward: bool) -> None:
+        def call(backward: bool, config: op.LossConfig = CFG) -> None:
             lp = inputs["logprobs"].detach().requires_grad_(True)
             loss, _ = op.policy_loss(lp, inputs["old"], inputs["adv"], inputs["mask"],
-                                     rollout_logprobs=inputs["rollout"], config=CFG, implementation="triton")
+                                     rollout_logprobs=inputs["rollout"], config=config, implementation="triton")
             if backward:
                 loss.backward()
+
+        # one config a call (made beforehand: their construction is the caller's), each cap its own number
+        fresh = iter([CFG.model_copy(update={"correction": CFG.correction.model_copy(update={
+            "weight": CFG.correction.weight.model_copy(update={"high": 2.0 + i * 1e-3})})})
+            for i in range(calls // 3 + rounds * calls)])
 
         x = torch.zeros(b, t, device=device)
 
         def floor() -> None:
             x.detach().requires_grad_(True).sum().backward()
 
-        forward, step, empty, least = _per_call_us(
-            [lambda: call(False), lambda: call(True), lambda: torch.empty(100, device=device), floor], calls)
-        return forward, step, empty, least
+        forward, step, new_config, empty, least = _per_call_us(
+            [lambda: call(False), lambda: call(True), lambda: call(False, next(fresh)),
+             lambda: torch.empty(100, device=device), floor], calls, rounds)
+        return forward, step, new_config, empty, least
     finally:
         for kernel, run in zip(kernels, saved):
             if run is None:
@@ -418,13 +425,15 @@ def main(argv: list[str] | None = None) -> None:
     console = Console()
     if not console.is_terminal:
         console = Console(width=160)
-    forward_us, step_us, empty_us, floor_us = host_overhead_us(args.device)
+    forward_us, step_us, new_config_us, empty_us, floor_us = host_overhead_us(args.device)
     load = f"load average {os.getloadavg()[0]:.1f}" if hasattr(os, "getloadavg") else "load unknown"
     host = Table(title="host overhead of the Triton rung per call, kernel launches stubbed "
                        f"(8×64 inputs; goal ≤ 50 µs; {load})")
-    for col in ("device", "forward µs", "forward + backward µs", "torch.empty(100) µs", "x.sum().backward() µs"):
+    for col in ("device", "forward µs", "forward + backward µs", "forward, a new config µs", "torch.empty(100) µs",
+                "x.sum().backward() µs"):
         host.add_column(col, justify="right")
-    host.add_row(args.device, f"{forward_us:.1f}", f"{step_us:.1f}", f"{empty_us:.1f}", f"{floor_us:.1f}")
+    host.add_row(args.device, f"{forward_us:.1f}", f"{step_us:.1f}", f"{new_config_us:.1f}", f"{empty_us:.1f}",
+                 f"{floor_us:.1f}")
     console.print(host)
     if args.host_only:
         return

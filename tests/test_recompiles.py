@@ -101,6 +101,72 @@ def test_data_chosen_bounds_do_not_recompile_across_steps(name, compile_keys):
     assert launched.get("_tokens") == 1 and set(launched.values()) == {1}, launched
 
 
+@pytest.mark.parametrize("name", _data_chosen_presets())
+def test_a_data_chosen_bound_rebuilds_only_the_bounds_vector(name, compile_keys, monkeypatch):
+    """Optimizer steps of a data-chosen preset bring one config each (``resolve_thresholds``), alike but for
+    a bound. The plan's structure — metric layouts (``_layout``), shapes, launch arguments and the metric
+    index's device copy — is built for the first and found for the others: each later step costs one host
+    tensor (its bounds vector) and the launches get the same index tensor. On 953ff76 every step rebuilt the
+    plan: 2 ``_layout`` calls and 3 tensors copied to the device (bounds, index, index_global) a step."""
+    cfg = op.LossConfig.from_preset(name)
+    g = torch.Generator().manual_seed(4)
+    steps = [_batch(g, 5, 40, noise=0.2 + 0.1 * i) for i in range(4)]
+    resolved = [resolve_thresholds(cfg, [b]) for b in steps]
+    assert len({tk.bounds_of(r) for r in resolved}) == len(steps), "the steps chose the same bounds: vacuous"
+    launches: list[tuple[torch.Tensor, torch.Tensor]] = []  # (bounds given to _tokens, index given to _finish)
+    run_tokens, run_finish = tk._tokens.run, tk._finish.run  # compile_keys' stubs (they record, launch nothing)
+    monkeypatch.setattr(tk._tokens, "run", lambda *a, **kw: (launches.append((a[10], None)), run_tokens(*a, **kw)))
+    monkeypatch.setattr(tk._finish, "run", lambda *a, **kw: (launches.__setitem__(
+        -1, (launches[-1][0], a[4])), run_finish(*a, **kw)))
+    layout, tensor = tk._layout, torch.tensor
+    calls = {"_layout": 0, "tensor": 0}
+
+    def counted_layout(*args, **kwargs):
+        calls["_layout"] += 1
+        return layout(*args, **kwargs)
+
+    def counted_tensor(*args, **kwargs):
+        calls["tensor"] += 1
+        return tensor(*args, **kwargs)
+
+    monkeypatch.setattr(tk, "_layout", counted_layout)
+    _launch(steps[0], resolved[0])  # the first step may build the structure (or find it: an earlier test's)
+    monkeypatch.setattr(torch, "tensor", counted_tensor)
+    calls["_layout"] = 0
+    for batch, rcfg in zip(steps[1:], resolved[1:]):
+        _launch(batch, rcfg)
+    assert calls == {"_layout": 0, "tensor": len(steps) - 1}, calls
+    index = launches[0][1]
+    assert all(i is index for _, i in launches), "the metric index was copied to the device again"
+    for (bounds, _), rcfg in zip(launches, resolved):  # each step's own numbers, never a stale vector
+        assert torch.equal(bounds, torch.tensor(tk.bounds_of(rcfg), dtype=torch.float32))
+    # the same numbers in a fresh config object (one made per call): no copy at all
+    again = op.LossConfig(**resolved[-1].model_dump())
+    assert again is not resolved[-1]
+    calls["tensor"] = 0
+    _launch(steps[-1], again)
+    assert calls["tensor"] == 0 and launches[-1][0] is launches[-2][0], calls
+
+
+def test_the_per_config_cache_holds_its_key_and_starts_afresh_past_its_size():
+    """``kernels.common.per_config``, the one invalidation rule of the rungs' per-config caches: a hit is
+    the very object (its id cannot be reused while the cache holds it), other arguments are part of the
+    key, and past ``maxsize`` entries the cache is emptied rather than grown."""
+    from offpolicy.kernels.common import per_config
+
+    made = []
+
+    @per_config(3)
+    def f(config, flag):
+        made.append((config, flag))
+        return len(made)
+
+    a, b = op.LossConfig(), op.LossConfig()
+    assert (f(a, True), f(a, True), f(a, False), f(b, True)) == (1, 1, 2, 3)
+    assert f(op.LossConfig(), True) == 4  # the cache was full: emptied, then this entry
+    assert f(a, True) == 5 and len(made) == 5
+
+
 def test_one_variant_per_kernel_over_forty_trainer_shapes(compile_keys):
     """Item 4: 40 random micro-batch shapes (1–64 rows × 1–4,096 tokens, odd sizes, offsets and strides
     included), fp32 log-probs, with and without a row-level rule, reduced and not: one variant per
@@ -165,3 +231,45 @@ def test_the_compiled_rung_does_not_recompile_for_a_new_threshold(monkeypatch):
         assert fast[1]["masked_fraction"] == pytest.approx(ref[1]["masked_fraction"])
     assert not compiled._compile_failed
     assert frames[1] == 0, frames
+
+
+def test_the_compiled_rung_reads_each_configs_own_bounds(monkeypatch):
+    """The compiled rung takes the Triton rung's bounds vector (``common.bounds_of``: ±inf where a bound is
+    open, which its core never reads — the spec says which are set) through the same value-keyed device
+    copy: configs alike but for their numbers, called in turn, each get the reference's result, and a
+    fresh config object with the same numbers reuses the copy (953ff76 made one per config object). The
+    core runs uncompiled here: the graph is the same function of the same vector, compiled or not."""
+    import functools
+
+    from offpolicy.kernels import compiled
+
+    monkeypatch.setattr(compiled, "_compiled", lambda spec: functools.partial(compiled._core, spec=spec))
+    monkeypatch.setenv("OFFPOLICY_COMPILE", "1")
+
+    def config(x: float) -> op.LossConfig:  # open bounds among the set ones: the rule's high, the weight's low
+        return op.LossConfig(clip_low=x / 3, clip_high=x / 3, dual_clip=2 + x, correction={
+            "weight": {"level": "sequence", "mode": "truncate", "high": 1 + x},
+            "reject": [{"stat": "ratio", "level": "token", "low": 1 - x}]})
+
+    batch = _batch(torch.Generator().manual_seed(5), 6, 32, noise=0.5)
+    args = (batch["logprobs"], batch["old_logprobs"], batch["advantages"], batch["mask"])
+    results = {}
+    for x in (0.3, 0.5, 0.3):
+        fast = op.policy_loss(*args, rollout_logprobs=batch["rollout_logprobs"], config=config(x),
+                              implementation="compiled")
+        ref = op.policy_loss(*args, rollout_logprobs=batch["rollout_logprobs"], config=config(x),
+                             implementation="reference")
+        torch.testing.assert_close(fast[0], ref[0], rtol=1e-5, atol=1e-6)
+        got, want = fast[1].to_dict(), ref[1].to_dict()
+        assert got.keys() == want.keys()
+        for key in want:
+            assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), key
+        if x in results:  # called again after another config: bit for bit the same
+            assert torch.equal(results[x][0], fast[0]) and results[x][1] == got
+        results[x] = (fast[0], got)
+    assert results[0.3][1]["offpolicy/masked_fraction"] != results[0.5][1]["offpolicy/masked_fraction"]
+    assert results[0.3][1]["offpolicy/clip_fraction"] != results[0.5][1]["offpolicy/clip_fraction"]
+    device = batch["mask"].device
+    assert compiled._bounds(config(0.3), device) is compiled._bounds(config(0.3), device)
+    assert torch.equal(compiled._bounds(config(0.5), device),
+                       torch.tensor(tk.bounds_of(config(0.5)), dtype=torch.float32))

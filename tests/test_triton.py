@@ -178,6 +178,39 @@ def test_a_forward_makes_few_torch_calls_on_the_host(device, monkeypatch):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_configs_sharing_a_structure_keep_their_own_bounds(device):
+    """Configs alike but for their numbers — a rule's band, the weight's cap, the clip range, the dual clip
+    (what a data-chosen bound changes every step) — share one plan structure and differ in their bounds
+    vector alone: called in turn, each gives exactly its own result (bit for bit the same on every call,
+    also from a fresh config object with the same numbers: one made per call) and the reference's, never a
+    neighbour's numbers."""
+    batch = _batch(8, device, t=32)
+
+    def config(x: float) -> op.LossConfig:
+        return op.LossConfig(clip_low=x / 3, clip_high=x / 3, dual_clip=2 + x, correction={
+            "weight": {"level": "token", "mode": "truncate", "high": 1 + x},
+            "reject": [{"stat": "k3", "level": "seq_mean", "high": x / 4}, {"stat": "ratio", "level": "token",
+                                                                            "low": 1 - x, "high": 1 + 2 * x}]})
+
+    values = (0.3, 0.5)
+    plans = [tk._plan(config(x), True) for x in values]
+    assert plans[0].structure is plans[1].structure and plans[0].bounds != plans[1].bounds
+    first = {}
+    for x in (*values, values[0]):
+        (loss, metrics), grad = _run(batch, config(x), "triton")
+        got = (loss, grad, metrics.to_dict())
+        if x not in first:
+            first[x] = got
+            assert_same(batch, config(x))
+        else:
+            assert torch.equal(got[0], first[x][0]) and torch.equal(got[1], first[x][1]) and got[2] == first[x][2]
+    a, b = (first[x][2] for x in values)
+    assert first[0.3][0] != first[0.5][0]  # the bounds bind: a stale vector could not pass unseen
+    assert {k for k in a if a[k] != b[k]} >= {"offpolicy/clip_fraction", "offpolicy/masked_fraction",
+                                             "offpolicy/fraction_above_high"}
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("policy", ["mask_token", "mask_sequence"])
 def test_nonfinite_policies_match_the_reference(device, policy):
     """NaN/±inf in every input, in valid tokens and in padding: the rung applies the policy itself."""

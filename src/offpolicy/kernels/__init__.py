@@ -35,6 +35,7 @@ from types import ModuleType
 import torch
 
 from offpolicy.config import LossConfig
+from offpolicy.kernels.common import per_config
 
 # readable → fastest; ``auto`` walks it from the end
 IMPLEMENTATIONS: tuple[str, ...] = ("reference", "eager", "compiled", "triton")
@@ -50,21 +51,16 @@ def get(name: str) -> ModuleType:
     return importlib.import_module(f"offpolicy.kernels.{name}")
 
 
-_SUPPORTED: dict[tuple[int, bool], tuple[LossConfig, list[ModuleType]]] = {}
+# stands for a KL term's log-probs in ``supports``, which reads only whether they are given
+_A_KL_TERM = torch.empty(0)
 
 
-def _supporting(config: LossConfig, ref_logprobs: torch.Tensor | None) -> list[ModuleType]:
-    """The fast rungs (fastest first) that cover ``config``; worked out once per config object."""
-    key = (id(config), ref_logprobs is None)
-    cached = _SUPPORTED.get(key)
-    if cached is not None and cached[0] is config:
-        return cached[1]
-    rungs = [get(name) for name in reversed(IMPLEMENTATIONS[1:])]
-    rungs = [rung for rung in rungs if rung.supports(config, ref_logprobs)]
-    if len(_SUPPORTED) > 256:
-        _SUPPORTED.clear()
-    _SUPPORTED[key] = (config, rungs)  # holding the config keeps its id from being reused
-    return rungs
+@per_config(256)
+def _supporting(config: LossConfig, without_kl: bool) -> list[ModuleType]:
+    """The fast rungs (fastest first) that cover ``config`` (with a KL term unless ``without_kl``);
+    worked out once per config object."""
+    ref = None if without_kl else _A_KL_TERM
+    return [rung for rung in (get(name) for name in reversed(IMPLEMENTATIONS[1:])) if rung.supports(config, ref)]
 
 
 def choose(config: LossConfig, ref_logprobs: torch.Tensor | None, mask: torch.Tensor, implementation: str) -> list[ModuleType]:
@@ -75,11 +71,11 @@ def choose(config: LossConfig, ref_logprobs: torch.Tensor | None, mask: torch.Te
     """
     reference = get("reference")
     if implementation == "auto":
-        return [*(rung for rung in _supporting(config, ref_logprobs) if rung.preferred(mask)), reference]
+        return [*(rung for rung in _supporting(config, ref_logprobs is None) if rung.preferred(mask)), reference]
     rung = get(implementation)
     if rung is reference:
         return [reference]
-    if rung not in _supporting(config, ref_logprobs):  # worked out once per config object
+    if rung not in _supporting(config, ref_logprobs is None):  # worked out once per config object
         raise ValueError(
             f"implementation {implementation!r} does not cover kind {config.kind!r}"
             f"{' with a KL term' if ref_logprobs is not None else ''} with this correction: "

@@ -8,11 +8,89 @@ derivative c_t = ∂ℓ_t/∂log π_θ(y_t); ``CoefLoss``/``CoefTokens`` attach 
 
 from __future__ import annotations
 
+import functools
+import math
+import struct
+from collections.abc import Callable
+from typing import Any, TypeVar
+
 import torch
 
 from offpolicy.config import LossConfig
 
 RATIO_LOG_CLAMP = 20.0  # PPO's own ratio π_θ/π_old: exp(clamp(log r, ±20)) in every implementation
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def per_config(maxsize: int) -> Callable[[_F], _F]:
+    """Cache ``fn(config, *args)`` per config *object* (and ``args``, hashable): configs are frozen, and a
+    training step passes the same object to every call, so what a rung works out from it is worked out
+    once. The one invalidation rule of the kernels' per-config caches: the key is ``id(config)``, a hit
+    must hold that very object (the cache keeps a reference, so a live entry's id cannot be reused by
+    another object), and past ``maxsize`` entries the cache starts afresh (a process that makes a config
+    per step — ``resolve_thresholds`` under a data-chosen bound — must not grow it without bound).
+    ``fn.cache_clear()`` empties it."""
+
+    def wrap(fn: _F) -> _F:
+        entries: dict[tuple, tuple[Any, Any]] = {}
+
+        @functools.wraps(fn)
+        def cached(config, *args):
+            key = (id(config), *args)
+            hit = entries.get(key)
+            if hit is not None and hit[0] is config:
+                return hit[1]
+            value = fn(config, *args)
+            if len(entries) >= maxsize:
+                entries.clear()
+            entries[key] = (config, value)
+            return value
+
+        cached.cache_clear = entries.clear
+        return cached  # type: ignore[return-value]
+
+    return wrap
+
+
+def bounds_of(config: LossConfig) -> tuple[float, ...]:
+    """The runtime bounds of the fast rungs, in order: (low, high) of each rejection rule, the weight's
+    (low, high), 1 − ε_low, 1 + ε_high and the dual clip c; ±inf for an open bound (it never binds: a
+    Triton kernel compares with it; the compiled core reads only the bounds its spec says are set).
+    Which bounds are set is structure (each rung's spec); their numbers are data, so a bound that
+    ``resolve_thresholds`` chooses anew every optimizer step compiles nothing anew."""
+    corr = config.correction
+    out: list[float] = []
+    if corr is not None:
+        for rule in corr.reject:
+            out += [_bound(rule.low, -math.inf), _bound(rule.high, math.inf)]
+    w = corr.weight if corr is not None and corr.anchor != "rollout" else None
+    out += [_bound(w.low, -math.inf), _bound(w.high, math.inf)] if w is not None else [-math.inf, math.inf]
+    out += [-math.inf if config.clip_low is None else 1.0 - config.clip_low,
+            math.inf if config.clip_high is None else 1.0 + config.clip_high, _bound(config.dual_clip, math.inf)]
+    return tuple(out)
+
+
+def _bound(value: float | None, open_end: float) -> float:
+    return open_end if value is None else float(value)
+
+
+BOUND_VECTORS = 256  # distinct bounds vectors (per device) whose device copy a process keeps
+_BOUND_TENSORS: dict[tuple[bytes, torch.device], torch.Tensor] = {}
+
+
+def bounds_tensor(values: tuple[float, ...], device: torch.device) -> torch.Tensor:
+    """``values`` (``bounds_of``) as fp32 on ``device`` — compared as the reference compares a Python bound
+    with fp32 values: in fp32 — copied there once per distinct vector: configs that differ in nothing but
+    their identity (one made per call) share it, and a new data-chosen bound costs one small host→device
+    copy. Keyed by the values' bits (0.0 and −0.0 are two keys); read-only, so sharing it is safe."""
+    key = (struct.pack(f"{len(values)}d", *values), device)
+    tensor = _BOUND_TENSORS.get(key)
+    if tensor is None:
+        if len(_BOUND_TENSORS) >= BOUND_VECTORS:
+            _BOUND_TENSORS.clear()
+        tensor = _BOUND_TENSORS[key] = torch.tensor(values, dtype=torch.float32, device=device)
+    return tensor
 
 
 def to_input_dtype(grad: torch.Tensor, dtype: torch.dtype, owned: bool = False) -> torch.Tensor:

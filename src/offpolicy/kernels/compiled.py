@@ -21,7 +21,16 @@ import torch
 from offpolicy import ops
 from offpolicy.config import LossConfig, rule_name
 from offpolicy.correction import validate_inputs
-from offpolicy.kernels.common import RATIO_LOG_CLAMP, CoefLoss, CoefTokens, attach, row_aggregation
+from offpolicy.kernels.common import (
+    RATIO_LOG_CLAMP,
+    CoefLoss,
+    CoefTokens,
+    attach,
+    bounds_of,
+    bounds_tensor,
+    per_config,
+    row_aggregation,
+)
 from offpolicy.kernels.eager import KINDS
 from offpolicy.metrics import Metrics
 
@@ -39,8 +48,9 @@ def supports(config: LossConfig, ref_logprobs: torch.Tensor | None) -> bool:
 
 class CoreSpec(NamedTuple):
     """The structure the compiled core specialises on (one compile per distinct spec). Which bounds
-    are set is structure; their numbers are not: they enter the graph as a tensor (``core_bounds``),
-    so a data-chosen bound that ``resolve_thresholds`` fixes anew every step does not recompile."""
+    are set is structure; their numbers are not: they enter the graph as a tensor (``common.bounds_of``,
+    the Triton rung's vector), so a data-chosen bound that ``resolve_thresholds`` fixes anew every step
+    does not recompile."""
 
     corrected: bool
     anchor: str
@@ -55,25 +65,6 @@ class CoreSpec(NamedTuple):
     dual_clip: bool
     has_old: bool
     unreduced: bool
-
-
-def core_bounds(config: LossConfig) -> tuple[float, ...]:
-    """The core's bounds, in order: (low, high) of each rule, the weight's (low, high), 1 − ε_low,
-    1 + ε_high, the dual clip c; 0.0 stands where a bound is not set (the spec says which are)."""
-    corr = config.correction
-    out: list[float] = []
-
-    def put(*values):
-        out.extend(0.0 if v is None else float(v) for v in values)
-
-    if corr is not None:
-        for rule in corr.reject:
-            put(rule.low, rule.high)
-    w = corr.weight if corr is not None and corr.anchor != "rollout" else None
-    put(w.low if w is not None else None, w.high if w is not None else None)
-    put(None if config.clip_low is None else 1.0 - config.clip_low,
-        None if config.clip_high is None else 1.0 + config.clip_high, config.dual_clip)
-    return tuple(out)
 
 
 def core_spec(config: LossConfig, has_old: bool, reduce: bool) -> CoreSpec | None:
@@ -116,7 +107,8 @@ def _f(mode, low, high, x):
 
 def _core(lp, old, roll, adv, m, bounds, spec: CoreSpec):
     """Everything of the fast path that touches [B, T] memory; returns tensors only. ``bounds``: the
-    fp32 vector of ``core_bounds`` (0-d slices of it stand where the spec sets a bound)."""
+    fp32 vector of ``bounds_of`` (0-d slices of it stand where the spec sets a bound; an open bound's
+    ±inf is never read)."""
     f64 = torch.float64
     n_rules = len(spec.rules)
 
@@ -260,21 +252,11 @@ def _compiled(spec: CoreSpec):
     return torch.compile(functools.partial(_core, spec=spec), dynamic=True, options={"cpp.dynamic_threads": True})
 
 
-_BOUNDS: dict[tuple[int, torch.device], tuple[LossConfig, torch.Tensor]] = {}
-
-
+@per_config(256)
 def _bounds(config: LossConfig, device: torch.device) -> torch.Tensor:
-    """``core_bounds(config)`` as fp32 on ``device`` (compared as the reference compares a Python
-    bound with fp32 values: in fp32), made once per config object and device."""
-    key = (id(config), device)
-    cached = _BOUNDS.get(key)
-    if cached is not None and cached[0] is config:
-        return cached[1]
-    if len(_BOUNDS) > 256:
-        _BOUNDS.clear()
-    tensor = torch.tensor(core_bounds(config), dtype=torch.float32, device=device)
-    _BOUNDS[key] = (config, tensor)  # holding the config keeps its id from being reused
-    return tensor
+    """``bounds_of(config)`` as fp32 on ``device`` (``bounds_tensor``: one copy per distinct vector),
+    looked up once per config object and device."""
+    return bounds_tensor(bounds_of(config), device)
 
 
 def _constant_floats():

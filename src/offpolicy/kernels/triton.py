@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
 import os
 from typing import NamedTuple
 
@@ -49,7 +48,15 @@ import torch
 from offpolicy import ops
 from offpolicy.config import DivergenceRule, LossConfig, RatioRule, rule_name
 from offpolicy.correction import validate_inputs
-from offpolicy.kernels.common import RATIO_LOG_CLAMP, CoefLoss, CoefTokens, attach
+from offpolicy.kernels.common import (
+    RATIO_LOG_CLAMP,
+    CoefLoss,
+    CoefTokens,
+    attach,
+    bounds_of,
+    bounds_tensor,
+    per_config,
+)
 from offpolicy.metrics import FlatLayout, Metrics
 
 NAME = "triton"
@@ -75,9 +82,7 @@ def _block(B: int, T: int) -> int:
     return 4096 if T > 8192 or B * T > BIG_BATCH else 1024
 
 
-_INF = math.inf
-
-# rule encodings (constexpr): (stat, level, low, high) with ±inf for an open bound
+# rule encodings (constexpr): (stat, level); the bounds are runtime values (``bounds_of``)
 _STAT = {"ratio": 0, "k1": 1, "k2": 2, "k3": 3}
 _PI_MU_STAT = {"k1": 4, "k2": 2, "k3": 5}  # direction pi_mu (AReaL): k1, k3 of −log ρ; k2 is symmetric
 _LEVEL = {"token": 0, "sequence": 1, "geometric": 2, "any_token": 3, "seq_sum": 4, "seq_mean": 5, "seq_max": 6}
@@ -131,25 +136,6 @@ class Spec(NamedTuple):
     def needs_rows(self) -> bool:
         return any(level != 0 for _, level in self.rules) or (self.weight is not None and self.weight[0] != 0) \
             or self.nonfinite == 2
-
-
-def _bound(value: float | None, open_end: float) -> float:
-    return open_end if value is None else float(value)
-
-
-def bounds_of(config: LossConfig) -> tuple[float, ...]:
-    """The kernels' runtime bounds, in order: (low, high) of each rule, the weight's (low, high),
-    1 − ε_low, 1 + ε_high and the dual clip c; ±inf for an open bound (it never binds)."""
-    corr = config.correction
-    out: list[float] = []
-    if corr is not None:
-        for rule in corr.reject:
-            out += [_bound(rule.low, -_INF), _bound(rule.high, _INF)]
-    w = corr.weight if corr is not None and corr.anchor != "rollout" else None
-    out += [_bound(w.low, -_INF), _bound(w.high, _INF)] if w is not None else [-_INF, _INF]
-    out += [-_INF if config.clip_low is None else 1.0 - config.clip_low,
-            _INF if config.clip_high is None else 1.0 + config.clip_high, _bound(config.dual_clip, _INF)]
-    return tuple(out)
 
 
 def spec_of(config: LossConfig, has_old: bool) -> Spec | None:
@@ -763,9 +749,12 @@ def _check_message(spec: Spec, shape: tuple[int, ...], counts: list[float]) -> s
     return None
 
 
-class _Plan(NamedTuple):
+class _Structure(NamedTuple):
+    """What a plan's structure fixes — the spec and the rules' names, never a bound's number — worked
+    out once per structure (``_structure``): configs that differ only in their bounds (a data-chosen
+    cut, one config per optimizer step) share it, shapes and device copies included."""
+
     spec: Spec
-    bounds: tuple[float, ...]  # bounds_of(config): runtime values of the kernels
     layout: tuple[tuple[str, str, tuple[int, ...]], ...]
     layout_global: tuple[tuple[str, str, tuple[int, ...]], ...]
     index: tuple[int, ...]
@@ -773,9 +762,17 @@ class _Plan(NamedTuple):
     flat: FlatLayout  # Metrics.from_flat's layout of ``layout`` (built once)
     flat_global: FlatLayout
     n_raw: int  # entries of _finish's raw vector, a power of two
-    device_consts: dict  # device → (bounds fp32, index int32, index_global int32): made once per device
     launch: tuple[dict, dict, dict]  # the constexprs of (every kernel, _tokens, _finish) that the spec fixes
     shapes: dict  # (B, T, reduce, old_in, global, max_len, BLOCK) → _Shape: made once per shape
+    device_index: dict  # device → (index int32, index_global int32): copied there once
+
+
+class _Plan(NamedTuple):
+    """One config's plan: its structure (shared) and its bounds, the only part that is per config."""
+
+    structure: _Structure
+    bounds: tuple[float, ...]  # bounds_of(config): runtime values of the kernels
+    device_consts: dict  # device → (bounds fp32, index int32, index_global int32)
 
 
 class _Shape(NamedTuple):
@@ -796,49 +793,61 @@ class _Shape(NamedTuple):
     max_len: float
 
 
-_PLANS: dict[tuple[int, bool], tuple[LossConfig, _Plan | None]] = {}
+_STRUCTURES: dict[tuple[Spec, tuple[str, ...]], _Structure] = {}
 
 
+def _structure(spec: Spec, names: tuple[str, ...]) -> _Structure:
+    """The metric layouts, launch constexprs (and, as they are used, shapes and device copies) of a
+    spec with these rule names, made once per (spec, names): a bound that changes every step changes
+    neither. (``spec.has_old`` holds whether π_old comes in.)"""
+    key = (spec, names)
+    found = _STRUCTURES.get(key)
+    if found is not None:
+        return found
+    layout, layout_global = _layout(spec, names, False), _layout(spec, names, True)
+    n_raw = 1 << (_R_RULES + 2 * len(spec.rules) - 1).bit_length()
+    w = spec.weight or (0, 0)
+    launch = ({"CORRECTED": spec.corrected, "ANCHOR": spec.anchor, "L": spec.log_clamp, "RULES": spec.rules,
+               "SEQUENTIAL": spec.sequential},
+              {"NONFINITE": spec.nonfinite, "HAS_WEIGHT": spec.weight is not None, "WLEVEL": w[0], "WMODE": w[1],
+               "FIXED": spec.fixed_denominator, "KIND": spec.kind, "CP": _CP},
+              {"L": spec.log_clamp, "N_RULES": len(spec.rules), "AGG": spec.agg, "CP": _CP, "RB": _RB,
+               "NRAW": n_raw, "num_warps": 16})  # _finish is one program: all its warps
+    found = _Structure(spec, layout, layout_global, _index(layout), _index(layout_global),
+                       FlatLayout.of(tuple((k, r) for k, r, _ in layout)),
+                       FlatLayout.of(tuple((k, r) for k, r, _ in layout_global)), n_raw, launch, {}, {})
+    if len(_STRUCTURES) >= 256:
+        _STRUCTURES.clear()
+    _STRUCTURES[key] = found
+    return found
+
+
+@per_config(256)
 def _plan(config: LossConfig, has_old: bool) -> _Plan | None:
-    """The spec and metric layouts of ``config``, worked out once per config object (configs are
-    frozen): a training step reuses one config, and this host work would otherwise cost more than
-    the kernels on a GPU."""
-    key = (id(config), has_old)
-    cached = _PLANS.get(key)
-    if cached is not None and cached[0] is config:
-        return cached[1]
+    """``config``'s plan, worked out once per config object (``per_config``): its spec, the shared
+    structure of that spec, and its bounds. Under a data-chosen bound each optimizer step brings a new
+    config; its plan then costs ``spec_of`` + ``bounds_of`` and one small copy of the bounds to the
+    device, the structure being found, not rebuilt."""
     spec = spec_of(config, has_old)
-    plan = None
-    if spec is not None:
-        names = tuple(rule_name(i, r) for i, r in enumerate(config.correction.reject)) if spec.corrected else ()
-        layout, layout_global = _layout(spec, names, False), _layout(spec, names, True)
-        n_raw = 1 << (_R_RULES + 2 * len(spec.rules) - 1).bit_length()
-        w = spec.weight or (0, 0)
-        launch = ({"CORRECTED": spec.corrected, "ANCHOR": spec.anchor, "L": spec.log_clamp, "RULES": spec.rules,
-                   "SEQUENTIAL": spec.sequential},
-                  {"NONFINITE": spec.nonfinite, "HAS_WEIGHT": spec.weight is not None, "WLEVEL": w[0], "WMODE": w[1],
-                   "FIXED": spec.fixed_denominator, "KIND": spec.kind, "CP": _CP},
-                  {"L": spec.log_clamp, "N_RULES": len(spec.rules), "AGG": spec.agg, "CP": _CP, "RB": _RB,
-                   "NRAW": n_raw, "num_warps": 16})  # _finish is one program: all its warps
-        plan = _Plan(spec, bounds_of(config), layout, layout_global, _index(layout), _index(layout_global),
-                     FlatLayout.of(tuple((k, r) for k, r, _ in layout)),
-                     FlatLayout.of(tuple((k, r) for k, r, _ in layout_global)), n_raw, {}, launch, {})
-    if len(_PLANS) > 256:
-        _PLANS.clear()
-    _PLANS[key] = (config, plan)  # holding the config keeps its id from being reused
-    return plan
+    if spec is None:
+        return None
+    names = tuple(rule_name(i, r) for i, r in enumerate(config.correction.reject)) if spec.corrected else ()
+    return _Plan(_structure(spec, names), bounds_of(config), {})
 
 
 def _device_consts(plan: _Plan, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The plan's bounds (fp32, compared as the reference compares them: in fp32) and metric layouts
-    (int32) on ``device``, copied there once per plan: a data-chosen bound changes the values of a
-    plan's vector, never the kernels."""
+    """The plan's bounds (fp32: ``bounds_tensor``, one copy per distinct vector) and its structure's
+    metric layouts (int32, copied once per structure) on ``device``: a data-chosen bound changes the
+    values of a vector, never the kernels nor the layouts."""
     consts = plan.device_consts.get(device)
     if consts is None:
-        consts = (torch.tensor(plan.bounds, dtype=torch.float32, device=device),
-                  torch.tensor(plan.index, dtype=torch.int32, device=device),
-                  torch.tensor(plan.index_global, dtype=torch.int32, device=device))
-        plan.device_consts[device] = consts
+        structure = plan.structure
+        index = structure.device_index.get(device)
+        if index is None:
+            index = structure.device_index[device] = (
+                torch.tensor(structure.index, dtype=torch.int32, device=device),
+                torch.tensor(structure.index_global, dtype=torch.int32, device=device))
+        consts = plan.device_consts[device] = (bounds_tensor(plan.bounds, device), *index)
     return consts
 
 
@@ -847,18 +856,19 @@ def _aligned(n: int) -> int:
     return (n + 3) & ~3
 
 
-def _shape(plan: _Plan, B: int, T: int, unreduced: bool, old_in: bool, has_global: bool, max_len: int | None) -> _Shape:
-    """The plan's ``_Shape`` for a [B, T] batch, made on first use. One workspace holds the per-chunk
-    partial sums (fp64: sums such as Σ(w − 1)² feed differences of moments — is_std — and ρ² passes
-    fp32's range past log ρ = 44), the derivative, the backward scale, the loss and, unreduced, the
-    per-token loss and its denominator; each part starts 16-byte aligned whatever B, T and C (a
-    pointer's alignment is a specialisation of the kernels: parts misaligned for some shapes
-    compiled them again)."""
+def _shape(structure: _Structure, B: int, T: int, unreduced: bool, old_in: bool, has_global: bool,
+           max_len: int | None) -> _Shape:
+    """The structure's ``_Shape`` for a [B, T] batch, made on first use (shared by every config of it).
+    One workspace holds the per-chunk partial sums (fp64: sums such as Σ(w − 1)² feed differences of
+    moments — is_std — and ρ² passes fp32's range past log ρ = 44), the derivative, the backward scale,
+    the loss and, unreduced, the per-token loss and its denominator; each part starts 16-byte aligned
+    whatever B, T and C (a pointer's alignment is a specialisation of the kernels: parts misaligned for
+    some shapes compiled them again)."""
     key = (B, T, unreduced, old_in, has_global, max_len, BLOCK)  # BLOCK: a test's override of the size classes
-    found = plan.shapes.get(key)
+    found = structure.shapes.get(key)
     if found is not None:
         return found
-    spec = plan.spec
+    spec = structure.spec
     block = _block(B, T)
     C = -(-T // block)
     n_rules = len(spec.rules)
@@ -870,17 +880,17 @@ def _shape(plan: _Plan, B: int, T: int, unreduced: bool, old_in: bool, has_globa
     at_den = _aligned(at_tok + B * T)
     end = at_den + B * T if unreduced else at_tok
     grid = (B, C)
-    common = {**plan.launch[0], "OLD_IN": old_in, "BLOCK": block, "num_warps": 16 if block > 1024 else 4,
+    common = {**structure.launch[0], "OLD_IN": old_in, "BLOCK": block, "num_warps": 16 if block > 1024 else 4,
               "grid": grid, "warmup": False}
     found = _Shape(
         C, (end + 1) // 2, at_coef, at_scale, at_loss, at_tok, at_den,
         (2 * n_rules + 3, B, C) if spec.needs_rows else None,
-        common, {**common, **plan.launch[1], "UNREDUCED": unreduced},
-        {**plan.launch[2], "HAS_GLOBAL": has_global, "grid": (1,), "warmup": False},
+        common, {**common, **structure.launch[1], "UNREDUCED": unreduced},
+        {**structure.launch[2], "HAS_GLOBAL": has_global, "grid": (1,), "warmup": False},
         float(max_len if max_len is not None else T))
-    if len(plan.shapes) > 64:
-        plan.shapes.clear()
-    plan.shapes[key] = found
+    if len(structure.shapes) > 64:
+        structure.shapes.clear()
+    structure.shapes[key] = found
     return found
 
 
@@ -918,9 +928,12 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, rollout_logprobs, conf
         return None
     corr = config.correction
     plan = _plan(config, old_logprobs is not None)
-    if plan is None or (plan.spec.corrected and corr.anchor == "old" and old_logprobs is None):
+    if plan is None:
         return None
-    spec = plan.spec
+    structure = plan.structure
+    spec = structure.spec
+    if spec.corrected and corr.anchor == "old" and old_logprobs is None:
+        return None
     global_count = config.global_tokens if config.agg == "token-mean" else config.global_seqs
     shape = mask.shape
     # an empty batch ([2, 0]) has no valid token (and no block to launch): the reference's message
@@ -932,7 +945,7 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, rollout_logprobs, conf
     B, T = shape
     old_in = old_logprobs is not None and not (spec.corrected and corr.anchor == "rollout")
     unreduced = not reduce
-    plan_shape = _shape(plan, B, T, unreduced, old_in, global_count is not None, config.max_len)
+    plan_shape = _shape(structure, B, T, unreduced, old_in, global_count is not None, config.max_len)
     # the kernels read pointers and strides: no detach needed (nothing they do enters autograd)
     lp, s_lp = _rows(logprobs)
     old, s_old = _rows(old_logprobs) if old_in else (lp, s_lp)
@@ -941,9 +954,9 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, rollout_logprobs, conf
     adv = advantages
     device = logprobs.device
     bounds, index, index_global = _device_consts(plan, device)
-    n_flat = len(plan.index)  # a tuple's length (a tensor's len() goes through torch's Python layer)
+    n_flat = len(structure.index)  # a tuple's length (a tensor's len() goes through torch's Python layer)
     if global_count is not None:
-        index, n_flat = index_global, len(plan.index_global)
+        index, n_flat = index_global, len(structure.index_global)
     # one workspace (``_shape``), its fp32 parts views of it; the fp64 partial sums are its start
     # (the kernels take a pointer: no view needed). The metrics' vector is its own allocation:
     # the metrics outlive the step's buffers (which a view would keep alive).
@@ -974,9 +987,9 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, rollout_logprobs, conf
     if not cuda:
         if _check_message(spec, tuple(shape), flat[-len(_CHECKS):].tolist()) is not None:
             return None  # the reference raises its exact message (with the first positions)
-        metrics = Metrics.from_flat(flat, plan.flat_global if global_count is not None else plan.flat)
+        metrics = Metrics.from_flat(flat, structure.flat_global if global_count is not None else structure.flat)
     else:
-        metrics = Metrics.from_flat(flat, plan.flat_global if global_count is not None else plan.flat)
+        metrics = Metrics.from_flat(flat, structure.flat_global if global_count is not None else structure.flat)
         metrics.defer_check(flat[-len(_CHECKS):], functools.partial(_check_message, spec, tuple(shape)))
     if unreduced:
         return attach(CoefTokens, logprobs, per_token, coef), den, metrics
