@@ -187,3 +187,26 @@ def test_nonfinite_bound_in_yaml_is_refused(tmp_path):
         op.CorrectionConfig.from_yaml(path)
     # null stays the open bound, and large finite bounds stay legal
     assert op.CorrectionConfig(weight={"level": "token", "mode": "truncate", "low": None, "high": 1e30}).weight.high == 1e30
+
+
+def test_one_reader_of_a_loss_config_for_the_library_and_the_hosts(tmp_path):
+    """``policy_loss``'s ``config=`` and a host's option (``integrations.host.loss_config_of``) read the same
+    forms through one function: a preset, a dict, a CorrectionConfig, its JSON (a Ray worker's
+    runtime_env), a YAML file by path whatever its name; only the host refuses an unset option."""
+    from offpolicy.integrations.host import loss_config_of
+    from offpolicy.losses import as_loss_config
+
+    want = op.LossConfig.from_preset("recommended")
+    path = tmp_path / "loss.conf"  # no .yaml suffix: read because it is a file
+    path.write_text(yaml.safe_dump({"loss": want.model_dump(mode="json")}))
+    for read in (as_loss_config, loss_config_of):
+        assert read("recommended") == want
+        assert read(want.model_dump_json()) == want
+        assert read(str(path)) == want and read(path) == want
+        assert read(want.model_dump()) == want
+        assert read(want.correction) == op.LossConfig(correction=want.correction)
+        with pytest.raises(ConfigError, match="got int"):
+            read(3)
+    assert as_loss_config(None) == op.LossConfig()
+    with pytest.raises(ConfigError, match="host option: .*got NoneType"):
+        loss_config_of(None, "host option:")

@@ -12,6 +12,8 @@ ppo ℓ = −min(r·A, clip(r)·A) with r = π_θ/π_old, then ℓ ← w·ℓ (+
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from collections.abc import Iterable, Mapping
@@ -25,13 +27,15 @@ from offpolicy.errors import ConfigError
 from offpolicy.metrics import Metrics
 
 
-def as_loss_config(config: LossConfig | CorrectionConfig | dict[str, Any] | str | Path | None) -> LossConfig:
-    """What users naturally pass as ``config=``: a LossConfig; None (PPO defaults); a dict of
-    LossConfig fields; a CorrectionConfig (PPO defaults with that correction); a preset name
-    (``LossConfig.from_preset``); or the path of a YAML file (fields, or under ``loss:``).
+def as_loss_config(config: LossConfig | CorrectionConfig | dict[str, Any] | str | Path | None,
+                   what: str = "policy_loss: config") -> LossConfig:
+    """What users naturally pass as ``config=``: a LossConfig (as it is); None (PPO defaults); a dict of
+    LossConfig fields; a CorrectionConfig (PPO defaults with that correction); its JSON (``{...}``: what a
+    host hands a Ray worker); the path of a YAML file (fields, or under ``loss:``); or a preset name
+    (``LossConfig.from_preset``: ``"recommended"``, ``"verl:bypass_ppo_clip"``).
 
     Raises:
-        ConfigError: any other type, naming what is accepted.
+        ConfigError: any other type (``what`` names where it came from), or an invalid config.
     """
     if config is None:
         return LossConfig()
@@ -41,14 +45,13 @@ def as_loss_config(config: LossConfig | CorrectionConfig | dict[str, Any] | str 
         return LossConfig(correction=config)
     if isinstance(config, dict):
         return LossConfig.from_dict(config)
-    if isinstance(config, Path) or (isinstance(config, str) and config.endswith((".yaml", ".yml"))):
+    if isinstance(config, Path) or (isinstance(config, str) and (
+            config.endswith((".yaml", ".yml")) or os.path.isfile(config))):
         return LossConfig.from_yaml(config)
     if isinstance(config, str):
-        return LossConfig.from_preset(config)
-    raise ConfigError(
-        f"policy_loss: config must be a LossConfig, a CorrectionConfig, a dict of LossConfig fields, "
-        f"a preset name or a YAML path; got {type(config).__name__}"
-    )
+        return LossConfig.model_validate_json(config) if config.lstrip().startswith("{") else LossConfig.from_preset(config)
+    raise ConfigError(f"{what} must be a LossConfig, a CorrectionConfig, a dict of LossConfig fields, its JSON, "
+                      f"a preset name or a YAML path; got {type(config).__name__}")
 
 
 def policy_loss(

@@ -22,7 +22,6 @@
 from __future__ import annotations
 
 import logging
-import os
 from importlib import metadata
 from typing import Any
 
@@ -30,31 +29,24 @@ import torch
 
 import offpolicy as op
 from offpolicy.config import ConfigError, CorrectionConfig, LossConfig
+from offpolicy.kernels.common import per_config
+from offpolicy.losses import as_loss_config
 
 logger = logging.getLogger(__name__)
 
 
-_RESOLVED: dict[int, tuple[op.LossConfig, op.LossConfig]] = {}
-
-
+@per_config(64)
 def host_nonfinite_default(config: op.LossConfig, host: str) -> op.LossConfig:
     """``config`` with ``correction.nonfinite = 'neutral'`` where the field was left unset (module docstring).
 
     The same input object gives the same output object (verl resolves its config on every call, and
-    the kernels cache what they support per config object)."""
+    the kernels cache what they support per config object: ``kernels.common.per_config``)."""
     corr = config.correction
     if corr is None or "nonfinite" in corr.model_fields_set:
         return config
-    cached = _RESOLVED.get(id(config))
-    if cached is not None and cached[0] is config:
-        return cached[1]
     logger.info("offpolicy (%s): correction.nonfinite left unset: 'neutral' (ρ = 1 on a non-finite log-prob, "
                 "as TRL does for vLLM's None); counted as offpolicy/nonfinite_tokens", host)
-    resolved = config.model_copy(update={"correction": corr.model_copy(update={"nonfinite": "neutral"})})
-    if len(_RESOLVED) > 64:
-        _RESOLVED.clear()
-    _RESOLVED[id(config)] = (config, resolved)  # holding the input keeps its id from being reused
-    return resolved
+    return config.model_copy(update={"correction": corr.model_copy(update={"nonfinite": "neutral"})})
 
 
 def has_valid_token(mask: torch.Tensor) -> bool:
@@ -105,27 +97,17 @@ def check_fixed_denominator(config: op.LossConfig, why: str) -> None:
 
 
 def loss_config_of(spec: LossConfig | CorrectionConfig | dict[str, Any] | str, what: str = "loss config") -> LossConfig:
-    """A ``LossConfig`` from a ``LossConfig`` (as it is), a ``CorrectionConfig`` (PPO ε = 0.2 around it), a
-    dict of its fields, its JSON (``{...}``: what ``runtime_env`` hands a Ray worker), the path of a YAML file,
-    or a preset name (``"recommended"``, ``"verl:bypass_ppo_clip"``).
+    """A ``LossConfig`` from what a host's user passes (``losses.as_loss_config``: a LossConfig, a
+    CorrectionConfig, a dict, its JSON, a YAML path or a preset name); unlike ``policy_loss``'s
+    ``config=``, a host's option left unset is an error, not PPO's defaults.
 
     Raises:
         ConfigError: ``spec`` is none of these (``what`` names where it came from), or an invalid config.
     """
-    if isinstance(spec, LossConfig):
-        return spec
-    if isinstance(spec, CorrectionConfig):
-        return LossConfig(correction=spec)
-    if isinstance(spec, dict):
-        return LossConfig(**spec)
-    if not isinstance(spec, str):
-        raise ConfigError(f"{what}: expected a preset name, a YAML path, a dict or an op.LossConfig, "
-                          f"got {type(spec).__name__}")
-    if spec.lstrip().startswith("{"):
-        return LossConfig.model_validate_json(spec)
-    if os.path.isfile(spec):
-        return LossConfig.from_yaml(spec)
-    return LossConfig.from_preset(spec)
+    if spec is None:
+        raise ConfigError(f"{what} must be a LossConfig, a CorrectionConfig, a dict of LossConfig fields, its JSON, "
+                          "a preset name or a YAML path; got NoneType")
+    return as_loss_config(spec, what)
 
 
 def host_version(package: str) -> str:
