@@ -17,6 +17,7 @@ import torch
 
 from offpolicy.config import ConfigError
 from offpolicy.tasks import Larger, larger_reward, make_task
+from offpolicy.train.advantages import grpo_advantages
 from offpolicy.train.config import load_train_config
 from offpolicy.train.loop import groups_with_spread, spread_rows, update_kl_k3
 from hf_fixtures import benchmark_module  # noqa: E402
@@ -73,6 +74,9 @@ def test_update_kl_and_spread_by_hand():
     inf[0, 1] = -math.inf  # outside a top-k/top-p support: left out, never a NaN
     assert math.isclose(update_kl_k3(inf, after, mask), 0.5 - 1 - math.log(0.5), rel_tol=1e-6)
     assert groups_with_spread(torch.tensor([0.0, 0.0, 0.5, 1.0, 1.0, 1.0]), 2) == pytest.approx(1 / 3)
+    # the same tie rule as the advantages: rewards equal up to a few roundings give no gradient, no spread
+    rewards = torch.tensor([0.1 + 0.2, 0.3, 0.0, 1.0], dtype=torch.float64)
+    assert groups_with_spread(rewards, 2) == 0.5 and grpo_advantages(rewards, 2)[:2].eq(0).all()
     assert spread_rows(8, 4, 3).tolist() == [0, 4, 1]
 
 

@@ -32,11 +32,16 @@ def grpo_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) -
         raise ValueError(f"rewards: {len(bad)} non-finite value(s) at rows {bad[:5]} (first: "
                          f"{rewards[bad[0]].item()}); the reward function must return a finite number")
     grouped = rewards.view(-1, group_size).double()  # [G, n]
-    low = grouped.min(dim=1, keepdim=True).values
-    high = grouped.max(dim=1, keepdim=True).values
-    shifted = grouped - low  # exact; 0 everywhere in a group of equal rewards
+    shifted = grouped - grouped.min(dim=1, keepdim=True).values  # exact; 0 everywhere in a group of equal rewards
     centred = shifted - shifted.mean(dim=1, keepdim=True)
     advantages = centred / (shifted.std(dim=1, keepdim=True) + eps)
-    tol = TIE_ULPS * torch.finfo(rewards.dtype).eps * grouped.abs().max(dim=1, keepdim=True).values
-    tied = (high - low) <= tol  # [G, 1]
+    tied = tied_groups(rewards, group_size).unsqueeze(1)  # [G, 1]
     return torch.where(tied, torch.zeros_like(advantages), advantages).view(-1).to(rewards.dtype)
+
+
+def tied_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """``[G]`` bool: the groups whose rewards are all equal up to ``TIE_ULPS`` roundings,
+    max_g r − min_g r ≤ 4 · u · max_g |r| (``grpo_advantages``' rule; their advantages are 0)."""
+    grouped = rewards.view(-1, group_size).double()
+    spread = grouped.amax(dim=1) - grouped.amin(dim=1)
+    return spread <= TIE_ULPS * torch.finfo(rewards.dtype).eps * grouped.abs().amax(dim=1)

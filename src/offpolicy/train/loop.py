@@ -55,7 +55,7 @@ from offpolicy.policy.warmstart import exact_match_accuracy, model_dir, warm_sta
 from offpolicy.tasks import ChatRendered, make_task, problems
 from offpolicy.tasks.dataset import load_dataset_task
 from offpolicy.tasks.tokenizer import ensure_pad_token, load_tokenizer
-from offpolicy.train.advantages import grpo_advantages
+from offpolicy.train.advantages import grpo_advantages, tied_groups
 from offpolicy.train.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint
 from offpolicy.train.config import TrainConfig, resolve_device, resolve_engine_dtype, resolve_trainer_dtype
 from offpolicy.train.logger import RunLogger, StageTimer, sample_records
@@ -281,9 +281,9 @@ def spread_rows(n_rows: int, group_size: int, k: int) -> torch.Tensor:
 
 
 def groups_with_spread(rewards: torch.Tensor, group_size: int) -> float:
-    """The share of GRPO groups whose rewards are not all equal: the groups that give a gradient."""
-    groups = rewards.view(-1, group_size)
-    return (groups.amax(dim=1) > groups.amin(dim=1)).float().mean().item()
+    """The share of GRPO groups whose rewards are not all equal, by ``grpo_advantages``' tie rule
+    (``advantages.tied_groups``): the groups that give a gradient."""
+    return (~tied_groups(rewards, group_size)).float().mean().item()
 
 
 def update_kl_k3(before: torch.Tensor, after: torch.Tensor, mask: torch.Tensor) -> float:
