@@ -61,12 +61,16 @@ def model_params(config: dict) -> tuple[int, int]:
 
 
 def prompt_tokens(train: dict, model: str, n: int = 256) -> float:
-    """Mean rendered prompt length of the run's task (its first ``n`` training prompts)."""
-    from offpolicy.tasks import ChatRendered, make_task, problems
-    from offpolicy.tasks.tokenizer import load_tokenizer
+    """Mean prompt length of the run's task as the trainer builds it (``make_train_task``: a chat model's
+    template, or the data file), over its first ``n`` training prompts."""
+    from offpolicy.tasks import problems
+    from offpolicy.tasks.tokenizer import load_tokenizer, prompt_ids
+    from offpolicy.train.config import TrainConfig
+    from offpolicy.train.loop import make_train_task
 
-    task = ChatRendered.of(make_task(train["task"], **train.get("task_params", {})), load_tokenizer(model))
-    return statistics.fmean(len(p.prompt_ids) for p in problems(task, n, seed=0))
+    tokenizer = load_tokenizer(model)
+    task = make_train_task(TrainConfig.model_validate(train), tokenizer)
+    return statistics.fmean(len(prompt_ids(tokenizer, p)) for p in problems(task, n, seed=0))
 
 
 def floors(train: dict, rows: list[dict], n_body: int, n_head: int, prompt: float, gflops: float,
