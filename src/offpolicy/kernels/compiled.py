@@ -30,7 +30,7 @@ from offpolicy.config import LossConfig, rule_name
 from offpolicy.correction import validate_inputs
 from offpolicy.kernels.common import RATIO_LOG_CLAMP, CoefLoss, CoefTokens, attach, row_aggregation
 from offpolicy.kernels.eager import KINDS
-from offpolicy.metrics import Metrics
+from offpolicy.metrics import FlatLayout, Metrics
 
 log = logging.getLogger(__name__)
 
@@ -268,7 +268,95 @@ def _core(lp, old, roll, adv, m, bounds, spec: CoreSpec):
     names_s, names_m = sorted(scalars), sorted(maxima)
     out["scalars"] = torch.stack([scalars[k] for k in names_s])
     out["maxima"] = torch.stack([maxima[k] for k in names_m])
+    out["metrics"] = _metric_vector(spec, scalars, maxima, out)
     return out, names_s, names_m
+
+
+def _metric_plan(spec: CoreSpec) -> tuple[tuple[str | tuple[int, str], str, tuple[str, ...]], ...]:
+    """The rung's metrics in the order of its flat vector: (key, or (rule index, suffix) for a rule's
+    key; reducer; the names of its partial sums among ``_metric_vector``'s quantities). The keys,
+    reducers and values that ``correct`` and the readable loss record; the loss's own pair follows."""
+    plan: list[tuple[str | tuple[int, str], str, tuple[str, ...]]] = []
+    if spec.corrected:
+        plan += [("nonfinite_tokens", "sum", ("zero", "one")), ("valid_tokens", "sum", ("n", "one")),
+                 ("kl_k1", "mean", ("kl_k1", "n")), ("kl_k3", "mean", ("kl_k3", "n")),
+                 ("chi2_token", "mean", ("chi2", "n")), ("ess", "ess", ("rho", "rho2", "n"))]
+        plan += [(key, "mean", (key, "n_rows")) for key in ("chi2_seq", "ppl_train", "ppl_rollout", "log_ppl_diff",
+                                                           "ppl_ratio")]
+        plan += [("abs_logp_diff_mean", "mean", ("abs_lr", "n")), ("abs_logp_diff_max", "max", ("abs_lr_max", "n")),
+                 ("mult_prob_error", "mean", ("mult_err", "n")), ("prob_diff_mean", "mean", ("prob_diff", "n")),
+                 ("prob_diff_max", "max", ("prob_diff_max", "n"))]
+        for i in range(len(spec.rules)):
+            plan += [((i, "masked_fraction"), "mean", (f"removed_{i}", "n")),
+                     ((i, "masked_fraction_seq"), "mean", (f"removed_rows_{i}", "n_rows"))]
+        plan += [("masked_fraction", "mean", ("masked", "n")), ("masked_fraction_seq", "mean", ("masked_rows", "n_rows"))]
+        if spec.weight is not None:
+            plan += [("fraction_above_high", "mean", ("above", "units")),
+                     ("fraction_below_low", "mean", ("below", "units"))]
+        plan += [("is_mean", "mean", ("w_sum", "n_keep")), ("is_std", "std", ("w_sum", "w2_sum", "n_keep")),
+                 ("is_ess", "ess", ("w_sum", "w2_sum", "n_keep")), ("is_min", "min", ("w_min", "n_keep")),
+                 ("is_max", "max", ("w_max", "n_keep"))]
+    if spec.kind != "reinforce":
+        plan.append(("clip_fraction", "mean", ("clip", "n_keep")))
+    if spec.kind == "ppo" and spec.dual_clip:
+        plan.append(("dual_clip_fraction", "mean", ("dual", "n_keep")))
+    if spec.has_old:
+        plan.append(("approx_kl", "mean", ("approx_kl", "n_keep")))
+    return tuple(plan)
+
+
+def _metric_vector(spec: CoreSpec, scalars: dict, maxima: dict, out: dict) -> torch.Tensor:
+    """Every metric's partial sums, fp64, in ``_metric_plan``'s order: built in the graph from the sums
+    and rows (a ~20-op assembly on the host took ~0.5 ms a call after the graph had streamed the batch
+    through the caches), read by ``Metrics.from_flat`` without a copy per key."""
+    f64 = torch.float64
+    q = {k: v.to(f64) for k, v in scalars.items()}
+    q.update({k: v.to(f64) for k, v in maxima.items()})
+    q["zero"], q["one"] = torch.zeros_like(q["n"]), torch.ones_like(q["n"])
+    q.setdefault("n_keep", q["n"])
+    if spec.corrected:
+        trainer_rows, rollout_rows, lr_rows, counts = out["rows"]
+        rows = counts > 0
+        q["n_rows"] = rows.sum().to(f64)
+        safe = counts.clamp(min=1)
+        mean_train, mean_rollout = trainer_rows / safe, rollout_rows / safe
+        seq = lr_rows.clamp(-spec.log_clamp, spec.log_clamp)
+        cap = ops.FP32_EXP_LIMIT
+        diff = mean_rollout - mean_train
+        for key, value in (("chi2_seq", torch.expm1(2.0 * seq)), ("ppl_train", torch.exp((-mean_train).clamp(-cap, cap))),
+                           ("ppl_rollout", torch.exp((-mean_rollout).clamp(-cap, cap))), ("log_ppl_diff", diff),
+                           ("ppl_ratio", torch.exp(diff.clamp(-cap, cap)))):
+            q[key] = torch.where(rows, value, 0.0).sum()
+        if out["removed"] is not None:
+            for i, removed in enumerate(out["removed"]):
+                q[f"removed_{i}"], q[f"removed_rows_{i}"] = removed.sum(), (removed > 0).sum().to(f64)
+        q["masked"] = q["n"] - q["n_keep"]
+        q["masked_rows"] = ((counts - out["count_rows"][1]) > 0).sum().to(f64)
+        q.setdefault("below", q["zero"])
+        q.setdefault("above", q["zero"])
+        q["w_min"] = -q["w_min_neg"]
+    return torch.stack([q[name] for _, _, names in _metric_plan(spec) for name in names])
+
+
+_LAYOUTS: dict[int, tuple[LossConfig, CoreSpec, FlatLayout]] = {}
+
+
+def _layout(config: LossConfig, spec: CoreSpec) -> FlatLayout:
+    """``Metrics.from_flat``'s layout of ``_metric_plan(spec)`` with the rules' keys and the loss's, made
+    once per config object."""
+    cached = _LAYOUTS.get(id(config))
+    if cached is not None and cached[0] is config and cached[1] == spec:
+        return cached[2]
+    if len(_LAYOUTS) > 256:
+        _LAYOUTS.clear()
+    rules = config.correction.reject if config.correction is not None else []
+    keys = [(key if isinstance(key, str) else f"reject/{rule_name(key[0], rules[key[0]])}/{key[1]}", reducer)
+            for key, reducer, _ in _metric_plan(spec)]
+    global_norm = config.global_tokens is not None or config.global_seqs is not None
+    keys.append(("loss", "sum" if global_norm else "mean"))
+    layout = FlatLayout.of(keys)
+    _LAYOUTS[id(config)] = (config, spec, layout)  # holding the config keeps its id from being reused
+    return layout
 
 
 _compile_failed = False
@@ -371,18 +459,6 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, rollout_logprobs, conf
     positive = any(M[k] > 1e-6 for k in ("lp_max", "old_max", "trainer_max", "rollout_max") if k in M)
     if not binary or n == 0 or positive:
         validate_inputs(mask, **tensors)  # raises the readable path's message
-    # S and M are host floats: the tensors the metrics make of them go to the data's device, not
-    # the default one (issue #9 item 1). (A `with torch.device(...)` block did the same at 0.2 ms a call.)
-    metrics = Metrics(device=mask.device)
-    n_keep = S.get("n_keep", n)
-    if spec.corrected:
-        _assemble_correction_metrics(metrics, corr, spec, S, M, out, n, n_keep, out["count_rows"][1])
-    if "clip" in S:
-        metrics.ratio("clip_fraction", S["clip"], n_keep)
-    if "dual" in S:
-        metrics.ratio("dual_clip_fraction", S["dual"], n_keep)
-    if "approx_kl" in S:
-        metrics.ratio("approx_kl", S["approx_kl"], n_keep)
     den_rows = out["count_rows"][0]
     if spec.row_loss:
         numerator, count, row_scale = row_aggregation(out["loss_rows"], den_rows, config, mask.shape[-1])
@@ -390,58 +466,13 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, rollout_logprobs, conf
         _, count, row_scale = row_aggregation(den_rows, den_rows, config, mask.shape[-1])
         numerator = out["scalars"][names_s.index("loss_sum")]
     if config.global_tokens is not None or config.global_seqs is not None:
-        metrics.sum("loss", numerator / count.clamp(min=1))
+        loss_parts = torch.stack([numerator / count.clamp(min=1), torch.ones_like(numerator)])
     else:
-        metrics.ratio("loss", numerator, count)
+        loss_parts = torch.stack([numerator, count])
+    # every partial sum in one fp64 vector on the data's device (issue #9 item 1), the loss's last
+    metrics = Metrics.from_flat(torch.cat([out["metrics"], loss_parts]), _layout(config, spec))
     scale = (row_scale / count.clamp(min=1)).to(f32).unsqueeze(-1)
     if not reduce:
         return attach(CoefTokens, logprobs, out["per_token"], out["coef"]), out["den"].clone(), metrics
     loss_value = (numerator / count.clamp(min=1)).to(f32)
     return attach(CoefLoss, logprobs, loss_value, out["coef"], scale), metrics
-
-
-
-def _assemble_correction_metrics(metrics, corr, spec, S, M, out, n, n_keep, keep_rows):
-    """The same keys, reducers and values as ``correct`` records, from the core's partial sums."""
-    dev = out["rows"][3].device  # host floats become tensors on the data's device (issue #9 item 1)
-    metrics.sum("nonfinite_tokens", torch.zeros((), device=dev))
-    metrics.sum("valid_tokens", n)
-    metrics.ratio("kl_k1", S["kl_k1"], n)
-    metrics.ratio("kl_k3", S["kl_k3"], n)
-    metrics.ratio("chi2_token", S["chi2"], n)
-    metrics._put("ess", "ess", torch.tensor([S["rho"], S["rho2"], n], dtype=torch.float64, device=dev))
-    trainer_rows, rollout_rows, lr_rows, counts = out["rows"]
-    rows = counts > 0
-    n_rows = rows.sum()
-    safe = counts.clamp(min=1)
-    mean_train, mean_rollout = trainer_rows / safe, rollout_rows / safe
-    seq = lr_rows.clamp(-spec.log_clamp, spec.log_clamp)
-    metrics.ratio("chi2_seq", torch.where(rows, torch.expm1(2.0 * seq), 0.0).sum(), n_rows)
-    cap = ops.FP32_EXP_LIMIT
-    metrics.ratio("ppl_train", torch.where(rows, torch.exp((-mean_train).clamp(-cap, cap)), 0.0).sum(), n_rows)
-    metrics.ratio("ppl_rollout", torch.where(rows, torch.exp((-mean_rollout).clamp(-cap, cap)), 0.0).sum(), n_rows)
-    diff = mean_rollout - mean_train
-    metrics.ratio("log_ppl_diff", torch.where(rows, diff, 0.0).sum(), n_rows)
-    metrics.ratio("ppl_ratio", torch.where(rows, torch.exp(diff.clamp(-cap, cap)), 0.0).sum(), n_rows)
-    metrics.ratio("abs_logp_diff_mean", S["abs_lr"], n)
-    metrics._put("abs_logp_diff_max", "max", torch.tensor([M["abs_lr_max"], n], dtype=torch.float64, device=dev))
-    metrics.ratio("mult_prob_error", S["mult_err"], n)
-    metrics.ratio("prob_diff_mean", S["prob_diff"], n)
-    metrics._put("prob_diff_max", "max", torch.tensor([M["prob_diff_max"], n], dtype=torch.float64, device=dev))
-    if out["removed"] is not None:
-        for i, rule in enumerate(corr.reject):
-            removed = out["removed"][i]
-            name = f"reject/{rule_name(i, rule)}"
-            metrics.ratio(f"{name}/masked_fraction", removed.sum(), n)
-            metrics.ratio(f"{name}/masked_fraction_seq", (removed > 0).sum(), n_rows)
-    metrics.ratio("masked_fraction", n - n_keep, n)
-    metrics.ratio("masked_fraction_seq", ((counts - keep_rows) > 0).sum(), n_rows)
-    if spec.weight is not None:
-        metrics.ratio("fraction_above_high", S["above"], S["units"])
-        metrics.ratio("fraction_below_low", S["below"], S["units"])
-    metrics.ratio("is_mean", S["w_sum"], n_keep)
-    moments = torch.tensor([S["w_sum"], S["w2_sum"], n_keep], dtype=torch.float64, device=dev)
-    metrics._put("is_std", "std", moments)
-    metrics._put("is_ess", "ess", moments.clone())
-    metrics._put("is_min", "min", torch.tensor([-M["w_min_neg"], n_keep], dtype=torch.float64, device=dev))
-    metrics._put("is_max", "max", torch.tensor([M["w_max"], n_keep], dtype=torch.float64, device=dev))
