@@ -11,7 +11,8 @@ fp64 accumulator is two vector registers and two conversions a step, and each ex
 Sleef across which the live accumulators are spilled. So the core derives what it can from sums it
 already has (Σ π_old·m from the rows' sums, expm1 and max(ρ, 1/ρ) from ρ), counts in integers, and for
 token-mean keeps the loss's sum in the loop over the tokens, which then stores only the derivative:
-one loop over the tokens and one over the rows, ~60 % of the time of the three loops before.
+one loop over the tokens and one over the rows, ~60 % of the time of the three loops before. The
+metrics' partial sums leave the graph as one fp64 vector (``_metric_vector``, ``Metrics.from_flat``).
 """
 
 from __future__ import annotations
