@@ -276,3 +276,39 @@ def test_fused_and_readable_metrics_merge_like_one_batch(monkeypatch, compile_se
     merged = parts[0].merge(parts[1]).to_dict()
     for key, value in whole.items():
         assert math.isclose(merged[key], value, rel_tol=1e-5, abs_tol=1e-6), (key, merged[key], value)
+
+
+def test_compiled_core_derives_its_sums_from_the_rows():
+    """The compiled core (run here uncompiled: the same tensor function) takes Σ m, Σ π_old·m, Σ μ·m,
+    Σ log ρ·m and the surviving count from its per-row sums, counts in integers and finds NaN/inf and a
+    non-0/1 mask by two counts (issue #44: fewer sums in its loop over the tokens): each equals the direct
+    fp64 sum over the tokens within rounding, and a bad input is still seen."""
+    batch = next_batch(3)
+    cfg = op.LossConfig(kind="ppo", correction={"weight": {"level": "token", "mode": "truncate", "high": 2.0},
+                                                "reject": [{"stat": "ratio", "level": "token", "low": 0.5, "high": 1.6}]})
+    spec = compiled.core_spec(cfg, True, True)
+    lp, old, roll, adv, m = (batch[k].float() for k in ("logprobs", "old", "rollout", "adv", "mask"))
+
+    def sums(lp=lp, old=old, m=m):
+        out, names, _ = compiled._core(lp, old, roll, adv, m, compiled._bounds(cfg, lp.device), spec)
+        return dict(zip(names, out["scalars"].tolist()))
+
+    s, d = sums(), torch.float64
+    lr = (old - roll).clamp(-20, 20).double()
+    ratio = lr.exp()
+    keep = (m > 0) & (ratio >= 0.5) & (ratio <= 1.6)
+    assert s["n"] == pytest.approx(m.double().sum().item(), rel=1e-12)
+    assert s["trainer_sum"] == pytest.approx((old.double() * m).sum().item(), rel=1e-12)
+    assert s["rollout_sum"] == pytest.approx((roll.double() * m).sum().item(), rel=1e-12)
+    assert s["kl_k1"] == pytest.approx(-(lr * m).sum().item(), rel=1e-6)
+    assert s["n_keep"] == keep.sum().item() and s["units"] == keep.sum().item()
+    assert s["above"] == ((ratio > 2.0) & keep).sum().item()
+    assert s["nonfinite"] == 0 and s["nonbinary"] == 0
+    assert s["kl_k3"] == pytest.approx(((lr.exp() - 1 - lr) * m.to(d)).sum().item(), rel=1e-5)
+    padding = (m == 0).nonzero()[0].tolist()
+    with_nan = old.clone()
+    with_nan[padding[0], padding[1]] = float("nan")  # in the padding: still the readable path's call
+    assert sums(old=with_nan)["nonfinite"] == 1
+    half = m.clone()
+    half[0, 0] = 0.5
+    assert sums(m=half)["nonbinary"] == 1

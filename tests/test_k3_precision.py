@@ -76,3 +76,19 @@ def test_diagnose_breakdown_kl_k3():
                   rollout_logprobs=rollout, versions=torch.zeros(1, dtype=torch.long))
     rows = diagnose.breakdowns(Sample(batch, trainer, None))["by_position"]
     assert len(rows) == 1 and rows[0]["kl_k3"] == pytest.approx(MEAN_K3, rel=1e-4)
+
+
+def test_compiled_rung_reads_kl_k3_and_approx_kl_exactly():
+    """The compiled rung at a width inductor vectorises (≥ 16 tokens a row): its C++ backend writes expm1
+    as exp − 1 in vector loops (torch/_inductor/codegen/cpp.py, CppVecOverrides.expm1), which read k3 = 0
+    here; the core now takes expm1 from the Taylor series near 0, as the Triton rung does."""
+    trainer, rollout, _ = golden()
+    trainer, rollout = trainer.repeat(2, 32), rollout.repeat(2, 32)  # [2, 64]: ±x alternating, the same mean
+    mask = torch.ones(2, 64)
+    cfg = op.LossConfig(kind="ppo",
+                        correction=op.CorrectionConfig(weight={"level": "token", "mode": "truncate", "high": 2.0}))
+    logprobs = rollout.clone().requires_grad_(True)
+    _, m = op.policy_loss(logprobs, trainer, torch.ones(2, 64), mask, rollout_logprobs=rollout, config=cfg,
+                          implementation="compiled")
+    assert m["kl_k3"] == pytest.approx(MEAN_K3, rel=1e-4)
+    assert m["approx_kl"] == pytest.approx(MEAN_K3, rel=1e-4)
