@@ -56,6 +56,7 @@ DATA = Path(__file__).resolve().parents[1] / "examples" / "data" / "arith_word_p
 TRAINERS = {
     # the defaults: engine vllm, engine dtype auto (fp32 on a CPU without bf16), π_old forward skipped
     "offpolicy defaults (vllm)": [],
+    "offpolicy torch linear (vllm)": ["cpu_linear=torch"],  # the defaults with torch's own F.linear in the trainer
     "offpolicy hf engine": ["engine=hf"],
     "offpolicy async s=1 (hf)": ["engine=hf", "max_staleness=1", "preset=verl:decoupled_token_is"],
 }

@@ -41,6 +41,7 @@ def test_weight_sync_fp32_engine_matches_trainer():
     # them), and the engine it leaves samples exactly what an engine started from those weights samples
     assert r["direct_sync_blockers"] == []
     assert r["fresh_engine_same"]
+    assert r["detokenize_same"]  # no text asked of vLLM: the same tokens and log-probs
     assert "model.norm.weight" in r["partial_sync_error"] and "part old, part new" in r["partial_sync_error"]
     # processed log-probs: the engine reports log-probs renormalised over top-k/top-p at
     # temperature 0.7, and renormalize_logprobs reproduces them on the trainer side

@@ -156,6 +156,7 @@ def test_each_request_gets_its_own_sampling_params_which_vllm_need_not_copy(monk
     engine.generate([[1, 2], [3], [4]], SAMPLING, seed=7, version=0)
     params = fake.instances[-1].sampling_params
     assert len({id(p) for p in params}) == 3 and all(p.skip_clone for p in params)
+    assert not any(p.detokenize for p in params)  # ids and log-probs only: no text, no token strings (issue #49)
     assert [p.seed for p in params] == [7 * 1_000_003 + i for i in range(3)]
     engine.close()
 

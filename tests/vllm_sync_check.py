@@ -55,6 +55,14 @@ if __name__ == "__main__":
     # the same tokens with the same log-probs, to the bit (same kernels, same packed weights)
     out["direct_sync_blockers"] = engine.direct_sync_blockers
     synced = engine.generate(prompts, plain, seed=2, version=0)
+    # the engine asks vLLM for no text (detokenize=False): the same tokens and log-probs as with it
+    import vllm
+
+    params = vllm.SamplingParams
+    vllm.SamplingParams = lambda *args, **kwargs: params(*args, **{**kwargs, "detokenize": True})
+    texted = engine.generate(prompts, plain, seed=2, version=0)
+    vllm.SamplingParams = params
+    out["detokenize_same"] = texted.response_ids == synced.response_ids and texted.logprobs == synced.logprobs
     moved = tempfile.mkdtemp()
     trainer.save_pretrained(moved)
     tok.save_pretrained(moved)
