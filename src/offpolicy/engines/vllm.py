@@ -452,7 +452,7 @@ class VLLMEngine:
         On the CPU, where nothing but vLLM's GEMM dispatch processes the weights after loading
         (``direct_sync_blockers`` empty: an unquantized dense model up to ``DIRECT_SYNC_MAX_BYTES`` of linear
         weights), directly: the model's ``load_weights`` into the unpacked weights kept at start, then vLLM's
-        dispatch packs each linear layer for oneDNN again (``_direct_reload``; the embedded model: ~13.5 → ~6 ms
+        dispatch packs each linear layer for oneDNN again (``_direct_reload``; the embedded model: 14 → 7 ms
         a sync on one thread, docs/performance.md). Otherwise vLLM's layerwise reload through its worker
         (``load_weights`` alone fails there: vLLM dropped the unpacked weights it loads into).
 
