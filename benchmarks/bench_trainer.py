@@ -16,6 +16,10 @@ back to back, in alternating order from run to run (paired runs on a shared mach
     python3 benchmarks/bench_trainer.py --device cpu --profile --steps 22    # where a step goes, by function
     python3 benchmarks/bench_trainer.py --device cpu --only TRL defaults --baseline-src ../main/src   # before/after
 
+Trainers: offpolicy's defaults; ``offpolicy torch linear``, the defaults with ``cpu_linear=torch`` (torch's
+``F.linear`` in the trainer instead of oneDNN's); the hf engine; an async run. ``--baseline-src DIR`` runs
+the offpolicy ones again with ``PYTHONPATH=DIR`` (another checkout's ``src/``): before/after, paired.
+
 ``--models``: ``embedded`` (the warm-started tiny Qwen2 of src/offpolicy/tasks/model.py) and
 ``qwen2-0.5b`` (Qwen2-0.5B's shapes — 24 layers, width 896, 14 heads / 2 KV heads, MLP 4864,
 vocabulary 151,936, tied embeddings — initialised in code, no download; random weights, so every
