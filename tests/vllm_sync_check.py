@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import json
+import shutil
 import os
 import sys
 import tempfile
@@ -97,4 +98,6 @@ if __name__ == "__main__":
     out["fresh_engine_same"] = (synced.response_ids == started.response_ids
                                 and synced.logprobs == started.logprobs)
     fresh.close()
+    for directory in (path, moved):  # the saved models (a few MB each) do not outlive the check
+        shutil.rmtree(directory, ignore_errors=True)
     print("RESULT " + json.dumps(out))
