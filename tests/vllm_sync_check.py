@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import gc
 import json
-import shutil
 import os
+import shutil
 import sys
 import tempfile
 import time
