@@ -14,6 +14,11 @@ back to back, in alternating order from run to run (paired runs on a shared mach
     python3 benchmarks/bench_trainer.py --device cuda --models embedded qwen2-0.5b --lengths 128
     python3 benchmarks/bench_trainer.py --device cpu --models smollm2 --lengths 64 --runs 3 --steps 6
     python3 benchmarks/bench_trainer.py --device cpu --profile --steps 22    # where a step goes, by function
+    python3 benchmarks/bench_trainer.py --device cpu --only TRL defaults --baseline-src ../main/src   # before/after
+
+Trainers: offpolicy's defaults; ``offpolicy torch linear``, the defaults with ``cpu_linear=torch`` (torch's
+``F.linear`` in the trainer instead of oneDNN's); the hf engine; an async run. ``--baseline-src DIR`` runs
+the offpolicy ones again with ``PYTHONPATH=DIR`` (another checkout's ``src/``): before/after, paired.
 
 ``--models``: ``embedded`` (the warm-started tiny Qwen2 of src/offpolicy/tasks/model.py) and
 ``qwen2-0.5b`` (Qwen2-0.5B's shapes — 24 layers, width 896, 14 heads / 2 KV heads, MLP 4864,
@@ -55,6 +60,7 @@ DATA = Path(__file__).resolve().parents[1] / "examples" / "data" / "arith_word_p
 TRAINERS = {
     # the defaults: engine vllm, engine dtype auto (fp32 on a CPU without bf16), π_old forward skipped
     "offpolicy defaults (vllm)": [],
+    "offpolicy torch linear (vllm)": ["cpu_linear=torch"],  # the defaults with torch's own F.linear in the trainer
     "offpolicy hf engine": ["engine=hf"],
     "offpolicy async s=1 (hf)": ["engine=hf", "max_staleness=1", "preset=verl:decoupled_token_is"],
 }
@@ -266,11 +272,18 @@ def worker(args: argparse.Namespace) -> None:
 
 
 # ------------------------------------------------------------------------------------------ driver
-def measure(name: str, model: str, device: str, threads: str, steps: int, length: int) -> dict:
+BASELINE = "before: "  # --baseline-src: the offpolicy trainers again, with offpolicy imported from that source tree
+
+
+def measure(name: str, model: str, device: str, threads: str, steps: int, length: int,
+            baseline_src: str | None = None) -> dict:
     env = dict(os.environ)
     env.pop("OMP_NUM_THREADS", None)
     if threads != "default":
         env["OMP_NUM_THREADS"] = threads
+    if name.startswith(BASELINE):
+        name = name.removeprefix(BASELINE)
+        env["PYTHONPATH"] = os.pathsep.join([baseline_src, *filter(None, [env.get("PYTHONPATH")])])
     cmd = [sys.executable, __file__, "--worker", name, "--model", model, "--device", device, "--steps", str(steps),
            "--length", str(length)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
@@ -289,6 +302,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--lengths", type=int, nargs="+", default=[10])
     parser.add_argument("--only", nargs="*", help="trainer names (substrings) to run")
+    parser.add_argument("--baseline-src", help="a source tree (e.g. another checkout's src/): each offpolicy trainer "
+                        "also runs with offpolicy imported from it, paired with the others run by run (before/after)")
     parser.add_argument("--profile", action="store_true", help="one offpolicy defaults run under cProfile: "
                         "its largest self times per step (no timing table)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
@@ -320,6 +335,10 @@ def main() -> None:
     names += [n for n in TRAINERS if "vllm" not in n or vllm_available()]
     if args.only:
         names = [n for n in names if any(o in n for o in args.only)]
+    if args.baseline_src:
+        if not (Path(args.baseline_src) / "offpolicy").is_dir():
+            parser.error(f"--baseline-src {args.baseline_src}: no offpolicy package there (give a checkout's src/)")
+        names += [BASELINE + n for n in names if n != TRL]
     load = os.getloadavg()
     where = torch.cuda.get_device_name() if device == "cuda" else f"{os.cpu_count()} CPU cores"
     print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} · {where} · torch {torch.__version__} · "
@@ -334,7 +353,8 @@ def main() -> None:
                         if name in failed:
                             continue
                         try:
-                            results[name].append(measure(name, model, device, threads, args.steps, length))
+                            results[name].append(measure(name, model, device, threads, args.steps, length,
+                                                         args.baseline_src))
                         except RuntimeError as exc:  # one trainer's failure leaves the others' numbers
                             print(f"  {model} length {length} run {run}: {exc}", flush=True)
                             failed.add(name)

@@ -156,6 +156,7 @@ def test_each_request_gets_its_own_sampling_params_which_vllm_need_not_copy(monk
     engine.generate([[1, 2], [3], [4]], SAMPLING, seed=7, version=0)
     params = fake.instances[-1].sampling_params
     assert len({id(p) for p in params}) == 3 and all(p.skip_clone for p in params)
+    assert not any(p.detokenize for p in params)  # ids and log-probs only: no text, no token strings (issue #49)
     assert [p.seed for p in params] == [7 * 1_000_003 + i for i in range(3)]
     engine.close()
 
@@ -229,3 +230,48 @@ def test_an_engine_failure_is_one_line_and_its_dump_stays_in_engine_log(monkeypa
             engine.generate([[1]], SAMPLING, seed=0, version=0)
     finally:
         engine.close()
+
+
+def test_the_cpu_engine_keeps_unpacked_weights_only_while_vllm_starts(monkeypatch, tiny_qwen2_dir):
+    """Issue #49: for the direct sync, vLLM's CPU GEMM dispatch keeps each linear layer's unpacked weight while
+    the engine starts (``remove_weight=False``: the same kernel, its weight not dropped); the process-wide
+    function is vLLM's own again afterwards, also when the start fails, and a GPU engine never changes it."""
+    from vllm.model_executor.layers import utils
+
+    dispatch = utils.dispatch_cpu_unquantized_gemm
+    fake = vllm_fakes.install(monkeypatch, "cpu")
+    seen = []
+    start = fake.__init__
+
+    def recording(self, *args, **kwargs):
+        seen.append(utils.dispatch_cpu_unquantized_gemm)
+        start(self, *args, **kwargs)
+
+    monkeypatch.setattr(fake, "__init__", recording)
+    engine = VLLMEngine(str(tiny_qwen2_dir), dtype="fp32")
+    keeping = seen[-1]
+    assert keeping is not dispatch and utils.dispatch_cpu_unquantized_gemm is dispatch
+    # what vLLM's linear layers ask for (remove_weight=True): the same kernel, the unpacked weight kept
+    kept, dropped = torch.nn.Linear(32, 16, bias=False), torch.nn.Linear(32, 16, bias=False)
+    dropped.load_state_dict(kept.state_dict())
+    keeping(kept, remove_weight=True)
+    dispatch(dropped, remove_weight=True)
+    assert kept.weight.shape == (16, 32) and dropped.weight.numel() == 0
+    x = torch.randn(4, 32)
+    assert torch.equal(kept.cpu_linear(x, kept.weight, None), dropped.cpu_linear(x, dropped.weight, None))
+    # the fake's model has no packed layer: the engine says why it syncs through vLLM's reload
+    assert engine.direct_sync_blockers == ["no layer packed by vLLM's CPU GEMM dispatch"]
+    engine.close()
+
+    def failing(self, *args, **kwargs):
+        seen.append(utils.dispatch_cpu_unquantized_gemm)
+        raise RuntimeError("no memory")
+
+    monkeypatch.setattr(fake, "__init__", failing)
+    with pytest.raises(EngineError, match="no memory"):
+        VLLMEngine(str(tiny_qwen2_dir), dtype="fp32")
+    assert seen[-1] is not dispatch and utils.dispatch_cpu_unquantized_gemm is dispatch
+    vllm_fakes.install(monkeypatch, "cuda")
+    monkeypatch.setattr(fake, "__init__", recording)
+    VLLMEngine(str(tiny_qwen2_dir), dtype="fp32").close()
+    assert seen[-1] is dispatch

@@ -13,8 +13,10 @@ vLLM's platform reports CUDA (``is_cpu()`` False), so the engine takes its GPU p
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import logging
+import types
 
 import torch
 import vllm
@@ -50,6 +52,11 @@ class FakeWorker:
     def __init__(self, calls: list):
         self.calls = calls
         self.loaded: list[tuple[str, torch.Tensor]] = []
+        # what a callable sent through collective_rpc reads: a model with no layer vLLM's CPU dispatch packed
+        # (so the engine's direct sync is off and every sync goes through reload_weights), an unquantized config
+        self.model_runner = types.SimpleNamespace(get_model=torch.nn.Module)
+        self.vllm_config = types.SimpleNamespace(model_config=types.SimpleNamespace(quantization=None),
+                                                 lora_config=None)
 
     def reload_weights(self, *args, **kwargs) -> None:
         bound = bind(GPUModelRunner, "reload_weights", *args, **kwargs)
@@ -113,8 +120,11 @@ class FakeLLM:
 
     def collective_rpc(self, *args, **kwargs) -> list:
         bound = bind(LLM, "collective_rpc", *args, **kwargs).arguments
-        self.calls.append(("collective_rpc", bound["method"]))
-        return [getattr(self.worker, bound["method"])(*bound["args"], **(bound["kwargs"] or {}))]
+        method = bound["method"]
+        self.calls.append(("collective_rpc", method if isinstance(method, str) else method.__name__))
+        # vLLM's run_method: a name is the worker's method, a callable gets the worker as its first argument
+        call = getattr(self.worker, method) if isinstance(method, str) else functools.partial(method, self.worker)
+        return [call(*bound["args"], **(bound["kwargs"] or {}))]
 
 
 def install(monkeypatch, platform: str = "cpu") -> type[FakeLLM]:

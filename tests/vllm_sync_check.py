@@ -3,8 +3,10 @@ state): checks that weight sync is real. Prints one JSON object."""
 
 from __future__ import annotations
 
+import gc
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -13,7 +15,7 @@ if __name__ == "__main__":
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     import torch
 
-    from offpolicy.engines import SamplingConfig
+    from offpolicy.engines import EngineError, SamplingConfig
     from offpolicy.engines.vllm import VLLMEngine
     from offpolicy.tasks.model import build_tiny_qwen2
     from offpolicy.tasks.tokenizer import build_char_tokenizer
@@ -50,6 +52,28 @@ if __name__ == "__main__":
     engine.sync_weights(trainer.state_dict().items())
     out["sync_ms"] = (time.perf_counter() - start) * 1e3
     out["after_sync"] = gap(plain, 2)
+    # the direct sync (issue #49) against vLLM's own loading: an engine started from the synced weights samples
+    # the same tokens with the same log-probs, to the bit (same kernels, same packed weights)
+    out["direct_sync_blockers"] = engine.direct_sync_blockers
+    synced = engine.generate(prompts, plain, seed=2, version=0)
+    # the engine asks vLLM for no text (detokenize=False): the same tokens and log-probs as with it
+    import vllm
+
+    params = vllm.SamplingParams
+    vllm.SamplingParams = lambda *args, **kwargs: params(*args, **{**kwargs, "detokenize": True})
+    texted = engine.generate(prompts, plain, seed=2, version=0)
+    vllm.SamplingParams = params
+    out["detokenize_same"] = texted.response_ids == synced.response_ids and texted.logprobs == synced.logprobs
+    moved = tempfile.mkdtemp()
+    trainer.save_pretrained(moved)
+    tok.save_pretrained(moved)
+    # a sync that leaves a parameter as it was is refused, naming it
+    try:
+        engine.sync_weights([(n, t) for n, t in trainer.state_dict().items() if n != "model.norm.weight"])
+        out["partial_sync_error"] = None
+    except EngineError as err:
+        out["partial_sync_error"] = str(err)
+    engine.sync_weights(trainer.state_dict().items())
     out["after_sync_top_p_top_k_temperature"] = gap(truncated, 3)
     # One batch over vLLM's CPU token budget (4,096 tokens an engine step): 48 prompts of 100 tokens (the
     # model has 128 positions). With chunked prefill on, vLLM split a seeded prompt here and rewound its
@@ -66,4 +90,14 @@ if __name__ == "__main__":
         "max_logprob_diff_alone": max(abs(a - b) for r, q in zip(runs[0].logprobs, alone.logprobs)
                                       for a, b in zip(r, q)),
     })
+    engine.close()  # one engine a process at a time (vLLM's process-wide parallel state)
+    del engine
+    gc.collect()
+    fresh = VLLMEngine(moved, dtype=dtype, seed=0)
+    started = fresh.generate(prompts, plain, seed=2, version=0)
+    out["fresh_engine_same"] = (synced.response_ids == started.response_ids
+                                and synced.logprobs == started.logprobs)
+    fresh.close()
+    for directory in (path, moved):  # the saved models (a few MB each) do not outlive the check
+        shutil.rmtree(directory, ignore_errors=True)
     print("RESULT " + json.dumps(out))

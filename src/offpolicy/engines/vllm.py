@@ -222,6 +222,109 @@ class _UnloadedWatch:
         self.logger.propagate = self.saved[1]
 
 
+# The direct sync keeps a second, unpacked copy of each linear layer's weight beside vLLM's packed one: worth it
+# where the reload's fixed cost (~10 ms) is a visible part of a step, i.e. small models; above this size vLLM's
+# own reload runs (it unpacks one layer at a time, so it holds no second copy)
+DIRECT_SYNC_MAX_BYTES = 256 * 2**20
+
+
+@contextlib.contextmanager
+def _cpu_weights_kept() -> Iterator[None]:
+    """While vLLM builds a CPU engine, its GEMM dispatch (``dispatch_cpu_unquantized_gemm``, which packs each
+    linear layer's weight for oneDNN and then drops the unpacked weight) keeps the unpacked weight: a sync
+    can then load into it in place and re-pack (``_direct_reload``). The kernels are vLLM's own, unchanged.
+    vLLM's linear layers import the function when they are processed, so replacing the module attribute
+    for the duration of ``LLM(...)`` reaches them, and only them."""
+    from vllm.model_executor.layers import utils
+
+    dispatch = utils.dispatch_cpu_unquantized_gemm
+
+    def keeping(layer: torch.nn.Module, remove_weight: bool) -> None:
+        dispatch(layer, remove_weight=False)
+
+    utils.dispatch_cpu_unquantized_gemm = keeping
+    try:
+        yield
+    finally:
+        utils.dispatch_cpu_unquantized_gemm = dispatch
+
+
+def _packed_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules vLLM's CPU GEMM dispatch gave a kernel (``cpu_linear``): linear layers, embedding, LM head."""
+    return [m for m in model.modules() if hasattr(m, "cpu_linear")]
+
+
+def _direct_sync_blockers(model: torch.nn.Module, vllm_config: Any, max_bytes: int) -> list[str]:
+    """Why a direct reload (``load_weights`` into the kept weights, then vLLM's GEMM dispatch again) would not
+    leave the model as vLLM's own reload does; empty when it would. vLLM's reload re-runs every layer's
+    post-load processing (``model_loader/utils.process_weights_after_loading``): the direct one re-runs only the
+    GEMM dispatch, so every other processing step must be one that does not depend on the weights."""
+    from vllm.model_executor.layers.attention import Attention, is_deferred_attention_layer
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+    from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+    from vllm.v1.attention.backend import AttentionImplBase
+
+    blockers = []
+    if vllm_config.model_config.quantization is not None:
+        blockers.append(f"quantized ({vllm_config.model_config.quantization})")
+    if vllm_config.lora_config is not None:
+        blockers.append("LoRA adapters")
+    if hasattr(model, "process_weights_after_loading"):
+        blockers.append("the model processes its weights after loading")
+    packed = _packed_modules(model)
+    if not packed:
+        blockers.append("no layer packed by vLLM's CPU GEMM dispatch")
+    for name, module in model.named_modules():
+        method = getattr(module, "quant_method", None)
+        if isinstance(method, QuantizeMethodBase) and type(method) not in (UnquantizedLinearMethod,
+                                                                            UnquantizedEmbeddingMethod):
+            blockers.append(f"{name}: {type(method).__name__}")
+        if is_deferred_attention_layer(module) and (
+                type(module) is not Attention
+                or type(module.impl).process_weights_after_loading is not AttentionImplBase.process_weights_after_loading):
+            blockers.append(f"{name}: {type(module).__name__} processes its weights after loading")
+    if any(m.weight.numel() == 0 for m in packed):
+        blockers.append("vLLM dropped a linear layer's unpacked weight")
+    kept = sum(m.weight.numel() * m.weight.element_size() for m in packed
+               if isinstance(getattr(m, "quant_method", None), UnquantizedLinearMethod))
+    if kept > max_bytes:
+        blockers.append(f"linear weights of {kept / 2**20:.0f} MiB (direct syncs up to {max_bytes / 2**20:.0f} MiB)")
+    return blockers
+
+
+def _prepare_direct_sync(worker: Any, max_bytes: int) -> list[str]:
+    """On vLLM's worker, once after the engine starts with its weights kept (``_cpu_weights_kept``): the
+    blockers of a direct reload; where there are any, the kept unpacked weights are dropped as vLLM drops
+    them (its GEMM dispatch with ``remove_weight=True``, what its linear layers ask for), so vLLM's own
+    reload then finds the model as it leaves it."""
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+    model = worker.model_runner.get_model()
+    blockers = _direct_sync_blockers(model, worker.vllm_config, max_bytes)
+    if blockers:
+        for module in _packed_modules(model):
+            if isinstance(getattr(module, "quant_method", None), UnquantizedLinearMethod) and module.weight.numel():
+                dispatch_cpu_unquantized_gemm(module, remove_weight=True)
+    return blockers
+
+
+def _direct_reload(worker: Any, weights: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
+    """On vLLM's worker: the model's own ``load_weights`` copies ``weights`` into the kept parameters (the
+    checkpoint's q/k/v and gate/up into vLLM's fused tensors, as at start), then vLLM's GEMM dispatch packs
+    each linear layer again from them. Returns the parameters no tensor reached (vLLM's reload only logs them)."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+    model = worker.model_runner.get_model()
+    with set_current_vllm_config(worker.vllm_config), torch.no_grad():
+        loaded = model.load_weights(weights)
+        for module in _packed_modules(model):
+            dispatch_cpu_unquantized_gemm(module, remove_weight=False)
+    return sorted({name for name, _ in model.named_parameters()} - set(loaded))
+
+
 class VLLMEngine:
     name = "vllm"
 
@@ -260,9 +363,15 @@ class VLLMEngine:
         self.log_path = log_path
         self._log = _EngineLog(log_path) if log_path is not None else None
         self._watch: _UnloadedWatch | None = None
+        # on the CPU, why a sync goes through vLLM's reload instead of the direct one (empty: direct)
+        self.direct_sync_blockers: list[str] = ["not on the CPU"]
         try:
             with self._failures("starting"):
-                self.llm = LLM(**kwargs)
+                with _cpu_weights_kept() if self.on_cpu else contextlib.nullcontext():
+                    self.llm = LLM(**kwargs)
+                if self.on_cpu:
+                    self.direct_sync_blockers = self.llm.collective_rpc(_prepare_direct_sync,
+                                                                        args=(DIRECT_SYNC_MAX_BYTES,))[0]
         except BaseException:
             self.close()
             raise
@@ -310,6 +419,10 @@ class VLLMEngine:
                 # one object per request, never reused: vLLM may take it as it is instead of deep-copying it
                 # (SamplingParams.clone: ~2,900 deepcopy calls a step of 64 requests, issue #49)
                 skip_clone=True,
+                # token ids and log-probs only: vLLM's detokenizer (the text, and a token string for every
+                # log-prob) is Python work per token whose output nothing reads (issue #49: ~3.5–6 ms of the
+                # embedded model's 45–58 ms generate); the tokens and log-probs are the same either way
+                detokenize=False,
             )
             for i in range(len(prompt_ids))
         ]
@@ -334,45 +447,61 @@ class VLLMEngine:
                         finished=finished, version=version)
 
     def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Overwrite the engine's weights in place with ``named_tensors`` (vLLM's layerwise reload through
-        its worker; ``load_weights`` alone fails on the CPU backend, whose parameters carry no
-        ``weight_loader``); ~10–15 ms for the tiny model on one CPU thread, most of it vLLM re-packing each linear
-        layer's weights for oneDNN (``create_onednn_mm_handler``, docs/performance.md).
+        """Overwrite the engine's weights in place with ``named_tensors``.
+
+        On the CPU, where nothing but vLLM's GEMM dispatch processes the weights after loading
+        (``direct_sync_blockers`` empty: an unquantized dense model up to ``DIRECT_SYNC_MAX_BYTES`` of linear
+        weights), directly: the model's ``load_weights`` into the unpacked weights kept at start, then vLLM's
+        dispatch packs each linear layer for oneDNN again (``_direct_reload``; the embedded model: 14 → 7 ms
+        a sync on one thread, docs/performance.md). Otherwise vLLM's layerwise reload through its worker
+        (``load_weights`` alone fails there: vLLM dropped the unpacked weights it loads into).
 
         The tensors are converted to the engine's device and dtype one at a time, as vLLM reads them,
         after the weights are awake: never a second full copy of the model (a list built up front held
         2 bytes a parameter more at the peak, next to a GPU where the engine's weights were coming back).
+
+        Raises:
+            EngineError: vLLM failed, or the tensors left some of the engine's parameters as they were.
         """
         weights = ((name, tensor.detach().to(self.device, self.dtype)) for name, tensor in named_tensors)
         with self._failures("loading the trainer's weights"):
             if self.asleep:
                 self.llm.wake_up(tags=["weights"])  # the KV cache stays freed until the weights are in
-            quiet = logging.getLogger("vllm")
-            level = quiet.level
-            # every reload warns that RoPE has no weights to load; setLevel only where needed (_UnloadedWatch)
-            loud = quiet.getEffectiveLevel() < logging.ERROR
-            if loud:
-                quiet.setLevel(logging.ERROR)
-            watch = self._watch  # installed once the engine started, closed by close()
-            watch.found.clear()
-            try:
-                # the worker's reload runs inside vLLM's config context (set_current_vllm_config)
-                self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
-            finally:
-                if loud:
-                    quiet.setLevel(level)
-            unloaded = list(watch.found)
-            if unloaded:
-                raise EngineError(
-                    f"vLLM weight sync: the trainer's weights left some of the engine's parameters as they were "
-                    f"({'; '.join(unloaded)[:400]}): the engine would sample from a model that is part old, part new. "
-                    "The trainer's state_dict names must cover every parameter of the engine's model (same "
-                    "architecture and checkpoint format)")
+            if self.direct_sync_blockers:
+                unloaded = self._reload(weights)
+            else:
+                missing = self.llm.collective_rpc(_direct_reload, args=(weights,))[0]
+                unloaded = [f"{NOT_LOADED}: {set(missing)}"] if missing else []
+        if unloaded:
+            raise EngineError(
+                f"vLLM weight sync: the trainer's weights left some of the engine's parameters as they were "
+                f"({'; '.join(unloaded)[:400]}): the engine would sample from a model that is part old, part new. "
+                "The trainer's state_dict names must cover every parameter of the engine's model (same "
+                "architecture and checkpoint format)")
+        with self._failures("loading the trainer's weights"):
             self.wake()
             # cached KV of old weights must not serve new requests: the reset frees it (False where
             # running requests hold blocks — none here, generate returns first), the per-version
             # cache_salt of generate() makes any block that survives unreachable
             self.llm.reset_prefix_cache()
+
+    def _reload(self, weights: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
+        """vLLM's layerwise in-place reload (``collective_rpc("reload_weights")``, inside vLLM's config
+        context); returns its "weights were not loaded" warnings, which it only logs."""
+        quiet = logging.getLogger("vllm")
+        level = quiet.level
+        # every reload warns that RoPE has no weights to load; setLevel only where needed (_UnloadedWatch)
+        loud = quiet.getEffectiveLevel() < logging.ERROR
+        if loud:
+            quiet.setLevel(logging.ERROR)
+        watch = self._watch  # installed once the engine started, closed by close()
+        watch.found.clear()
+        try:
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        finally:
+            if loud:
+                quiet.setLevel(level)
+        return list(watch.found)
 
     def wake(self) -> None:
         """Back from ``sleep(level=1)``: whatever is still asleep (weights, KV cache) is reallocated."""

@@ -145,6 +145,11 @@ class TrainConfig(_Strict):
         "auto", description="torch's intra-op threads: auto = torch's default (OMP_NUM_THREADS, else one a core); "
         "threads=1 on a busy CPU machine, where a second OpenMP thread stalls every small op "
         "(docs/performance.md#the-embedded-defaults-step-issue-49)")
+    cpu_linear: Literal["auto", "onednn", "torch"] = Field(
+        "auto", description="the trainer's linear layers on an fp32 CPU trainer: auto/onednn = through oneDNN "
+        "(torch's mkldnn linear; torch's own BLAS ran them at half the speed on the benchmark's AMD CPU), "
+        "torch = torch's F.linear. auto falls back to torch where oneDNN is missing; GPUs and bf16 always use "
+        "torch's (docs/performance.md#the-embedded-defaults-step-issue-49)")
     gradient_checkpointing: bool = Field(False, description="recompute activations in the backward: less memory, "
                                          "about one more forward per update")
     micro_batch_tokens: int | None = Field(None, gt=0, description="split each optimizer step's rows into "

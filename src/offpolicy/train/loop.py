@@ -50,6 +50,7 @@ from offpolicy.config import ConfigError
 from offpolicy.engines import EngineError, SamplingConfig, make_engine, perturb
 from offpolicy.metrics import Metrics
 from offpolicy.policy.batch import to_batch
+from offpolicy.policy.cpu_linear import use_onednn_linear
 from offpolicy.policy.score import Scorer, device_index, load_policy
 from offpolicy.policy.warmstart import exact_match_accuracy, model_dir, warm_start_progress
 from offpolicy.tasks import ChatRendered, make_task, problems
@@ -337,6 +338,7 @@ def train(cfg: TrainConfig, resume: Path | None = None, console: Console | None 
             console.print(f"  data: {note}")
         # fp32 master weights on the device; bf16 is autocast compute (policy.score.precision)
         policy = load_policy(load_from, device).train()
+        linear = use_onednn_linear(policy, cfg.cpu_linear, device, trainer_dtype)
         if cfg.gradient_checkpointing:
             policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             policy.config.use_cache = False
@@ -354,7 +356,7 @@ def train(cfg: TrainConfig, resume: Path | None = None, console: Console | None 
         defaults = cfg.model_defaults()
         if defaults:  # chosen by the model, not the task: say which applied
             console.print(f"  {defaults}")
-        console.print(f"  threads: {torch.get_num_threads()} ({threads_reason})")
+        console.print(f"  threads: {torch.get_num_threads()} ({threads_reason}) · linear layers: {linear}")
         context = cfg.max_prompt_tokens + cfg.max_new_tokens if cfg.task == "dataset" else 1024
         engine_bytes = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
         engine = make_engine(cfg.engine, str(load_from), tokenizer, engine_dtype, seed=cfg.seed,
