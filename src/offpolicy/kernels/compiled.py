@@ -331,25 +331,16 @@ def _metric_vector(spec: CoreSpec, scalars: dict, maxima: dict, out: dict) -> to
     return torch.stack([q[name] for _, _, names in _metric_plan(spec) for name in names])
 
 
-_LAYOUTS: dict[int, tuple[LossConfig, CoreSpec, FlatLayout]] = {}
-
-
+@per_config(256)
 def _layout(config: LossConfig, spec: CoreSpec) -> FlatLayout:
     """``Metrics.from_flat``'s layout of ``_metric_plan(spec)`` with the rules' keys and the loss's, made
-    once per config object."""
-    cached = _LAYOUTS.get(id(config))
-    if cached is not None and cached[0] is config and cached[1] == spec:
-        return cached[2]
-    if len(_LAYOUTS) > 256:
-        _LAYOUTS.clear()
+    once per config object and spec (``per_config``)."""
     rules = config.correction.reject if config.correction is not None else []
     keys = [(key if isinstance(key, str) else f"reject/{rule_name(key[0], rules[key[0]])}/{key[1]}", reducer)
             for key, reducer, _ in _metric_plan(spec)]
     global_norm = config.global_tokens is not None or config.global_seqs is not None
     keys.append(("loss", "sum" if global_norm else "mean"))
-    layout = FlatLayout.of(keys)
-    _LAYOUTS[id(config)] = (config, spec, layout)  # holding the config keeps its id from being reused
-    return layout
+    return FlatLayout.of(keys)
 
 
 _compile_failed = False

@@ -793,17 +793,11 @@ class _Shape(NamedTuple):
     max_len: float
 
 
-_STRUCTURES: dict[tuple[Spec, tuple[str, ...]], _Structure] = {}
-
-
+@functools.lru_cache(maxsize=256)
 def _structure(spec: Spec, names: tuple[str, ...]) -> _Structure:
     """The metric layouts, launch constexprs (and, as they are used, shapes and device copies) of a
     spec with these rule names, made once per (spec, names): a bound that changes every step changes
     neither. (``spec.has_old`` holds whether π_old comes in.)"""
-    key = (spec, names)
-    found = _STRUCTURES.get(key)
-    if found is not None:
-        return found
     layout, layout_global = _layout(spec, names, False), _layout(spec, names, True)
     n_raw = 1 << (_R_RULES + 2 * len(spec.rules) - 1).bit_length()
     w = spec.weight or (0, 0)
@@ -813,13 +807,9 @@ def _structure(spec: Spec, names: tuple[str, ...]) -> _Structure:
                "FIXED": spec.fixed_denominator, "KIND": spec.kind, "CP": _CP},
               {"L": spec.log_clamp, "N_RULES": len(spec.rules), "AGG": spec.agg, "CP": _CP, "RB": _RB,
                "NRAW": n_raw, "num_warps": 16})  # _finish is one program: all its warps
-    found = _Structure(spec, layout, layout_global, _index(layout), _index(layout_global),
-                       FlatLayout.of(tuple((k, r) for k, r, _ in layout)),
-                       FlatLayout.of(tuple((k, r) for k, r, _ in layout_global)), n_raw, launch, {}, {})
-    if len(_STRUCTURES) >= 256:
-        _STRUCTURES.clear()
-    _STRUCTURES[key] = found
-    return found
+    return _Structure(spec, layout, layout_global, _index(layout), _index(layout_global),
+                      FlatLayout.of(tuple((k, r) for k, r, _ in layout)),
+                      FlatLayout.of(tuple((k, r) for k, r, _ in layout_global)), n_raw, launch, {}, {})
 
 
 @per_config(256)
