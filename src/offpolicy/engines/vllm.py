@@ -472,13 +472,12 @@ class VLLMEngine:
             else:
                 missing = self.llm.collective_rpc(_direct_reload, args=(weights,))[0]
                 unloaded = [f"{NOT_LOADED}: {set(missing)}"] if missing else []
-        if unloaded:
-            raise EngineError(
-                f"vLLM weight sync: the trainer's weights left some of the engine's parameters as they were "
-                f"({'; '.join(unloaded)[:400]}): the engine would sample from a model that is part old, part new. "
-                "The trainer's state_dict names must cover every parameter of the engine's model (same "
-                "architecture and checkpoint format)")
-        with self._failures("loading the trainer's weights"):
+            if unloaded:  # an EngineError passes through _failures as it is
+                raise EngineError(
+                    f"vLLM weight sync: the trainer's weights left some of the engine's parameters as they were "
+                    f"({'; '.join(unloaded)[:400]}): the engine would sample from a model that is part old, part "
+                    "new. The trainer's state_dict names must cover every parameter of the engine's model (same "
+                    "architecture and checkpoint format)")
             self.wake()
             # cached KV of old weights must not serve new requests: the reset frees it (False where
             # running requests hold blocks — none here, generate returns first), the per-version
