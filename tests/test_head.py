@@ -290,3 +290,78 @@ def test_the_bf16_backward_casts_w_once_and_adds_no_vh_temporary_per_chunk():
         grads[precision] = (weight.grad.double(), hidden.grad.double())
     for got, want in zip(grads["bf16"], grads["fp64"]):
         torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2 * float(want.abs().max()))
+
+
+def grouped_batch(vocab: int, groups: int = 3, group_size: int = 4, seed: int = 0, one_token_prompt: bool = False):
+    """GRPO's layout: ``groups`` prompts of different lengths, each ``group_size`` times, with responses of
+    different lengths (one row without any); through ``to_batch`` as the trainer builds it."""
+    from offpolicy.engines import Rollouts
+    from offpolicy.policy.batch import to_batch
+
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(1, vocab, (1 if one_token_prompt and k == 0 else 2 + 2 * k,), generator=g).tolist()
+               for k in range(groups)]
+    rows = [p for p in prompts for _ in range(group_size)]
+    responses = [torch.randint(1, vocab, (int(n),), generator=g).tolist()
+                 for n in torch.randint(1, 8, (len(rows),), generator=g)]
+    responses[1] = []
+    return to_batch(Rollouts(rows, responses, [[-1.0] * len(r) for r in responses], [True] * len(rows), version=0), 0)
+
+
+@pytest.mark.parametrize(("family", "name", "precision"), [
+    ("llama", "plain", "fp32"), ("qwen2", "all", "fp32"), ("qwen3", "top_p", "fp32"), ("llama", "plain", "fp64"),
+    ("qwen2", "temperature", "bf16")])
+def test_a_repeated_prompt_computed_once_scores_as_the_whole_rows(family, name, precision):
+    """Issue #49: where prompts repeat (GRPO's groups), the forward computes each distinct prompt but its last
+    token once and copies its KV cache to the rows (``SharedPrompts``, planned on the host by ``to_device``).
+    Against the same batch scored row by row: the same log π̃ and the same gradients, to the dtype's rounding."""
+    from offpolicy.policy.head import shared_plan
+    from offpolicy.policy.score import to_device
+
+    sampling = SAMPLINGS[name]
+    model = tiny_causal_lm(family, 97).train()
+    if precision == "fp64":
+        model = model.double()
+    batch = to_device(grouped_batch(97), torch.device("cpu"))
+    plan = shared_plan(model, batch)
+    assert plan is not None and plan.prefix_ids.shape[0] == 3 and plan.index.tolist() == [0] * 4 + [1] * 4 + [2] * 4
+    plain = Batch(*(getattr(batch, f) for f in ("input_ids", "attention_mask", "positions", "response_ids", "mask",
+                                                   "rollout_logprobs", "versions")))
+    assert plain.counted is None and shared_plan(model, plain) is None
+    weights = torch.randn(batch.mask.shape, generator=torch.Generator().manual_seed(2))
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16")
+    with autocast:
+        want, want_grads = value_and_grads(lambda: trainer_logprobs(model, plain, sampling), model, plain, weights)
+        got, grads = value_and_grads(lambda: trainer_logprobs(model, batch, sampling), model, batch, weights)
+    # fp64: the values agree to the bit; the gradients of the two-pass form differ by ~2e-8 of the largest
+    # (measured; more than fp64 rounding of the same sums, so some kernel of SDPA's CPU backward is coarser)
+    rtol, atol = {"fp32": (1e-5, 1e-5), "bf16": (2e-2, 2e-2), "fp64": (1e-12, 1e-7)}[precision]
+    assert torch.equal(torch.isneginf(got), torch.isneginf(want))
+    torch.testing.assert_close(torch.where(torch.isfinite(got), got, 0), torch.where(torch.isfinite(want), want, 0),
+                               rtol=rtol, atol=atol)
+    for a, b in zip(grads, want_grads):
+        torch.testing.assert_close(a, b, rtol=rtol, atol=atol * (float(b.abs().max()) + 1e-30))
+
+
+def test_the_shared_prompt_plan_only_where_it_saves_work_and_serves():
+    """No plan for distinct prompts or a one-token prompt; none used by a model whose cache is not plain KV
+    (gemma2's sliding layers) or whose attention is not SDPA, under gradient checkpointing, or for a batch whose
+    input_ids are not the plan's. Each of those scores the whole rows."""
+    from dataclasses import replace
+
+    from offpolicy.policy.batch import shared_prompts
+    from offpolicy.policy.head import shared_plan
+    from offpolicy.policy.score import to_device
+
+    assert shared_prompts(grouped_batch(97, group_size=1)) is None
+    assert shared_prompts(grouped_batch(97, one_token_prompt=True)) is None
+    batch = to_device(grouped_batch(97), torch.device("cpu"))
+    assert shared_plan(tiny_causal_lm("gemma2", 97), batch) is None
+    assert shared_plan(tiny_causal_lm("llama", 97, attn_implementation="eager"), batch) is None
+    model = tiny_causal_lm("llama", 97).train()
+    assert shared_plan(model, batch) is not None
+    assert shared_plan(model, replace(batch, input_ids=batch.input_ids.clone())) is None
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    assert shared_plan(model, batch) is None
+    model.eval()
+    assert shared_plan(model, batch) is not None  # no backward, no checkpointing: the cache is on

@@ -23,7 +23,7 @@ import torch
 from offpolicy.config import ConfigError
 from offpolicy.engines.base import SamplingConfig
 from offpolicy.metrics import Metrics
-from offpolicy.policy.batch import TENSORS, Batch, Counted
+from offpolicy.policy.batch import TENSORS, Batch, Counted, shared_prompts
 from offpolicy.policy.head import trainer_logprobs
 
 DTYPES = ("fp32", "bf16")
@@ -127,7 +127,9 @@ def to_device(batch: Batch, device: torch.device) -> Batch:
         if batch.kept is not None:  # the counted tokens' sets, expanded here (``FlatKept``): host reads are free
             where = batch.kept.start.device
             flat = batch.kept[rows.to(where), cols.to(where)].flat().to(device, non_blocking=True)
-        moved.counted = Counted(moved.mask, device_index(rows, device), device_index(cols, device), moved.kept, flat)
+        shared = shared_prompts(batch)
+        moved.counted = Counted(moved.mask, device_index(rows, device), device_index(cols, device), moved.kept, flat,
+                                None if shared is None else shared.to(device, moved.input_ids))
     return moved
 
 
