@@ -4,6 +4,7 @@ without keeping a step's scores; μ drawn from the logged sampling config alone 
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from pathlib import Path
@@ -256,3 +257,42 @@ def test_engine_and_trainer_keep_the_same_tokens_under_exact_ties(temperature, t
     trainer_kept = torch.isfinite(renormalize_logprobs(logits, top_p=top_p, top_k=top_k, temperature=temperature))
     assert (engine_kept.sum(-1) < (logits > -1).sum(-1)).any()  # the nucleus cuts somewhere
     assert torch.equal(engine_kept, trainer_kept)
+
+
+@pytest.mark.parametrize("sampling", [SamplingConfig(max_tokens=10), SamplingConfig(max_tokens=8, top_p=0.8),
+                                      SamplingConfig(max_tokens=10, temperature=0.7, top_k=10, top_p=0.9)])
+def test_a_repeated_prompt_is_prefilled_once_and_samples_as_before(tiny_dir, sampling, monkeypatch):
+    """Issue #49: a GRPO batch (each prompt group-size times) prefills each distinct prompt once and copies its
+    KV cache to the prompt's rows. Against the engine with the sharing turned off: the same tokens from the same
+    random stream, and log-probs equal to the rounding of a smaller GEMM; the kept sets the same. A batch of
+    distinct prompts takes no shared cache (so the bit-for-bit test above still holds)."""
+    tok = build_char_tokenizer()
+    engine = HFEngine(str(tiny_dir), tok)
+    prompts = [prompt_ids(tok, p) for p in problems(make_task("reverse"), 4, seed=11) for _ in range(6)]
+    shapes = []
+    forward = engine.model.forward
+
+    @functools.wraps(forward)  # generate reads the forward's signature (position_ids, logits_to_keep)
+    def spy(*args, **kwargs):
+        shapes.append(tuple(kwargs["input_ids"].shape))
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(engine.model, "forward", spy)
+    for seed in range(4):
+        shapes.clear()
+        shared = engine.generate(prompts, sampling, seed=seed, version=0)
+        width = max(map(len, prompts))
+        assert shapes[:2] == [(4, width - 1), (24, 1)]  # the distinct prompts, then every row's last prompt token
+        with monkeypatch.context() as plain:
+            plain.setattr(engine, "_shared_prompts", lambda *args: None)
+            full = engine.generate(prompts, sampling, seed=seed, version=0)
+        assert shared.response_ids == full.response_ids and shared.finished == full.finished
+        for a, b in zip(shared.logprobs, full.logprobs):
+            assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-5, rtol=0)
+        if sampling.top_p < 1 or sampling.top_k > 0:
+            assert all(torch.equal(getattr(shared.kept, f), getattr(full.kept, f)) for f in ("start", "count", "ids"))
+    shapes.clear()
+    distinct = [prompt_ids(tok, p) for p in problems(make_task("reverse"), 5, seed=12)]
+    assert len(set(map(tuple, distinct))) == 5
+    engine.generate(distinct, sampling, seed=0, version=0)
+    assert shapes[0] == (5, max(map(len, distinct)))  # generate's own prefill

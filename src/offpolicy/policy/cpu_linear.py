@@ -22,6 +22,10 @@ import torch
 import torch.nn.functional as F
 
 
+# without a gradient, inputs of fewer rows than this go through F.linear (OneDNNLinear.forward)
+ONEDNN_MIN_ROWS = 128
+
+
 def onednn_available() -> bool:
     """Whether this torch has oneDNN's CPU linear (built with mkldnn, and its ``_linear_pointwise`` op)."""
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
@@ -67,7 +71,15 @@ class OneDNNLinear(torch.nn.Linear):
         if (x.device.type != "cpu" or x.dtype != fp32 or self.weight.dtype != fp32 or x.numel() == 0
                 or (self.bias is not None and self.bias.dtype != fp32) or torch.is_autocast_enabled("cpu")):
             return F.linear(x, self.weight, self.bias)
-        return OneDNNLinearFunction.apply(x, self.weight, self.bias)
+        if torch.is_grad_enabled():
+            return OneDNNLinearFunction.apply(x, self.weight, self.bias)
+        # no gradient (an engine's generate, a scoring forward): no autograd node, whose ~10 µs a call was a
+        # tenth of a decode step; and few rows (a decode step's) through F.linear, where oneDNN's gain turns
+        # into a loss (64 rows of the embedded model: 0.6–1.4× by shape, docs/performance.md)
+        rows = x.reshape(-1, x.shape[-1])
+        if rows.shape[0] < ONEDNN_MIN_ROWS:
+            return F.linear(x, self.weight, self.bias)
+        return _gemm(rows, self.weight, self.bias).reshape(*x.shape[:-1], self.weight.shape[0])
 
 
 def use_onednn_linear(model: torch.nn.Module, mode: Literal["auto", "onednn", "torch"], device: torch.device,
