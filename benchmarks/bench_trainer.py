@@ -16,8 +16,9 @@ back to back, in alternating order from run to run (paired runs on a shared mach
     python3 benchmarks/bench_trainer.py --device cpu --profile --steps 22    # where a step goes, by function
     python3 benchmarks/bench_trainer.py --device cpu --only TRL defaults --baseline-src ../main/src   # before/after
 
-Trainers: offpolicy's defaults; ``offpolicy torch linear``, the defaults with ``cpu_linear=torch`` (torch's
-``F.linear`` in the trainer instead of oneDNN's); the hf engine; an async run. ``--baseline-src DIR`` runs
+Trainers: offpolicy's defaults (``engine=auto``: the hf engine for the embedded model on the CPU, vLLM for
+the others; ``offpolicy.engines.choice``); ``offpolicy torch linear``, the defaults with ``cpu_linear=torch``
+(torch's ``F.linear`` instead of oneDNN's); each engine by name; an async run. ``--baseline-src DIR`` runs
 the offpolicy ones again with ``PYTHONPATH=DIR`` (another checkout's ``src/``): before/after, paired.
 
 ``--models``: ``embedded`` (the warm-started tiny Qwen2 of src/offpolicy/tasks/model.py) and
@@ -58,9 +59,11 @@ PROMPTS, GROUP = 8, 8
 SETTINGS = {"embedded": (PROMPTS, 3e-4), "qwen2-0.5b": (PROMPTS, 3e-4), "smollm2": (4, 1e-6)}
 DATA = Path(__file__).resolve().parents[1] / "examples" / "data" / "arith_word_problems.jsonl"
 TRAINERS = {
-    # the defaults: engine vllm, engine dtype auto (fp32 on a CPU without bf16), π_old forward skipped
-    "offpolicy defaults (vllm)": [],
-    "offpolicy torch linear (vllm)": ["cpu_linear=torch"],  # the defaults with torch's own F.linear in the trainer
+    # the defaults: engine auto (the embedded model on the CPU: hf; offpolicy.engines.choice), engine dtype auto
+    # (fp32 on a CPU without bf16), π_old forward skipped
+    "offpolicy defaults": [],
+    "offpolicy torch linear": ["cpu_linear=torch"],  # the defaults with torch's own F.linear in the trainer
+    "offpolicy vllm engine": ["engine=vllm"],
     "offpolicy hf engine": ["engine=hf"],
     "offpolicy async s=1 (hf)": ["engine=hf", "max_staleness=1", "preset=verl:decoupled_token_is"],
 }
@@ -314,7 +317,7 @@ def main() -> None:
         return worker(args)
     if args.profile:
         env = dict(os.environ, BENCH_TRAINER_PROFILE="1")
-        cmd = [sys.executable, __file__, "--worker", "offpolicy defaults (vllm)", "--model", args.models[0],
+        cmd = [sys.executable, __file__, "--worker", "offpolicy defaults", "--model", args.models[0],
                "--device", "cpu" if args.device == "auto" else args.device, "--steps", str(args.steps),
                "--length", str(args.lengths[0])]
         print(f"load average at start {os.getloadavg()[0]:.2f}")

