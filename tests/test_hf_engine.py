@@ -76,27 +76,78 @@ def output_scores_generate(engine: HFEngine, prompts, sampling: SamplingConfig, 
     return new_tokens, scores.gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)
 
 
+@pytest.mark.parametrize("own_loop", [True, False], ids=["own_loop", "generate"])
 @pytest.mark.parametrize(("dtype", "noise", "sampling"), [
     ("fp32", 0.0, SamplingConfig(max_tokens=10)),
     ("fp32", 0.5, SamplingConfig(max_tokens=10, temperature=0.7, top_k=10, top_p=0.9)),
     ("bf16", 0.0, SamplingConfig(max_tokens=10, temperature=1.3, top_p=0.8)),
 ])
-def test_sampling_is_bit_for_bit_the_output_scores_path(tiny_dir, dtype, noise, sampling):
+def test_sampling_is_bit_for_bit_the_output_scores_path(tiny_dir, dtype, noise, sampling, own_loop):
+    """Through transformers' generate: the output_scores path's tokens and log-probs, bit for bit. Through the
+    engine's own loop (finished rows leave the forward; issue #49): the same tokens from the same random
+    stream, the log-probs to the rounding of the smaller batches' GEMMs."""
     tok = build_char_tokenizer()
     engine = HFEngine(str(tiny_dir), tok, dtype=dtype, logit_noise=noise)
+    assert engine._own_loop  # the model can be driven by it: the generate parameter turns it off
+    engine._own_loop = own_loop
     prompts = [prompt_ids(tok, p) for p in problems(make_task("reverse"), 6, seed=4)]
     rollouts = engine.generate(prompts, sampling, seed=7, version=0)
     tokens, logprobs = output_scores_generate(engine, prompts, sampling, seed=7)
     assert any(not f for f in rollouts.finished) and any(rollouts.finished)  # rows that stop, rows cut at the limit
     for i, (ids, lps) in enumerate(zip(rollouts.response_ids, rollouts.logprobs)):
         assert ids == tokens[i, : len(ids)].tolist()
-        assert torch.equal(torch.tensor(lps), logprobs[i, : len(ids)])  # the same float32 numbers
+        if own_loop:
+            tolerance = 1e-4 if dtype == "fp32" else 5e-2
+            assert torch.allclose(torch.tensor(lps), logprobs[i, : len(ids)], atol=tolerance, rtol=0)
+        else:
+            assert torch.equal(torch.tensor(lps), logprobs[i, : len(ids)])  # the same float32 numbers
+
+
+def test_the_own_loop_leaves_finished_rows_out_of_the_forward(tiny_dir, monkeypatch):
+    """Each forward after the first runs only the rows that have not drawn a stop token: the batch shrinks as
+    rows finish, never below the rows still running, and transformers' generate is not called."""
+    tok = build_char_tokenizer()
+    engine = HFEngine(str(tiny_dir), tok)
+    rows = []
+    forward = engine.model.forward
+
+    @functools.wraps(forward)
+    def spy(*args, **kwargs):
+        rows.append(kwargs["input_ids"].shape[0])
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(engine.model, "forward", spy)
+    monkeypatch.setattr(engine.model, "generate", lambda *a, **k: pytest.fail("generate was called"))
+    prompts = [prompt_ids(tok, p) for p in problems(make_task("reverse"), 12, seed=4)]
+    rollouts = engine.generate(prompts, SamplingConfig(max_tokens=10), seed=7, version=0)
+    lengths = [len(r) for r in rollouts.response_ids]
+    assert rows[0] == 12 and rows == sorted(rows, reverse=True) and rows[-1] < 12
+    for step, batch in enumerate(rows[1:], start=1):  # forward k feeds the token drawn at step k − 1
+        assert batch == sum(1 for n, done in zip(lengths, rollouts.finished) if n > step or (n == step and not done))
+
+
+def test_a_model_the_own_loop_cannot_drive_goes_through_generate(tiny_dir):
+    from offpolicy.engines.hf import own_loop_fits
+
+    tok = build_char_tokenizer()
+    engine = HFEngine(str(tiny_dir), tok)
+    assert own_loop_fits(engine.model)
+
+    class NoLogitsToKeep(torch.nn.Module):
+        config = engine.model.config
+
+        def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None):
+            raise AssertionError("not called")
+
+    assert not own_loop_fits(NoLogitsToKeep())
 
 
 def test_generate_keeps_no_step_scores(tiny_dir, monkeypatch):
-    """O(B·V) memory: generate is never asked for per-step scores or logits (B·steps·V each)."""
+    """O(B·V) memory: generate (the engine's path for a model its own loop cannot drive) is never asked for
+    per-step scores or logits (B·steps·V each)."""
     tok = build_char_tokenizer()
     engine = HFEngine(str(tiny_dir), tok)
+    engine._own_loop = False
     seen = {}
     original = engine.model.generate
 

@@ -1,5 +1,6 @@
-"""Rollouts with transformers' ``generate``: a fallback engine and a second, different source
-of mismatch (its own copy of the weights, in its own dtype, with optional logit noise).
+"""Rollouts with transformers' models and sampling loop: the engine ``engine=auto`` picks for tiny models on
+the CPU (``engines/choice.py``), and a second, different source of mismatch (its own copy of the weights, in
+its own dtype, with optional logit noise).
 
 The reported log-prob of each sampled token is taken from the *processed* scores (after
 temperature, top-k, top-p and the noise), i.e. from the distribution the token was drawn from.
@@ -20,14 +21,21 @@ top-p = 1: no warper; ``engines/generation.py``) and passes the same warpers its
 order with the same arguments — noise, ``TemperatureLogitsWarper``, ``TopKLogitsWarper``,
 ``TopPLogitsWarper`` — followed by ``_SampledLogprobs``, which keeps the step's processed
 log-softmax ``[B, V]`` and, as a stopping criterion (called once the token is appended), gathers
-it at the token just drawn and drops it. The draws are the same as with transformers' own
-warpers, bit for bit (``tests/test_hf_engine.py``); top-p is transformers' nucleus computed by the
+it at the token just drawn and drops it. Through ``generate`` the draws are the same as with transformers'
+own warpers, bit for bit (``tests/test_hf_engine.py``); top-p is transformers' nucleus computed by the
 trainer's own function (``offpolicy.sampling.top_p_keep``), so that exactly tied probabilities at
 the cut keep the same tokens on both sides.
 
+The loop itself is ``HFEngine._sample``: transformers' ``_sample`` above with the rows that have finished
+left out of the forward (their KV cache dropped, their logits zeros). The processors and ``multinomial`` still
+run on the whole ``[B, V]``, so the random stream, and with it every unfinished row's draw, is ``generate``'s;
+the log-probs differ from ``generate``'s only by the fp32 rounding of a smaller batch's GEMMs (the embedded
+default: ``generate`` 30 → 24 ms, its rows finish at ~5 of 10 tokens; issue #49). Models it cannot drive
+(``own_loop_fits``) go through ``generate`` as before.
+
 A prompt that repeats in the batch (GRPO's group) is prefilled once: ``HFEngine._shared_prompts`` computes
-the KV cache of each distinct prompt but its last token and copies it to the prompt's rows; ``generate``
-starts from that cache and draws as it would from its own prefill.
+the KV cache of each distinct prompt but its last token and copies it to the prompt's rows; the loop starts
+from that cache and draws as it would from its own prefill.
 
 Under top-k/top-p, ``_SampledLogprobs`` also records each step's kept set — the tokens whose processed
 score is not −inf, exactly the support ``multinomial`` draws from — as kept ids
@@ -131,6 +139,24 @@ def warpers(sampling: SamplingConfig) -> list[LogitsProcessor]:
     return out
 
 
+def own_loop_fits(model) -> bool:
+    """Whether ``HFEngine._sample`` can drive ``model``: a decoder-only model whose forward takes the position
+    ids, the cache and ``logits_to_keep``, and whose cache layers can drop rows (``reorder_cache``). Any other
+    model samples through transformers' ``generate``, which knows its own inputs."""
+    import inspect
+
+    if model.config.is_encoder_decoder:
+        return False
+    accepted = inspect.signature(model.forward).parameters
+    if not {"position_ids", "past_key_values", "logits_to_keep"} <= set(accepted):
+        return False
+    try:
+        layers = DynamicCache(config=model.config).layers
+    except Exception:  # noqa: BLE001 — a config DynamicCache cannot read: generate's own cache handling
+        return False
+    return bool(layers) and all(hasattr(layer, "reorder_cache") for layer in layers)
+
+
 class HFEngine:
     name = "hf"
 
@@ -147,6 +173,7 @@ class HFEngine:
         self.linear = use_onednn_linear(self.model, cpu_linear, self.device, dtype)
         self.logit_noise = logit_noise
         self.stop = stop_token_ids(tokenizer, self.model)  # EOS and the model's other end-of-turn ids
+        self._own_loop = own_loop_fits(self.model)  # else transformers' generate
         self._warned = False
 
     @torch.no_grad()
@@ -165,11 +192,15 @@ class HFEngine:
         recorder = _SampledLogprobs(record_kept=truncated)
         noise = [_LogitNoise(self.logit_noise, seed + 1)] if self.logit_noise > 0 else []
         shared = self._shared_prompts(prompt_ids, input_ids, attention)
-        sequences = generate(self.model, input_ids, attention,
-                             explicit_config(do_sample=True, max_new_tokens=sampling.max_tokens, stop=self.stop, pad=pad),
-                             logits_processor=LogitsProcessorList([*noise, *warpers(sampling), recorder]),
-                             stopping_criteria=StoppingCriteriaList([recorder.criterion]),
-                             **({} if shared is None else {"past_key_values": shared}))
+        processors = LogitsProcessorList([*noise, *warpers(sampling), recorder])
+        if self._own_loop:
+            sequences = self._sample(input_ids, attention, sampling.max_tokens, processors, recorder, shared)
+        else:
+            sequences = generate(self.model, input_ids, attention,
+                                 explicit_config(do_sample=True, max_new_tokens=sampling.max_tokens, stop=self.stop,
+                                                 pad=pad),
+                                 logits_processor=processors, stopping_criteria=StoppingCriteriaList([recorder.criterion]),
+                                 **({} if shared is None else {"past_key_values": shared}))
         new_tokens = sequences[:, width:]  # [B, steps]
         token_logprobs = torch.stack(recorder.steps[: new_tokens.shape[1]], dim=1)  # [B, steps] processed
         responses, logprobs, finished = [], [], []
@@ -182,6 +213,52 @@ class HFEngine:
         kept = None if recorder.kept is None else recorder.kept.assemble(new_tokens.shape[1], list(map(len, responses)))
         return Rollouts(prompt_ids=[list(p) for p in prompt_ids], response_ids=responses, logprobs=logprobs,
                         finished=finished, version=version, kept=None if kept is None else kept.to("cpu"))
+
+    def _sample(self, input_ids: torch.Tensor, attention: torch.Tensor, max_new_tokens: int,
+                processors: LogitsProcessorList, recorder: _SampledLogprobs, cache: DynamicCache | None) -> torch.Tensor:
+        """transformers' sampling loop (``GenerationMixin._sample``, module doc) with finished rows left out of
+        the forward: their KV cache is dropped as they finish and their logits are zeros. Everything that draws
+        keeps the batch's shape — the processors (the noise's ``[B, V]`` draw) and ``multinomial`` (one
+        exponential per entry of ``[B, V]``) — so the random stream and the unfinished rows' draws are those of
+        ``generate``; a finished row's token is the pad, as there. Returns the sequences ``[B, L + steps]``."""
+        rows, width = input_ids.shape
+        pad = self.tokenizer.pad_token_id
+        stop = torch.tensor(self.stop, device=self.device)
+        positions = (attention.long().cumsum(-1) - 1).masked_fill(attention == 0, 0)
+        if cache is None:
+            cache = DynamicCache(config=self.model.config)
+            out = self.model(input_ids=input_ids, attention_mask=attention, position_ids=positions,
+                             past_key_values=cache, use_cache=True, logits_to_keep=1)
+        else:  # the prompts but their last token are in the cache already (_shared_prompts)
+            out = self.model(input_ids=input_ids[:, -1:], attention_mask=attention, position_ids=positions[:, -1:],
+                             past_key_values=cache, use_cache=True, logits_to_keep=1)
+        logits = out.logits[:, -1].float()
+        vocab = logits.shape[-1]
+        held = torch.arange(rows, device=self.device)  # the rows the cache holds, in its order
+        unfinished = torch.ones(rows, dtype=torch.bool, device=self.device)
+        sequences, mask = input_ids, attention
+        for step in range(max_new_tokens):
+            full = logits if len(held) == rows else \
+                torch.zeros((rows, vocab), dtype=logits.dtype, device=self.device).index_copy_(0, held, logits)
+            scores = processors(sequences, full)
+            tokens = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
+            tokens = torch.where(unfinished, tokens, pad)
+            sequences = torch.cat([sequences, tokens[:, None]], dim=-1)
+            mask = torch.cat([mask, mask.new_ones((rows, 1))], dim=-1)
+            recorder.criterion(sequences, scores)
+            unfinished &= ~torch.isin(tokens, stop)
+            if step == max_new_tokens - 1 or not bool(unfinished.any()):
+                break
+            keep = unfinished[held]
+            if not bool(keep.all()):
+                kept_rows = keep.nonzero().squeeze(1)
+                cache.reorder_cache(kept_rows)
+                held = held[kept_rows]
+            out = self.model(input_ids=tokens[held, None], attention_mask=mask[held],
+                             position_ids=mask[held].long().sum(-1, keepdim=True) - 1, past_key_values=cache,
+                             use_cache=True, logits_to_keep=1)
+            logits = out.logits[:, -1].float()
+        return sequences
 
     def _shared_prompts(self, prompt_ids: list[list[int]], input_ids: torch.Tensor,
                         attention: torch.Tensor) -> DynamicCache | None:
