@@ -3,14 +3,14 @@
 For each model size, the hf engine and the vLLM engine each run in their own process (vLLM patches
 process-wide state), in alternating order from run to run, and time what the trainer waits for in a
 synchronous step: one ``generate`` of ``--rows`` prompts (``--prompt-len`` tokens, ``--max-tokens`` new
-tokens, temperature 1) plus one weight sync of the model's own weights. Both engines run in fp32, at
-torch's default threads (one per core), after one warm-up generation and sync.
+tokens, temperature 1) plus one weight sync of the model's own weights. Both engines run in ``--dtype``
+(fp32 unless set), at torch's default threads (one per core), after one warm-up generation and sync.
 
 Sizes: the embedded default itself (the warm-started tiny Qwen2 of ``offpolicy.tasks.model``, 0.8M
 parameters, character vocabulary, the reverse task's prompts), Qwen2-architecture models initialised in
-code (``SHAPES``: width × layers over SmolLM2's 49,152-token vocabulary or the embedded model's 128
-characters), and SmolLM2-135M-Instruct itself where ``scripts/smollm2.py`` has built it. Random weights rarely draw the stop token, so those rows
-run to ``--max-tokens``: the numbers compare the engines per generated token at a given size.
+code (``SHAPES``: width × layers over SmolLM2's 49,152-token vocabulary, or over 128 to 4,096 tokens), and
+SmolLM2-135M-Instruct itself where ``scripts/smollm2.py`` has built it. Random weights rarely draw the stop
+token, so those rows run to ``--max-tokens``: the numbers compare the engines per generated token at a size.
 
     python benchmarks/bench_engine_choice.py --runs 3
     python benchmarks/bench_engine_choice.py --sizes embedded "64x2 V49k" --rows 64 --max-tokens 10
@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 # name → (hidden, layers, heads, kv heads, MLP width, vocabulary); "embedded" and "smollm2" are real models.
-# 49,152 is SmolLM2's vocabulary, 128 the embedded model's (characters)
+# 49,152 is SmolLM2's vocabulary; 128 a character-level one (the embedded model's is 64)
 SHAPES = {"64x2 V49k": (64, 2, 2, 1, 192, 49_152), "128x4 V4k": (128, 4, 4, 2, 384, 4_096),
           "128x4 V1k": (128, 4, 4, 2, 384, 1_024), "192x8 V128": (192, 8, 6, 2, 576, 128),
           "256x8 V128": (256, 8, 4, 2, 768, 128), "512x8 V128": (512, 8, 8, 2, 1536, 128)}
@@ -87,7 +87,7 @@ def worker(args: argparse.Namespace) -> None:
     path = args.model
     tokenizer = AutoTokenizer.from_pretrained(path)
     log = Path(tempfile.mkdtemp()) / "engine.log"
-    engine = make_engine(args.worker, path, tokenizer, "fp32", seed=0, max_model_len=512, log_path=log)
+    engine = make_engine(args.worker, path, tokenizer, args.dtype, seed=0, max_model_len=512, log_path=log)
     from transformers import AutoModelForCausalLM
 
     weights = list(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict().items())
@@ -127,6 +127,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="both engines' dtype")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--embedded", action="store_true", help=argparse.SUPPRESS)
@@ -139,8 +140,8 @@ def main() -> None:
     from offpolicy.engines.choice import parameter_count
 
     print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} · {os.cpu_count()} CPU cores · torch "
-          f"{torch.__version__} · {args.rows} rows × {args.max_tokens} new tokens (prompt {args.prompt_len}; "
-          f"embedded: the reverse task's) · median of {args.repeats} per worker, {args.runs} runs")
+          f"{torch.__version__} · {args.dtype} · {args.rows} rows × {args.max_tokens} new tokens (prompt "
+          f"{args.prompt_len}; embedded: the reverse task's) · median of {args.repeats} per worker, {args.runs} runs")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for size in args.sizes:
@@ -155,7 +156,8 @@ def main() -> None:
                 for name in ("hf", "vllm") if run % 2 == 0 else ("vllm", "hf"):
                     cmd = [sys.executable, __file__, "--worker", name, "--model", str(path), "--rows", str(args.rows),
                            "--prompt-len", str(args.prompt_len), "--max-tokens", str(args.max_tokens),
-                           "--repeats", str(args.repeats), *(["--embedded"] if size == "embedded" else [])]
+                           "--repeats", str(args.repeats), "--dtype", args.dtype,
+                           *(["--embedded"] if size == "embedded" else [])]
                     proc = subprocess.run(cmd, capture_output=True, text=True)
                     line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
                     if proc.returncode or line is None:

@@ -292,9 +292,10 @@ def test_the_bf16_backward_casts_w_once_and_adds_no_vh_temporary_per_chunk():
         torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2 * float(want.abs().max()))
 
 
-def grouped_batch(vocab: int, groups: int = 3, group_size: int = 4, seed: int = 0, one_token_prompt: bool = False):
+def grouped_batch(vocab: int, groups: int = 3, group_size: int = 4, seed: int = 0, one_token_prompt: bool = False,
+                  longest: int = 7):
     """GRPO's layout: ``groups`` prompts of different lengths, each ``group_size`` times, with responses of
-    different lengths (one row without any); through ``to_batch`` as the trainer builds it."""
+    1 to ``longest`` tokens (one row without any); through ``to_batch`` as the trainer builds it."""
     from offpolicy.engines import Rollouts
     from offpolicy.policy.batch import to_batch
 
@@ -303,18 +304,21 @@ def grouped_batch(vocab: int, groups: int = 3, group_size: int = 4, seed: int = 
                for k in range(groups)]
     rows = [p for p in prompts for _ in range(group_size)]
     responses = [torch.randint(1, vocab, (int(n),), generator=g).tolist()
-                 for n in torch.randint(1, 8, (len(rows),), generator=g)]
+                 for n in torch.randint(1, longest + 1, (len(rows),), generator=g)]
     responses[1] = []
     return to_batch(Rollouts(rows, responses, [[-1.0] * len(r) for r in responses], [True] * len(rows), version=0), 0)
 
 
-@pytest.mark.parametrize(("family", "name", "precision"), [
-    ("llama", "plain", "fp32"), ("qwen2", "all", "fp32"), ("qwen3", "top_p", "fp32"), ("llama", "plain", "fp64"),
-    ("qwen2", "temperature", "bf16")])
-def test_a_repeated_prompt_computed_once_scores_as_the_whole_rows(family, name, precision):
-    """Issue #49: where prompts repeat (GRPO's groups), the forward computes each distinct prompt but its last
-    token once and copies its KV cache to the rows (``SharedPrompts``, planned on the host by ``to_device``).
-    Against the same batch scored row by row: the same log π̃ and the same gradients, to the dtype's rounding."""
+@pytest.mark.parametrize(("family", "name", "precision", "shape"), [
+    ("llama", "plain", "fp32", {}), ("qwen2", "all", "fp32", {}), ("qwen3", "top_p", "fp32", {}),
+    ("llama", "plain", "fp64", {}), ("qwen2", "temperature", "bf16", {}),
+    ("llama", "all", "fp32", {"one_token_prompt": True}), ("qwen2", "plain", "fp32", {"longest": 1})])
+def test_a_repeated_prompt_computed_once_scores_as_the_whole_rows(family, name, precision, shape):
+    """Issue #49: where prompts repeat (GRPO's groups), the forward computes each distinct prompt once, copies
+    its KV cache and last hidden state to the rows (``SharedPrompts``, planned on the host by ``to_device``),
+    then runs the responses. Against the same batch scored row by row: the same log π̃ and the same
+    gradients, to the dtype's rounding; also with a one-token prompt, and with no response longer than a token
+    (no suffix forward at all)."""
     from offpolicy.policy.head import shared_plan
     from offpolicy.policy.score import to_device
 
@@ -322,9 +326,11 @@ def test_a_repeated_prompt_computed_once_scores_as_the_whole_rows(family, name, 
     model = tiny_causal_lm(family, 97).train()
     if precision == "fp64":
         model = model.double()
-    batch = to_device(grouped_batch(97), torch.device("cpu"))
+    batch = to_device(grouped_batch(97, **shape), torch.device("cpu"))
     plan = shared_plan(model, batch)
-    assert plan is not None and plan.prefix_ids.shape[0] == 3 and plan.index.tolist() == [0] * 4 + [1] * 4 + [2] * 4
+    index = plan.index.tolist()
+    assert plan.prefix_ids.shape[0] == 3 and len(set(index)) == 3 and index == [index[i // 4 * 4] for i in range(12)]
+    assert (plan.suffix_ids.shape[1] == 0) == (shape.get("longest") == 1)
     plain = Batch(*(getattr(batch, f) for f in ("input_ids", "attention_mask", "positions", "response_ids", "mask",
                                                    "rollout_logprobs", "versions")))
     assert plain.counted is None and shared_plan(model, plain) is None
@@ -344,9 +350,9 @@ def test_a_repeated_prompt_computed_once_scores_as_the_whole_rows(family, name, 
 
 
 def test_the_shared_prompt_plan_only_where_it_saves_work_and_serves():
-    """No plan for distinct prompts or a one-token prompt; none used by a model whose cache is not plain KV
-    (gemma2's sliding layers) or whose attention is not SDPA, under gradient checkpointing, or for a batch whose
-    input_ids are not the plan's. Each of those scores the whole rows."""
+    """No plan for distinct prompts; none used by a model whose cache is not plain KV (gemma2's sliding layers)
+    or whose attention is not SDPA, under gradient checkpointing, or for a batch whose input_ids are not the
+    plan's. Each of those scores the whole rows."""
     from dataclasses import replace
 
     from offpolicy.policy.batch import shared_prompts
@@ -354,7 +360,6 @@ def test_the_shared_prompt_plan_only_where_it_saves_work_and_serves():
     from offpolicy.policy.score import to_device
 
     assert shared_prompts(grouped_batch(97, group_size=1)) is None
-    assert shared_prompts(grouped_batch(97, one_token_prompt=True)) is None
     batch = to_device(grouped_batch(97), torch.device("cpu"))
     assert shared_plan(tiny_causal_lm("gemma2", 97), batch) is None
     assert shared_plan(tiny_causal_lm("llama", 97, attn_implementation="eager"), batch) is None

@@ -310,15 +310,17 @@ def test_engine_and_trainer_keep_the_same_tokens_under_exact_ties(temperature, t
     assert torch.equal(engine_kept, trainer_kept)
 
 
+@pytest.mark.parametrize("own_loop", [True, False], ids=["own_loop", "generate"])
 @pytest.mark.parametrize("sampling", [SamplingConfig(max_tokens=10), SamplingConfig(max_tokens=8, top_p=0.8),
                                       SamplingConfig(max_tokens=10, temperature=0.7, top_k=10, top_p=0.9)])
-def test_a_repeated_prompt_is_prefilled_once_and_samples_as_before(tiny_dir, sampling, monkeypatch):
+def test_a_repeated_prompt_is_prefilled_once_and_samples_as_before(tiny_dir, sampling, own_loop, monkeypatch):
     """Issue #49: a GRPO batch (each prompt group-size times) prefills each distinct prompt once and copies its
     KV cache to the prompt's rows. Against the engine with the sharing turned off: the same tokens from the same
     random stream, and log-probs equal to the rounding of a smaller GEMM; the kept sets the same. A batch of
     distinct prompts takes no shared cache (so the bit-for-bit test above still holds)."""
     tok = build_char_tokenizer()
     engine = HFEngine(str(tiny_dir), tok)
+    engine._own_loop = own_loop
     prompts = [prompt_ids(tok, p) for p in problems(make_task("reverse"), 4, seed=11) for _ in range(6)]
     shapes = []
     forward = engine.model.forward
@@ -333,9 +335,12 @@ def test_a_repeated_prompt_is_prefilled_once_and_samples_as_before(tiny_dir, sam
         shapes.clear()
         shared = engine.generate(prompts, sampling, seed=seed, version=0)
         width = max(map(len, prompts))
-        assert shapes[:2] == [(4, width - 1), (24, 1)]  # the distinct prompts, then every row's last prompt token
+        if own_loop:  # the distinct prompts whole, then the first drawn tokens of the rows that did not stop
+            assert shapes[0] == (4, width) and shapes[1][0] <= 24 and shapes[1][1] == 1
+        else:  # the distinct prompts but their last token, then generate's own first forward: that token
+            assert shapes[:2] == [(4, width - 1), (24, 1)]
         with monkeypatch.context() as plain:
-            plain.setattr(engine, "_shared_prompts", lambda *args: None)
+            plain.setattr(engine, "_shared_prompts", lambda *args, **kwargs: None)
             full = engine.generate(prompts, sampling, seed=seed, version=0)
         assert shared.response_ids == full.response_ids and shared.finished == full.finished
         for a, b in zip(shared.logprobs, full.logprobs):

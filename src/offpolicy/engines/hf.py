@@ -30,7 +30,7 @@ The loop itself is ``HFEngine._sample``: transformers' ``_sample`` above with th
 left out of the forward (their KV cache dropped, their logits zeros). The processors and ``multinomial`` still
 run on the whole ``[B, V]``, so the random stream, and with it every unfinished row's draw, is ``generate``'s;
 the log-probs differ from ``generate``'s only by the fp32 rounding of a smaller batch's GEMMs (the embedded
-default: ``generate`` 30 → 24 ms, its rows finish at ~5 of 10 tokens; issue #49). Models it cannot drive
+default: ``generate`` 28 → 21 ms, its rows finish at ~5 of 10 tokens; issue #49). Models it cannot drive
 (``own_loop_fits``) go through ``generate`` as before.
 
 A prompt that repeats in the batch (GRPO's group) is prefilled once: ``HFEngine._shared_prompts`` computes
@@ -191,7 +191,7 @@ class HFEngine:
         truncated = sampling.top_k > 0 or sampling.top_p < 1.0  # without, the set is the whole vocabulary
         recorder = _SampledLogprobs(record_kept=truncated)
         noise = [_LogitNoise(self.logit_noise, seed + 1)] if self.logit_noise > 0 else []
-        shared = self._shared_prompts(prompt_ids, input_ids, attention)
+        shared = self._shared_prompts(prompt_ids, input_ids, attention, whole=self._own_loop)
         processors = LogitsProcessorList([*noise, *warpers(sampling), recorder])
         if self._own_loop:
             sequences = self._sample(input_ids, attention, sampling.max_tokens, processors, recorder, shared)
@@ -199,8 +199,9 @@ class HFEngine:
             sequences = generate(self.model, input_ids, attention,
                                  explicit_config(do_sample=True, max_new_tokens=sampling.max_tokens, stop=self.stop,
                                                  pad=pad),
-                                 logits_processor=processors, stopping_criteria=StoppingCriteriaList([recorder.criterion]),
-                                 **({} if shared is None else {"past_key_values": shared}))
+                                 logits_processor=processors,
+                                 stopping_criteria=StoppingCriteriaList([recorder.criterion]),
+                                 **({} if shared is None else {"past_key_values": shared[0]}))
         new_tokens = sequences[:, width:]  # [B, steps]
         token_logprobs = torch.stack(recorder.steps[: new_tokens.shape[1]], dim=1)  # [B, steps] processed
         responses, logprobs, finished = [], [], []
@@ -215,24 +216,24 @@ class HFEngine:
                         finished=finished, version=version, kept=None if kept is None else kept.to("cpu"))
 
     def _sample(self, input_ids: torch.Tensor, attention: torch.Tensor, max_new_tokens: int,
-                processors: LogitsProcessorList, recorder: _SampledLogprobs, cache: DynamicCache | None) -> torch.Tensor:
+                processors: LogitsProcessorList, recorder: _SampledLogprobs,
+                shared: tuple[DynamicCache, torch.Tensor] | None) -> torch.Tensor:
         """transformers' sampling loop (``GenerationMixin._sample``, module doc) with finished rows left out of
         the forward: their KV cache is dropped as they finish and their logits are zeros. Everything that draws
         keeps the batch's shape — the processors (the noise's ``[B, V]`` draw) and ``multinomial`` (one
         exponential per entry of ``[B, V]``) — so the random stream and the unfinished rows' draws are those of
-        ``generate``; a finished row's token is the pad, as there. Returns the sequences ``[B, L + steps]``."""
+        ``generate``; a finished row's token is the pad, as there. ``shared``: the prefill already done
+        (``_shared_prompts``). Returns the sequences ``[B, L + steps]``."""
         rows, width = input_ids.shape
         pad = self.tokenizer.pad_token_id
         stop = torch.tensor(self.stop, device=self.device)
         positions = (attention.long().cumsum(-1) - 1).masked_fill(attention == 0, 0)
-        if cache is None:
+        if shared is None:
             cache = DynamicCache(config=self.model.config)
-            out = self.model(input_ids=input_ids, attention_mask=attention, position_ids=positions,
-                             past_key_values=cache, use_cache=True, logits_to_keep=1)
-        else:  # the prompts but their last token are in the cache already (_shared_prompts)
-            out = self.model(input_ids=input_ids[:, -1:], attention_mask=attention, position_ids=positions[:, -1:],
-                             past_key_values=cache, use_cache=True, logits_to_keep=1)
-        logits = out.logits[:, -1].float()
+            logits = self.model(input_ids=input_ids, attention_mask=attention, position_ids=positions,
+                                past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1].float()
+        else:  # the whole prompts are in the cache already, and their last logits copied to the rows
+            cache, logits = shared
         vocab = logits.shape[-1]
         held = torch.arange(rows, device=self.device)  # the rows the cache holds, in its order
         unfinished = torch.ones(rows, dtype=torch.bool, device=self.device)
@@ -260,29 +261,34 @@ class HFEngine:
             logits = out.logits[:, -1].float()
         return sequences
 
-    def _shared_prompts(self, prompt_ids: list[list[int]], input_ids: torch.Tensor,
-                        attention: torch.Tensor) -> DynamicCache | None:
-        """A GRPO batch repeats each prompt group-size times: the KV cache of all but the last column of
-        ``input_ids``, computed once per distinct prompt and copied to its rows (None where no prompt repeats,
-        the prompts are one token wide, or the model's cache cannot be copied row by row). ``generate`` then
-        runs the last column of every row and samples as before: the same draws from the same random stream,
-        on logits that differ from a full prefill's only in the fp32 rounding of a smaller GEMM (the embedded
-        default's 8 prompts × 8: ~5 ms of its ~40 ms ``generate``, issue #49)."""
+    def _shared_prompts(self, prompt_ids: list[list[int]], input_ids: torch.Tensor, attention: torch.Tensor,
+                        whole: bool) -> tuple[DynamicCache, torch.Tensor | None] | None:
+        """A GRPO batch repeats each prompt group-size times: the prefill computed once per distinct prompt
+        and copied to its rows — None where no prompt repeats or the model's cache cannot be copied row by row.
+
+        ``whole`` (the engine's own loop): the KV cache of the whole prompts and the logits of their last
+        token ``[B, V]`` fp32, from which the first token is drawn. Otherwise (transformers' ``generate``,
+        which must run at least one column itself): the cache of all but the last column, and None.
+        The loop then samples as before: the same draws from the same random stream, on logits that differ
+        from a full prefill's only in the rounding of a smaller GEMM (the embedded default's 8 prompts × 8:
+        ~5 ms of its ~40 ms ``generate``, issue #49)."""
         distinct: dict[tuple[int, ...], int] = {}
         index = [distinct.setdefault(tuple(p), len(distinct)) for p in prompt_ids]
-        if len(distinct) == len(prompt_ids) or input_ids.shape[1] < 2 or self.model.config.is_encoder_decoder:
+        cut = input_ids.shape[1] - (0 if whole else 1)
+        if len(distinct) == len(prompt_ids) or cut < 1 or self.model.config.is_encoder_decoder:
             return None
-        first = torch.tensor([index.index(k) for k in range(len(distinct))], device=self.device)
-        ids, mask = input_ids[first, :-1], attention[first, :-1]
-        # the positions generate gives a left-padded prompt (GenerationMixin._prepare_position_ids_for_generation)
-        positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
         cache = DynamicCache(config=self.model.config)
         if not all(hasattr(layer, "reorder_cache") for layer in cache.layers):
             return None
-        self.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True,
-                   logits_to_keep=1)
-        cache.reorder_cache(torch.tensor(index, device=self.device))  # row i ← its prompt's KV (an index copy)
-        return cache
+        first = torch.tensor([index.index(k) for k in range(len(distinct))], device=self.device)
+        ids, mask = input_ids[first, :cut], attention[first, :cut]
+        # the positions generate gives a left-padded prompt (GenerationMixin._prepare_position_ids_for_generation)
+        positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                         use_cache=True, logits_to_keep=1)
+        rows = torch.tensor(index, device=self.device)
+        cache.reorder_cache(rows)  # row i ← its prompt's KV (an index copy)
+        return cache, out.logits[:, -1].float().index_select(0, rows) if whole else None
 
     @torch.no_grad()
     def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
