@@ -34,8 +34,9 @@ default: ``generate`` 28 → 21 ms, its rows finish at ~5 of 10 tokens; issue #4
 (``own_loop_fits``) go through ``generate`` as before.
 
 A prompt that repeats in the batch (GRPO's group) is prefilled once: ``HFEngine._shared_prompts`` computes
-the KV cache of each distinct prompt but its last token and copies it to the prompt's rows; the loop starts
-from that cache and draws as it would from its own prefill.
+the KV cache of each distinct prompt (and its last logits) once and copies them to the prompt's rows; the loop
+draws the first token from those logits and goes on from that cache as it would from its own prefill (through
+``generate``, all but the last prompt token are shared: ``generate`` runs that one itself).
 
 Under top-k/top-p, ``_SampledLogprobs`` also records each step's kept set — the tokens whose processed
 score is not −inf, exactly the support ``multinomial`` draws from — as kept ids
