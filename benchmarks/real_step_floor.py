@@ -12,8 +12,10 @@ measured here, now, with the run's thread count and dtype::
                every answer taken to max_new_tokens)
 
 N_body = the decoder's matmul parameters (attention and MLP projections), N_head = vocabulary × width
-(the tied head), T = the step's prompt + response tokens, T_resp its response tokens (from
-``response_length`` × rows; prompt lengths from the task's prompts rendered by the model's tokenizer).
+(the tied head), T = the step's prompt + response tokens with each prompt counted once a group (the trainer
+and both engines compute a group's prompt once: issue #49's round 3; a run made before that computed it
+once a row, and reads that much above this floor), T_resp its response tokens (from ``response_length`` ×
+rows; prompt lengths from the task's prompts rendered by the model's tokenizer).
 Attention's own FLOPs (≈ 4 · layers · width · T²/rows) are under 1 % at these lengths and left out.
 
     python benchmarks/real_step_floor.py --run runs/science_real/reference/seed0 --threads 1
@@ -84,7 +86,7 @@ def floors(train: dict, rows: list[dict], n_body: int, n_head: int, prompt: floa
         return statistics.median(values) if values else 0.0
 
     resp = statistics.median(r["response_length"] for r in later)
-    t_all, t_resp = batch * (prompt + resp), batch * resp
+    t_all, t_resp = train["prompts_per_step"] * prompt + batch * resp, batch * resp  # a group's prompt once
     fwd = 2 * (n_body * t_all + n_head * t_resp)
     kl_rows = min(train.get("policy_kl_rows", 0), batch)
     fwd_kl = 2 * (n_body * kl_rows * (prompt + resp) + n_head * kl_rows * resp)
@@ -140,6 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     print("| stage | measured s | floor s | measured / floor | floor s at the median matmul | measured / that |\n"
           "|---|---:|---:|---:|---:|---:|")
     for stage, (measured, floor) in floors(train, rows, n_body, n_head, prompt, gflops, gflops_engine).items():
+        if floor == 0:  # a stage the run did not have (policy_kl_rows=0)
+            continue
         print(f"| {stage} | {measured:.2f} | {floor:.2f} | {measured / floor:.2f}× | {loaded[stage][1]:.2f} | "
               f"{measured / loaded[stage][1]:.2f}× |")
     return 0
