@@ -352,3 +352,38 @@ def test_a_repeated_prompt_is_prefilled_once_and_samples_as_before(tiny_dir, sam
     assert len(set(map(tuple, distinct))) == 5
     engine.generate(distinct, sampling, seed=0, version=0)
     assert shapes[0] == (5, max(map(len, distinct)))  # generate's own prefill
+
+
+@pytest.mark.parametrize(("family", "extra"), [("mistral", {"sliding_window": 4}), ("gemma2", {"sliding_window": 4}),
+                                               ("qwen3", {}), ("llama", {})])
+def test_the_own_loop_draws_generates_tokens_across_architectures(family, extra, tmp_path):
+    """Sliding-window caches (mistral), hybrid sliding/global layers with soft-capped logits (gemma2), qk-norm
+    (qwen3): the engine's own loop, with repeated prompts shared, draws transformers' generate's tokens, the
+    log-probs to fp32 rounding."""
+    import transformers
+
+    tok = build_char_tokenizer()
+    config_cls, model_cls = {"mistral": ("MistralConfig", "MistralForCausalLM"),
+                             "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
+                             "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+                             "llama": ("LlamaConfig", "LlamaForCausalLM")}[family]
+    config = getattr(transformers, config_cls)(
+        vocab_size=64 * ((len(tok) + 63) // 64), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=64,
+        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, **extra)
+    torch.manual_seed(0)
+    getattr(transformers, model_cls)(config).save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    engine = HFEngine(str(tmp_path), tok)
+    assert engine._own_loop
+    g = torch.Generator().manual_seed(0)
+    distinct = [torch.randint(4, len(tok), (int(n),), generator=g).tolist() for n in torch.randint(3, 12, (6,),
+                                                                                                 generator=g)]
+    prompts = [p for p in distinct for _ in range(3)]
+    sampling = SamplingConfig(max_tokens=12, top_p=0.9)
+    own = engine.generate(prompts, sampling, seed=3, version=0)
+    engine._own_loop = False
+    through_generate = engine.generate(prompts, sampling, seed=3, version=0)
+    assert own.response_ids == through_generate.response_ids and any(own.finished)
+    for a, b in zip(own.logprobs, through_generate.logprobs):
+        assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-4, rtol=0)
