@@ -25,6 +25,7 @@ log-probs; what differs is the code that computes it, so the mismatch a run meas
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -48,12 +49,7 @@ def parameter_count(model: torch.nn.Module | str | Path) -> int:
     total = 0
     for name in files:
         with safe_open(str(path / name), framework="pt") as handle:
-            for key in handle.keys():
-                shape = handle.get_slice(key).get_shape()
-                count = 1
-                for n in shape:
-                    count *= n
-                total += count
+            total += sum(math.prod(handle.get_slice(key).get_shape()) for key in handle.keys())
     return total
 
 

@@ -140,22 +140,27 @@ def warpers(sampling: SamplingConfig) -> list[LogitsProcessor]:
     return out
 
 
-def own_loop_fits(model) -> bool:
-    """Whether ``HFEngine._sample`` can drive ``model``: a decoder-only model whose forward takes the position
-    ids, the cache and ``logits_to_keep``, and whose cache layers can drop rows (``reorder_cache``). Any other
-    model samples through transformers' ``generate``, which knows its own inputs."""
-    import inspect
-
+def cache_copies_rows(model) -> bool:
+    """Whether ``model`` is decoder-only with a cache whose layers can select rows (``reorder_cache``): the
+    rows of a shared prefill can then be copied (``HFEngine._shared_prompts``) and finished rows dropped
+    (``HFEngine._sample``)."""
     if model.config.is_encoder_decoder:
-        return False
-    accepted = inspect.signature(model.forward).parameters
-    if not {"position_ids", "past_key_values", "logits_to_keep"} <= set(accepted):
         return False
     try:
         layers = DynamicCache(config=model.config).layers
     except Exception:  # noqa: BLE001 — a config DynamicCache cannot read: generate's own cache handling
         return False
     return bool(layers) and all(hasattr(layer, "reorder_cache") for layer in layers)
+
+
+def own_loop_fits(model) -> bool:
+    """Whether ``HFEngine._sample`` can drive ``model``: its cache copies rows (``cache_copies_rows``) and its
+    forward takes the position ids, the cache and ``logits_to_keep``. Any other model samples through
+    transformers' ``generate``, which knows its own inputs."""
+    import inspect
+
+    accepted = inspect.signature(model.forward).parameters
+    return {"position_ids", "past_key_values", "logits_to_keep"} <= set(accepted) and cache_copies_rows(model)
 
 
 class HFEngine:
@@ -174,6 +179,7 @@ class HFEngine:
         self.linear = use_onednn_linear(self.model, cpu_linear, self.device, dtype)
         self.logit_noise = logit_noise
         self.stop = stop_token_ids(tokenizer, self.model)  # EOS and the model's other end-of-turn ids
+        self._copies_rows = cache_copies_rows(self.model)  # else no shared prefill
         self._own_loop = own_loop_fits(self.model)  # else transformers' generate
         self._warned = False
 
@@ -276,15 +282,13 @@ class HFEngine:
         distinct: dict[tuple[int, ...], int] = {}
         index = [distinct.setdefault(tuple(p), len(distinct)) for p in prompt_ids]
         cut = input_ids.shape[1] - (0 if whole else 1)
-        if len(distinct) == len(prompt_ids) or cut < 1 or self.model.config.is_encoder_decoder:
-            return None
-        cache = DynamicCache(config=self.model.config)
-        if not all(hasattr(layer, "reorder_cache") for layer in cache.layers):
+        if len(distinct) == len(prompt_ids) or cut < 1 or not self._copies_rows:
             return None
         first = torch.tensor([index.index(k) for k in range(len(distinct))], device=self.device)
         ids, mask = input_ids[first, :cut], attention[first, :cut]
         # the positions generate gives a left-padded prompt (GenerationMixin._prepare_position_ids_for_generation)
         positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
+        cache = DynamicCache(config=self.model.config)
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
                          use_cache=True, logits_to_keep=1)
         rows = torch.tensor(index, device=self.device)

@@ -103,7 +103,7 @@ class RolloutPipeline:
         start, syncs = time.perf_counter(), self._syncs_done
         # each prompt tokenized once, its rows given copies (64 tokenizer calls: 1.1 → 0.14 ms, issue #49)
         ids = [prompt_ids(self.tokenizer, p) for p in batch]
-        rollouts = self.engine.generate([list(ids[i // self.group_size]) for i in range(len(rows))], self.sampling,
+        rollouts = self.engine.generate([list(p) for p in ids for _ in range(self.group_size)], self.sampling,
                                         seed=self.seed * 7_919 + step, version=version)
         rollouts.validate(self.engine.name)
         self.generated.append(step)
