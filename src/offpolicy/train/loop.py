@@ -35,7 +35,8 @@ import shutil
 import signal
 import threading
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -311,247 +312,388 @@ def update_kl_k3(before: torch.Tensor, after: torch.Tensor, mask: torch.Tensor) 
     return ops.masked_mean(ops.k3(log_r, 20.0), valid).item()
 
 
+@dataclass
+class Run:
+    """What a run holds from ``setup`` to ``close``: the choices resolved before the model loads, the parts built
+    once it has (tokenizer, task, policy, optimizer, scorer, engine, pipeline, logger), and where the steps stand."""
+
+    cfg: TrainConfig
+    console: Console
+    run_dir: Path
+    created: bool  # this call made run_dir: a failure before the first checkpoint removes it again
+    device: torch.device
+    trainer_dtype: str
+    engine_dtype: str
+    loss_cfg: op.LossConfig
+    sampling: SamplingConfig
+    threads_before: int | None = None  # torch's thread count before the run set its own (restored at close)
+    tokenizer: Any = None
+    task: Any = None
+    policy: Any = None
+    optimizer: Any = None
+    scorer: Scorer | None = None
+    engine: Any = None
+    engine_bytes: int = 0  # the engine's share of the trainer device's allocations (memory_metrics)
+    pipeline: RolloutPipeline | None = None
+    eval_set: list = field(default_factory=list)
+    logger: RunLogger | None = None
+    single: bool = False  # π_old = sg(π_θ) exactly (single_update)
+    skip_old: bool = False  # no π_old forward: it equals sg(π_θ), or the loss never reads it
+    version: int = 0  # the policy version: weight updates so far
+    completed: int = 0  # steps done
+    saved: int = 0  # steps in the latest checkpoint
+
+
+@dataclass
+class Scored:
+    """One step's rollouts, decoded, rewarded and batched."""
+
+    item: Pending
+    texts: list[str]
+    rewards: torch.Tensor  # [B]
+    advantages: torch.Tensor  # [B]
+    batch: Any  # policy.batch.Batch
+    adv_tokens: torch.Tensor  # [B, T]: each row's advantage on every token
+
+
 def train(cfg: TrainConfig, resume: Path | None = None, console: Console | None = None,
           progress: bool = True) -> RunResult:
-    """Run (or resume) ``cfg``; returns the run directory and the summary numbers.
+    """Run (or resume) ``cfg``; returns the run directory and the summary numbers: ``setup``, one ``train_step``
+    a step, ``close``. Ctrl-C or SIGTERM between updates checkpoints the steps done (``interrupted``).
 
     Raises:
         ConfigError: bad model path or run directory; RuntimeError: engine contract broken.
     """
-    console = console or Console()
-    torch.manual_seed(cfg.seed)
-    loss_cfg = cfg.loss_config()
-    sampling = SamplingConfig(max_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
-                              top_k=cfg.top_k)
-    engine_dtype, dtype_reason = resolve_engine_dtype(cfg)
-    device = resolve_device(cfg)  # before the run directory: device=cuda without CUDA leaves nothing
-    trainer_dtype, trainer_dtype_reason = resolve_trainer_dtype(cfg, device)
-    created = resume is None
-    run_dir = resume if resume is not None else new_run_dir(cfg, {
-        "engine_dtype": engine_dtype, "engine_dtype_reason": dtype_reason, "device": str(device),
-        "trainer_dtype": trainer_dtype, "trainer_dtype_reason": trainer_dtype_reason,
-        "loss": loss_cfg.model_dump(mode="json")})  # the preset with the loss.* keys on top: what runs
-    threads_before = None  # torch's thread count before this run set its own (restored when it ends)
-    try:
-        # ---------------------------------------------------------------- setup
-        checkpoint = latest_checkpoint(run_dir) if resume is not None else None
-        # before the warm start (it trains too) and the engine (vLLM's CPU worker pins torch's setter: set_threads)
-        threads, threads_reason = cpu_threads(cfg)
-        threads_before = set_threads(threads) if threads is not None else None
-        model_path = resolve_model(cfg, console)
-        load_from = checkpoint or model_path
-        tokenizer = load_tokenizer(load_from)
-        padded = ensure_pad_token(tokenizer)
-        task = make_train_task(cfg, tokenizer)  # every data error surfaces here, before any weight loads
-        dropped = getattr(task, "dropped", 0) and f"{task.dropped} prompts over max_prompt_tokens dropped"
-        for note in filter(None, (padded, dropped)):
-            console.print(f"  data: {note}")
-        # fp32 master weights on the device; bf16 is autocast compute (policy.score.precision)
-        policy = load_policy(load_from, device).train()
-        linear = use_onednn_linear(policy, cfg.cpu_linear, device, trainer_dtype)
-        engine_name, engine_reason = resolve_engine(cfg, device, parameter_count(policy),
-                                                    policy.get_output_embeddings().weight.shape[0])
-        if created:  # beside the engine dtype's choice, in the run's config.yaml
-            add_resolved(run_dir, {"engine": engine_name, "engine_reason": engine_reason})
-        if cfg.gradient_checkpointing:
-            policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-            policy.config.use_cache = False
-        # on the CPU torch's fused AdamW: one kernel a parameter instead of ~10 ops (the embedded default: 1.5 →
-        # 0.4 ms a step, issue #49), the same update to fp32 rounding (tests/test_train.py); GPUs keep the default
-        optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=0.0,
-                                      fused=True if device.type == "cpu" else None)
-        scorer = Scorer(policy, sampling, device, trainer_dtype, cfg.micro_batch_tokens)  # one way to score, all run
-        state = load_trainer_state(checkpoint) if checkpoint else {"step": 0, "version": 0, "pending": []}
-        state.setdefault("pipeline", {})  # staleness policy's queue cursor (issue #25); older checkpoints lack it
-        if checkpoint:
-            optimizer.load_state_dict(state["optimizer"])
-        start_step, version = state["step"], state["version"]
-        console.print(f"offpolicy train: {cfg.task} · {device} ({trainer_dtype}) · "
-                      f"engine {engine_name} ({engine_dtype}) · "
-                      f"loss {cfg.loss_summary()} · staleness ≤ "
-                      f"{cfg.max_staleness} · run {run_dir}")
-        defaults = cfg.model_defaults()
-        if defaults:  # chosen by the model, not the task: say which applied
-            console.print(f"  {defaults}")
-        console.print(f"  threads: {torch.get_num_threads()} ({threads_reason}) · linear layers: {linear}")
-        if cfg.engine == "auto":
-            console.print(f"  engine {engine_name}: {engine_reason.removeprefix('auto: ')} (engine=auto)")
-        context = cfg.max_prompt_tokens + cfg.max_new_tokens if cfg.task == "dataset" else 1024
-        engine_bytes = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
-        engine = make_engine(engine_name, str(load_from), tokenizer, engine_dtype, seed=cfg.seed,
-                             logit_noise=cfg.engine_logit_noise, max_model_len=context, log_path=run_dir / "engine.log",
-                             device=device, gpu_memory_utilization=cfg.engine_gpu_memory_utilization,
-                             sleep=cfg.engine_sleep and cfg.max_staleness == 0, vllm_options=cfg.vllm.model_dump(),
-                             cpu_linear=cfg.cpu_linear)
-        # the engine's share of the trainer device's allocations (memory_metrics)
-        engine_bytes = torch.cuda.memory_allocated(device) - engine_bytes if device.type == "cuda" else 0
-        engine.sync_weights(engine_weights(policy, cfg, version, snapshot=False))
-        # no π_old forward where it equals sg(π_θ) exactly, or where the loss never reads it
-        single = single_update(cfg, policy)
-        skip_old = single or (not uses_old(loss_cfg) and not cfg.recompute_old)
-        pipeline = RolloutPipeline(engine, task, tokenizer, sampling, cfg.prompts_per_step, cfg.group_size,
-                                   cfg.max_staleness, cfg.seed, pending=state["pending"],
-                                   staleness_policy=cfg.staleness_policy, **state["pipeline"])
-        eval_set = problems(task, cfg.eval_problems, seed=cfg.seed + 20_000)
-        if hasattr(task, "held_out"):  # dataset, larger: the held-out rows; eval/accuracy = mean reward, greedy
-            eval_set = list(task.held_out[: cfg.eval_problems])
-        logger = RunLogger(run_dir, cfg.steps, start_step, console, progress=progress, log_to=cfg.log_to,
-                           config=yaml.safe_load((run_dir / "config.yaml").read_text()))
-    except BaseException as err:
-        if threads_before is not None:
-            set_threads(threads_before)
-        if created and not isinstance(err, EngineError):
-            shutil.rmtree(run_dir, ignore_errors=True)  # nothing half-written (an engine failure keeps engine.log)
-        raise
-
-    completed, updating, interrupted, failed, saved = start_step, False, False, False, start_step
-    raised = False
-    def checkpoint() -> None:
-        """The run at ``completed`` steps: weights, optimizer, queued rollouts and the pipeline's counters."""
-        save_checkpoint(run_dir, completed, policy, tokenizer, optimizer,
-                        {"step": completed, "version": version, "pending": pipeline.state(),
-                         "pipeline": pipeline.counters()})
-
+    run = setup(cfg, resume, console or Console(), progress)
+    interrupted, stop_signal, raised, failed = False, signal.SIGINT, False, False
     stop = GracefulStop()
     try:
-        for step in range(start_step, cfg.steps):
-            t0, timer = time.perf_counter(), StageTimer()
-            reset_memory_peaks(device)
-            # ------------------------------------------------ sample (bounded staleness) and score
-            item, waited = pipeline.next(step, version)
-            with timer("score"):
-                texts = tokenizer.batch_decode(item.rollouts.response_ids, skip_special_tokens=True)
-                rewards = torch.tensor([task.reward(p, t) for p, t in zip(item.problems, texts)])
-                advantages = grpo_advantages(rewards, cfg.group_size)
-                batch = to_batch(item.rollouts, tokenizer.pad_token_id)
-                adv_tokens = advantages.unsqueeze(-1).expand_as(batch.mask).contiguous()
-            # ------------------------------------------------ π_old: the trainer before this step
-            loglinear = cfg.prox_logp == "loglinear"  # π_old from the versions: no forward (AReaL)
-            with timer("pi_old"):
-                old = None if skip_old or loglinear else scorer.score(batch)
-
-            # one update per batch: the update's forward is π_old exactly (module doc), so the sample rows'
-            # log π_old are kept from it (no forward of their own, issue #49); else they take one before the update
-            shown = set(spread_rows(len(rewards), cfg.group_size, cfg.samples_per_step).tolist())
-            update_lp: dict[int, torch.Tensor] | None = {} if single and not loglinear and shown else None
-
-            def old_of(rows, mb, logprobs):
-                if loglinear:  # proximal = this step's starting weights (v + 1 − 1)
-                    return op.loglinear_proximal(logprobs, mb.rollout_logprobs, item.rollouts.version,
-                                                 current_version=version + 1)
-                if skip_old:
-                    if update_lp is not None:
-                        update_lp.update({r: logprobs[i].detach() for i, r in enumerate(rows.tolist()) if r in shown})
-                    return logprobs.detach()
-                return old[device_index(rows, device), : mb.mask.shape[1]]
-
-            samples = []
-            if update_lp is None:
-                with timer("samples"):  # a few rows as text, with their log ρ under the weights that start the step
-                    samples = step_samples(cfg, scorer, tokenizer, item, batch, texts, rewards, advantages, old)
-            # ------------------------------------------------ corrected loss, PPO mini-batches, micro-batches
-            metrics = Metrics()
-            order = torch.Generator().manual_seed(cfg.seed * 31 + step)
-            # no advantage signal and no other loss term: a zero gradient, so no forward/backward (module doc)
-            skipped = bool((advantages == 0).all()) and loss_cfg.kl_coef == 0
-            trained_on = version  # the weights this step starts from (the version does not advance on a skip)
-            updating = stop.updating = True  # from here until the step is logged, the weights are mid-update
-            kl_rows = spread_rows(len(rewards), cfg.group_size, cfg.policy_kl_rows) if cfg.policy_kl_rows else None
-            with timer("policy_kl"):  # the policy before the update, on a few rows (policy/kl_k3_update)
-                kl_before = None if kl_rows is None or skipped else scorer.whole().score(batch.select(kl_rows))
-            with timer("train"):
-                step_args = dict(old_of=old_of, loss_cfg=loss_cfg, max_grad_norm=cfg.max_grad_norm, metrics=metrics,
-                                 split_metrics=cfg.split_metrics)
-                if skipped:  # the mismatch is still measured: one no-grad pass over the batch (module doc)
-                    optimizer_step(scorer, optimizer, batch, torch.arange(len(rewards)), adv_tokens, **step_args,
-                                   update=False)
-                for _ in range(0 if skipped else cfg.ppo_epochs):
-                    for rows in torch.randperm(len(rewards), generator=order).chunk(cfg.minibatches):
-                        if batch.mask[rows].sum() == 0:  # the CPU batch: no device read
-                            continue
-                        optimizer_step(scorer, optimizer, batch, rows, adv_tokens, **step_args)
-            if update_lp is not None:
-                with timer("samples"):  # log π_old from the update's own forward (update_lp above)
-                    samples = step_samples(cfg, scorer, tokenizer, item, batch, texts, rewards, advantages, old,
-                                           update_logprobs=update_lp)
-            with timer("policy_kl"):
-                kl_update = None if kl_rows is None else 0.0 if skipped else update_kl_k3(
-                    kl_before, scorer.whole().score(batch.select(kl_rows)),
-                    batch.mask[kl_rows].to(device))
-            # ------------------------------------------------ new weights to the engine
-            with timer("sync"):
-                if not skipped:
-                    version += 1
-                    pipeline.sync(engine_weights(policy, cfg, version, snapshot=pipeline.overlapped), version)
-            # ------------------------------------------------ log
-            with timer("log"):
-                n_tokens = float(batch.mask.sum())
-                values = {
-                    **with_kl_over_entropy(metrics.to_dict()),
-                    "reward": rewards.mean().item(),
-                    "response_length": n_tokens / len(rewards),
-                    "finished_fraction": sum(item.rollouts.finished) / len(rewards),
-                    # responses cut by max_new_tokens (or the context) before their stop token
-                    "truncated_share": 1.0 - sum(item.rollouts.finished) / len(rewards),
-                    "staleness": float(trained_on - item.rollouts.version),
-                    **staleness_metrics(trained_on, batch.versions, pipeline, item),
-                    "generate/tokens_per_s": n_tokens / max(item.seconds, 1e-9),  # the engine's rate
-                    "policy_version": float(version),
-                    "skipped_update": float(skipped),
-                    "reward/groups_with_spread": groups_with_spread(rewards, cfg.group_size),
-                }
-                if kl_update is not None:  # a skipped update moves nothing: exactly 0
-                    values["policy/kl_k3_update"] = kl_update
-            # its own stage: greedy answers to the held-out prompts cost seconds on a real model (issue #49),
-            # which inside "log" hid what writing the step's records costs (milliseconds)
-            if eval_set and (step % cfg.eval_every == 0 or step == cfg.steps - 1):
-                with timer("eval"):
-                    values["eval/accuracy"] = exact_match_accuracy(policy, tokenizer, task, eval_set,
-                                                                   cfg.max_new_tokens, sample_seed=None,
-                                                                   score=task.reward if hasattr(task, "held_out") else None,
-                                                                   trainer_dtype=trainer_dtype)
-            values.update({"time/generate": item.seconds, "time/wait": waited,
-                           **{f"time/{k}": v for k, v in timer.seconds.items()},
-                           "step_seconds": time.perf_counter() - t0})
-            values.update(throughput(values, n_tokens, device, pipeline.overlapped, engine_bytes))
-            logger.log(step, values)
-            logger.log_samples(step, samples)
-            pipeline.commit(step)
-            completed, updating = step + 1, False
-            stop.updating = False
-            if completed % cfg.checkpoint_every == 0 or completed == cfg.steps:
-                checkpoint()
-                saved = completed
+        for step in range(run.completed, cfg.steps):
+            train_step(run, step, stop)
             stop.check()  # a SIGTERM that came mid-update ends the run here, the step done
     except KeyboardInterrupt as err:
         interrupted = True
         stop_signal = signal.SIGTERM if isinstance(err, Terminated) else signal.SIGINT
-        if not updating and completed > saved:
-            # between updates the weights, optimizer and queued rollouts are consistent: save them
-            with stop.deferred():
-                checkpoint()
-        where = latest_checkpoint(run_dir).name if (run_dir / "checkpoints" / "latest").exists() else "none yet"
-        how = "terminated (SIGTERM)" if stop_signal == signal.SIGTERM else "interrupted"
-        console.print(f"[yellow]{how} after {completed} steps; checkpoint: {where}. Continue with "
-                      f"offpolicy train --resume {run_dir}[/yellow]")
+        interrupt(run, stop, stop_signal)
     except BaseException as err:
         failed = not isinstance(err, EngineError)  # an engine failure keeps the run directory and its engine.log
         raised = True
         raise
     finally:
         stop.close()
-        pipeline.close()
-        logger.close()
-        if raised:
-            logger.finish(failed=True)  # the trackers' runs end as failed
-        engine.close()
-        if threads_before is not None:  # the caller's process as it was (a run started in-process, a test)
-            set_threads(threads_before)
-        if failed and created and not (run_dir / "checkpoints").exists():
-            shutil.rmtree(run_dir, ignore_errors=True)  # a run that never checkpointed leaves nothing
+        close(run, raised, failed)
+    return finish(run, interrupted, stop_signal)
+
+
+# ---------------------------------------------------------------------------------------------------- setup
+def setup(cfg: TrainConfig, resume: Path | None, console: Console, progress: bool) -> Run:
+    """The run before its first step: the choices that need no model (device, dtypes, the run directory),
+    then ``load`` (model, task, engine, pipeline). A failure here restores torch's threads and removes a run
+    directory this call created (an engine failure keeps it, for its engine.log)."""
+    torch.manual_seed(cfg.seed)
+    loss_cfg = cfg.loss_config()
+    engine_dtype, dtype_reason = resolve_engine_dtype(cfg)
+    device = resolve_device(cfg)  # before the run directory: device=cuda without CUDA leaves nothing
+    trainer_dtype, trainer_dtype_reason = resolve_trainer_dtype(cfg, device)
+    run_dir = resume if resume is not None else new_run_dir(cfg, {
+        "engine_dtype": engine_dtype, "engine_dtype_reason": dtype_reason, "device": str(device),
+        "trainer_dtype": trainer_dtype, "trainer_dtype_reason": trainer_dtype_reason,
+        "loss": loss_cfg.model_dump(mode="json")})  # the preset with the loss.* keys on top: what runs
+    sampling = SamplingConfig(max_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
+                              top_k=cfg.top_k)
+    run = Run(cfg, console, run_dir, resume is None, device, trainer_dtype, engine_dtype, loss_cfg, sampling)
+    try:
+        load(run, latest_checkpoint(run_dir) if resume is not None else None, progress)
+    except BaseException as err:
+        if run.threads_before is not None:
+            set_threads(run.threads_before)
+        if run.created and not isinstance(err, EngineError):
+            shutil.rmtree(run_dir, ignore_errors=True)  # nothing half-written (an engine failure keeps engine.log)
+        raise
+    return run
+
+
+def load(run: Run, checkpoint: Path | None, progress: bool) -> None:
+    """Threads, model, tokenizer, task, policy and optimizer (from ``checkpoint`` where resumed), then the
+    header, the engine and the rollout pipeline."""
+    cfg, console = run.cfg, run.console
+    # before the warm start (it trains too) and the engine (vLLM's CPU worker pins torch's setter: set_threads)
+    threads, threads_reason = cpu_threads(cfg)
+    run.threads_before = set_threads(threads) if threads is not None else None
+    model_path = resolve_model(cfg, console)
+    load_from = checkpoint or model_path
+    run.tokenizer = load_tokenizer(load_from)
+    padded = ensure_pad_token(run.tokenizer)
+    run.task = task = make_train_task(cfg, run.tokenizer)  # every data error surfaces here, before any weight loads
+    dropped = getattr(task, "dropped", 0) and f"{task.dropped} prompts over max_prompt_tokens dropped"
+    for note in filter(None, (padded, dropped)):
+        console.print(f"  data: {note}")
+    # fp32 master weights on the device; bf16 is autocast compute (policy.score.precision)
+    run.policy = policy = load_policy(load_from, run.device).train()
+    linear = use_onednn_linear(policy, cfg.cpu_linear, run.device, run.trainer_dtype)
+    engine_name, engine_reason = resolve_engine(cfg, run.device, parameter_count(policy),
+                                                policy.get_output_embeddings().weight.shape[0])
+    if run.created:  # beside the engine dtype's choice, in the run's config.yaml
+        add_resolved(run.run_dir, {"engine": engine_name, "engine_reason": engine_reason})
+    if cfg.gradient_checkpointing:
+        policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        policy.config.use_cache = False
+    # on the CPU torch's fused AdamW: one kernel a parameter instead of ~10 ops (the embedded default: 1.5 →
+    # 0.4 ms a step, issue #49), the same update to fp32 rounding (tests/test_train.py); GPUs keep the default
+    run.optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=0.0,
+                                      fused=True if run.device.type == "cpu" else None)
+    # one way to score, all run
+    run.scorer = Scorer(policy, run.sampling, run.device, run.trainer_dtype, cfg.micro_batch_tokens)
+    state = load_trainer_state(checkpoint) if checkpoint else {"step": 0, "version": 0, "pending": []}
+    state.setdefault("pipeline", {})  # staleness policy's queue cursor (issue #25); older checkpoints lack it
+    if checkpoint:
+        run.optimizer.load_state_dict(state["optimizer"])
+    run.completed = run.saved = state["step"]
+    run.version = state["version"]
+    print_header(run, engine_name, engine_reason, f"{torch.get_num_threads()} ({threads_reason})", linear)
+    start_engine(run, engine_name, load_from)
+    # no π_old forward where it equals sg(π_θ) exactly, or where the loss never reads it
+    run.single = single_update(cfg, policy)
+    run.skip_old = run.single or (not uses_old(run.loss_cfg) and not cfg.recompute_old)
+    run.pipeline = RolloutPipeline(run.engine, task, run.tokenizer, run.sampling, cfg.prompts_per_step,
+                                   cfg.group_size, cfg.max_staleness, cfg.seed, pending=state["pending"],
+                                   staleness_policy=cfg.staleness_policy, **state["pipeline"])
+    run.eval_set = problems(task, cfg.eval_problems, seed=cfg.seed + 20_000)
+    if hasattr(task, "held_out"):  # dataset, larger: the held-out rows; eval/accuracy = mean reward, greedy
+        run.eval_set = list(task.held_out[: cfg.eval_problems])
+    run.logger = RunLogger(run.run_dir, cfg.steps, run.completed, console, progress=progress, log_to=cfg.log_to,
+                           config=yaml.safe_load((run.run_dir / "config.yaml").read_text()))
+
+
+def print_header(run: Run, engine_name: str, engine_reason: str, threads: str, linear: str) -> None:
+    """The run's first lines: what trains on what, with which engine and loss; the defaults the model chose;
+    the CPU's threads and linear layers; the engine=auto choice and why."""
+    cfg, console = run.cfg, run.console
+    console.print(f"offpolicy train: {cfg.task} · {run.device} ({run.trainer_dtype}) · "
+                  f"engine {engine_name} ({run.engine_dtype}) · "
+                  f"loss {cfg.loss_summary()} · staleness ≤ "
+                  f"{cfg.max_staleness} · run {run.run_dir}")
+    defaults = cfg.model_defaults()
+    if defaults:  # chosen by the model, not the task: say which applied
+        console.print(f"  {defaults}")
+    console.print(f"  threads: {threads} · linear layers: {linear}")
+    if cfg.engine == "auto":
+        console.print(f"  engine {engine_name}: {engine_reason.removeprefix('auto: ')} (engine=auto)")
+
+
+def start_engine(run: Run, engine_name: str, load_from: Path) -> None:
+    """The rollout engine on the model at ``load_from``, with the trainer's weights (at ``run.version``) synced."""
+    cfg, device = run.cfg, run.device
+    context = cfg.max_prompt_tokens + cfg.max_new_tokens if cfg.task == "dataset" else 1024
+    before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+    run.engine = make_engine(engine_name, str(load_from), run.tokenizer, run.engine_dtype, seed=cfg.seed,
+                             logit_noise=cfg.engine_logit_noise, max_model_len=context,
+                             log_path=run.run_dir / "engine.log", device=device,
+                             gpu_memory_utilization=cfg.engine_gpu_memory_utilization,
+                             sleep=cfg.engine_sleep and cfg.max_staleness == 0, vllm_options=cfg.vllm.model_dump(),
+                             cpu_linear=cfg.cpu_linear)
+    run.engine_bytes = torch.cuda.memory_allocated(device) - before if device.type == "cuda" else 0
+    run.engine.sync_weights(engine_weights(run.policy, cfg, run.version, snapshot=False))
+
+
+# ---------------------------------------------------------------------------------------------------- step
+def train_step(run: Run, step: int, stop: GracefulStop) -> None:
+    """One step: sample (bounded staleness) and score, π_old, the corrected update, the new weights to the
+    engine, the step's metrics and samples logged, then a checkpoint where one is due."""
+    cfg = run.cfg
+    t0, timer = time.perf_counter(), StageTimer()
+    reset_memory_peaks(run.device)
+    item, waited = run.pipeline.next(step, run.version)
+    with timer("score"):
+        s = score(run, item)
+    with timer("pi_old"):  # π_old: the trainer before this step (no forward where it is skipped, or loglinear)
+        old = None if run.skip_old or cfg.prox_logp == "loglinear" else run.scorer.score(s.batch)
+    # which rows' log ρ are shown as text (samples.jsonl), and π_old as the update reads it
+    shown = set(spread_rows(len(s.rewards), cfg.group_size, cfg.samples_per_step).tolist())
+    old_of, update_lp = choose_old(run, s, old, shown)
+    samples = []
+    if update_lp is None:
+        with timer("samples"):  # a few rows as text, with their log ρ under the weights that start the step
+            samples = step_samples(cfg, run.scorer, run.tokenizer, item, s.batch, s.texts, s.rewards, s.advantages,
+                                   old)
+    metrics = Metrics()
+    # no advantage signal and no other loss term: a zero gradient, so no forward/backward (module doc)
+    skipped = bool((s.advantages == 0).all()) and run.loss_cfg.kl_coef == 0
+    trained_on = run.version  # the weights this step starts from (the version does not advance on a skip)
+    stop.updating = True  # from here until the step is logged, the weights are mid-update
+    kl_update = update(run, step, s, old_of, metrics, skipped, timer)
+    if update_lp is not None:
+        with timer("samples"):  # log π_old from the update's own forward (choose_old)
+            samples = step_samples(cfg, run.scorer, run.tokenizer, item, s.batch, s.texts, s.rewards, s.advantages,
+                                   old, update_logprobs=update_lp)
+    with timer("sync"):  # the new weights to the engine
+        if not skipped:
+            run.version += 1
+            run.pipeline.sync(engine_weights(run.policy, cfg, run.version, snapshot=run.pipeline.overlapped),
+                              run.version)
+    with timer("log"):
+        values = step_values(run, s, metrics, skipped, trained_on, kl_update)
+    values.update(evaluate(run, step, timer))
+    values.update({"time/generate": item.seconds, "time/wait": waited,
+                   **{f"time/{k}": v for k, v in timer.seconds.items()},
+                   "step_seconds": time.perf_counter() - t0})
+    values.update(throughput(values, float(s.batch.mask.sum()), run.device, run.pipeline.overlapped,
+                             run.engine_bytes))
+    run.logger.log(step, values)
+    run.logger.log_samples(step, samples)
+    run.pipeline.commit(step)
+    run.completed = step + 1
+    stop.updating = False
+    if run.completed % cfg.checkpoint_every == 0 or run.completed == cfg.steps:
+        checkpoint(run)
+
+
+def score(run: Run, item: Pending) -> Scored:
+    """``item``'s responses decoded and rewarded, GRPO's advantages, the padded batch."""
+    texts = run.tokenizer.batch_decode(item.rollouts.response_ids, skip_special_tokens=True)
+    rewards = torch.tensor([run.task.reward(p, t) for p, t in zip(item.problems, texts)])
+    advantages = grpo_advantages(rewards, run.cfg.group_size)
+    batch = to_batch(item.rollouts, run.tokenizer.pad_token_id)
+    adv_tokens = advantages.unsqueeze(-1).expand_as(batch.mask).contiguous()
+    return Scored(item, texts, rewards, advantages, batch, adv_tokens)
+
+
+def choose_old(run: Run, s: Scored, old: torch.Tensor | None, shown: set[int]
+               ) -> tuple[Callable, dict[int, torch.Tensor] | None]:
+    """π_old as the update reads it: ``old_of(rows, mb, logprobs)`` → log π_old of micro-batch ``mb``'s rows,
+    given the update's own forward ``logprobs`` — one of three (module doc):
+
+    - ``prox_logp=loglinear``: AReaL's interpolation from the versions, this step's starting weights (v + 1 − 1);
+    - skipped (``run.skip_old``): the update's own forward, detached — π_old = sg(π_θ) with one update per batch,
+      and any value where the loss never reads π_old;
+    - else the rows of ``old``, the π_old forward taken before the update.
+
+    With one update per batch the shown rows' (``shown``) log π_old are kept from the update's forward into the
+    returned dict (no forward of their own, issue #49); None where they take one before the update."""
+    cfg, version, device = run.cfg, run.version, run.device
+    if cfg.prox_logp == "loglinear":
+        def loglinear(rows, mb, logprobs):
+            return op.loglinear_proximal(logprobs, mb.rollout_logprobs, s.item.rollouts.version,
+                                         current_version=version + 1)
+        return loglinear, None
+    if not run.skip_old:
+        return (lambda rows, mb, logprobs: old[device_index(rows, device), : mb.mask.shape[1]]), None
+    kept: dict[int, torch.Tensor] | None = {} if run.single and shown else None
+
+    def own_forward(rows, mb, logprobs):
+        if kept is not None:
+            kept.update({r: logprobs[i].detach() for i, r in enumerate(rows.tolist()) if r in shown})
+        return logprobs.detach()
+    return own_forward, kept
+
+
+def update(run: Run, step: int, s: Scored, old_of: Callable, metrics: Metrics, skipped: bool,
+           timer: StageTimer) -> float | None:
+    """The corrected loss over PPO's epochs and mini-batches (micro-batches inside ``optimizer_step``), into
+    ``metrics``; a skipped step takes one no-grad pass for its mismatch statistics (module doc). Returns the
+    update's KL on ``policy_kl_rows`` rows (None when off; exactly 0 for a skip)."""
+    cfg, scorer, batch = run.cfg, run.scorer, s.batch
+    n_rows = len(s.rewards)
+    order = torch.Generator().manual_seed(cfg.seed * 31 + step)
+    kl_rows = spread_rows(n_rows, cfg.group_size, cfg.policy_kl_rows) if cfg.policy_kl_rows else None
+    with timer("policy_kl"):  # the policy before the update, on a few rows (policy/kl_k3_update)
+        kl_before = None if kl_rows is None or skipped else scorer.whole().score(batch.select(kl_rows))
+    with timer("train"):
+        step_args = dict(old_of=old_of, loss_cfg=run.loss_cfg, max_grad_norm=cfg.max_grad_norm, metrics=metrics,
+                         split_metrics=cfg.split_metrics)
+        if skipped:  # the mismatch is still measured: one no-grad pass over the batch (module doc)
+            optimizer_step(scorer, run.optimizer, batch, torch.arange(n_rows), s.adv_tokens, **step_args,
+                           update=False)
+        for _ in range(0 if skipped else cfg.ppo_epochs):
+            for rows in torch.randperm(n_rows, generator=order).chunk(cfg.minibatches):
+                if batch.mask[rows].sum() == 0:  # the CPU batch: no device read
+                    continue
+                optimizer_step(scorer, run.optimizer, batch, rows, s.adv_tokens, **step_args)
+    with timer("policy_kl"):
+        return None if kl_rows is None else 0.0 if skipped else update_kl_k3(
+            kl_before, scorer.whole().score(batch.select(kl_rows)), batch.mask[kl_rows].to(run.device))
+
+
+def step_values(run: Run, s: Scored, metrics: Metrics, skipped: bool, trained_on: int,
+                kl_update: float | None) -> dict[str, float]:
+    """The step's scalars for metrics.jsonl and the trackers (times and throughput are added by ``train_step``)."""
+    rollouts, n_rows = s.item.rollouts, len(s.rewards)
+    n_tokens = float(s.batch.mask.sum())
+    values = {
+        **with_kl_over_entropy(metrics.to_dict()),
+        "reward": s.rewards.mean().item(),
+        "response_length": n_tokens / n_rows,
+        "finished_fraction": sum(rollouts.finished) / n_rows,
+        # responses cut by max_new_tokens (or the context) before their stop token
+        "truncated_share": 1.0 - sum(rollouts.finished) / n_rows,
+        "staleness": float(trained_on - rollouts.version),
+        **staleness_metrics(trained_on, s.batch.versions, run.pipeline, s.item),
+        "generate/tokens_per_s": n_tokens / max(s.item.seconds, 1e-9),  # the engine's rate
+        "policy_version": float(run.version),
+        "skipped_update": float(skipped),
+        "reward/groups_with_spread": groups_with_spread(s.rewards, run.cfg.group_size),
+    }
+    if kl_update is not None:  # a skipped update moves nothing: exactly 0
+        values["policy/kl_k3_update"] = kl_update
+    return values
+
+
+def evaluate(run: Run, step: int, timer: StageTimer) -> dict[str, float]:
+    """The held-out evaluation on its steps (every ``eval_every`` and the last), in its own stage: greedy answers
+    to the held-out prompts cost seconds on a real model (issue #49), which inside "log" hid what writing the
+    step's records costs (milliseconds)."""
+    cfg, task = run.cfg, run.task
+    if not run.eval_set or not (step % cfg.eval_every == 0 or step == cfg.steps - 1):
+        return {}
+    with timer("eval"):
+        accuracy = exact_match_accuracy(run.policy, run.tokenizer, task, run.eval_set, cfg.max_new_tokens,
+                                        sample_seed=None, score=task.reward if hasattr(task, "held_out") else None,
+                                        trainer_dtype=run.trainer_dtype)
+    return {"eval/accuracy": accuracy}
+
+
+def checkpoint(run: Run) -> None:
+    """The run at ``run.completed`` steps: weights, optimizer, queued rollouts and the pipeline's counters."""
+    save_checkpoint(run.run_dir, run.completed, run.policy, run.tokenizer, run.optimizer,
+                    {"step": run.completed, "version": run.version, "pending": run.pipeline.state(),
+                     "pipeline": run.pipeline.counters()})
+    run.saved = run.completed
+
+
+# ---------------------------------------------------------------------------------------------------- close
+def interrupt(run: Run, stop: GracefulStop, stop_signal: int) -> None:
+    """Ctrl-C or SIGTERM: between updates the weights, optimizer and queued rollouts are consistent, so the
+    steps done since the last checkpoint are saved (a second signal waits for it); then where to resume from."""
+    if not stop.updating and run.completed > run.saved:
+        with stop.deferred():
+            checkpoint(run)
+    run_dir = run.run_dir
+    where = latest_checkpoint(run_dir).name if (run_dir / "checkpoints" / "latest").exists() else "none yet"
+    how = "terminated (SIGTERM)" if stop_signal == signal.SIGTERM else "interrupted"
+    run.console.print(f"[yellow]{how} after {run.completed} steps; checkpoint: {where}. Continue with "
+                      f"offpolicy train --resume {run_dir}[/yellow]")
+
+
+def close(run: Run, raised: bool, failed: bool) -> None:
+    """The pipeline, logger (the trackers' runs end as failed where the run ``raised``) and engine closed, torch's
+    threads as they were (a run started in-process, a test), and a ``failed`` run that never checkpointed removed."""
+    run.pipeline.close()
+    run.logger.close()
+    if raised:
+        run.logger.finish(failed=True)
+    run.engine.close()
+    if run.threads_before is not None:
+        set_threads(run.threads_before)
+    if failed and run.created and not (run.run_dir / "checkpoints").exists():
+        shutil.rmtree(run.run_dir, ignore_errors=True)  # a run that never checkpointed leaves nothing
+
+
+def finish(run: Run, interrupted: bool, stop_signal: int) -> RunResult:
+    """The plots, the trackers' runs ended, and the last line: where the metrics, plots and viewer are."""
+    logger = run.logger
     plot = logger.plot()
     logger.finish(plot)
     summary = logger.summary()
     trackers = "".join(f"  {name}: {place}" for name, place in logger.trackers.places().items())
-    console.print(f"metrics: {logger.path}  plots: {plot}  view: offpolicy view {run_dir}{trackers}")
-    return RunResult(run_dir, summary, interrupted, stop_signal if interrupted else signal.SIGINT)
+    run.console.print(f"metrics: {logger.path}  plots: {plot}  view: offpolicy view {run.run_dir}{trackers}")
+    return RunResult(run.run_dir, summary, interrupted, stop_signal if interrupted else signal.SIGINT)
