@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 
 import pytest
 import yaml
@@ -63,3 +64,109 @@ def test_diagnose_vllm_flags_without_the_vllm_engine_are_refused(args, message):
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [f"offpolicy diagnose: error: {message}" + (
         " (pass the option to the server instead)" if "server" in message else "")]
+
+
+# `offpolicy diagnose`'s flags on 65ba3dd, before they were generated from DiagnoseConfig (issue #57 item 4):
+# flag → (dest, default, type, choices, action) as that commit's hand-written parser declared them
+DIAGNOSE_FLAGS_65BA3DD = {
+    "--model": ("model", "default", None, None, "store"),
+    "--engine": ("engine", "vllm", None, ["vllm", "hf"], "store"),
+    "--engine-dtype": ("engine_dtype", "bf16", None, ["bf16", "fp16", "fp32"], "store"),
+    "--trainer-dtype": ("trainer_dtype", "auto", None, ["auto", "fp32", "bf16"], "store"),
+    "--device": ("device", "auto", None, None, "store"),
+    "--prompts": ("prompts", None, None, None, "store"),
+    "--task": ("task", "reverse", None, ["reverse", "addition", "walk"], "store"),
+    "--data": ("data", None, None, None, "store"),
+    "--batch": ("batch", None, None, None, "store"),
+    "--prompt-field": ("prompt_field", "question", None, None, "store"),
+    "--system-prompt": ("system_prompt", None, None, None, "store"),
+    "--chat-template": ("chat_template", "auto", None, ["auto", "none"], "store"),
+    "--max-prompt-tokens": ("max_prompt_tokens", 512, int, None, "store"),
+    "--n": ("n", 512, int, None, "store"),
+    "--max-tokens": ("max_tokens", 64, int, None, "store"),
+    "--temperature": ("temperature", 1.0, float, None, "store"),
+    "--top-p": ("top_p", 1.0, float, None, "store"),
+    "--top-k": ("top_k", -1, int, None, "store"),
+    "--logit-noise": ("logit_noise", 0.0, float, None, "store"),
+    "--micro-batch-tokens": ("micro_batch_tokens", 2048, int, None, "store"),
+    "--vllm-max-num-batched-tokens": ("vllm_max_num_batched_tokens", None, int, None, "store"),
+    "--vllm-max-num-seqs": ("vllm_max_num_seqs", None, int, None, "store"),
+    "--vllm-enable-chunked-prefill": ("vllm_enable_chunked_prefill", None, None, None, "boolean"),
+    "--no-vllm-enable-chunked-prefill": ("vllm_enable_chunked_prefill", None, None, None, "boolean"),
+    "--vllm-enforce-eager": ("vllm_enforce_eager", None, None, None, "boolean"),
+    "--no-vllm-enforce-eager": ("vllm_enforce_eager", None, None, None, "boolean"),
+    "--compare": ("compare", None, None, None, "store"),
+    "--seed": ("seed", 0, int, None, "store"),
+    "--out": ("out", "diagnose", None, None, "store"),
+    "--fail-above": ("fail_above", None, None, None, "append"),
+    "--fail-below": ("fail_below", None, None, None, "append"),
+    "--engine-url": ("engine_url", None, None, None, "store"),
+    "--api-key-env": ("api_key_env", None, None, None, "store"),
+    "--served-model-name": ("served_model_name", None, None, None, "store"),
+    "--concurrency": ("concurrency", 8, int, None, "store"),
+    "--request-timeout": ("request_timeout", 300.0, float, None, "store"),
+    "--retries": ("retries", 3, int, None, "store"),
+    "--no-cache-salt": ("no_cache_salt", False, None, None, "store_true"),
+    "--log-to": ("log_to", None, None, None, "store"),
+}
+ACTIONS = {"_StoreAction": "store", "_AppendAction": "append", "_StoreTrueAction": "store_true",
+           "BooleanOptionalAction": "boolean"}
+
+
+def _diagnose_parser():
+    from offpolicy.cli import build_parser
+
+    return build_parser()._subparsers._group_actions[0].choices["diagnose"]
+
+
+def test_diagnose_help_lists_the_flags_of_65ba3dd_and_each_new_config_field():
+    """Issue #57 item 4: the flags are generated from DiagnoseConfig. ``diagnose --help``, as typed, lists
+    exactly 65ba3dd's options (with -h) plus one flag per field added since (another issue's new option is
+    a new field, and a new flag without a line here)."""
+    from offpolicy.diagnose_config import DiagnoseConfig
+
+    old_fields = {dest for dest, *_ in DIAGNOSE_FLAGS_65BA3DD.values()}
+    new = {"--" + f.replace("_", "-") for f in DiagnoseConfig.model_fields if f not in old_fields}
+    new |= {"--no-" + flag[2:] for flag in new
+            if type(_diagnose_parser()._option_string_actions[flag]).__name__ == "BooleanOptionalAction"}
+    expected = {"-h", "--help", *DIAGNOSE_FLAGS_65BA3DD, *new}
+    assert set(_diagnose_parser()._option_string_actions) == expected
+    result = offpolicy("diagnose", "--help", process=True)  # python -m offpolicy, a fresh process
+    assert result.returncode == 0, result.stderr
+    listed = set(re.findall(r"(?<![\w-])(--?[a-z][a-z0-9-]*)", result.stdout.split("options:", 1)[1]))
+    assert expected <= listed, sorted(expected - listed)
+    # nothing but flags of the parser's (a mention in a help text names a real flag too)
+    assert listed <= expected, sorted(listed - expected)
+
+
+def test_diagnose_flags_keep_65ba3dd_types_choices_and_defaults():
+    """Each old flag parses as before: the same destination, type, choices and kind of action, and the
+    default of 65ba3dd's parser, which is now DiagnoseConfig's (the only copy of each default)."""
+    from offpolicy.diagnose_config import DiagnoseConfig
+
+    actions = _diagnose_parser()._option_string_actions
+    for flag, (dest, default, kind, choices, action) in DIAGNOSE_FLAGS_65BA3DD.items():
+        got = actions[flag]
+        assert (got.dest, got.default, got.type, got.choices, ACTIONS[type(got).__name__]) == \
+            (dest, default, kind, choices, action), flag
+        assert DiagnoseConfig.model_fields[dest].default == default, flag
+
+
+def test_diagnose_generated_flags_parse_as_typed():
+    """A command line through the generated parser: types converted, repeatable flags collected, switches
+    set, the prompt sources exclusive as before."""
+    from offpolicy.cli import build_parser
+    from offpolicy.diagnose_config import DiagnoseConfig
+
+    args = vars(build_parser().parse_args(
+        ["diagnose", "--top-p", "0.9", "--top-k", "5", "--n", "8", "--fail-above", "kl_k3=1e-3", "--fail-above",
+         "ess=0.5", "--no-vllm-enforce-eager", "--micro-batch-tokens", "64", "--task", "walk"]))
+    config = DiagnoseConfig(**{k: v for k, v in args.items() if k not in ("func", "command")})
+    assert (config.top_p, config.top_k, config.n, config.micro_batch_tokens, config.task) == (0.9, 5, 8, 64, "walk")
+    assert config.fail_above == ["kl_k3=1e-3", "ess=0.5"] and config.vllm_enforce_eager is False
+    assert config.sampling.truncates and not DiagnoseConfig().sampling.truncates
+    assert build_parser().parse_args(["diagnose", "--no-cache-salt"]).no_cache_salt is True
+    result = offpolicy("diagnose", "--prompts", "p.jsonl", "--task", "walk")
+    assert result.returncode == 2 and "not allowed with argument --prompts" in result.stderr
+    result = offpolicy("diagnose", "--n", "many")
+    assert result.returncode == 2 and "--n: invalid int value: 'many'" in result.stderr

@@ -68,7 +68,7 @@ def test_no_truncation_is_log_softmax_and_batched_shapes_work():
 
 
 def test_bad_arguments():
-    with pytest.raises(ValueError, match="temperature must be > 0"):
+    with pytest.raises(ValueError, match="temperature must be a finite number > 0"):
         op.renormalize_logprobs(torch.zeros(1, 3), temperature=0.0)
     with pytest.raises(ValueError, match="top_p must be in"):
         op.renormalize_logprobs(torch.zeros(1, 3), top_p=0.0)
@@ -107,3 +107,82 @@ def test_tied_probabilities_at_the_top_p_cut_keep_the_larger_token_id():
     wide[0, [17, 500, 998]] = 0.0
     kept = torch.isfinite(op.renormalize_logprobs(wide, top_p=0.5))[0].nonzero().flatten().tolist()
     assert kept == [500, 998]
+
+
+# ---------------------------------------------------------------- the sampling contract (issue #57 item 3)
+BAD = [("temperature", 0.0), ("temperature", -1.0), ("temperature", float("nan")), ("temperature", float("inf")),
+       ("top_p", 0.0), ("top_p", 1.5), ("top_p", float("nan")), ("top_k", 0), ("top_k", -2)]
+GOOD = [("temperature", 0.1), ("temperature", 1.7), ("top_p", 1e-3), ("top_p", 1.0), ("top_k", -1), ("top_k", 1),
+        ("top_k", 50)]
+
+
+def _every_place(key: str, value):
+    """Each place that takes a sampling value: the contract itself, train's key=value, diagnose's flags and
+    the trainer-side renormalisation. Returns the errors, one per place (None where it accepted)."""
+    from offpolicy.diagnose_config import DiagnoseConfig
+    from offpolicy.sampling import SamplingConfig
+    from offpolicy.train.config import load_train_config
+
+    errors = []
+    for build in (lambda: SamplingConfig(**{key: value}),
+                  lambda: load_train_config(None, [f"{key}={value}"]),
+                  lambda: DiagnoseConfig(**{key: value}),
+                  lambda: op.renormalize_logprobs(torch.zeros(1, 3), **{key: value})):
+        try:
+            build()
+            errors.append(None)
+        except ValueError as err:  # ConfigError is one
+            errors.append(str(err))
+    return errors
+
+
+@pytest.mark.parametrize(("key", "value"), BAD, ids=[f"{k}={v}" for k, v in BAD])
+def test_every_place_refuses_a_value_against_its_rule_with_the_rule(key, value):
+    """One rule a key (sampling.RULES), checked the same way wherever a value enters: on 65ba3dd train took
+    top_k=0 (its field allowed ≥ -1) and failed only in the first step's renormalisation, after the model
+    loaded, while diagnose refused it up front."""
+    from offpolicy.sampling import RULES
+
+    errors = _every_place(key, value)
+    assert all(errors), errors
+    # the rule, in the refusal's words; train's config refuses any non-finite number first, in its own
+    said = [e for i, e in enumerate(errors) if i != 1 or math.isfinite(value)]
+    assert all(RULES[key][1] in e for e in said), errors
+    assert math.isfinite(value) or "not a finite number" in errors[1]
+    assert f"--{key.replace('_', '-')} " in errors[2]  # diagnose names the flag
+
+
+@pytest.mark.parametrize(("key", "value"), GOOD, ids=[f"{k}={v}" for k, v in GOOD])
+def test_every_place_takes_a_value_its_rule_allows(key, value):
+    assert _every_place(key, value) == [None] * 4
+
+
+def test_train_and_diagnose_sampling_is_the_contract():
+    from offpolicy.diagnose_config import DiagnoseConfig
+    from offpolicy.sampling import SamplingConfig
+    from offpolicy.train.config import load_train_config
+
+    cfg = load_train_config(None, ["temperature=0.7", "top_p=0.9", "top_k=5", "max_new_tokens=12"])
+    assert cfg.sampling == SamplingConfig(max_tokens=12, temperature=0.7, top_p=0.9, top_k=5)
+    assert DiagnoseConfig(max_tokens=9, top_k=3).sampling == SamplingConfig(max_tokens=9, top_k=3)
+    with pytest.raises(op.ConfigError, match="unknown key 'topk'"):
+        SamplingConfig(topk=3)
+
+
+@pytest.mark.parametrize(("top_k", "top_p", "truncates"), [(-1, 1.0, False), (1, 1.0, True), (50, 1.0, True),
+                                                             (-1, 0.99, True), (3, 0.5, True)])
+def test_truncates_is_top_k_on_or_top_p_below_one(top_k, top_p, truncates):
+    """The one answer to "is the support truncated?" (head.py said top_k != -1, hf.py top_k > 0 on 65ba3dd:
+    the same only because 0 is refused). Where it says no, the trainer's renormalised log-probs are the
+    plain log-softmax and nothing lies outside the support."""
+    from offpolicy.sampling import SamplingConfig
+
+    sampling = SamplingConfig(top_k=top_k, top_p=top_p, temperature=0.8)
+    assert sampling.truncates is truncates
+    logits = torch.randn(4, 64, generator=torch.Generator().manual_seed(top_k + 7))
+    lp, outside = op.renormalize_logprobs(logits, top_p=top_p, top_k=top_k, temperature=0.8, return_outside_mass=True)
+    if not truncates:
+        torch.testing.assert_close(lp, torch.log_softmax(logits / 0.8, -1))
+        assert torch.equal(outside, torch.zeros(4))
+    else:
+        assert torch.isinf(lp).any() and (outside > 0).all()

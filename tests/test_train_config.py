@@ -124,3 +124,37 @@ def test_a_config_yaml_written_before_the_whole_preset_resumes_with_its_correcti
     cfg = TrainConfig(**old)
     assert cfg.loss.correction == op.CorrectionConfig(anchor="rollout") and cfg.loss.clip_low == 0.2
     assert resolved("loss.correction=null") == op.LossConfig.from_preset("recommended")  # no correction: preset=none
+
+
+@pytest.mark.parametrize("name", op.presets.names())
+def test_one_path_from_a_preset_to_a_loss(name):
+    """Issue #57 item 4: train's ``preset=`` + ``loss.*`` and ``LossConfig.from_preset(name, **keys)`` are one
+    path (``LossConfig.preset_fields``). On 65ba3dd from_preset replaced whole fields: a correction dict
+    dropped the rest of the preset's correction, and a new kind kept the preset's clip, while train merged."""
+    preset = op.LossConfig.from_preset(name)
+    cases = [{"kind": "cispo"}, {"kind": "reinforce"}]
+    if preset.correction is not None:
+        cases.append({"correction": {"log_clamp": 7.5}})
+        if preset.correction.weight is not None:
+            cases.append({"correction": {"weight": {"high": 3.5}}})
+    for keys in cases:
+        try:
+            want = op.LossConfig.from_preset(name, **keys)
+        except ConfigError:
+            with pytest.raises(ConfigError):
+                load_train_config(None, [f"preset={name}", *dotted("loss", keys)])
+            continue
+        assert resolved(f"preset={name}", *dotted("loss", keys)) == want, keys
+        if "correction" in keys:  # the rest of the preset's correction stays
+            rest = want.correction.model_dump(exclude={"log_clamp", "weight"})
+            assert rest == preset.correction.model_dump(exclude={"log_clamp", "weight"})
+        if keys.get("kind") == "cispo" and preset.kind != "cispo":  # cispo's own clip, not the preset's
+            assert (want.clip_low, want.clip_high) == (None, 0.2)
+
+
+def dotted(prefix: str, keys: dict) -> list[str]:
+    """``{"correction": {"weight": {"high": 3}}}`` → ``["loss.correction.weight.high=3"]``."""
+    out = []
+    for key, value in keys.items():
+        out += dotted(f"{prefix}.{key}", value) if isinstance(value, dict) else [f"{prefix}.{key}={value}"]
+    return out

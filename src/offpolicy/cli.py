@@ -10,15 +10,19 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from types import UnionType
+from typing import Any, Literal, Union, get_args, get_origin
 
 import yaml
+from pydantic import BaseModel
+from pydantic.fields import FieldInfo
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
 from offpolicy import presets
 from offpolicy.config import ConfigError
-from offpolicy.diagnose_config import MICRO_BATCH_TOKENS, DiagnoseConfig
+from offpolicy.diagnose_config import GROUPS, DiagnoseConfig
 
 
 def _cmd_presets(args: argparse.Namespace, console: Console) -> int:
@@ -191,6 +195,48 @@ def _add_replay_rows(table: Table, reports: list[dict]) -> None:
                         for r in reports))
 
 
+def add_config_flags(parser: argparse.ArgumentParser, config: type[BaseModel],
+                     groups: dict[str, tuple[str, str | None] | None]) -> None:
+    """One ``--flag-name`` per field of ``config``, in its order: the type (``int | None`` → int), a Literal's
+    choices, a boolean as a switch (``--x``; ``--x/--no-x`` where unset is None), a list as a repeatable flag,
+    the default and the help from the field (its description, then the default where there is one). A field's
+    ``json_schema_extra`` may name its ``metavar``, its ``choices`` and its ``group`` in ``groups``: None = the
+    group's flags exclude one another, (title, description) = a section of the help."""
+    sections: dict[str, Any] = {}
+    for name, field in config.model_fields.items():
+        extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
+        group = extra.get("group")
+        if group is not None and group not in sections:
+            spec = groups[group]
+            sections[group] = parser.add_mutually_exclusive_group() if spec is None else parser.add_argument_group(*spec)
+        flag, kwargs = config_flag(name, field, extra)
+        (parser if group is None else sections[group]).add_argument(flag, **kwargs)
+
+
+def config_flag(name: str, field: FieldInfo, extra: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """The flag of field ``name`` and ``add_argument``'s keywords for it (``add_config_flags``)."""
+    kind = field.annotation
+    if get_origin(kind) in (Union, UnionType) and type(None) in get_args(kind):  # X | None: unset = None
+        kind = next(a for a in get_args(kind) if a is not type(None))
+    default = field.get_default(call_default_factory=True)
+    described = (field.description or "").replace("%", "%%")  # argparse %-formats the help
+    # the default where one is set (argparse's BooleanOptionalAction adds its own)
+    shown = not (default is None or default == [] or kind is bool)
+    kwargs: dict[str, Any] = {"default": default, "help": f"{described} (default: {default})".lstrip() if shown
+                              else described or None}
+    if kind is bool:
+        kwargs["action"] = "store_true" if default is False else argparse.BooleanOptionalAction
+    elif get_origin(kind) is list:
+        kwargs["action"] = "append"
+        kind = get_args(kind)[0]
+    if get_origin(kind) is Literal:
+        kwargs["choices"] = list(get_args(kind))
+    elif kind in (int, float):  # a string stays as typed
+        kwargs["type"] = kind
+    kwargs.update({k: v for k, v in extra.items() if k in ("metavar", "choices")})
+    return "--" + name.replace("_", "-"), kwargs
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="offpolicy",
@@ -208,70 +254,8 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("diagnose", help="measure an engine's mismatch against the trainer, with a what-if table",
                        description="Sample with an engine, recompute the same tokens with the trainer, and report "
                        "the mismatch, where it lives, and what every preset would do to this batch.")
-    d.add_argument("--model", default="default", help="local HF model path, or 'default' (embedded tiny model)")
-    d.add_argument("--engine", choices=["vllm", "hf"], default="vllm")
-    d.add_argument("--engine-dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
-    d.add_argument("--trainer-dtype", choices=["auto", "fp32", "bf16"], default="auto",
-                   help="as train's trainer_dtype: fp32 master weights, bf16 = autocast; auto = bf16 on CUDA with bf16")
-    d.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N: where the trainer (and the hf "
-                   "engine) run; auto = cuda when available")
-    src = d.add_mutually_exclusive_group()
-    src.add_argument("--prompts", metavar="FILE.jsonl", help="one JSON object per line with a 'prompt' field")
-    src.add_argument("--task", choices=["reverse", "addition", "walk"], default="reverse",
-                     help="synthetic prompts (walk answers run to 150 tokens: add --max-tokens 160)")
-    src.add_argument("--data", metavar="FILE", help="prompts from a dataset file (.jsonl/.parquet/.csv, as train's "
-                     "data.path), rendered with the tokenizer's chat template as task=dataset renders them")
-    src.add_argument("--batch", metavar="FILE_OR_DIR",
-                     help="report on a batch dumped by a host integration (offpolicy.integrations.dump) instead of sampling")
-    d.add_argument("--prompt-field", default="question", help="--data: the prompt column (train's data.prompt_field)")
-    d.add_argument("--system-prompt", default=None, help="--data: a system message (train's data.system_prompt)")
-    d.add_argument("--chat-template", choices=["auto", "none"], default="auto",
-                   help="--data: train's data.chat_template")
-    d.add_argument("--max-prompt-tokens", type=int, default=512, help="--data: longer prompts are refused")
-    d.add_argument("--n", type=int, default=512, help="number of samples")
-    d.add_argument("--max-tokens", type=int, default=64)
-    d.add_argument("--temperature", type=float, default=1.0)
-    d.add_argument("--top-p", type=float, default=1.0)
-    d.add_argument("--top-k", type=int, default=-1)
-    d.add_argument("--logit-noise", type=float, default=0.0, help="additive engine logit noise σ (hf engine)")
-    d.add_argument("--micro-batch-tokens", type=int, default=MICRO_BATCH_TOKENS, metavar="N",
-                   help=f"the trainer's micro-batches, in padded tokens, as train's micro_batch_tokens (default "
-                   f"{MICRO_BATCH_TOKENS}, train's for a pretrained model)")
-    v = d.add_argument_group("vLLM (--engine vllm; train's vllm.* options; unset = the platform's default)")
-    v.add_argument("--vllm-max-num-batched-tokens", type=int, metavar="N",
-                   help="tokens per engine step (vllm.max_num_batched_tokens)")
-    v.add_argument("--vllm-max-num-seqs", type=int, metavar="N", help="sequences per engine step (vllm.max_num_seqs)")
-    v.add_argument("--vllm-enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
-                   help="split long prompts over steps (vllm.enable_chunked_prefill; refused on the CPU)")
-    v.add_argument("--vllm-enforce-eager", action=argparse.BooleanOptionalAction, default=None,
-                   help="no CUDA graphs or compilation (vllm.enforce_eager; default: on the CPU only)")
-    d.add_argument("--compare", metavar="KEY=V1,V2", help="several settings side by side, e.g. engine_dtype=bf16,fp16,fp32")
-    d.add_argument("--seed", type=int, default=0)
-    d.add_argument("--out", default="diagnose", help="output directory (report.json, PNG plots)")
-    d.add_argument("--fail-above", action="append", metavar="STAT=VALUE",
-                   help="CI gate: exit 3 if report.json's summary STAT exceeds VALUE (repeatable), e.g. kl_k3=5e-4, "
-                   "mean_abs_log_ratio=0.1, mult_prob_error=1.05, kl_over_entropy=0.01, masked_fraction@verl:decoupled_seq_is_rs=0.05")
-    d.add_argument("--fail-below", action="append", metavar="STAT=VALUE",
-                   help="CI gate: exit 3 if the summary STAT is below VALUE (repeatable), e.g. ess=0.9")
-    srv = d.add_argument_group("a running inference server (--engine-url)",
-                               "Sample through the server's OpenAI-compatible /v1/completions (vllm serve, trl "
-                               "vllm-serve, SGLang) instead of starting an engine; --model is the trainer's local copy "
-                               "of the served weights, prompts are rendered here and sent as token ids.")
-    srv.add_argument("--engine-url", metavar="URL", help="the server's base URL, e.g. http://127.0.0.1:8000")
-    srv.add_argument("--api-key-env", metavar="VAR", help="environment variable holding the server's API key")
-    srv.add_argument("--served-model-name", metavar="NAME",
-                     help="the model to request when /v1/models lists several (default: the only one)")
-    srv.add_argument("--concurrency", type=int, default=8, help="requests in flight at once")
-    srv.add_argument("--request-timeout", type=float, default=300.0, metavar="SECONDS", help="per request")
-    srv.add_argument("--retries", type=int, default=3,
-                     help="retries with backoff after a connection error, timeout, HTTP 429 or 5xx (never other 4xx)")
-    srv.add_argument("--no-cache-salt", action="store_true",
-                     help="do not send vLLM's cache_salt (sent by default: one fresh salt per run, so no request "
-                          "reuses prefix-cache KV computed before the run by older weights); for a server that "
-                          "refuses the field")
+    add_config_flags(d, DiagnoseConfig, GROUPS)
     d.set_defaults(func=_cmd_diagnose)
-    d.add_argument("--log-to", metavar="TRACKERS", help="also send the summary, what-if table and plots to these "
-                   "trackers, comma-separated: tensorboard, wandb, mlflow, trackio (offline, into --out)")
     w = sub.add_parser("view", help="write the per-token mismatch viewer (report.html) of a training run",
                        description="One self-contained HTML page of a run's saved samples (samples.jsonl): tokens "
                        "coloured by log ρ, π/μ/ρ and each preset's verdict on hover, each step's worst first.")

@@ -556,6 +556,21 @@ _CLIP_DEFAULTS: dict[str, tuple[float | None, float | None]] = {
 }
 
 
+# options that belong to the loss kind: a preset's values do not carry over to another kind (LossConfig.preset_fields)
+KIND_OPTIONS = ("clip_low", "clip_high", "dual_clip", "gspo_form", "sapo_level", "sapo_tau_pos", "sapo_tau_neg")
+MERGED = ("correction", "weight")  # nested sections that overrides merge into key by key (lists replace)
+
+
+def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """``over`` on top of ``base``; the sections in ``MERGED`` merge recursively when both are mappings."""
+    out = dict(base)
+    for key, value in over.items():
+        if key in MERGED and isinstance(value, dict) and isinstance(out.get(key), dict):
+            value = _merge(out[key], value)
+        out[key] = value
+    return out
+
+
 class LossConfig(_Loadable):
     """The policy loss and its aggregation (docs/specification.md §5). Clip defaults depend on ``kind``:
     ppo 0.2/0.2, gspo 3e-4/4e-4, cispo none/0.2; sapo and reinforce take no clip."""
@@ -651,13 +666,33 @@ class LossConfig(_Loadable):
 
     @classmethod
     def from_preset(cls, name: str, **overrides: Any) -> LossConfig:
-        """The loss settings documented with a preset, its correction included (``overrides`` win)."""
-        preset = preset_data.get(name)
-        data = {**preset.loss, "correction": CorrectionConfig.from_preset(name), **overrides}
+        """The loss settings documented with a preset, its correction included, with ``overrides`` on top as
+        ``preset_fields`` merges them — the one path from a preset to a loss (``offpolicy train``'s
+        ``preset=`` and ``loss.*`` keys take it too)."""
+        data = cls.preset_fields(name, overrides)
         try:
             return cls(**data)
         except ConfigError as err:
             raise ConfigError(f"preset {name!r}: {err}") from None
+
+    @staticmethod
+    def preset_fields(name: str, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The fields of preset ``name``'s loss — its loss settings (kind, clip, aggregation, …) and its
+        correction — with ``overrides`` on top, unvalidated: ``correction`` and ``correction.weight`` merge
+        key by key where both are mappings (a list such as ``reject`` replaces the preset's; a
+        ``CorrectionConfig`` replaces the whole correction), and a ``kind`` other than the preset's drops the
+        preset's kind options (``KIND_OPTIONS``: clip, dual clip, gspo/sapo forms), so the new kind starts
+        from its own defaults.
+
+        Raises:
+            ConfigError: an unknown preset name (with close matches).
+        """
+        preset = preset_data.get(name)
+        base = {**preset.loss, "correction": dict(preset.correction)}
+        overrides = overrides or {}
+        if "kind" in overrides and overrides["kind"] != base.get("kind", "ppo"):
+            base = {k: v for k, v in base.items() if k not in KIND_OPTIONS}
+        return _merge(base, overrides)
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(exclude_defaults=True)

@@ -40,7 +40,6 @@ from offpolicy.engines import Rollouts, SamplingConfig, make_engine
 from offpolicy.integrations.dump import load_batch
 from offpolicy.metrics import Metrics
 from offpolicy.policy.batch import Batch, to_batch
-from offpolicy.policy.head import truncates
 from offpolicy.policy.score import Scorer, load_policy
 from offpolicy.tasks.tokenizer import plain_text_ids
 
@@ -193,7 +192,7 @@ def score_batch(trainer: TrainerSide, batch: Batch, seconds: float | None = None
 def replays(batch: Batch, sampling: SamplingConfig) -> bool:
     """Whether the trainer scores ``batch`` on the engine's kept sets: they were recorded (``Batch.kept``)
     and sampling truncates (top-k or top-p; ``head.replayed_sets``)."""
-    return batch.kept is not None and truncates(sampling)
+    return batch.kept is not None and sampling.truncates
 
 
 def kept_set_report(s: Sample) -> dict[str, Any]:
@@ -713,8 +712,7 @@ def _sampled_reports(config: DiagnoseConfig, console) -> list[dict[str, Any]]:
     from offpolicy.policy.warmstart import model_dir, warm_start_progress
     from offpolicy.tasks.tokenizer import ensure_pad_token, load_tokenizer
 
-    sampling = SamplingConfig(max_tokens=config.max_tokens, temperature=config.temperature, top_p=config.top_p,
-                              top_k=config.top_k)
+    sampling = config.sampling
     device = resolve_device(config.device)
     settings = config.settings()
     for setting in settings:  # the trainer's numerics are train's: its dtype resolution, its forward

@@ -1,8 +1,10 @@
 """``offpolicy diagnose`` configuration: every option of ``diagnose.run``, with its default and rule.
 
-The fields are the command line's flags (``--engine-dtype`` is ``engine_dtype``); a refused value is one
-``ConfigError`` that names the flag, as the CLI prints it. Everything
-here is checked before transformers, an engine or a server is touched.
+The fields are the command line's flags: ``cli.build_parser`` generates each one from its field (``--engine-dtype``
+is ``engine_dtype``; its type, choices and default, its help from the description, a metavar and a section of the
+help from ``json_schema_extra``), so a new field is a new flag and this file holds the only copy of each default.
+A refused value is one ``ConfigError`` that names the flag, as the CLI prints it. Everything here is checked
+before transformers, an engine or a server is touched.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from offpolicy.config import ConfigError, _Strict
 from offpolicy.engines.config import VLLMConfig
+from offpolicy.sampling import MaxTokens, SamplingConfig, Temperature, TopK, TopP
 from offpolicy.tasks.dataset import DataConfig
 
 COMPARED = ("engine", "engine_dtype", "trainer_dtype", "logit_noise")  # what --compare may vary
@@ -24,6 +27,18 @@ SERVER_FLAGS = (("api_key_env", "--api-key-env"), ("served_model_name", "--serve
 # SmolLM2-135M's activations on a 24 GB host: train/config.py, PRETRAINED_DEFAULTS)
 MICRO_BATCH_TOKENS = 2048
 VLLM_FLAGS = ("max_num_batched_tokens", "max_num_seqs", "enable_chunked_prefill", "enforce_eager")
+TRAINER_DTYPES = ("auto", "fp32", "bf16")
+# the flags' groups on the command line (a field's json_schema_extra "group"; cli.build_parser): the prompts'
+# sources exclude one another; the vLLM and server flags are a section of the help each (title, description)
+SOURCE, VLLM, SERVER = "source", "vllm", "server"
+GROUPS: dict[str, tuple[str, str | None] | None] = {
+    SOURCE: None,  # mutually exclusive, no section of its own
+    VLLM: ("vLLM (--engine vllm; train's vllm.* options; unset = the platform's default)", None),
+    SERVER: ("a running inference server (--engine-url)",
+             "Sample through the server's OpenAI-compatible /v1/completions (vllm serve, trl vllm-serve, SGLang) "
+             "instead of starting an engine; --model is the trainer's local copy of the served weights, prompts are "
+             "rendered here and sent as token ids."),
+}
 
 
 # ServerConfig's fields under the names of the flags that set them
@@ -32,13 +47,19 @@ SERVER_FIELD_FLAGS = {"url": "--engine-url", "api_key": "--api-key-env", "served
 
 
 def flag_error(err: ValidationError, flags: dict[str, str] | None = None) -> ConfigError:
-    """A config's first validation error in the CLI's words: our validators' messages name the flag
-    themselves; any other names the field as its flag (``flags``, else ``--field-name``)."""
+    """A config's first validation error in the CLI's words: the messages of our config-wide validators name the
+    flag themselves; a field's own rule (``sampling.RULES``) is the flag, the value and the rule (``--top-k 0:
+    expected -1 …``); any other names the field as its flag (``flags``, else ``--field-name``)."""
     first = err.errors()[0]
-    if first["type"] == "value_error":
+    if first["type"] == "value_error" and not first["loc"]:
         return ConfigError(first["msg"].removeprefix("Value error, "))
     field = str(first["loc"][0])
-    return ConfigError(f"{(flags or {}).get(field, '--' + field.replace('_', '-'))}: {first['msg']}")
+    flag = (flags or {}).get(field, "--" + field.replace("_", "-"))
+    if first["type"] == "value_error":
+        value = first["input"]
+        shown = f"{value:g}" if isinstance(value, float) else value
+        return ConfigError(f"{flag} {shown}: {first['msg'].removeprefix('Value error, ')}")
+    return ConfigError(f"{flag}: {first['msg']}")
 
 class DiagnoseConfig(_Strict):
     """Where the prompts come from (``task``, ``prompts``, ``data``; or ``batch``, a host's dump), what
@@ -48,41 +69,79 @@ class DiagnoseConfig(_Strict):
     model: str = Field("default", description="local HF model path, or 'default' (embedded tiny model)")
     engine: Literal["vllm", "hf"] = "vllm"
     engine_dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
-    trainer_dtype: str = Field("auto", description="auto | fp32 | bf16, as train's trainer_dtype")
-    device: str = Field("auto", description="auto | cpu | cuda | cuda:N: where the trainer and the hf engine run")
-    prompts: str | None = Field(None, description="a JSONL file with a 'prompt' field per line")
-    task: Literal["reverse", "addition", "walk"] = "reverse"
-    data: str | None = Field(None, description="prompts from a dataset file, rendered as task=dataset renders them")
-    batch: str | None = Field(None, description="a batch dumped by a host integration, instead of sampling")
-    prompt_field: str = "question"
-    system_prompt: str | None = None
-    chat_template: Literal["auto", "none"] = "auto"
-    max_prompt_tokens: int = 512
+    trainer_dtype: str = Field("auto", description="as train's trainer_dtype: fp32 master weights, bf16 = autocast; "
+                               "auto = bf16 on CUDA with bf16", json_schema_extra={"choices": list(TRAINER_DTYPES)})
+    device: str = Field("auto", description="auto | cpu | cuda | cuda:N: where the trainer (and the hf engine) run; "
+                        "auto = cuda when available")
+    # where the prompts come from: one of these (SOURCE)
+    prompts: str | None = Field(None, description="one JSON object per line with a 'prompt' field",
+                                json_schema_extra={"metavar": "FILE.jsonl", "group": SOURCE})
+    task: Literal["reverse", "addition", "walk"] = Field(
+        "reverse", description="synthetic prompts (walk answers run to 150 tokens: add --max-tokens 160)",
+        json_schema_extra={"group": SOURCE})
+    data: str | None = Field(None, description="prompts from a dataset file (.jsonl/.parquet/.csv, as train's "
+                             "data.path), rendered with the tokenizer's chat template as task=dataset renders them",
+                             json_schema_extra={"metavar": "FILE", "group": SOURCE})
+    batch: str | None = Field(None, description="report on a batch dumped by a host integration "
+                              "(offpolicy.integrations.dump) instead of sampling",
+                              json_schema_extra={"metavar": "FILE_OR_DIR", "group": SOURCE})
+    prompt_field: str = Field("question", description="--data: the prompt column (train's data.prompt_field)")
+    system_prompt: str | None = Field(None, description="--data: a system message (train's data.system_prompt)")
+    chat_template: Literal["auto", "none"] = Field("auto", description="--data: train's data.chat_template")
+    max_prompt_tokens: int = Field(512, description="--data: longer prompts are refused")
+    # the sampling (rules: offpolicy.sampling.RULES, as train's keys and the engines' SamplingConfig)
     n: int = Field(512, description="number of samples")
-    max_tokens: int = 64
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
+    max_tokens: MaxTokens = Field(64, description="response limit, in tokens")
+    temperature: Temperature = Field(1.0, description="τ, > 0")
+    top_p: TopP = Field(1.0, description="nucleus mass in (0, 1]; 1 keeps everything")
+    top_k: TopK = Field(-1, description="tokens kept by top-k; -1 = no top-k")
     logit_noise: float = Field(0.0, description="additive engine logit noise σ (hf engine)")
-    micro_batch_tokens: int | None = Field(MICRO_BATCH_TOKENS, gt=0, description="the trainer's micro-batch, in padded tokens "
-                                           "(train's micro_batch_tokens for a pretrained model); null = one batch")
-    vllm_max_num_batched_tokens: int | None = None
-    vllm_max_num_seqs: int | None = None
-    vllm_enable_chunked_prefill: bool | None = None
-    vllm_enforce_eager: bool | None = None
-    compare: str | None = Field(None, description="KEY=V1,V2,...: several settings side by side")
-    seed: int = 0
-    out: str = "diagnose"
-    fail_above: list[str] | None = None
-    fail_below: list[str] | None = None
-    engine_url: str | None = None
-    api_key_env: str | None = None
-    served_model_name: str | None = None
-    concurrency: int = 8
-    request_timeout: float = 300.0
-    retries: int = 3
-    no_cache_salt: bool = False
-    log_to: str | None = None
+    micro_batch_tokens: int | None = Field(
+        MICRO_BATCH_TOKENS, gt=0, description="the trainer's micro-batches, in padded tokens, as train's "
+        "micro_batch_tokens (train's for a pretrained model); null = one batch", json_schema_extra={"metavar": "N"})
+    # train's vllm.* options (VLLM_FLAGS)
+    vllm_max_num_batched_tokens: int | None = Field(
+        None, description="tokens per engine step (vllm.max_num_batched_tokens)",
+        json_schema_extra={"metavar": "N", "group": VLLM})
+    vllm_max_num_seqs: int | None = Field(None, description="sequences per engine step (vllm.max_num_seqs)",
+                                          json_schema_extra={"metavar": "N", "group": VLLM})
+    vllm_enable_chunked_prefill: bool | None = Field(
+        None, description="split long prompts over steps (vllm.enable_chunked_prefill; refused on the CPU)",
+        json_schema_extra={"group": VLLM})
+    vllm_enforce_eager: bool | None = Field(
+        None, description="no CUDA graphs or compilation (vllm.enforce_eager; default: on the CPU only)",
+        json_schema_extra={"group": VLLM})
+    compare: str | None = Field(None, description="several settings side by side, e.g. engine_dtype=bf16,fp16,fp32",
+                                json_schema_extra={"metavar": "KEY=V1,V2"})
+    seed: int = Field(0, description="the seed of the prompts drawn and of the engine's sampling")
+    out: str = Field("diagnose", description="output directory (report.json, PNG plots)")
+    fail_above: list[str] | None = Field(
+        None, description="CI gate: exit 3 if report.json's summary STAT exceeds VALUE (repeatable), e.g. "
+        "kl_k3=5e-4, mean_abs_log_ratio=0.1, mult_prob_error=1.05, kl_over_entropy=0.01, "
+        "masked_fraction@verl:decoupled_seq_is_rs=0.05", json_schema_extra={"metavar": "STAT=VALUE"})
+    fail_below: list[str] | None = Field(
+        None, description="CI gate: exit 3 if the summary STAT is below VALUE (repeatable), e.g. ess=0.9",
+        json_schema_extra={"metavar": "STAT=VALUE"})
+    # a running inference server (SERVER)
+    engine_url: str | None = Field(None, description="the server's base URL, e.g. http://127.0.0.1:8000",
+                                   json_schema_extra={"metavar": "URL", "group": SERVER})
+    api_key_env: str | None = Field(None, description="environment variable holding the server's API key",
+                                    json_schema_extra={"metavar": "VAR", "group": SERVER})
+    served_model_name: str | None = Field(
+        None, description="the model to request when /v1/models lists several (default: the only one)",
+        json_schema_extra={"metavar": "NAME", "group": SERVER})
+    concurrency: int = Field(8, description="requests in flight at once", json_schema_extra={"group": SERVER})
+    request_timeout: float = Field(300.0, description="per request",
+                                   json_schema_extra={"metavar": "SECONDS", "group": SERVER})
+    retries: int = Field(3, description="retries with backoff after a connection error, timeout, HTTP 429 or 5xx "
+                         "(never other 4xx)", json_schema_extra={"group": SERVER})
+    no_cache_salt: bool = Field(
+        False, description="do not send vLLM's cache_salt (sent by default: one fresh salt per run, so no request "
+        "reuses prefix-cache KV computed before the run by older weights); for a server that refuses the field",
+        json_schema_extra={"group": SERVER})
+    log_to: str | None = Field(None, description="also send the summary, what-if table and plots to these "
+                               "trackers, comma-separated: tensorboard, wandb, mlflow, trackio (offline, into --out)",
+                               json_schema_extra={"metavar": "TRACKERS"})
 
     def __init__(self, **flags: Any) -> None:
         """Raises ConfigError: one line in the CLI's words — the flag, the value's problem (``--n and
@@ -115,26 +174,24 @@ class DiagnoseConfig(_Strict):
         return self
 
     def _check_sampling(self) -> None:
-        """``--n``, ``--max-tokens``, ``--temperature``, ``--top-p``, ``--top-k`` a sampler can use, and each
-        setting's trainer dtype and noise (the trainer's ``renormalize_logprobs`` would refuse them only after
-        sampling)."""
-        if self.n <= 0 or self.max_tokens <= 0:
-            raise ValueError("--n and --max-tokens must be positive")
-        if not (math.isfinite(self.temperature) and self.temperature > 0):
-            raise ValueError(f"--temperature {self.temperature:g}: expected a finite number > 0 (greedy decoding, "
-                             "temperature 0, samples no distribution whose log-probs a ratio could compare; a small "
-                             "value such as 0.1 samples almost greedily)")
-        if not 0 < self.top_p <= 1:  # NaN fails too
-            raise ValueError(f"--top-p {self.top_p:g}: expected a value in (0, 1]; 1 keeps the whole distribution")
-        if self.top_k == 0 or self.top_k < -1:
-            raise ValueError(f"--top-k {self.top_k}: expected -1 (no top-k; vLLM also reads 0 as off, offpolicy takes "
-                             "-1 only) or a number of tokens ≥ 1")
+        """``--n`` a sampler can use, and each setting's trainer dtype and noise (``--compare`` varies them).
+        ``--max-tokens``, ``--temperature``, ``--top-p`` and ``--top-k`` are checked by their types' rules
+        (``sampling.RULES``), as train's keys are."""
+        if self.n <= 0:
+            raise ValueError("--n must be positive")
         for setting in self.settings():
-            if setting["trainer_dtype"] not in ("auto", "fp32", "bf16"):
+            if setting["trainer_dtype"] not in TRAINER_DTYPES:
                 raise ValueError(f"--trainer-dtype {setting['trainer_dtype']!r}: expected auto, fp32 or bf16")
             noise = setting["logit_noise"]
             if not (math.isfinite(noise) and noise >= 0):  # the hf engine adds noise only where σ > 0
                 raise ValueError(f"--logit-noise {noise:g}: expected a finite σ ≥ 0 (0: no noise)")
+
+    @property
+    def sampling(self) -> SamplingConfig:
+        """What the engine samples with and the trainer renormalises over (``--max-tokens``, ``--temperature``,
+        ``--top-p``, ``--top-k``)."""
+        return SamplingConfig(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
+                              top_k=self.top_k)
 
     def settings(self) -> list[dict[str, Any]]:
         """The engine settings to sample in: this config's, or one per value of ``--compare KEY=V1,V2``."""

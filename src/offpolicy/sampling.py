@@ -1,4 +1,5 @@
-"""Trainer-side log-probs on the sampler's truncated support (docs/specification.md §6).
+"""The sampling contract (``SamplingConfig``) and the trainer-side log-probs on the sampler's truncated support
+(docs/specification.md §6).
 
 An engine that samples with temperature τ, top-k and top-p reports *processed* log-probs:
 the log-softmax of logits/τ renormalised over the kept tokens (vLLM ``processed_logprobs``).
@@ -13,13 +14,85 @@ For the ratio π/μ to compare like with like, the trainer must compute π the s
 
 ``outside_mass`` = 1 − Σ_{kept} softmax(z): how much of the untruncated distribution the
 sampler could never produce — large values mean the ratio is being taken on a small support.
+
+The rules of the sampling values are written once, in ``RULES``: ``SamplingConfig`` (what the engines and the
+trainer's head take), ``TrainConfig``'s and ``DiagnoseConfig``'s flat keys (``temperature``, ``top_p``,
+``top_k``, typed with ``Temperature``, ``TopP``, ``TopK``) and ``renormalize_logprobs`` all check them there.
+top_k = -1 is "no top-k"; 0 is refused (vLLM and transformers also read 0 as off — one spelling here, so
+that "is the support truncated?" has one answer, ``SamplingConfig.truncates``).
 """
 
 from __future__ import annotations
 
-import torch
+import math
+from collections.abc import Callable
+from typing import Annotated, Any
 
+import torch
+from pydantic import AfterValidator, Field, model_validator
+
+from offpolicy.config import _Strict
 from offpolicy.metrics import Metrics
+
+# field → (the rule, what a value must be): the one statement of each rule
+RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "max_tokens": (lambda n: n >= 1, "a number of tokens ≥ 1"),
+    "temperature": (lambda t: math.isfinite(t) and t > 0,
+                    "a finite number > 0 (greedy decoding, temperature 0, samples no distribution whose log-probs "
+                    "a ratio could compare; a small value such as 0.1 samples almost greedily)"),
+    "top_p": (lambda p: 0 < p <= 1, "in (0, 1]; 1 keeps the whole distribution"),  # NaN fails too
+    "top_k": (lambda k: k == -1 or k >= 1,
+              "-1 (no top-k; vLLM also reads 0 as off, offpolicy takes -1 only) or a number of tokens ≥ 1"),
+}
+
+
+def broken_rule(**values: Any) -> tuple[str, str] | None:
+    """The first of ``values`` (field=value, fields of ``RULES``) that breaks its rule, as (field, what it must
+    be); None when every one holds."""
+    for name, value in values.items():
+        holds, must = RULES[name]
+        if not holds(value):
+            return name, must
+    return None
+
+
+def _rule(name: str) -> AfterValidator:
+    def check(value: Any) -> Any:
+        if not RULES[name][0](value):
+            raise ValueError(f"expected {RULES[name][1]}")
+        return value
+    return AfterValidator(check)
+
+
+# the sampling keys' types, for the configs that spell them flat (train's ``top_p=0.9``, diagnose's ``--top-p``)
+MaxTokens = Annotated[int, _rule("max_tokens")]
+Temperature = Annotated[float, _rule("temperature")]
+TopP = Annotated[float, _rule("top_p")]
+TopK = Annotated[int, _rule("top_k")]
+
+
+class SamplingConfig(_Strict):
+    """What an engine samples with and the trainer renormalises over (module doc; docs/specification.md §6):
+    the response limit, the temperature, top-p and top-k, each checked by its rule in ``RULES``. Frozen."""
+
+    max_tokens: MaxTokens = Field(16, description="response limit, in tokens")
+    temperature: Temperature = Field(1.0, description="τ: the logits are divided by it before top-k/top-p")
+    top_p: TopP = Field(1.0, description="nucleus mass in (0, 1]; 1 keeps everything")
+    top_k: TopK = Field(-1, description="tokens kept by top-k; -1 = no top-k")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _numbers_are_finite(cls, data: Any) -> Any:
+        """Not _Strict's blanket refusal: each field's rule refuses NaN and ±inf in its own words."""
+        return data
+
+    @property
+    def truncates(self) -> bool:
+        """Whether the sampler's support is truncated: top-k on (``top_k`` ≥ 1) or top-p < 1. Then the engine's
+        kept set (``Rollouts.kept``) is worth recording and replaying and the outside-mass metrics apply. A top-k
+        of at least the vocabulary counts as on (the config does not know the vocabulary); it keeps every token,
+        as ``renormalize_logprobs`` computes it, and leaves no mass outside."""
+        return self.top_k > 0 or self.top_p < 1.0
 
 
 def renormalize_logprobs(
@@ -47,14 +120,14 @@ def renormalize_logprobs(
             log π̃(v) = z_v − logsumexp_{keep} z on kept tokens, −inf elsewhere.
 
     Raises:
-        ValueError: temperature ≤ 0, top_p outside (0, 1], or top_k = 0 / below -1.
+        ValueError: a value against its rule (``RULES``): temperature ≤ 0 or not finite, top_p outside (0, 1],
+            or top_k = 0 / below -1.
     """
-    if not temperature > 0:
-        raise ValueError(f"temperature must be > 0 (greedy decoding has no log-probs to correct); got {temperature}")
-    if not 0 < top_p <= 1:
-        raise ValueError(f"top_p must be in (0, 1]; got {top_p}")
-    if top_k == 0 or top_k < -1:
-        raise ValueError(f"top_k must be -1 (off) or ≥ 1; got {top_k}")
+    values = {"temperature": temperature, "top_p": top_p, "top_k": top_k}
+    broken = broken_rule(**values)
+    if broken is not None:
+        name, must = broken
+        raise ValueError(f"{name} must be {must}; got {values[name]}")
     # at least fp32 (bf16/fp16 logits are cast up; float64 stays float64, for exactness tests)
     z = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature  # [..., V]
     vocab = z.shape[-1]

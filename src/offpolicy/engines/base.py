@@ -14,19 +14,12 @@ from typing import Protocol
 import torch
 
 from offpolicy.kept_set import KeptIds
+from offpolicy.sampling import SamplingConfig  # noqa: F401 — the sampling contract, as the engines take it
 
 
 class EngineError(RuntimeError):
     """The rollout engine failed (to start, generate, sleep or load weights). The message is one line:
     what the engine was doing, the cause, and where its full output and traceback were written."""
-
-
-@dataclass(frozen=True)
-class SamplingConfig:
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
 
 
 @dataclass

@@ -195,8 +195,7 @@ class HFEngine:
         input_ids, attention = (t.to(self.device) for t in left_pad(prompt_ids, pad))
         width = input_ids.shape[1]
         torch.manual_seed(seed)  # generate() samples from the global generator (seeds CUDA's too)
-        truncated = sampling.top_k > 0 or sampling.top_p < 1.0  # without, the set is the whole vocabulary
-        recorder = _SampledLogprobs(record_kept=truncated)
+        recorder = _SampledLogprobs(record_kept=sampling.truncates)  # without, the set is the whole vocabulary
         noise = [_LogitNoise(self.logit_noise, seed + 1)] if self.logit_noise > 0 else []
         shared = self._shared_prompts(prompt_ids, input_ids, attention, whole=self._own_loop)
         processors = LogitsProcessorList([*noise, *warpers(sampling), recorder])

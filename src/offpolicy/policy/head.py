@@ -63,11 +63,10 @@ import torch
 import torch.nn.functional as F
 
 from offpolicy.config import ConfigError
-from offpolicy.engines.base import SamplingConfig
 from offpolicy.kept_set import FlatKept, KeptIds
 from offpolicy.metrics import Metrics
 from offpolicy.policy.batch import Batch, SharedPrompts
-from offpolicy.sampling import outside_mass_metrics, renormalize_logprobs
+from offpolicy.sampling import SamplingConfig, outside_mass_metrics, renormalize_logprobs
 
 # one fp32 [C, V] buffer (a chunk's peak holds a handful): on CUDA large enough that a chunk's kernels
 # are not launch-bound (128 MiB: 220 tokens at V = 151,936); on the CPU, where nothing is launched,
@@ -90,11 +89,6 @@ class LinearHead:
     weight: torch.Tensor  # [V, H]
     bias: torch.Tensor | None  # [V]
     softcap: float | None
-
-
-def truncates(sampling: SamplingConfig) -> bool:
-    """Whether the sampler's support is truncated (top-k or top-p on): the outside-mass metrics apply."""
-    return sampling.top_k != -1 or sampling.top_p < 1.0
 
 
 def chunk_tokens(vocab: int, device: torch.device | str = "cpu") -> int:
@@ -230,7 +224,7 @@ def _chunk_numbers(lin: torch.Tensor, tokens: torch.Tensor, sampling: SamplingCo
     entropy ``[C]`` and (truncated sampling) the outside mass ``[C]``. ``keep`` ``[C, V]``: the engine's
     kept set, replayed instead of the trainer's own top-k/top-p set (``offpolicy.kept_set``)."""
     logits = capped(lin, softcap)
-    want_outside = stats and truncates(sampling)
+    want_outside = stats and sampling.truncates
     result = renormalize_logprobs(logits, top_p=sampling.top_p, top_k=sampling.top_k,
                                   temperature=sampling.temperature, return_outside_mass=want_outside, keep=keep)
     logprobs, outside = result if want_outside else (result, None)
@@ -412,7 +406,7 @@ def token_logprobs(hidden: torch.Tensor, tokens: torch.Tensor, head: LinearHead,
                                          stats, kept)
     if not stats:
         return token_lp, None, None
-    return token_lp, extra[:, 0], extra[:, 1] if truncates(sampling) else None
+    return token_lp, extra[:, 0], extra[:, 1] if sampling.truncates else None
 
 
 def counted_positions(batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -473,7 +467,7 @@ def replayed_sets(batch: Batch, sampling: SamplingConfig, rows: torch.Tensor, co
     """The engine's kept sets of the ``[N]`` counted tokens (``rows``, ``cols``) when the batch carries them
     and sampling truncates (without truncation the set is the whole vocabulary: nothing to replay), else
     None: the ``FlatKept`` the trainer made on the host (``Batch.counted``), or made here (two host reads)."""
-    if batch.kept is None or not truncates(sampling):
+    if batch.kept is None or not sampling.truncates:
         return None
     counted = batch.counted
     if counted is not None and counted.mask is batch.mask and counted.kept is batch.kept and counted.flat is not None:

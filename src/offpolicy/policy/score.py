@@ -21,10 +21,10 @@ from dataclasses import dataclass, replace
 import torch
 
 from offpolicy.config import ConfigError
-from offpolicy.engines.base import SamplingConfig
 from offpolicy.metrics import Metrics
 from offpolicy.policy.batch import TENSORS, Batch, Counted, shared_prompts
 from offpolicy.policy.head import trainer_logprobs
+from offpolicy.sampling import SamplingConfig
 
 DTYPES = ("fp32", "bf16")
 

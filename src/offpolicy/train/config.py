@@ -12,10 +12,10 @@ from typing import Any, Literal
 import yaml
 from pydantic import Field, field_validator, model_validator
 
-from offpolicy import presets
 from offpolicy.config import ConfigError, LossConfig, _read_yaml, _Strict
 from offpolicy.engines.config import VLLMConfig
 from offpolicy.policy.warmstart_config import WarmStartConfig, task_warm_start
+from offpolicy.sampling import SamplingConfig, Temperature, TopK, TopP
 from offpolicy.tasks import make_task
 from offpolicy.tasks.dataset import DataConfig
 
@@ -40,45 +40,24 @@ PRETRAINED_DEFAULTS = {
     # gradient are unchanged, see micro_batch_tokens)
     "micro_batch_tokens": 2048,
 }
-# options that belong to the loss kind: a preset's values do not carry over to another kind
-KIND_OPTIONS = ("clip_low", "clip_high", "dual_clip", "gspo_form", "sapo_level", "sapo_tau_pos", "sapo_tau_neg")
-MERGED = ("correction", "weight")  # nested sections a user's keys merge into key by key (lists replace)
-
-
-def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
-    """``over`` on top of ``base``; the sections in ``MERGED`` merge recursively when both are mappings."""
-    out = dict(base)
-    for key, value in over.items():
-        if key in MERGED and isinstance(value, dict) and isinstance(out.get(key), dict):
-            value = _merge(out[key], value)
-        out[key] = value
-    return out
 
 
 def preset_loss(preset: str | None, user: dict[str, Any]) -> dict[str, Any]:
-    """The loss fields ``offpolicy train`` runs: the WHOLE preset — its loss settings (kind, clip,
-    aggregation, …) and its correction, what ``LossConfig.from_preset(preset)`` builds — with the
-    ``loss.*`` keys the user wrote on top (``correction`` and ``correction.weight`` merge key by
-    key; a list such as ``reject`` replaces the preset's). A ``kind`` other than the preset's drops
-    the preset's kind options (clip, dual clip, gspo/sapo forms), so the new kind starts from its
-    own defaults. ``loss.correction: null`` keeps the preset's correction — no correction is
-    ``preset=none`` — which is also what a config.yaml written before issue #32 meant (it held
-    ``correction: null`` beside a preset). ``preset`` null or ``none``: the user's keys alone
-    (``LossConfig`` defaults: PPO, ε = 0.2, no correction).
+    """The loss fields ``offpolicy train`` runs: the WHOLE preset with the ``loss.*`` keys the user wrote on top,
+    as ``LossConfig.from_preset(preset, **user)`` builds it (``LossConfig.preset_fields``: ``correction`` and
+    ``correction.weight`` merge key by key; a ``kind`` other than the preset's starts from its own defaults).
+    ``loss.correction: null`` keeps the preset's correction — no correction is ``preset=none`` — which is also
+    what a config.yaml written before issue #32 meant (it held ``correction: null`` beside a preset). ``preset``
+    null or ``none``: the user's keys alone (``LossConfig`` defaults: PPO, ε = 0.2, no correction).
 
     Raises:
         ConfigError: an unknown preset name (with close matches).
     """
     if preset is None or preset == NO_CORRECTION:
         return dict(user)
-    data = presets.get(preset)
-    base = {**data.loss, "correction": dict(data.correction)}
     if "correction" in user and user["correction"] is None:
         user = {k: v for k, v in user.items() if k != "correction"}
-    if "kind" in user and user["kind"] != base.get("kind", "ppo"):
-        base = {k: v for k, v in base.items() if k not in KIND_OPTIONS}
-    return _merge(base, user)
-
+    return LossConfig.preset_fields(preset, user)
 
 
 class TrainConfig(_Strict):
@@ -104,9 +83,10 @@ class TrainConfig(_Strict):
         "to study the mismatch they bring")
     engine_weight_noise: float = Field(0.0, ge=0, description="relative N(0, σ·std(w)) on the engine's weight copy")
     engine_logit_noise: float = Field(0.0, ge=0, description="additive N(0, σ²) on the engine's logits (hf engine)")
-    temperature: float = Field(1.0, gt=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(-1, ge=-1)
+    # the sampling: each key's rule is offpolicy.sampling.RULES (SamplingConfig's), the run's ``sampling``
+    temperature: Temperature = Field(1.0, description="τ, > 0: the engine's logits are divided by it")
+    top_p: TopP = Field(1.0, description="nucleus mass in (0, 1]; 1 keeps everything")
+    top_k: TopK = Field(-1, description="tokens kept by top-k; -1 = no top-k (0 is refused: one spelling of off)")
     max_new_tokens: int | None = Field(None, gt=0, description="response limit; unset = the task's own "
                                        "(10 for reverse/addition, max_len + 10 = 160 for walk)")
     # the RL algorithm
@@ -356,6 +336,13 @@ class TrainConfig(_Strict):
                 "padded length, so they would not add up to the whole batch's loss. Fix: "
                 f"loss.max_len={self.max_new_tokens} (the response limit), or micro_batch_tokens=null")
         return self
+
+    @property
+    def sampling(self) -> SamplingConfig:
+        """What the engine samples with and the trainer renormalises over: ``max_new_tokens``, ``temperature``,
+        ``top_p``, ``top_k`` (checked by the same rules when the config loaded)."""
+        return SamplingConfig(max_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p,
+                              top_k=self.top_k)
 
     def loss_config(self) -> LossConfig:
         """The loss that runs: ``loss``, already resolved from the preset when the config loaded."""

@@ -48,13 +48,14 @@ from rich.console import Console
 import offpolicy as op
 from offpolicy import ops
 from offpolicy.config import ConfigError
-from offpolicy.engines import EngineError, SamplingConfig, make_engine, perturb
+from offpolicy.engines import EngineError, make_engine, perturb
 from offpolicy.engines.choice import parameter_count
 from offpolicy.metrics import Metrics
 from offpolicy.policy.batch import to_batch
 from offpolicy.policy.cpu_linear import use_onednn_linear
 from offpolicy.policy.score import Scorer, device_index, load_policy
 from offpolicy.policy.warmstart import exact_match_accuracy, model_dir, warm_start_progress
+from offpolicy.sampling import SamplingConfig
 from offpolicy.tasks import ChatRendered, make_task, problems
 from offpolicy.tasks.dataset import load_dataset_task
 from offpolicy.tasks.tokenizer import ensure_pad_token, load_tokenizer
@@ -399,9 +400,7 @@ def setup(cfg: TrainConfig, resume: Path | None, console: Console, progress: boo
         "engine_dtype": engine_dtype, "engine_dtype_reason": dtype_reason, "device": str(device),
         "trainer_dtype": trainer_dtype, "trainer_dtype_reason": trainer_dtype_reason,
         "loss": loss_cfg.model_dump(mode="json")})  # the preset with the loss.* keys on top: what runs
-    sampling = SamplingConfig(max_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
-                              top_k=cfg.top_k)
-    run = Run(cfg, console, run_dir, resume is None, device, trainer_dtype, engine_dtype, loss_cfg, sampling)
+    run = Run(cfg, console, run_dir, resume is None, device, trainer_dtype, engine_dtype, loss_cfg, cfg.sampling)
     try:
         load(run, latest_checkpoint(run_dir) if resume is not None else None, progress)
     except BaseException as err:

@@ -40,7 +40,6 @@ from offpolicy.config import M2Rule
 from offpolicy.kernels.common import row_aggregation
 from offpolicy.metrics import Metrics
 from offpolicy.policy.batch import Batch
-from offpolicy.policy.head import truncates
 from offpolicy.policy.score import Scorer, widen
 
 
@@ -213,7 +212,7 @@ def _step(scorer: Scorer, batch: Batch, rows: torch.Tensor, advantages: torch.Te
     groups = scorer.micro_batches(batch, rows)
     mbs = [scorer.to_device(batch, g) for g in groups]
     advs = [advantages[g][:, :width].to(scorer.device, non_blocking=True) for g in groups]
-    truncated = truncates(scorer.sampling)
+    truncated = scorer.sampling.truncates
 
     def loss_inputs(g, mb, logprobs, support_metrics=None):
         """(the micro-batch's loss view at the step's width, without the tokens outside the
