@@ -169,6 +169,36 @@ def test_which_losses_read_pi_old():
         "level": "token", "mode": "truncate", "high": 2.0}}))  # the weight is π_old/μ
 
 
+def test_choose_old_gives_each_source_of_pi_old():
+    """``choose_old`` (train/loop.py), the π_old choice as one named function: the π_old forward's rows where it
+    ran; the update's own forward, detached, where it is skipped — keeping the shown rows' log-probs only with one
+    update per batch; AReaL's log-linear interpolation under prox_logp=loglinear."""
+    from types import SimpleNamespace
+
+    from offpolicy.train.loop import choose_old
+
+    old = torch.arange(12.0).reshape(4, 3)
+    mb = SimpleNamespace(mask=torch.ones(2, 2), rollout_logprobs=torch.full((2, 2), -1.0))
+    logprobs = torch.full((2, 2), -0.5, requires_grad=True)
+    rows = torch.tensor([1, 3])
+    scored = SimpleNamespace(item=SimpleNamespace(rollouts=SimpleNamespace(version=4)))
+
+    def run(**kw):
+        return SimpleNamespace(**{"cfg": SimpleNamespace(prox_logp="forward"), "version": 5,
+                                  "device": torch.device("cpu"), "single": False, "skip_old": False, **kw})
+
+    old_of, kept = choose_old(run(), scored, old, {1})
+    assert kept is None and torch.equal(old_of(rows, mb, logprobs), old[[1, 3], :2])
+    for single, want in ((True, {1}), (False, None)):
+        old_of, kept = choose_old(run(skip_old=True, single=single), scored, None, {1})
+        got = old_of(rows, mb, logprobs)
+        assert torch.equal(got, logprobs.detach()) and not got.requires_grad
+        assert (None if kept is None else set(kept)) == want
+    old_of, kept = choose_old(run(cfg=SimpleNamespace(prox_logp="loglinear"), skip_old=True), scored, None, {1})
+    want = op.loglinear_proximal(logprobs, mb.rollout_logprobs, 4, current_version=6)
+    assert kept is None and torch.equal(old_of(rows, mb, logprobs), want)
+
+
 @pytest.mark.slow
 def test_pi_old_skip_is_identical_to_recomputing_it(offpolicy_cache, tmp_path):
     skipped = _run(tmp_path, "skip", "steps=3")

@@ -15,7 +15,7 @@ from pydantic import Field, field_validator, model_validator
 from offpolicy.config import ConfigError, LossConfig, _read_yaml, _Strict
 from offpolicy.engines.config import VLLMConfig
 from offpolicy.policy.warmstart_config import WarmStartConfig, task_warm_start
-from offpolicy.sampling import SamplingConfig, Temperature, TopK, TopP
+from offpolicy.sampling import MaxTokens, SamplingConfig, Temperature, TopK, TopP
 from offpolicy.tasks import make_task
 from offpolicy.tasks.dataset import DataConfig
 
@@ -87,8 +87,8 @@ class TrainConfig(_Strict):
     temperature: Temperature = Field(1.0, description="τ, > 0: the engine's logits are divided by it")
     top_p: TopP = Field(1.0, description="nucleus mass in (0, 1]; 1 keeps everything")
     top_k: TopK = Field(-1, description="tokens kept by top-k; -1 = no top-k (0 is refused: one spelling of off)")
-    max_new_tokens: int | None = Field(None, gt=0, description="response limit; unset = the task's own "
-                                       "(10 for reverse/addition, max_len + 10 = 160 for walk)")
+    max_new_tokens: MaxTokens | None = Field(None, description="response limit; unset = the task's own "
+                                             "(10 for reverse/addition, max_len + 10 = 160 for walk)")
     # the RL algorithm
     steps: int = Field(150, gt=0)
     prompts_per_step: int = Field(32, gt=0, description="prompts sampled per step; a pretrained model (model=DIR): "
