@@ -51,7 +51,7 @@ from offpolicy.engines import EngineError, SamplingConfig, make_engine, perturb
 from offpolicy.engines.choice import parameter_count
 from offpolicy.metrics import Metrics
 from offpolicy.policy.batch import to_batch
-from offpolicy.policy.cpu_linear import use_onednn_linear
+from offpolicy.speed.cpu_linear import use_onednn_linear
 from offpolicy.policy.score import Scorer, device_index, load_policy
 from offpolicy.policy.warmstart import exact_match_accuracy, model_dir, warm_start_progress
 from offpolicy.tasks import ChatRendered, make_task, problems
