@@ -51,6 +51,7 @@ from offpolicy.engines import EngineError, SamplingConfig, make_engine, perturb
 from offpolicy.engines.choice import parameter_count
 from offpolicy.metrics import Metrics
 from offpolicy.policy.batch import to_batch
+from offpolicy.speed import run_paths
 from offpolicy.speed.cpu_linear import use_onednn_linear
 from offpolicy.policy.score import Scorer, device_index, load_policy
 from offpolicy.policy.warmstart import exact_match_accuracy, model_dir, warm_start_progress
@@ -383,6 +384,11 @@ def train(cfg: TrainConfig, resume: Path | None = None, console: Console | None 
                              device=device, gpu_memory_utilization=cfg.engine_gpu_memory_utilization,
                              sleep=cfg.engine_sleep and cfg.max_staleness == 0, vllm_options=cfg.vllm.model_dump(),
                              cpu_linear=cfg.cpu_linear)
+        paths = run_paths(policy, linear, engine)  # the gated speed paths (offpolicy.speed): which ran and why
+        if created:
+            add_resolved(run_dir, {"speed_paths": paths})
+        for gate, reason in paths.items():
+            console.print(f"  {gate}: {reason}")
         # the engine's share of the trainer device's allocations (memory_metrics)
         engine_bytes = torch.cuda.memory_allocated(device) - engine_bytes if device.type == "cuda" else 0
         engine.sync_weights(engine_weights(policy, cfg, version, snapshot=False))
