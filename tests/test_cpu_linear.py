@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from offpolicy.policy import cpu_linear
-from offpolicy.policy.cpu_linear import OneDNNLinear, OneDNNLinearFunction, use_onednn_linear
+from offpolicy.speed.cpu_linear import OneDNNLinear, OneDNNLinearFunction, use_onednn_linear
 
 pytestmark = pytest.mark.skipif(not cpu_linear.onednn_available(), reason="this torch has no oneDNN linear")
 

@@ -370,3 +370,101 @@ def test_the_shared_prompt_plan_only_where_it_saves_work_and_serves():
     assert shared_plan(model, batch) is None
     model.eval()
     assert shared_plan(model, batch) is not None  # no backward, no checkpointing: the cache is on
+
+
+def rope_lm(rope: str, seed: int = 0):
+    """A two-layer float64 causal LM whose rotary embedding is of type ``rope``, with an original context of 8
+    positions (built in code): Phi-3's ``longrope`` (Phi-3-mini-128k, Phi-3.5-mini, Phi-4-mini), and Llama with
+    ``dynamic``, ``linear``, ``yarn`` or the default rope."""
+    import transformers
+
+    common = dict(vocab_size=97, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                  num_key_value_heads=1, head_dim=8, pad_token_id=0, bos_token_id=1, eos_token_id=1)
+    if rope == "longrope":
+        config = transformers.Phi3Config(
+            **common, max_position_embeddings=64, original_max_position_embeddings=8,
+            rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "factor": 8.0,
+                             "original_max_position_embeddings": 8,
+                             "short_factor": [1.0, 1.3, 1.7, 2.0], "long_factor": [1.5, 3.0, 6.0, 9.0]})
+        cls = transformers.Phi3ForCausalLM
+    else:
+        parameters = {"rope_type": rope, "rope_theta": 10000.0}
+        if rope in ("dynamic", "linear"):
+            parameters["factor"] = 2.0
+        if rope == "yarn":
+            parameters.update(factor=4.0, original_max_position_embeddings=8)
+        config = transformers.LlamaConfig(**common, max_position_embeddings=8 if rope == "dynamic" else 32,
+                                          rope_parameters=parameters)
+        cls = transformers.LlamaForCausalLM
+    torch.manual_seed(seed)
+    return cls(config).double().train()
+
+
+@pytest.mark.parametrize("rope", ["longrope", "dynamic"])
+def test_rotary_frequencies_that_follow_the_length_are_not_shared(rope):
+    """Issue #55 item 1: transformers' ``dynamic`` and ``longrope`` rotary types pick their frequencies from the
+    largest position of each call, so a prompt (under the original context of 8) computed alone got other
+    frequencies than inside its whole row (up to 18 tokens): on 65ba3dd the shared forward ran and its float64
+    log-probs were off by ~1e-4 (Phi-3) and 1e-5 (Llama), the gradients by 0.5 % and 5 %. The planner probes the
+    rope's behaviour and refuses: the whole rows run, log-probs and gradients equal to the bit."""
+    from offpolicy.policy.head import shared_decoder_hidden, shared_plan
+    from offpolicy.policy.score import to_device
+    from offpolicy.speed.shared_prompt import refusal
+
+    model = rope_lm(rope)
+    batch = to_device(grouped_batch(97, longest=12), torch.device("cpu"))
+    assert batch.input_ids.shape[1] > 8 and int(batch.positions[:, 0].max()) + 1 < 8  # rows pass it, prompts not
+    assert shared_plan(model, batch) is None
+    assert "changes its frequencies with the forward's length" in refusal(model, "tokens")
+    assert "changes its frequencies" in refusal(model, "token")  # the hf engine's rule is the same
+    # what the refused forward would have given: not the whole rows' numbers
+    rows, cols = batch.counted.rows, batch.counted.cols
+    with torch.no_grad():
+        two_pass = shared_decoder_hidden(model, batch.counted.shared)[rows, cols]
+        whole = decoder_hidden_at(model, batch)
+    assert float((two_pass - whole).abs().max()) > 1e-6
+    plain = Batch(*(getattr(batch, f) for f in ("input_ids", "attention_mask", "positions", "response_ids", "mask",
+                                                   "rollout_logprobs", "versions")))
+    weights = torch.randn(batch.mask.shape, generator=torch.Generator().manual_seed(2))
+    want, want_grads = value_and_grads(lambda: trainer_logprobs(model, plain, SAMPLINGS["plain"]), model, plain, weights)
+    got, grads = value_and_grads(lambda: trainer_logprobs(model, batch, SAMPLINGS["plain"]), model, batch, weights)
+    assert torch.equal(got, want) and all(torch.equal(a, b) for a, b in zip(grads, want_grads))
+
+
+def decoder_hidden_at(model, batch: Batch) -> torch.Tensor:
+    from offpolicy.policy.head import decoder_hidden
+
+    rows, cols = batch.counted.rows, batch.counted.cols
+    return decoder_hidden(model, batch.input_ids, batch.attention_mask)[rows, batch.positions[rows, cols]]
+
+
+@pytest.mark.parametrize("rope", ["default", "linear", "yarn"])
+def test_rotary_frequencies_fixed_by_the_config_still_share(rope):
+    """Default, linear and YaRN ropes fix their frequencies from the config: the prompt is computed once, and the
+    log-probs and gradients equal the whole rows' (float64; the gradients to transformers' float32 RMSNorm, ~1e-7 of
+    the largest, against the 0.5–5 % of a length-dependent rope shared)."""
+    from offpolicy.policy.head import shared_plan
+    from offpolicy.policy.score import to_device
+
+    model = rope_lm(rope)
+    batch = to_device(grouped_batch(97, longest=12), torch.device("cpu"))
+    assert shared_plan(model, batch) is not None
+    plain = Batch(*(getattr(batch, f) for f in ("input_ids", "attention_mask", "positions", "response_ids", "mask",
+                                                   "rollout_logprobs", "versions")))
+    weights = torch.randn(batch.mask.shape, generator=torch.Generator().manual_seed(2))
+    want, want_grads = value_and_grads(lambda: trainer_logprobs(model, plain, SAMPLINGS["plain"]), model, plain, weights)
+    got, grads = value_and_grads(lambda: trainer_logprobs(model, batch, SAMPLINGS["plain"]), model, batch, weights)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    for a, b in zip(grads, want_grads):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-6 * (float(b.abs().max()) + 1e-30))
+
+
+def test_the_rotary_probe_leaves_the_models_rope_as_it_was():
+    """The probe calls a copy: a dynamic rope's cached frequencies and length are the model's own afterwards."""
+    from offpolicy.speed.shared_prompt import rope_refusal
+
+    model = rope_lm("dynamic")
+    rotary = model.model.rotary_emb
+    before = (rotary.inv_freq.clone(), rotary.max_seq_len_cached)
+    assert rope_refusal(model) is not None
+    assert torch.equal(rotary.inv_freq, before[0]) and rotary.max_seq_len_cached == before[1]

@@ -387,3 +387,100 @@ def test_the_own_loop_draws_generates_tokens_across_architectures(family, extra,
     assert own.response_ids == through_generate.response_ids and any(own.finished)
     for a, b in zip(own.logprobs, through_generate.logprobs):
         assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-4, rtol=0)
+
+
+def llama_dir(path: Path, tok, vocab: int, seed: int = 0, eos_scale: float = 0.0, **extra) -> Path:
+    """A two-layer Llama of ``vocab`` tokens saved with ``tok`` (built in code); ``eos_scale`` > 0 makes the stop
+    token the likeliest at about half the positions (its output row a large random vector), so rows finish early."""
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+        bos_token_id=tok.eos_token_id, **{"max_position_embeddings": 64, **extra})
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(config)
+    if eos_scale:
+        with torch.no_grad():
+            model.lm_head.weight[tok.eos_token_id] = eos_scale * torch.randn(32)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("sampling", [SamplingConfig(max_tokens=14, top_k=5), SamplingConfig(max_tokens=14, top_p=0.5)],
+                         ids=["top_k", "top_p"])
+def test_a_finished_row_records_no_kept_set(sampling, tmp_path, monkeypatch):
+    """Issue #55 item 2: the own loop gives finished rows all-zero logits (they left the forward), where every
+    token ties; on 65ba3dd the recorder stored the whole vocabulary as their kept set every step (V = 8,192,
+    16 rows, top_k 5: 1,311,040 ids against 1,120 through generate). Now a finished row records nothing: each
+    step records the running rows' sets alone, at most what generate's path records (it runs every row to
+    the end), and the tokens, log-probs and assembled kept sets are generate's."""
+    from offpolicy.kept_set import StepRecorder
+
+    tok = build_char_tokenizer()
+    engine = HFEngine(str(llama_dir(tmp_path, tok, 8192, eos_scale=8.0)), tok)
+    assert engine._own_loop
+    recorded, live = [], []
+    add = StepRecorder.add
+
+    def counting(self, keep):
+        recorded.append(int(keep.sum()))
+        return add(self, keep)
+
+    monkeypatch.setattr(StepRecorder, "add", counting)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(4, len(tok), (int(n),), generator=g).tolist() for n in torch.randint(2, 9, (16,), generator=g)]
+    own = engine.generate(prompts, sampling, seed=5, version=0)
+    own_counts = list(recorded)
+    recorded.clear()
+    engine._own_loop = False
+    through_generate = engine.generate(prompts, sampling, seed=5, version=0)
+    assert own.response_ids == through_generate.response_ids and own.finished == through_generate.finished
+    assert sum(own.finished) >= 4 and not all(len(r) == len(own.response_ids[0]) for r in own.response_ids)
+    for a, b in zip(own.logprobs, through_generate.logprobs):
+        assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-4, rtol=0)
+    assert all(torch.equal(getattr(own.kept, f), getattr(through_generate.kept, f)) for f in ("start", "count", "ids"))
+    # step t records the sets of the rows still running at t: those whose response reaches past t − 1 unfinished
+    lengths = [len(r) for r in own.response_ids]
+    for step, total in enumerate(own_counts):
+        running = [i for i, n in enumerate(lengths) if n > step]
+        assert total == int(own.kept[running, [step] * len(running)].count.sum()) if running else total == 0
+    assert sum(own_counts) <= sum(recorded)
+    if sampling.top_k > 0:  # generate: 5 ids for every row at every step (~1,120); the own loop fewer
+        assert sum(recorded) == 16 * 5 * len(recorded) and max(own_counts) <= 16 * 5
+
+
+@pytest.mark.parametrize("rope", ["dynamic", "longrope"])
+def test_length_dependent_rotary_samples_through_generate_without_sharing(rope, tmp_path):
+    """A rope whose frequencies follow the forward's longest position (issue #55 item 1) changes as the own loop
+    drops finished rows and as a shared prefill computes the prompts alone: the engine takes generate, whole
+    prompts, and its speed paths say why."""
+    import transformers
+
+    tok = build_char_tokenizer()
+    common = dict(vocab_size=64 * ((len(tok) + 63) // 64), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=2, num_key_value_heads=1, head_dim=16, eos_token_id=tok.eos_token_id,
+                  pad_token_id=tok.pad_token_id, bos_token_id=tok.eos_token_id)
+    if rope == "dynamic":
+        config = transformers.LlamaConfig(**common, max_position_embeddings=8,
+                                          rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4})
+        model = transformers.LlamaForCausalLM(config)
+    else:
+        config = transformers.Phi3Config(
+            **common, max_position_embeddings=64, original_max_position_embeddings=8,
+            rope_parameters={"rope_type": "longrope", "rope_theta": 1e4, "factor": 8.0,
+                             "original_max_position_embeddings": 8, "short_factor": [1.0] * 8, "long_factor": [4.0] * 8})
+        model = transformers.Phi3ForCausalLM(config)
+    model.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    engine = HFEngine(str(tmp_path), tok)
+    assert not engine._own_loop
+    for key in ("hf_own_loop", "hf_shared_prefill"):
+        assert engine.speed_paths[key].startswith(("transformers' model.generate", "every row computes")), key
+        assert "changes its frequencies with the forward's length" in engine.speed_paths[key]
+    prompts = [[5, 6, 7, 8, 9], [10, 11, 12]] * 3
+    input_ids, attention = left_pad(prompts, tok.pad_token_id)
+    assert engine._shared_prompts(prompts, input_ids, attention, whole=False) is None
+    rollouts = engine.generate(prompts, SamplingConfig(max_tokens=6), seed=0, version=0)
+    assert len(rollouts.response_ids) == 6

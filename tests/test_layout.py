@@ -1,6 +1,7 @@
-"""The package's rooms and what each may import (docs/development.md, "Layout"): the trained model's room
+"""The package's rooms and what each may import (docs/development.md, "Layout"): every import reaches down a
+floor or stays on its own, never up (the engines import nothing of ``policy/``); the trained model's room
 (``offpolicy.policy``) and ``diagnose`` import nothing from ``train/``, and the head and the batch import
-each other in one direction only — type-only imports and imports inside functions count."""
+each other in one direction only; no import circle — type-only imports and imports inside functions count."""
 
 from __future__ import annotations
 
@@ -32,7 +33,8 @@ def imported(path: Path, modules: set[str] = frozenset()) -> set[str]:
 
 
 BELOW_TRAIN = [*sorted((SRC / "policy").glob("*.py")), *sorted((SRC / "tasks").glob("*.py")),
-               *sorted((SRC / "engines").glob("*.py")), SRC / "diagnose.py", SRC / "diagnose_config.py"]
+               *sorted((SRC / "engines").glob("*.py")), *sorted((SRC / "speed").glob("*.py")), SRC / "diagnose.py",
+               SRC / "diagnose_config.py"]
 
 
 @pytest.mark.parametrize("path", BELOW_TRAIN, ids=lambda p: str(p.relative_to(SRC)))
@@ -75,3 +77,44 @@ def test_no_import_circle():
         tuple(graphlib.TopologicalSorter(graph()).static_order())
     except graphlib.CycleError as err:
         pytest.fail(f"an import circle: {' → '.join(err.args[1])}")
+
+
+# docs/development.md's table of rooms, bottom up: a module may import its own floor and the floors below
+FLOORS = {
+    0: {"errors", "metrics", "ops", "kl", "proximal", "kept_set", "trackers"},
+    1: {"config", "sampling", "preset_data", "presets", "thresholds", "speed"},
+    2: {"correction", "kernels", "losses", "step", ""},  # "": the package's facade, offpolicy/__init__.py
+    3: {"engines", "tasks", "integrations", "viewer"},
+    4: {"policy"},
+    5: {"train", "diagnose", "diagnose_config"},
+    6: {"cli", "__main__"},
+}
+
+
+def room(module: str) -> str:
+    """``offpolicy.engines.hf`` → ``engines``; ``offpolicy`` → "" (the facade)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def floor(module: str) -> int:
+    return next(level for level, rooms in FLOORS.items() if room(module) in rooms)
+
+
+def test_every_module_has_a_floor():
+    """A new room is placed in the table (and in docs/development.md) before it can import anything."""
+    unplaced = sorted(m for m in graph() if not any(room(m) in rooms for rooms in FLOORS.values()))
+    assert not unplaced, f"modules in no room of FLOORS: {unplaced}"
+
+
+def test_no_import_reaches_up_a_floor():
+    """On 65ba3dd: ``engines/hf.py`` imported ``policy/cpu_linear.py`` (floor 3 → 4); the oneDNN linear now
+    lives in the ground-floor ``speed/`` room, which both use."""
+    upward = sorted(f"{a} → {b}" for a, targets in graph().items() for b in targets if floor(b) > floor(a))
+    assert not upward, f"imports from a lower floor up: {upward}"
+
+
+def test_the_engines_import_nothing_of_the_policy_room():
+    reached = sorted(f"{a} → {b}" for a, targets in graph().items() if room(a) == "engines"
+                     for b in targets if room(b) == "policy")
+    assert not reached

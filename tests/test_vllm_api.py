@@ -102,8 +102,9 @@ def test_sync_wakes_the_weights_then_loads_a_lazy_iterator_through_the_worker(mo
     engine.generate([[1, 2]], SAMPLING, seed=0, version=1)
     assert llm.calls == [("generate",), ("sleep", 1), ("wake_up", ["weights"]), ("collective_rpc", "reload_weights"),
                          ("reload_weights",), ("trainer yields", "embed"), ("loaded", "embed"),
-                         ("trainer yields", "head"), ("loaded", "head"), ("wake_up", None), ("reset_prefix_cache",),
-                         ("generate",), ("sleep", 1)]
+                         ("trainer yields", "head"), ("loaded", "head"),
+                         ("collective_rpc", "_read_back"),  # the sync's check: the 1-D weights read back
+                         ("wake_up", None), ("reset_prefix_cache",), ("generate",), ("sleep", 1)]
     assert all(t.dtype == torch.bfloat16 for _, t in llm.worker.loaded)  # the engine's dtype
     engine.close()
 

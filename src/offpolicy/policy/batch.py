@@ -15,6 +15,7 @@ import torch
 
 from offpolicy.engines import Rollouts
 from offpolicy.kept_set import FlatKept, KeptIds
+from offpolicy.speed.shared_prompt import SharedPrompts, plan
 
 __all__ = ["Batch", "Counted", "SharedPrompts", "TENSORS", "shared_prompts", "to_batch"]
 
@@ -22,64 +23,12 @@ __all__ = ["Batch", "Counted", "SharedPrompts", "TENSORS", "shared_prompts", "to
 TENSORS = ("input_ids", "attention_mask", "positions", "response_ids", "mask", "rollout_logprobs", "versions")
 
 
-class SharedPrompts(NamedTuple):
-    """A micro-batch's forward with each repeated prompt computed once (``shared_prompts``; the head's
-    ``shared_decoder_hidden``). GRPO's group repeats a prompt group-size times, and under causal attention
-    a prompt's hidden states do not depend on what follows, so every row of a group computes the same
-    prompt. Split each row after its prompt:
-
-    - the *prefix*, the whole prompt, once per distinct prompt: ``prefix_ids`` ``[D, P]``, left-padded
-      (``prefix_mask``, ``prefix_positions``), whose KV cache goes to each row by ``index`` ``[B]``, and whose
-      last hidden state is each of its rows' logits for response token 0;
-    - the *suffix*, the response but its last token, per row: ``suffix_ids`` ``[B, S]``, right-padded, at
-      positions ``suffix_positions`` after the row's prompt, attending through ``attention_mask``
-      ``[B, P + S]`` (the row's prefix mask, then its own); suffix column t − 1 gives the logits of response
-      token t. S is 0 where no response is longer than a token.
-
-    ``input_ids`` is the batch tensor this was made from (the plan serves only it)."""
-
-    input_ids: torch.Tensor
-    prefix_ids: torch.Tensor
-    prefix_mask: torch.Tensor
-    prefix_positions: torch.Tensor
-    index: torch.Tensor
-    suffix_ids: torch.Tensor
-    suffix_positions: torch.Tensor
-    attention_mask: torch.Tensor
-
-    def to(self, device: torch.device, input_ids: torch.Tensor) -> SharedPrompts:
-        """On ``device``, serving ``input_ids`` (that batch's tensor, already there)."""
-        return SharedPrompts(input_ids, *(t.to(device, non_blocking=True) for t in self[1:]))
-
-
 def shared_prompts(batch: Batch) -> SharedPrompts | None:
     """The plan of a forward that computes each repeated prompt once (``SharedPrompts``), from a CPU
-    ``batch``; None where it would save nothing (no prompt repeats). Rows whose prompts are equal token for
-    token share a prefix."""
-    ids, attention = batch.input_ids, batch.attention_mask
-    rows, width = ids.shape
-    prompt = batch.positions[:, 0] + 1  # positions[:, 0] = len(prompt) − 1 (``to_batch``)
-    if rows < 2 or int(prompt.min()) < 1:
-        return None
-    keys = torch.where(torch.arange(width) < prompt[:, None], ids, -1)  # each row's prompt, −1 past it
-    distinct, index = torch.unique(keys, dim=0, return_inverse=True)
-    if len(distinct) == rows:
-        return None
-    # prefixes: each distinct prompt, left-padded to the longest
-    prefix_len = (distinct >= 0).sum(dim=1)  # [D]
-    width_p = int(prefix_len.max())
-    source = torch.arange(width_p)[None, :] - (width_p - prefix_len)[:, None]
-    prefix_mask = source >= 0
-    prefix_ids = torch.where(prefix_mask, distinct.gather(1, source.clamp(min=0)), 0)
-    prefix_positions = (prefix_mask.long().cumsum(-1) - 1).clamp(min=0)
-    # suffixes: the response but its last token, right-padded
-    suffix_len = (attention.sum(dim=1) - prompt - 1).clamp(min=0)  # [B]
-    width_s = int(suffix_len.max())
-    columns = prompt[:, None] + torch.arange(width_s)  # [B, S] in the row's input_ids
-    suffix_mask = torch.arange(width_s)[None, :] < suffix_len[:, None]
-    suffix_ids = torch.where(suffix_mask, ids.gather(1, columns.clamp(max=width - 1)), 0)
-    return SharedPrompts(ids, prefix_ids, prefix_mask.long(), prefix_positions, index, suffix_ids, columns,
-                         torch.cat([prefix_mask[index], suffix_mask], dim=1).long())
+    ``batch``; None where it would save nothing (no prompt repeats). The one planner's
+    (``offpolicy.speed.shared_prompt.plan``)."""
+    # positions[:, 0] = len(prompt) − 1 (``to_batch``)
+    return plan(batch.input_ids, batch.attention_mask, batch.positions[:, 0] + 1)
 
 
 class Counted(NamedTuple):

@@ -65,8 +65,10 @@ import torch.nn.functional as F
 from offpolicy.config import ConfigError
 from offpolicy.kept_set import FlatKept, KeptIds
 from offpolicy.metrics import Metrics
-from offpolicy.policy.batch import Batch, SharedPrompts
+from offpolicy.policy.batch import Batch
 from offpolicy.sampling import SamplingConfig, outside_mass_metrics, renormalize_logprobs
+from offpolicy.speed import shared_prompt
+from offpolicy.speed.shared_prompt import SharedPrompts
 
 # one fp32 [C, V] buffer (a chunk's peak holds a handful): on CUDA large enough that a chunk's kernels
 # are not launch-bound (128 MiB: 220 tokens at V = 151,936); on the CPU, where nothing is launched,
@@ -129,49 +131,20 @@ def decoder_hidden(model, input_ids: torch.Tensor, attention_mask: torch.Tensor)
 
 def shared_plan(model, batch: Batch) -> SharedPrompts | None:
     """The plan that computes each repeated prompt once (``Batch.counted.shared``, made on the host by
-    ``score.to_device``) where it serves this batch and this model: the batch's own ``input_ids``, and a
-    decoder whose cache is plain per-layer KV (``DynamicLayer``: no sliding window, no linear attention)
-    with torch's SDPA attention, outside gradient checkpointing (which turns the cache off). Else None: the
-    whole rows are run. SDPA only: the left-padded prefixes have query rows that attend to nothing, which
-    SDPA returns as zeros, while the eager attention of an fp64 model turns them into NaN that reach the
-    next layer's keys and values (and a NaN value times its zero weight is NaN)."""
+    ``score.to_device``) where it serves this batch and this model, else None: the whole rows are run. The one
+    planner decides (``offpolicy.speed.shared_prompt.serves``: the batch's own ``input_ids``, an eligible model —
+    its gate, plain per-layer KV, SDPA, rotary frequencies that do not depend on the forward's length — and no
+    gradient checkpointing while training)."""
     counted = batch.counted
     plan = None if counted is None else counted.shared
-    if plan is None or plan.input_ids is not batch.input_ids:
-        return None
-    if getattr(model.config, "_attn_implementation", None) != "sdpa":
-        return None
-    if getattr(model, "is_gradient_checkpointing", False) and model.training:
-        return None
-    from transformers.cache_utils import DynamicCache, DynamicLayer
-
-    cache = DynamicCache(config=model.config)
-    if not cache.layers or not all(type(layer) is DynamicLayer for layer in cache.layers):
-        return None
-    return plan
+    return plan if shared_prompt.serves(model, plan, batch.input_ids) else None
 
 
 def shared_decoder_hidden(model, plan: SharedPrompts) -> torch.Tensor:
     """The decoder's last hidden states that predict each row's response tokens, ``[B, S + 1, H]`` (column t
-    predicts response token t; ``SharedPrompts``): the distinct prompts once, their KV cache and last hidden
-    state copied to each row (``index_select``, whose backward sums the rows' gradients into their prompt's),
-    then every row's response attending through that cache. The same function of the weights as
-    ``decoder_hidden`` at those positions; the prompts' share of the GEMMs is computed once a group (the
-    embedded default's train stage: 45 → 31 ms, issue #49)."""
-    from transformers.cache_utils import DynamicCache
-
-    decoder = model.get_decoder()
-    cache = DynamicCache(config=model.config)
-    out = decoder(input_ids=plan.prefix_ids, attention_mask=plan.prefix_mask, position_ids=plan.prefix_positions,
-                  past_key_values=cache, use_cache=plan.suffix_ids.shape[1] > 0)
-    last = (out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0])[:, -1:]  # [D, 1, H]
-    first = last.index_select(0, plan.index)  # [B, 1, H]: response token 0's
-    if plan.suffix_ids.shape[1] == 0:
-        return first
-    cache.reorder_cache(plan.index)
-    out = decoder(input_ids=plan.suffix_ids, attention_mask=plan.attention_mask, position_ids=plan.suffix_positions,
-                  past_key_values=cache, use_cache=True)
-    return torch.cat([first, out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]], dim=1)
+    predicts response token t; ``offpolicy.speed.shared_prompt.decoder_hidden``): the prompts' share of the GEMMs
+    computed once a group (the embedded default's train stage: 45 → 31 ms, issue #49)."""
+    return shared_prompt.decoder_hidden(model, plan)
 
 
 def capped(lin: torch.Tensor, softcap: float | None) -> torch.Tensor:

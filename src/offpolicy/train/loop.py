@@ -52,7 +52,8 @@ from offpolicy.engines import EngineError, make_engine, perturb
 from offpolicy.engines.choice import parameter_count
 from offpolicy.metrics import Metrics
 from offpolicy.policy.batch import to_batch
-from offpolicy.policy.cpu_linear import use_onednn_linear
+from offpolicy.speed import run_paths
+from offpolicy.speed.cpu_linear import use_onednn_linear
 from offpolicy.policy.score import Scorer, device_index, load_policy
 from offpolicy.policy.warmstart import exact_match_accuracy, model_dir, warm_start_progress
 from offpolicy.sampling import SamplingConfig
@@ -450,7 +451,7 @@ def load(run: Run, checkpoint: Path | None, progress: bool) -> None:
     run.completed = run.saved = state["step"]
     run.version = state["version"]
     print_header(run, engine_name, engine_reason, f"{torch.get_num_threads()} ({threads_reason})", linear)
-    start_engine(run, engine_name, load_from)
+    start_engine(run, engine_name, load_from, linear)
     # no π_old forward where it equals sg(π_θ) exactly, or where the loss never reads it
     run.single = single_update(cfg, policy)
     run.skip_old = run.single or (not uses_old(run.loss_cfg) and not cfg.recompute_old)
@@ -480,7 +481,7 @@ def print_header(run: Run, engine_name: str, engine_reason: str, threads: str, l
         console.print(f"  engine {engine_name}: {engine_reason.removeprefix('auto: ')} (engine=auto)")
 
 
-def start_engine(run: Run, engine_name: str, load_from: Path) -> None:
+def start_engine(run: Run, engine_name: str, load_from: Path, linear: str) -> None:
     """The rollout engine on the model at ``load_from``, with the trainer's weights (at ``run.version``) synced."""
     cfg, device = run.cfg, run.device
     context = cfg.max_prompt_tokens + cfg.max_new_tokens if cfg.task == "dataset" else 1024
@@ -491,6 +492,11 @@ def start_engine(run: Run, engine_name: str, load_from: Path) -> None:
                              gpu_memory_utilization=cfg.engine_gpu_memory_utilization,
                              sleep=cfg.engine_sleep and cfg.max_staleness == 0, vllm_options=cfg.vllm.model_dump(),
                              cpu_linear=cfg.cpu_linear)
+    paths = run_paths(run.policy, linear, run.engine)  # the gated speed paths (offpolicy.speed): which ran and why
+    if run.created:
+        add_resolved(run.run_dir, {"speed_paths": paths})
+    for gate, reason in paths.items():
+        run.console.print(f"  {gate}: {reason}")
     run.engine_bytes = torch.cuda.memory_allocated(device) - before if device.type == "cuda" else 0
     run.engine.sync_weights(engine_weights(run.policy, cfg, run.version, snapshot=False))
 

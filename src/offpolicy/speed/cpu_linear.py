@@ -12,6 +12,9 @@ linear), with no derivative, so ``OneDNNLinearFunction`` gives it one from the s
 Same math as ``F.linear``; only the order of the fp32 sums differs (the GEMM library's blocking), as between
 any two BLAS builds. Inputs outside oneDNN's fp32 path (another dtype or device, autocast, no rows) go
 through ``F.linear`` unchanged.
+
+A private op, so gated (``offpolicy.speed.gates.ONEDNN_LINEAR``): on a torch whose release series it was not
+checked against, the layers stay ``F.linear`` and the run's header says why.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from typing import Literal
 
 import torch
 import torch.nn.functional as F
+
+from offpolicy.speed.gates import ONEDNN_LINEAR, decide, installed_version
 
 
 # without a gradient, inputs of fewer rows than this go through F.linear (OneDNNLinear.forward)
@@ -85,8 +90,9 @@ class OneDNNLinear(torch.nn.Linear):
 def use_onednn_linear(model: torch.nn.Module, mode: Literal["auto", "onednn", "torch"], device: torch.device,
                       dtype: str) -> str:
     """With ``mode`` auto or onednn, on a CPU trainer in fp32: every ``nn.Linear`` of ``model`` (exactly that
-    class: subclasses keep their own forward) becomes a ``OneDNNLinear``. Returns what the linear layers run
-    through, for the run's header.
+    class: subclasses keep their own forward) becomes a ``OneDNNLinear``, where this torch is one the path was
+    checked against (``ONEDNN_LINEAR``). Returns what the linear layers run through and why, for the run's
+    header.
 
     Raises:
         ValueError: ``cpu_linear=onednn`` where this torch has no oneDNN linear.
@@ -100,7 +106,10 @@ def use_onednn_linear(model: torch.nn.Module, mode: Literal["auto", "onednn", "t
             raise ValueError("cpu_linear=onednn: this torch has no oneDNN linear (torch.ops.mkldnn._linear_pointwise; "
                              "torch.backends.mkldnn.is_available() is False). Fix: cpu_linear=auto or torch")
         return "torch's F.linear (this torch has no oneDNN linear)"
+    gate = decide(ONEDNN_LINEAR)
+    if not gate.fast:
+        return f"{gate.reason} (cpu_linear={mode})"
     layers = [m for m in model.modules() if type(m) is torch.nn.Linear]
     for layer in layers:
         layer.__class__ = OneDNNLinear
-    return f"oneDNN ({len(layers)} layers; cpu_linear={mode})"
+    return f"oneDNN ({len(layers)} layers; cpu_linear={mode}; torch {installed_version('torch')}: checked)"

