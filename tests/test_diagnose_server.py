@@ -659,6 +659,22 @@ def test_a_redirect_within_the_origin_is_followed_with_the_key():
         assert len(server.seen) == 3
 
 
+def test_a_redirect_loop_and_a_redirected_post_are_refused():
+    """A GET sent round in circles on the same origin stops after 5 hops; a POST is never redirected, even on
+    the same origin (a 302 would turn it into a GET without its body)."""
+    from offpolicy.engines.server import ServerConfig, request_json
+
+    with Redirector() as server:
+        server.target = server.url
+        with pytest.raises(ServerError, match="more than 5 redirects"):
+            request_json(ServerConfig(url=server.url, retries=0), "/v1/models")
+        assert len(server.seen) == 6
+        with pytest.raises(ServerError, match=r"POST .*/v1/completions answered HTTP 302 Found, a redirect to "
+                                              r"http://127\.0\.0\.1:\d+: not followed"):
+            request_json(ServerConfig(url=server.url, retries=0), "/v1/completions", {"prompt": [1]})
+        assert len(server.seen) == 7
+
+
 @pytest.mark.parametrize("bad, said", [("sk-abc123\r", "a carriage return (\\r) at its end"),
                                        ("sk-abc123\n", "a line feed (\\n) at its end"),
                                        ("sk-a\x07bc123", "the character U+0007 at character 5 of 10"),

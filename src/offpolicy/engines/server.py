@@ -32,18 +32,17 @@ finished response is left out of the text (vLLM never detokenizes it, while
 prompt (vLLM primes its ``DecodeStream`` with the prompt ids), which keeps a first word's leading
 space that a SentencePiece decoder strips at the start of a text.
 
-Requests run concurrently on a bounded thread pool, each with a timeout and retries with
-exponential backoff on connection errors, timeouts, HTTP 429 and 5xx (never on another 4xx: a
-refusal is reported as it came, status and body; never on a TLS failure: a certificate the client
-does not trust is no server that is down). The API key never leaves the origin of ``--engine-url``:
-a redirect to another scheme, host or port is refused, not followed (urllib's default handler would
-copy the ``Authorization`` header to any host), and the key and a URL's credentials are never
-echoed. The standard library only: no HTTP dependency.
+Requests run concurrently on a bounded pool of daemon threads sharing one httpx client, each with a
+timeout and retries with exponential backoff on connection errors, timeouts, HTTP 429 and 5xx (never
+on another 4xx: a refusal is reported as it came, status and body; never on a TLS failure: a
+certificate the client does not trust is no server that is down). The API key never leaves the origin
+of ``--engine-url``: httpx follows no redirect here (``follow_redirects=False``); ``follow`` follows a
+GET's redirect within the origin and refuses one to another scheme, host or port (where httpx would
+drop the key but still send the request), and the key and a URL's credentials are never echoed.
 """
 
 from __future__ import annotations
 
-import http.client
 import json
 import math
 import re
@@ -51,14 +50,13 @@ import secrets
 import ssl
 import threading
 import time
-import urllib.error
 import urllib.parse
-import urllib.request
 import queue
 from pathlib import Path
 from collections.abc import Iterator
 from typing import Any
 
+import httpx
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 
 from offpolicy.engines.base import Rollouts, SamplingConfig
@@ -172,30 +170,40 @@ def _hint(status: int, path: str) -> str:
     return ""
 
 
-def _origin(url: str) -> tuple[str, str, int | None]:
-    parts = urllib.parse.urlsplit(url)
+def _origin(url: str | httpx.URL) -> tuple[str, str, int | None]:
+    parts = urllib.parse.urlsplit(str(url))
     scheme = parts.scheme.lower()
     return scheme, (parts.hostname or "").lower(), parts.port or {"http": 80, "https": 443}.get(scheme)
 
 
-class SameOriginRedirects(urllib.request.HTTPRedirectHandler):
-    """Follow a redirect of a GET within the origin (scheme, host, port) of the URL asked; refuse any other.
-
-    urllib's default handler re-sends every header, ``Authorization`` included, to wherever ``Location``
-    points: another host would receive the API key. A redirected POST would lose its body (301–303
-    turn it into a GET). A refusal names the target's origin only (its path and query stay out)."""
-
-    def redirect_request(self, req, fp, code, msg, headers, newurl):
-        if _origin(newurl) != _origin(req.full_url) or req.get_method() != "GET":
-            scheme, host, port = _origin(newurl)
-            fp.close()
-            raise ServerError(f"{req.get_method()} {req.full_url} answered HTTP {code} {msg}, a redirect to "
-                              f"{scheme}://{host}:{port}: not followed (the request would lose its body, or the API "
-                              "key would go to another origin). Pass the server's own address as --engine-url")
-        return super().redirect_request(req, fp, code, msg, headers, newurl)
+REDIRECTS = 5  # same-origin hops a GET may take (a path moved, a trailing slash added)
 
 
-OPENER = urllib.request.build_opener(SameOriginRedirects)  # the default handlers, this redirect rule
+def follow(client: httpx.Client, method: str, url: str, headers: dict[str, str], data: bytes | None) -> httpx.Response:
+    """One request, its redirects decided here, never by httpx (``follow_redirects=False``): a GET redirected
+    within the origin (scheme, host, port) of the URL asked is followed with the same headers, the API key
+    included; any other redirect is refused. httpx would drop ``Authorization`` across origins but still
+    send the request (and its body) there, and a 301–303 would turn the POST into a body-less GET. A refusal
+    names the target's origin only (its path and query stay out).
+
+    Raises:
+        ServerError: a redirect to another origin, of a POST, or more than ``REDIRECTS`` hops.
+        httpx.HTTPError: the transport failed (``request_json`` triages it).
+    """
+    for _ in range(REDIRECTS + 1):
+        response = client.request(method, url, headers=headers, content=data)
+        if not response.is_redirect:
+            return response
+        target = str(response.url.join(response.headers["Location"]))
+        response.close()
+        if _origin(target) != _origin(url) or method != "GET":
+            scheme, host, port = _origin(target)
+            raise ServerError(f"{method} {url} answered HTTP {response.status_code} {response.reason_phrase}, a "
+                              f"redirect to {scheme}://{host}:{port}: not followed (the request would lose its body, "
+                              "or the API key would go to another origin). Pass the server's own address as "
+                              "--engine-url")
+        url = target
+    raise ServerError(f"{method} {url}: more than {REDIRECTS} redirects; pass the server's own address as --engine-url")
 
 
 # a TLS connection cut (a server restarting, a proxy timing out): retried as any connection error
@@ -213,17 +221,47 @@ def _tls_error(method: str, url: str, reason: BaseException) -> ServerError:
                        "port? (a plain-http server: --engine-url http://…)")
 
 
+def _root(err: BaseException) -> BaseException:
+    """The first cause httpx wrapped (httpx.ConnectError ← httpcore.ConnectError ← ssl.SSLError / OSError)."""
+    seen = {id(err)}
+    while (err.__cause__ or err.__context__) is not None and id(err.__cause__ or err.__context__) not in seen:
+        err = err.__cause__ or err.__context__
+        seen.add(id(err))
+        if isinstance(err, (ssl.SSLError, OSError)):
+            return err
+    return err
+
+
+def client(config: ServerConfig) -> httpx.Client:
+    """An HTTP client for ``config``'s server, shared by a run's threads (httpx's pool is thread-safe):
+
+    * ``follow_redirects=False``: ``follow`` decides each redirect;
+    * the trust store is the system's (``ssl.create_default_context()``, which reads ``SSL_CERT_FILE``
+      and ``SSL_CERT_DIR``), as the standard library's client had it — not certifi's bundle, httpx's
+      default, where a CA the machine trusts would be missing;
+    * ``timeout``: each connect, read and write (not the whole exchange);
+    * proxies from the environment (``HTTPS_PROXY``, ``NO_PROXY``), as before; no ``.netrc``
+      credentials (httpx 0.28 reads none unless asked).
+    """
+    return httpx.Client(follow_redirects=False, timeout=config.timeout, verify=ssl.create_default_context(),
+                        limits=httpx.Limits(max_connections=config.concurrency,
+                                            max_keepalive_connections=config.concurrency))
+
+
 def request_json(config: ServerConfig, path: str, body: dict[str, Any] | None = None,
-                 stop: threading.Event | None = None) -> dict[str, Any]:
+                 stop: threading.Event | None = None, http: httpx.Client | None = None) -> dict[str, Any]:
     """One JSON exchange (GET without ``body``, POST with it), retried on a connection error, a
     timeout, HTTP 429 or 5xx after ``backoff · 2^k`` seconds (or the server's Retry-After), at most
     ``retries`` times; ``stop`` set (another request failed) ends the retries early. Redirects:
-    ``SameOriginRedirects``.
+    ``follow``. ``http``: the run's client (else one is opened for this exchange).
 
     Raises:
         ServerError: another HTTP status (with its body), retries exhausted (with the last cause),
             a TLS failure (at once), a redirect to another origin, or an answer that is not a JSON object.
     """
+    if http is None:
+        with client(config) as own:
+            return request_json(config, path, body, stop, own)
     url = config.url + path
     method = "GET" if body is None else "POST"
     headers = {"Accept": "application/json"}
@@ -236,25 +274,27 @@ def request_json(config: ServerConfig, path: str, body: dict[str, Any] | None = 
     for attempt in range(config.retries + 1):
         wait_s = config.backoff * 2 ** attempt
         try:
-            request = urllib.request.Request(url, data=data, headers=headers, method=method)
-            with OPENER.open(request, timeout=config.timeout) as response:
-                raw = response.read()
-            break
-        except urllib.error.HTTPError as err:
-            text = _one_line(err.read().decode("utf-8", "replace"))
-            if err.code != 429 and err.code < 500:  # a refusal: asking again gets the same answer
-                raise ServerError(f"{method} {url} answered HTTP {err.code} {err.reason}: {text or '(empty body)'}"
-                                  f"{_hint(err.code, path)}") from None
-            last = f"HTTP {err.code} {err.reason}: {text or '(empty body)'}"
-            retry_after = err.headers.get("Retry-After", "") if err.headers else ""
-            if retry_after.strip().isdigit():
-                wait_s = min(float(retry_after), 60.0)
-        except (TimeoutError, urllib.error.URLError, ConnectionError, http.client.HTTPException, OSError) as err:
-            reason = getattr(err, "reason", err)
+            response = follow(http, method, url, headers, data)
+        except httpx.TimeoutException:
+            last = f"timed out after {config.timeout:g} s"
+        except httpx.TransportError as err:
+            reason = _root(err)
             if isinstance(reason, ssl.SSLError) and not isinstance(reason, TLS_TRANSIENT):
                 raise _tls_error(method, url, reason) from None  # asking again gets the same certificate
-            last = (f"timed out after {config.timeout:g} s" if isinstance(reason, TimeoutError)
-                    else f"{type(reason).__name__}: {reason}")
+            last = f"{type(reason).__name__}: {reason}"
+        else:
+            if response.is_success:
+                raw = response.content
+                break
+            text = _one_line(response.content.decode("utf-8", "replace"))
+            code, phrase = response.status_code, response.reason_phrase
+            if code != 429 and code < 500:  # a refusal: asking again gets the same answer
+                raise ServerError(f"{method} {url} answered HTTP {code} {phrase}: {text or '(empty body)'}"
+                                  f"{_hint(code, path)}") from None
+            last = f"HTTP {code} {phrase}: {text or '(empty body)'}"
+            retry_after = response.headers.get("Retry-After", "")
+            if retry_after.strip().isdigit():
+                wait_s = min(float(retry_after), 60.0)
         if attempt == config.retries or (stop is not None and stop.is_set()):
             raise ServerError(f"{method} {url}: no answer after {attempt + 1} attempt(s); last: {last} "
                               f"(is the server up? --request-timeout, --retries)")
@@ -273,7 +313,7 @@ def request_json(config: ServerConfig, path: str, body: dict[str, Any] | None = 
     return answer
 
 
-def served_model(config: ServerConfig) -> dict[str, Any]:
+def served_model(config: ServerConfig, http: httpx.Client | None = None) -> dict[str, Any]:
     """The model card (``id``; vLLM adds ``root``, the path it loaded, and ``max_model_len``) that
     requests name: ``--served-model-name`` when given, else the only model ``/v1/models`` lists.
 
@@ -281,7 +321,7 @@ def served_model(config: ServerConfig) -> dict[str, Any]:
         ServerError: the server is unreachable, lists no model, several without a choice, or not
             the one asked for.
     """
-    answer = request_json(config, "/v1/models")
+    answer = request_json(config, "/v1/models", http=http)
     cards = [c for c in answer.get("data") or [] if isinstance(c, dict) and isinstance(c.get("id"), str)]
     names = [c["id"] for c in cards]
     if config.served_model is not None:
@@ -546,6 +586,26 @@ def bounded(job, count: int, workers: int):
         stop.set()
 
 
+def run_all(job, count: int, workers: int, console, name: str) -> None:
+    """``bounded(job, count, workers)`` to the end, with a progress bar on ``console`` (when given)."""
+    progress = None
+    if console is not None:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        progress = Progress(TextColumn("server {task.description}"), BarColumn(), MofNCompleteColumn(),
+                            TimeElapsedColumn(), console=console, transient=True)
+    try:
+        if progress is not None:
+            progress.start()
+            task = progress.add_task(name, total=count)
+        for _ in bounded(job, count, workers):
+            if progress is not None:
+                progress.advance(task)
+    finally:
+        if progress is not None:
+            progress.stop()
+
+
 def generate(config: ServerConfig, tokenizer, prompts: list[list[int]], sampling: SamplingConfig, seed: int = 0,
              model_path: Path | None = None, console=None,
              vocab_size: int | None = None) -> tuple[Rollouts, dict[str, Any]]:
@@ -557,33 +617,19 @@ def generate(config: ServerConfig, tokenizer, prompts: list[list[int]], sampling
     Raises:
         ServerError: see ``request_json``, ``served_model``, ``parse_completion``.
     """
-    card = served_model(config)
-    name = card["id"]
-    salt = run_cache_salt() if config.cache_salt else None
-    bodies = [completion_body(name, p, sampling, seed * 1_000_003 + i, salt) for i, p in enumerate(prompts)]
-    results: list[dict[str, Any] | None] = [None] * len(prompts)
+    with client(config) as http:
+        card = served_model(config, http)
+        name = card["id"]
+        salt = run_cache_salt() if config.cache_salt else None
+        bodies = [completion_body(name, p, sampling, seed * 1_000_003 + i, salt) for i, p in enumerate(prompts)]
+        results: list[dict[str, Any] | None] = [None] * len(prompts)
 
-    def one(i: int, stop: threading.Event) -> None:
-        answer = request_json(config, "/v1/completions", bodies[i], stop)
-        results[i] = parse_completion(answer, i, prompts[i], tokenizer, vocab_size)
+        def one(i: int, stop: threading.Event) -> None:
+            answer = request_json(config, "/v1/completions", bodies[i], stop, http)
+            results[i] = parse_completion(answer, i, prompts[i], tokenizer, vocab_size)
 
-    start = time.perf_counter()
-    progress = None
-    if console is not None:
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-        progress = Progress(TextColumn("server {task.description}"), BarColumn(), MofNCompleteColumn(),
-                            TimeElapsedColumn(), console=console, transient=True)
-    try:
-        if progress is not None:
-            progress.start()
-            task = progress.add_task(name, total=len(prompts))
-        for _ in bounded(one, len(prompts), config.concurrency):
-            if progress is not None:
-                progress.advance(task)
-    finally:
-        if progress is not None:
-            progress.stop()
+        start = time.perf_counter()
+        run_all(one, len(prompts), config.concurrency, console, name)
     seconds = time.perf_counter() - start
     rows = [r for r in results if r is not None]
     rollouts = Rollouts(prompt_ids=[list(p) for p in prompts], response_ids=[r["ids"] for r in rows],
