@@ -403,3 +403,68 @@ def test_vllm_cpu_cannot_return_masks_and_says_why(tiny_qwen2_dir):
         assert rollouts.kept is None and len(rollouts.response_ids[0]) == 3  # the trainer recomputes the set
     finally:
         engine.close()
+
+
+@pytest.mark.skipif(VLLM_ERROR is not None, reason=f"vLLM does not import ({VLLM_ERROR})")
+def test_where_the_build_can_the_engine_asks_for_masks_and_hands_them_on(monkeypatch, tiny_qwen2_dir):
+    """A build with Triton (a GPU's; the fakes of tests/vllm_fakes.py stand in for vLLM, bound to its own
+    signatures): ``LLM(return_sampling_mask=True)``, each response's masks become ``Rollouts.kept`` (ids
+    ascending); a mask vLLM leaves out is an EngineError, never the trainer's own set in silence; where
+    vLLM refuses the masks only at start (a Model Runner V2 feature it finds missing then), the engine
+    starts again without them and keeps vLLM's reason."""
+    import vllm
+    import vllm_fakes
+    from vllm.outputs import SamplingMask
+
+    from offpolicy.engines import EngineError
+    from offpolicy.engines.vllm import VLLMEngine
+
+    fake = vllm_fakes.install(monkeypatch, "cuda")
+    monkeypatch.setattr("vllm.triton_utils.HAS_TRITON", True)
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+
+    class MaskingLLM(fake):
+        drop = False
+
+        def generate(self, *args, **kwargs):
+            outputs = super().generate(*args, **kwargs)
+            for out in outputs:
+                completion = out.outputs[0]
+                completion.sampling_mask = None if MaskingLLM.drop else SamplingMask(
+                    [[(y + 7) % 40, y, (y + 1) % 40] for y in completion.token_ids])
+            return outputs
+
+    monkeypatch.setattr(vllm, "LLM", MaskingLLM)
+    truncated = SamplingConfig(max_tokens=3, temperature=1.0, top_k=TOP_K)
+    engine = VLLMEngine(str(tiny_qwen2_dir), dtype="bf16", max_model_len=128, sampling=truncated)
+    try:
+        assert engine.sampling_mask_blocker is None and fake.instances[-1].kwargs["return_sampling_mask"] is True
+        rollouts = engine.generate([[3, 4], [5]], truncated, seed=0, version=0)
+        kept = rollouts.kept
+        assert kept.shape == (2, 3) and kept.count.tolist() == [[3, 3, 3], [3, 3, 3]]
+        for b, ids in enumerate(rollouts.response_ids):
+            for t, y in enumerate(ids):
+                got = kept.ids[kept.start[b, t]: kept.start[b, t] + 3].tolist()
+                assert got == sorted([(y + 7) % 40, y, (y + 1) % 40])
+        MaskingLLM.drop = True
+        with pytest.raises(EngineError, match=r"returned no usable mask for response 0 \(None\).*PR #53826"):
+            engine.generate([[3, 4]], truncated, seed=0, version=0)
+    finally:
+        engine.close()
+
+    class RefusingLLM(fake):
+        def __init__(self, *args, **kwargs):
+            if kwargs.get("return_sampling_mask"):
+                raise ValueError("1 validation error for VllmConfig\n  Value error, sampling distribution replay "
+                                 "requires Model Runner V2 [type=value_error]")
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(vllm, "LLM", RefusingLLM)
+    engine = VLLMEngine(str(tiny_qwen2_dir), dtype="bf16", max_model_len=128, sampling=truncated)
+    try:
+        assert engine.sampling_mask_blocker.startswith("vLLM refused them at start: Value error, sampling "
+                                                       "distribution replay requires Model Runner V2")
+        assert "return_sampling_mask" not in fake.instances[-1].kwargs
+        assert engine.generate([[3, 4]], truncated, seed=0, version=0).kept is None
+    finally:
+        engine.close()
