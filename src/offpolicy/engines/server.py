@@ -962,7 +962,9 @@ def generate(config: ServerConfig, tokenizer, prompts: list[list[int]], sampling
                          "before the run"),
         "sampling_mask": None if not engine else mask_report(engine, rows, config.mask_logprobs),
         "alignment": {"prompt_ids": PROMPT_CHECK[prompt_level],
-                      "response_ids": "verified: returned as ids (return_token_ids / return_tokens_as_token_ids)",
+                      "response_ids": "verified: returned as ids (" + {
+                          "vllm": "choices[0].token_ids", "sglang": "output_ids"}.get(
+                          engine, "return_token_ids / return_tokens_as_token_ids") + ")",
                       "text": text_check, "text_forms": forms},
         "notes": notes,
     }
