@@ -496,13 +496,11 @@ class VLLMEngine:
         with self._failures(f"generating {len(prompt_ids)} responses"):
             self.wake()
             outputs = self.llm.generate(requests, params, use_tqdm=False)
-        responses, logprobs, finished, masks = [], [], [], []
-        for i, out in enumerate(outputs):
+        responses, logprobs, finished = [], [], []
+        for out in outputs:
             completion = out.outputs[0]
             ids = list(completion.token_ids)
             responses.append(ids)
-            if self.sampling_mask_blocker is None:
-                masks.append(_sampling_mask(completion, ids, i))
             if completion.logprobs is None:
                 logprobs.append(None)
             else:
@@ -512,7 +510,10 @@ class VLLMEngine:
             with self._failures("going to sleep"):
                 self.llm.sleep(level=1)
             self.asleep = True
-        kept = KeptIds.from_rows(masks) if self.sampling_mask_blocker is None else None
+        kept = None  # read after the engine went to sleep: a missing mask fails the run, not the engine's state
+        if self.sampling_mask_blocker is None:
+            kept = KeptIds.from_rows([_sampling_mask(out.outputs[0], ids, i)
+                                      for i, (out, ids) in enumerate(zip(outputs, responses))])
         return Rollouts(prompt_ids=[list(p) for p in prompt_ids], response_ids=responses, logprobs=logprobs,
                         finished=finished, version=version, kept=kept)
 
