@@ -406,6 +406,7 @@ def test_vllm_cpu_cannot_return_masks_and_says_why(tiny_qwen2_dir):
 
 
 @pytest.mark.skipif(VLLM_ERROR is not None, reason=f"vLLM does not import ({VLLM_ERROR})")
+@pytest.mark.xdist_group("real-model")  # vLLM's modules imported by that group's worker, once a run (test_vllm_api.py)
 def test_where_the_build_can_the_engine_asks_for_masks_and_hands_them_on(monkeypatch, tiny_qwen2_dir):
     """A build with Triton (a GPU's; the fakes of tests/vllm_fakes.py stand in for vLLM, bound to its own
     signatures): ``LLM(return_sampling_mask=True)``, each response's masks become ``Rollouts.kept`` (ids
