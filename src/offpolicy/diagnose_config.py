@@ -147,7 +147,8 @@ class DiagnoseConfig(_Strict):
                                json_schema_extra={"metavar": "TRACKERS"})
     sampling_mask: Literal["vllm", "sglang"] | None = Field(
         None, description="ask the server for each token's kept set (its sampling mask) and replay it in the trainer: "
-        "vllm = /inference/v1/generate of a server started with --return-sampling-mask, sglang = /generate with "
+        "vllm = /inference/v1/generate of a vLLM server started with its return_sampling_mask option, sglang = "
+        "/generate with "
         "return_sampling_mask; needs --top-k K >= 1 (both engines bound a mask by it)",
         json_schema_extra={"group": SERVER})
     sampling_mask_logprobs: bool = Field(
