@@ -97,7 +97,7 @@ class _SampledLogprobs(LogitsProcessor):
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         self.pending = scores.float().log_softmax(-1)
         if self.kept is not None:
-            self.kept.add(scores > float("-inf"))
+            self.kept.add(scores > float("-inf"), self.pending)  # and q_v of each kept id (score centering)
         return scores
 
 
