@@ -271,8 +271,15 @@ def test_only_the_reference_computes_it_and_the_config_is_checked():
         with pytest.raises(ValueError, match="does not cover"):
             op.policy_loss(lp, None, torch.ones(1, 1), torch.ones(1, 1), lp, cfg, implementation=rung,
                            support_logprobs=lp.unsqueeze(-1), support_rollout_logprobs=lp.unsqueeze(-1))
-    with pytest.raises(ValueError, match="needs support_logprobs"):
-        op.policy_loss(lp, None, torch.ones(1, 1), torch.ones(1, 1), lp, cfg)
+    with pytest.raises(ValueError, match="needs both support_logprobs"):
+        op.policy_loss(lp, None, torch.ones(1, 1), torch.ones(1, 1), lp, cfg, support_logprobs=lp.unsqueeze(-1))
+    # no support recorded (a host, diagnose, an engine without sets): no centring, and the metric says so
+    plain, _ = op.policy_loss(lp, None, torch.ones(1, 1), torch.ones(1, 1), lp, cfg.model_copy(update={"score_centering": None}))
+    bare, metrics = op.policy_loss(lp, None, torch.ones(1, 1), torch.ones(1, 1), lp, cfg)
+    assert bare.item() == plain.item() and metrics["score_centering/applied"] == 0.0
+    _, metrics = op.policy_loss(lp, None, torch.ones(1, 1), torch.ones(1, 1), lp, cfg, support_logprobs=lp.unsqueeze(-1),
+                                support_rollout_logprobs=lp.unsqueeze(-1))
+    assert metrics["score_centering/applied"] == 1.0
     with pytest.raises(ValueError, match="which is off"):
         op.policy_loss(lp, None, torch.ones(1, 1), torch.ones(1, 1), lp, {"correction": {"anchor": "rollout"}},
                        support_logprobs=lp.unsqueeze(-1), support_rollout_logprobs=lp.unsqueeze(-1))

@@ -47,7 +47,10 @@ def _check(name: str, tensor: torch.Tensor | None, like: torch.Tensor) -> None:
 
 def validate_support(cfg: LossConfig, mask: torch.Tensor, support_logprobs, support_rollout_logprobs,
                      support_old_logprobs) -> None:
-    """The support tensors are given when (and only when) ``score_centering`` is set, with one shape.
+    """The support tensors are given only when ``score_centering`` is set, together and with one shape.
+    With ``score_centering`` set and none given, the loss is not centred (prime-rl: "samples without
+    sampler mask logprobs get no centering"): a host, ``diagnose`` or a trainer that records no support
+    runs the rest of the loss, and the metric ``score_centering/applied`` says 0.
 
     Raises:
         ValueError: a missing or extra tensor, or a shape or dtype that does not fit.
@@ -58,9 +61,11 @@ def validate_support(cfg: LossConfig, mask: torch.Tensor, support_logprobs, supp
             raise ValueError("support_logprobs / support_rollout_logprobs / support_old_logprobs feed score centering, "
                              "which is off: set loss.score_centering to 'exact' or 'head', or leave them out")
         return
+    if support_logprobs is None and support_rollout_logprobs is None and support_old_logprobs is None:
+        return  # no support recorded: no centring (as prime-rl), reported as score_centering/applied = 0
     if support_logprobs is None or support_rollout_logprobs is None:
-        raise ValueError(f"score_centering '{cfg.score_centering}' needs support_logprobs (log p_v of the trainer, with "
-                         "grad) and support_rollout_logprobs (log q_v of the sampler, −inf where a row is padded), "
+        raise ValueError(f"score_centering '{cfg.score_centering}' needs both support_logprobs (log p_v of the trainer, "
+                         "with grad) and support_rollout_logprobs (log q_v of the sampler, −inf where a row is padded), "
                          "[B, T, K] over the same token ids")
     for name, tensor in (("support_logprobs", support_logprobs), ("support_rollout_logprobs", support_rollout_logprobs),
                          ("support_old_logprobs", support_old_logprobs)):

@@ -233,9 +233,13 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, rollout_logprobs, conf
             term = cfg.kl_coef * (kl if kl_weights is None else kl * kl_weights)
             per_token = per_token + torch.where(kl_mask, term, zero)
     if cfg.score_centering is not None:
-        # sg(A_t)·Σ_v sg(q_v c_v)·log p_v on every valid token of a kept row (offpolicy.centering)
-        per_token = per_token + centering.score_centering_term(
-            cfg, corr if corr_cfg is not None else None, valid, advantages, *support, metrics)
+        # sg(A_t)·Σ_v sg(q_v c_v)·log p_v on every valid token of a kept row (offpolicy.centering); without a
+        # recorded support, none (as prime-rl), and the metric says so
+        applied = support is not None and support[0] is not None
+        metrics.mean("score_centering/applied", torch.full_like(valid, applied), valid)
+        if applied:
+            per_token = per_token + centering.score_centering_term(
+                cfg, corr if corr_cfg is not None else None, valid, advantages, *support, metrics)
     if old is not None:
         log_r = (lp - old).detach().clamp(-RATIO_LOG_CLAMP, RATIO_LOG_CLAMP)
         metrics.mean("approx_kl", torch.expm1(log_r) - log_r, loss_mask)  # k3 of π_θ vs π_old (expm1: no fp32 floor)
