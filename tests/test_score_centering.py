@@ -311,3 +311,67 @@ def test_support_logprobs_from_logits_match_the_replayed_and_full_distributions(
     assert torch.isfinite(z.grad).all()
     head = support_logprobs(logits, ids[..., :3], torch.ones(2, 3, 3, dtype=torch.bool), "head")
     torch.testing.assert_close(head, torch.log_softmax(logits, -1)[..., :3])
+
+
+def skyrl_2244_term(current, old, behavior, adv, mask, tis_cap, eps_low, eps_high, floor=1e-6):
+    """SkyRL #2244's ``ppo_tis_score_centering_correction`` (open PR; skyrl_train/objective/score_centering.py
+    on its branch), written out from its code: the per-token term added before the loss reduction, over
+    the sampler's top-k head with the tail modelled as rescaled copies of p (log-ratios clipped at ±20)."""
+    def ratio(a, b):
+        return (a - b).clamp(-20, 20).exp()
+
+    p_m, o_m, q_m = current.exp(), old.exp(), behavior.exp()
+    p_tail = (1 - p_m.sum(-1)).clamp_min(floor)
+    o_tail = (1 - o_m.sum(-1)).clamp_min(floor)
+    q_tail = (1 - q_m.sum(-1)).clamp_min(floor)
+    ppo_ratio = ratio(current, old)
+    tis = ratio(old, behavior).clamp(max=tis_cap)
+    positive = adv.unsqueeze(-1) >= 0
+    active = torch.where(positive, ppo_ratio <= 1 + eps_high, ppo_ratio >= 1 - eps_low)
+    head = q_m * tis * ppo_ratio * active
+    tail_ratio = p_tail / o_tail
+    tail_active = torch.where(adv >= 0, tail_ratio <= 1 + eps_high, tail_ratio >= 1 - eps_low)
+    tail = (q_tail / p_tail) * (o_tail / q_tail).clamp(max=tis_cap) * tail_ratio * tail_active
+    residual = head - tail.unsqueeze(-1) * p_m
+    return (adv * (residual.detach() * current).sum(-1)).masked_fill(~mask, 0)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_head_form_is_skyrl_2244s_with_anchor_old_token_tis_and_ppo_clip(seed):
+    g = torch.Generator().manual_seed(seed)
+    B, T, V, K = 2, 5, 12, 4
+    z_p, z_o, z_q = (torch.randn(B, T, V, generator=g) for _ in range(3))
+    z_o, z_q = z_p + 0.3 * z_o, z_p + 0.8 * z_q
+    lq_full = torch.log_softmax(z_q, -1)
+    head = lq_full.topk(K, dim=-1).indices  # the sampler's top-k ids
+    sampled = torch.multinomial(lq_full.exp().view(-1, V), 1, generator=g).view(B, T)
+    adv = torch.randn(B, T, generator=g)
+    mask = torch.ones(B, T, dtype=torch.bool)
+    mask[1, 3:] = False
+    lo_full = torch.log_softmax(z_o, -1)
+    cfg = op.LossConfig(kind="ppo", clip_low=0.2, clip_high=0.28, score_centering="head",
+                        correction={"weight": {"level": "token", "mode": "truncate", "high": 2.0}})
+
+    def run(centred):
+        z = z_p.clone().requires_grad_(True)
+        lp_full = torch.log_softmax(z, -1)
+        pick = sampled.unsqueeze(-1)
+        support = dict(support_logprobs=lp_full.gather(-1, head), support_rollout_logprobs=lq_full.gather(-1, head),
+                       support_old_logprobs=lo_full.gather(-1, head)) if centred else {}
+        per_token, _, _ = op.policy_loss(
+            lp_full.gather(-1, pick).squeeze(-1), lo_full.gather(-1, pick).squeeze(-1), adv, mask.float(),
+            lq_full.gather(-1, pick).squeeze(-1), cfg if centred else cfg.model_copy(update={"score_centering": None}),
+            reduce=False, **support)
+        per_token.sum().backward()
+        return per_token.detach(), z.grad
+
+    with_term, g_with = run(True)
+    without, g_without = run(False)
+    z = z_p.clone().requires_grad_(True)
+    lp_full = torch.log_softmax(z, -1)
+    theirs = skyrl_2244_term(lp_full.gather(-1, head), lo_full.gather(-1, head), lq_full.gather(-1, head), adv, mask,
+                             tis_cap=2.0, eps_low=0.2, eps_high=0.28)
+    theirs.sum().backward()
+    torch.testing.assert_close(with_term - without, theirs.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(g_with - g_without, z.grad, rtol=1e-4, atol=1e-6)
+    assert theirs.abs().max() > 1e-3
