@@ -21,17 +21,21 @@ def _section_5() -> str:
 
 
 def _literals(field: str) -> tuple[str, ...]:
-    return typing.get_args(LossConfig.model_fields[field].annotation)
+    """The string values of a Literal field (an optional one: of the Literal inside)."""
+    out: list[str] = []
+    for arg in typing.get_args(LossConfig.model_fields[field].annotation):
+        out.extend(typing.get_args(arg) or ([arg] if isinstance(arg, str) else []))
+    return tuple(out)
 
 
 def test_the_table_names_every_option_that_changes_a_formula():
     table = _section_5()
-    for field in ("kind", "agg", "kl_mask", "kl_to", "gspo_form", "sapo_level"):
+    for field in ("kind", "agg", "kl_mask", "kl_to", "gspo_form", "sapo_level", "score_centering"):
         values = _literals(field)
         assert values, field
         missing = [v for v in values if v not in table]
         assert not missing, f"docs/specification.md §5 does not name {field} {missing}"
-    for word in ("kl_is_weight", "global_tokens", "global_seqs", "denominator", "max_len"):
+    for word in ("kl_is_weight", "global_tokens", "global_seqs", "denominator", "max_len", "ratio_value_cap"):
         assert word in table, word
 
 

@@ -111,11 +111,11 @@ def test_roll_goldens(preset, rho, want):
         ("nemorl:tis-seq-error", (1.5, 1 / 1.5), -(1.5 + 1 / 1.5) / 2, 0.5),
         ("nemorl:tis-seq-error", (2.0, 8.0), 0.0, 0.05),
         ("nemorl:icepop-seq-error", (1.5, 0.4), -0.75, 0.05),
-        ("prime-rl:icepop", (2.0, 10.0), -1.0, 0.05),
-        ("prime-rl:icepop_seq_veto", (2.0, 0.1), 0.0, 0.05),
-        ("prime-rl:icepop", (2.0, 0.1), -1.0, 0.05),
+        ("prime-rl@008468c:icepop", (2.0, 10.0), -1.0, 0.05),
+        ("prime-rl@008468c:icepop_seq_veto", (2.0, 0.1), 0.0, 0.05),
+        ("prime-rl@008468c:icepop", (2.0, 0.1), -1.0, 0.05),
         ("prime-rl:dppo", (2.0, 1.25), -0.625 + 1e-3 * (math.log(2) ** 2 + math.log(1.25) ** 2) / 2, 0.5),
-        ("prime-rl:ipo", (2.0, 1.1), -0.55 + 1e-3 * (math.log(2) ** 2 + math.log(1.1) ** 2) / 2, 0.5),
+        ("prime-rl@559b447:ipo", (2.0, 1.1), -0.55 + 1e-3 * (math.log(2) ** 2 + math.log(1.1) ** 2) / 2, 0.5),
         ("roll:segment_is", (1.1, 1.1), -1.1, 0.5),
     ],
 )
@@ -145,8 +145,9 @@ def test_new_presets_are_listed_with_summaries():
     for name in ("areal:decoupled", "areal:token_mask", "areal:token_clamp", "areal:seq_mask", "areal:seq_clamp",
                  "nemorl:tis", "nemorl:icepop", "nemorl:seq-mask-tis", "roll:token_is", "roll:geometric_is",
                  "roll:sequence_is", "roll:segment_is", "areal:m2po", "nemorl:tis-seq-error",
-                 "nemorl:icepop-seq-error", "prime-rl:icepop", "prime-rl:icepop_seq_veto", "prime-rl:dppo",
-                 "prime-rl:ipo"):
+                 "nemorl:icepop-seq-error", "prime-rl@008468c:icepop", "prime-rl@008468c:icepop_seq_veto",
+                 "prime-rl:dppo", "prime-rl@559b447:ipo", "prime-rl:ipo", "prime-rl:ipo_score_centering",
+                 "prime-rl:icepop", "prime-rl:ppo", "prime-rl:cispo"):
         assert name in out.stdout
         assert op.presets.get(name).summary and op.presets.get(name).note
 
@@ -240,12 +241,12 @@ def _prime_rl_batch(seed: int):
 @pytest.mark.parametrize("seed", [0, 1, 2])
 @pytest.mark.parametrize("preset, kl_overrides, kl_tau, kl_mask_type, squared", [
     ("prime-rl:dppo", {}, 1e-3, "all", True),               # HEAD defaults: the preset as shipped
-    ("prime-rl:ipo", {}, 1e-3, "all", True),
+    ("prime-rl@559b447:ipo", {}, 1e-3, "all", True),
     ("prime-rl:dppo", {"kl_coef": 0.2}, 0.1, "all", True),   # a kl_tau large enough to matter
-    ("prime-rl:icepop", {"kl_coef": 0.05, "kl_kind": "k1", "kl_to": "rollout", "kl_mask": "valid"}, 0.05, "all", False),
-    ("prime-rl:icepop", {"kl_coef": 0.05, "kl_kind": "k1", "kl_to": "rollout", "kl_mask": "rejected"}, 0.05,
+    ("prime-rl@008468c:icepop", {"kl_coef": 0.05, "kl_kind": "k1", "kl_to": "rollout", "kl_mask": "valid"}, 0.05, "all", False),
+    ("prime-rl@008468c:icepop", {"kl_coef": 0.05, "kl_kind": "k1", "kl_to": "rollout", "kl_mask": "rejected"}, 0.05,
      "masked", False),
-    ("prime-rl:icepop", {"kl_coef": 0.05, "kl_kind": "k1", "kl_to": "rollout", "kl_mask": "kept"}, 0.05,
+    ("prime-rl@008468c:icepop", {"kl_coef": 0.05, "kl_kind": "k1", "kl_to": "rollout", "kl_mask": "kept"}, 0.05,
      "unmasked", False),
 ])
 def test_prime_rl_kl_term_matches_its_code(seed, preset, kl_overrides, kl_tau, kl_mask_type, squared):
@@ -259,7 +260,7 @@ def test_prime_rl_kl_term_matches_its_code(seed, preset, kl_overrides, kl_tau, k
     p_diff = theta.exp() - mu.exp()
     if preset == "prime-rl:dppo":
         keep = mask & ~torch.where(adv > 0, p_diff > 0.2, p_diff < -0.2)
-    elif preset == "prime-rl:ipo":
+    elif preset == "prime-rl@559b447:ipo":
         keep = mask & ~(p_diff.abs() > 0.1)
     else:
         rho = (theta - mu).exp()

@@ -123,6 +123,28 @@ def test_steps_assemble_into_rows_and_drop_what_follows_each_response():
     assert kept.ids.numel() == int(want.sum())
 
 
+def test_recorded_log_probs_follow_their_ids_through_assembly_and_indexing():
+    """With each step's log-probs recorded, every kept id keeps its own log q_v through assemble, compact,
+    indexing and pad, and ``padded`` lays them out as [*, K] with −inf on the padding."""
+    g = torch.Generator().manual_seed(4)
+    steps = [torch.rand(3, 11, generator=g) < 0.5 for _ in range(4)]
+    logps = [torch.log_softmax(torch.randn(3, 11, generator=g), -1) for _ in steps]
+    recorder = StepRecorder()
+    for keep, lp in zip(steps, logps):
+        recorder.add(keep, lp)
+    lengths = [4, 2, 3]
+    kept = recorder.assemble(4, lengths)
+    dense_keep = torch.stack(steps, dim=1) & (torch.arange(4)[None] < torch.tensor(lengths)[:, None]).unsqueeze(-1)
+    dense_lp = torch.stack(logps, dim=1)
+    for view, rows in ((kept, slice(None)), (kept[1:], slice(1, None)), (kept.pad(6)[:, :4], slice(None))):
+        ids, logq = view.padded()
+        present = torch.isfinite(logq)
+        assert torch.equal(present.sum(-1), dense_keep[rows].sum(-1))
+        want = dense_lp[rows].gather(-1, ids)
+        assert torch.equal(logq[present], want[present])
+        assert torch.equal(dense_keep[rows].gather(-1, ids)[present], torch.ones(int(present.sum()), dtype=torch.bool))
+
+
 def test_memory_is_bounded_by_the_kept_ids_not_the_vocabulary():
     """top_k 20 at V = 49,152: 20 ids a token, 12 + 4·20 bytes, where a bool mask takes V bytes a token."""
     logits = torch.randn(64, 49_152, generator=torch.Generator().manual_seed(2))
@@ -244,9 +266,22 @@ def test_hf_engine_records_the_set_it_sampled_from(tiny, sampling):
         own = torch.isfinite(renormalize_logprobs(logits, top_p=sampling.top_p, top_k=sampling.top_k,
                                                   temperature=sampling.temperature))
         assert torch.equal(keep[counted], own[counted])
+        # q_v of every kept id (exact score centering): the engine's processed distribution over the set —
+        # it sums to 1 there, gives the drawn token its reported log μ, and is the set's own softmax
+        ids, logq = batch.kept.padded()
+        present = torch.isfinite(logq)
+        assert torch.equal(present.sum(-1), batch.kept.count.long())
+        total = torch.logsumexp(logq, dim=-1)[counted]
+        torch.testing.assert_close(total, torch.zeros_like(total), atol=1e-5, rtol=0)
+        drawn = torch.where(present & (ids == batch.response_ids.unsqueeze(-1)), logq, torch.zeros_like(logq)).sum(-1)
+        torch.testing.assert_close(drawn[counted], batch.rollout_logprobs[counted], atol=1e-6, rtol=0)
+        own_lp = renormalize_logprobs(logits, top_p=sampling.top_p, top_k=sampling.top_k,
+                                      temperature=sampling.temperature)
+        want = torch.where(present, own_lp.gather(-1, ids).float(), logq)
+        torch.testing.assert_close(logq[counted], want[counted], atol=1e-4, rtol=0)
         if sampling.top_k > 0:
             assert (batch.kept.count[counted] == sampling.top_k).all()
-            assert batch.kept.nbytes() == 12 * counted.numel() + 4 * sampling.top_k * int(counted.sum())
+            assert batch.kept.nbytes() == 12 * counted.numel() + 8 * sampling.top_k * int(counted.sum())
     untruncated = engine.generate(prompts, SamplingConfig(max_tokens=4), seed=0, version=0)
     assert untruncated.kept is None  # the whole vocabulary: nothing to record
     engine.close()

@@ -207,7 +207,7 @@ def test_skyrl_sequential_order_matters():
 def test_every_preset_has_a_note_summary_and_valid_configs():
     names = op.presets.names()
     assert names[0] == "recommended"
-    frameworks = {n.split(":")[0] for n in names if ":" in n}
+    frameworks = {n.split(":")[0].split("@")[0] for n in names if ":" in n}  # prime-rl@<commit>: an older form
     assert frameworks == {"verl", "trl", "skyrl", "openrlhf", "slime", "areal", "nemorl", "roll", "prime-rl"}
     for name in names:
         preset = op.presets.get(name)

@@ -602,6 +602,18 @@ class LossConfig(_Loadable):
         "kept", description="tokens the KL term covers: kept = those the correction keeps; valid = every "
         "valid token, rejected ones included (prime-rl kl_mask_type all); rejected = only the rejected ones "
         "(prime-rl 'masked')")
+    ratio_value_cap: float | None = Field(
+        None, ge=1, description="kind ppo: cap the VALUE of the ratio r = π_θ/π_old at C while keeping its gradient, "
+        "r̃ = exp(min(log r, log C) + log π_θ − sg(log π_θ)), before the clip (prime-rl max_importance_ratio, 1e4 on "
+        "IPO and PPO); None = no cap")
+    score_centering: Literal["exact", "head"] | None = Field(
+        None, description="score centering (Marek & Ryabinin, arXiv 2609.20807; docs/estimators.md): add "
+        "sg(A_t)·Σ_v sg(q_v·w_v)·log p_v over the sampler's support of each token (policy_loss's support_* tensors). "
+        "exact: the support is the engine's whole kept set (replayed, q and p normalised over it); head: a top-k "
+        "head of the full-vocabulary distributions, the rest modelled as a tail proportional to p; None = off")
+    score_centering_tail_floor: float = Field(
+        1e-6, gt=0, lt=1, description="score_centering head: the tail masses 1 − Σ_head are floored at this value "
+        "(SkyRL #2244's tail_floor)")
     _section: ClassVar[str] = "loss"
 
     @model_validator(mode="before")
@@ -643,6 +655,19 @@ class LossConfig(_Loadable):
                 f"is the whole correction), or keep kind '{self.kind}' with anchor 'old' (w = π_old/μ times "
                 f"the loss's π_θ/π_old) or 'rollout' (the loss's ratio becomes π_θ/μ)"
             )
+        if self.ratio_value_cap is not None and self.kind != "ppo":
+            raise ValueError(f"ratio_value_cap caps PPO's ratio; got kind '{self.kind}' (for cispo bound the weight with "
+                             "clip_high)")
+        if self.score_centering is not None:
+            if self.kind not in ("ppo", "cispo", "reinforce"):
+                raise ValueError(f"score_centering is defined for kinds ppo, cispo and reinforce (a token's score "
+                                 f"coefficient must not depend on the other tokens of its row); got kind '{self.kind}'")
+            if corr is not None and corr.data_dependent:
+                raise ValueError("score_centering evaluates the correction's bounds at every token of the support, so "
+                                 "they must be numbers: fix data-chosen bounds (ess / quantile / m2) for the step with "
+                                 "offpolicy.resolve_thresholds first, or use fixed bounds")
+        elif self.score_centering_tail_floor != 1e-6:
+            raise ValueError("score_centering_tail_floor applies only with score_centering 'head'")
         if corr is not None and corr.kl_is_weight and self.kl_coef == 0:
             raise ValueError("correction.kl_is_weight is set but kl_coef is 0: there is no KL term to weight")
         for key, default in (("kl_to", "ref"), ("kl_mask", "kept")):

@@ -71,6 +71,10 @@ class Correction:
     # rollout: μ), 0 off valid tokens; None under anchor current (the loss takes π_old as given)
     old_logprobs: torch.Tensor | None = None
     count_mask: torch.Tensor | None = None
+    # score centering (docs/estimators.md#score-centering): [B, T] bool, the valid tokens of the rows
+    # every row-level rule kept (token-level rules left out), and the mean weight ``normalize`` divided by
+    row_mask: torch.Tensor | None = None
+    weight_mean: float = 1.0
 
 
 # =========================================================================== 1. sanitize
@@ -376,10 +380,19 @@ def resolve_rule(rule: Any, b: RuleInputs, seen: torch.Tensor, log_clamp: float 
     return rule.model_copy(update=chosen_band(rule, values, fill_empty=True, metrics=metrics, key=f"{name}/"))
 
 
+def is_token_rule(rule: Any) -> bool:
+    """Whether a rule decides token by token (a token's fate depends on that token alone, given fixed
+    bounds), rather than for a whole row."""
+    if isinstance(rule, (M2Rule, ProbDiffRule)):
+        return True
+    return isinstance(rule, (RatioRule, DivergenceRule, BinaryKLRule)) and rule.level == "token"
+
+
 def apply_rejection(cfg: CorrectionConfig, b: RuleInputs, valid: torch.Tensor, input_mask: torch.Tensor, metrics: Metrics,
-                    after: list[torch.Tensor] | None = None) -> torch.Tensor:
+                    after: list[torch.Tensor] | None = None, rows: list[torch.Tensor] | None = None) -> torch.Tensor:
     """Apply ``cfg.reject`` in order; return the surviving mask (and, into ``after``, the masks left
-    after the first 0, 1, …, n rules, the last the surviving one: an integer ``denominator`` counts one).
+    after the first 0, 1, …, n rules, the last the surviving one: an integer ``denominator`` counts one;
+    into ``rows``, each row-level rule's decision broadcast to ``[B, T]``).
 
     independent: every rule is evaluated on ``valid``; results are ANDed (verl).
     sequential:  each rule sees the mask left by the rules before it (SkyRL).
@@ -396,7 +409,10 @@ def apply_rejection(cfg: CorrectionConfig, b: RuleInputs, valid: torch.Tensor, i
         seen = current if cfg.reject_mode == "sequential" else valid
         name = f"reject/{rule_name(i, rule)}"
         fixed = resolve_rule(rule, b, seen, cfg.log_clamp, name, metrics)
-        keep = _RULES[type(fixed)](fixed, b, seen) & seen
+        decision = _RULES[type(fixed)](fixed, b, seen)
+        if rows is not None and not is_token_rule(rule):
+            rows.append(decision)
+        keep = decision & seen
         removed = seen & ~keep
         metrics.ratio(f"{name}/masked_fraction", removed.sum(), n_tokens)
         metrics.ratio(f"{name}/masked_fraction_seq", removed.any(dim=-1).sum(), n_rows)
@@ -513,6 +529,12 @@ def normalize_weights(weights: torch.Tensor, mask: torch.Tensor, level: str, mea
     when torch.distributed is up — or by ``mean``, the step's mean that ``resolve_thresholds``
     fixed (``weight.normalize_mean``), so that every micro-batch of a step divides alike.
     Skipped when the mean is ≤ 1e-8 (``normalizer``)."""
+    mean = weight_normalizer(weights, mask, level, mean)
+    return weights if mean == 1.0 else weights / mean
+
+
+def weight_normalizer(weights: torch.Tensor, mask: torch.Tensor, level: str, mean: float | None = None) -> float:
+    """The mean weight ``normalize_weights`` divides by (``mean`` itself when given)."""
     if mean is None:
         stats = weight_sum_and_count(weights, mask, level)
         dist = torch.distributed
@@ -520,7 +542,7 @@ def normalize_weights(weights: torch.Tensor, mask: torch.Tensor, level: str, mea
             # every rank must divide by the same mean, or DP gradients would be scaled per rank
             dist.all_reduce(stats, op=dist.ReduceOp.SUM)
         mean = normalizer(stats)
-    return weights if mean == 1.0 else weights / mean
+    return mean
 
 
 # =========================================================================== metrics (§7)
@@ -717,19 +739,25 @@ def correct(
         clamp=clamp,
     )
     after: list[torch.Tensor] = []
-    surviving = apply_rejection(cfg, batch, valid, input_mask, metrics, after)
+    row_rules: list[torch.Tensor] = []
+    surviving = apply_rejection(cfg, batch, valid, input_mask, metrics, after, row_rules)
+    row_mask = valid
+    for decision in row_rules:
+        row_mask = row_mask & decision
     # after[0] is valid (fixed), after[-1] the surviving mask (renormalize), after[n] the count after n rules
     counted = after[{"fixed": 0, "renormalize": -1}.get(cfg.denominator, cfg.denominator)]
     metrics.ratio("masked_fraction", (input_mask & ~surviving).sum(), input_mask.sum())
     metrics.ratio("masked_fraction_seq", (input_mask & ~surviving).any(dim=-1).sum(), input_mask.any(dim=-1).sum())
 
+    weight_mean = 1.0
     if cfg.weight is None or cfg.anchor == "rollout":
         weights = surviving.float()
     else:
         weights = compute_weights(cfg.weight, log_ratio, surviving, clamp, metrics, input_mask)
         if cfg.weight.normalize:
             level = "token" if cfg.weight.level == "segment" else cfg.weight.level
-            weights = normalize_weights(weights, surviving, level, cfg.weight.normalize_mean)
+            weight_mean = weight_normalizer(weights, surviving, level, cfg.weight.normalize_mean)
+            weights = weights if weight_mean == 1.0 else weights / weight_mean
     weight_metrics(metrics, weights, surviving)
     return Correction(
         weights=weights.detach(),
@@ -739,4 +767,6 @@ def correct(
         valid_mask=valid.float(),
         old_logprobs={"old": trainer, "rollout": rollout}.get(cfg.anchor),
         count_mask=counted.float(),
+        row_mask=row_mask,
+        weight_mean=weight_mean,
     )

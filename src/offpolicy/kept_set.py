@@ -13,7 +13,8 @@ the same formula as the trainer's own set (the set is replaced, not the math), a
 Representation (``KeptIds``): ragged, compressed-row style. Each position holds ``start`` (int64) and
 ``count`` (int32) into one flat ``ids`` (int32) vector of kept token ids, ascending within a position:
 
-    memory = 12 bytes per position + 4 bytes per kept id,   |K_t| = top_k + the ties at the k-th logit
+    memory = 12 bytes per position + 4 bytes per kept id (+ 4 for its log q_v, score centering),
+             |K_t| = top_k + the ties at the k-th logit
 
 Flat in V for top-k. Under top-p alone, |K_t| is the smallest prefix of the sorted distribution whose
 mass reaches p: a few ids on a peaked distribution, ⌈p·V⌉ on a perfectly flat one (the bound: V ids,
@@ -40,24 +41,28 @@ class KeptIds:
     start: torch.Tensor
     count: torch.Tensor
     ids: torch.Tensor
+    # fp32 ``[nnz]`` aligned with ``ids``: log q_v, the engine's processed log-prob of each kept id (its
+    # distribution renormalised over the set), what exact score centering needs; None where not recorded
+    logprobs: torch.Tensor | None = None
 
     def __getitem__(self, index) -> KeptIds:
-        return KeptIds(self.start[index], self.count[index], self.ids)
+        return KeptIds(self.start[index], self.count[index], self.ids, self.logprobs)
 
     @property
     def shape(self) -> torch.Size:
         return self.start.shape
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> KeptIds:
-        return KeptIds(*(t.to(device, non_blocking=non_blocking) for t in (self.start, self.count, self.ids)))
+        return KeptIds(*(t.to(device, non_blocking=non_blocking) for t in (self.start, self.count, self.ids)),
+                       None if self.logprobs is None else self.logprobs.to(device, non_blocking=non_blocking))
 
     def kept_ids(self) -> int:
         """Σ_p |K_p| over these positions (the ids they reference)."""
         return int(self.count.sum())
 
     def nbytes(self) -> int:
-        """Bytes these positions take: 12 per position + 4 per kept id they reference."""
-        return self.start.numel() * 12 + 4 * self.kept_ids()
+        """Bytes these positions take: 12 per position + 4 per kept id they reference (8 with log-probs)."""
+        return self.start.numel() * 12 + (4 if self.logprobs is None else 8) * self.kept_ids()
 
     def _flat(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(position index, source index into ``ids``) of every kept id, and the counts: ``[nnz']`` each."""
@@ -96,7 +101,25 @@ class KeptIds:
         trimmed = KeptIds(self.start, count, self.ids)
         _, source, flat_count = trimmed._flat()
         start = (torch.cumsum(flat_count, 0) - flat_count).view(self.start.shape)
-        return KeptIds(start, count, self.ids[source])
+        return KeptIds(start, count, self.ids[source], None if self.logprobs is None else self.logprobs[source])
+
+    def padded(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The sets as ``[*shape, K]`` tensors, K the largest set: the ids (int64, 0 where a row is padded)
+        and their log q_v (fp32, −inf where padded; None when not recorded) — ``policy_loss``'s
+        ``support_rollout_logprobs`` for exact score centering (``centering.support_logprobs`` gives the
+        trainer's side from the same ids)."""
+        position, source, count = self._flat()
+        width = int(count.max()) if count.numel() else 0
+        first = torch.cumsum(count, 0) - count
+        slot = torch.arange(position.numel(), device=count.device) - first[position]
+        ids = torch.zeros((count.numel(), width), dtype=torch.int64, device=count.device)
+        ids[position, slot] = self.ids[source].long()
+        shape = (*self.start.shape, width)
+        if self.logprobs is None:
+            return ids.view(shape), None
+        logq = torch.full((count.numel(), width), float("-inf"), dtype=torch.float32, device=count.device)
+        logq[position, slot] = self.logprobs[source].float()
+        return ids.view(shape), logq.view(shape)
 
     def pad(self, width: int) -> KeptIds:
         """``[B, T] → [B, width]``: cut, or extended with empty positions."""
@@ -106,7 +129,7 @@ class KeptIds:
         start = torch.zeros((rows, width), dtype=self.start.dtype, device=self.start.device)
         count = torch.zeros((rows, width), dtype=self.count.dtype, device=self.count.device)
         start[:, :have], count[:, :have] = self.start, self.count
-        return KeptIds(start, count, self.ids)
+        return KeptIds(start, count, self.ids, self.logprobs)
 
     @staticmethod
     def from_rows(rows: list[list[list[int]]]) -> KeptIds:
@@ -120,13 +143,16 @@ class KeptIds:
         return KeptIds(start, count, ids)
 
     @staticmethod
-    def from_mask(keep: torch.Tensor) -> KeptIds:
-        """Bool ``[..., V]`` → the kept ids of each position (ascending), compact."""
+    def from_mask(keep: torch.Tensor, logprobs: torch.Tensor | None = None) -> KeptIds:
+        """Bool ``[..., V]`` → the kept ids of each position (ascending), compact; with ``logprobs``
+        (``[..., V]``, the distribution the token is drawn from) also each kept id's log q_v."""
         flat = keep.reshape(-1, keep.shape[-1])
         count = flat.sum(-1).to(torch.int32)
-        ids = flat.nonzero(as_tuple=True)[1].to(torch.int32)  # row-major: row by row, ids ascending
+        rows, cols = flat.nonzero(as_tuple=True)  # row-major: row by row, ids ascending
+        ids = cols.to(torch.int32)
         start = torch.cumsum(count.long(), 0) - count.long()
-        return KeptIds(start.view(keep.shape[:-1]), count.view(keep.shape[:-1]), ids)
+        logq = None if logprobs is None else logprobs.reshape(-1, keep.shape[-1])[rows, cols].float()
+        return KeptIds(start.view(keep.shape[:-1]), count.view(keep.shape[:-1]), ids, logq)
 
 
 @dataclass(frozen=True)
@@ -177,18 +203,26 @@ class StepRecorder:
     def __init__(self):
         self.counts: list[torch.Tensor] = []  # [B] int32 per step
         self.ids: list[torch.Tensor] = []  # [Σ_b |K_b|] int32 per step, row-major
+        self.logprobs: list[torch.Tensor] = []  # [Σ_b |K_b|] fp32 per step: log q_v of each kept id
 
-    def add(self, keep: torch.Tensor) -> None:
-        step = KeptIds.from_mask(keep)
+    def add(self, keep: torch.Tensor, logprobs: torch.Tensor | None = None) -> None:
+        """One step: its kept mask ``[B, V]`` and, to record q_v for exact score centering, the
+        processed log-probs ``[B, V]`` the token is drawn from (the engine's distribution over the set)."""
+        step = KeptIds.from_mask(keep, logprobs)
         self.counts.append(step.count)
         self.ids.append(step.ids)
+        if step.logprobs is not None:
+            self.logprobs.append(step.logprobs)
 
     def assemble(self, steps: int, lengths: list[int]) -> KeptIds:
         """``[B, steps]`` sets of the first ``steps`` steps, only the first ``lengths[b]`` of row b kept."""
         counts = torch.stack(self.counts[:steps], dim=1) if steps else torch.zeros((len(lengths), 0), dtype=torch.int32)
         ids = torch.cat(self.ids[:steps]) if steps else torch.zeros(0, dtype=torch.int32)
+        logq = None
+        if self.logprobs and len(self.logprobs) == len(self.ids):
+            logq = torch.cat(self.logprobs[:steps]) if steps else torch.zeros(0, dtype=torch.float32)
         # the ids are step-major (step 0's rows, then step 1's ...): exclusive cumsum in that order
         step_major = counts.t().reshape(-1).long()
         start = (torch.cumsum(step_major, 0) - step_major).view(steps, -1).t()
         valid = torch.arange(steps, device=counts.device) < torch.tensor(lengths, device=counts.device).unsqueeze(1)
-        return KeptIds(start.contiguous(), counts, ids).compact(valid)
+        return KeptIds(start.contiguous(), counts, ids, logq).compact(valid)

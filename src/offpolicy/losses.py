@@ -20,7 +20,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from offpolicy import kernels
+from offpolicy import centering, kernels
 from offpolicy.config import CorrectionConfig, LossConfig
 from offpolicy.correction import correct
 from offpolicy.errors import ConfigError
@@ -65,6 +65,9 @@ def policy_loss(
     ref_logprobs: torch.Tensor | None = None,
     reduce: bool = True,
     implementation: str = "auto",
+    support_logprobs: torch.Tensor | None = None,
+    support_rollout_logprobs: torch.Tensor | None = None,
+    support_old_logprobs: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, Metrics] | tuple[torch.Tensor, torch.Tensor, Metrics]:
     """The corrected policy loss — the formulas are docs/specification.md §5's table.
 
@@ -85,6 +88,13 @@ def policy_loss(
                           configuration and suits the batch), or a rung by name: "reference"
                           (the readable oracle), "eager", "compiled", "triton" (raise if it does
                           not cover the configuration; non-finite inputs go to the reference).
+        support_logprobs: [B, T, K] score centering (``loss.score_centering``): log p_v of the trainer,
+                          with grad, for K token ids v of each token's support — the engine's kept set
+                          (``exact``: renormalised over it, ``sampling.renormalize_logprobs(keep=...)``)
+                          or a top-k head (``head``: over the full vocabulary). ``centering.support_logprobs``
+                          gathers them from logits.
+        support_rollout_logprobs: [B, T, K] log q_v of the sampler for the same ids; −inf pads a row.
+        support_old_logprobs: [B, T, K] log π_old(v) (kinds ppo / cispo under anchor old).
 
     Returns:
         reduce=True:  (loss scalar, metrics).
@@ -119,8 +129,14 @@ def policy_loss(
         old_logprobs = rollout_logprobs  # bypass: PPO's ratio becomes π_θ/μ
     if old_logprobs is None and cfg.kind != "reinforce":
         raise ValueError(f"kind '{cfg.kind}' needs old_logprobs (or correction.anchor 'rollout' to use μ as π_old)")
+    centering.validate_support(cfg, mask, support_logprobs, support_rollout_logprobs, support_old_logprobs)
     for rung in kernels.choose(cfg, ref_logprobs, mask, implementation):
-        out = rung.policy_loss(logprobs, old_logprobs, advantages, mask, rollout_logprobs, cfg, reduce, ref_logprobs)
+        if cfg.score_centering is not None:  # only the reference computes it (the fast rungs' supports refuse it)
+            out = rung.policy_loss(logprobs, old_logprobs, advantages, mask, rollout_logprobs, cfg, reduce, ref_logprobs,
+                                   support=(support_logprobs, support_rollout_logprobs, support_old_logprobs))
+        else:
+            out = rung.policy_loss(logprobs, old_logprobs, advantages, mask, rollout_logprobs, cfg, reduce,
+                                   ref_logprobs)
         if out is not None:
             return out
     raise AssertionError("the reference implementation always returns")  # pragma: no cover

@@ -102,8 +102,9 @@ class _SampledLogprobs(LogitsProcessor):
         self.pending = scores.float().log_softmax(-1)
         if self.kept is not None:
             keep = scores > float("-inf")
-            # a row the own loop has finished records nothing (its zero logits would keep every token)
-            self.kept.add(keep if self.live is None else keep & self.live[:, None])
+            # a row the own loop has finished records nothing (its zero logits would keep every token); with
+            # each kept id's q_v (score centering)
+            self.kept.add(keep if self.live is None else keep & self.live[:, None], self.pending)
         return scores
 
 

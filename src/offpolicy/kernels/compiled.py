@@ -48,10 +48,11 @@ NAME = "compiled"
 
 
 def supports(config: LossConfig, ref_logprobs: torch.Tensor | None) -> bool:
-    """Kinds ppo / cispo / reinforce without KL; corrections with fixed-bound ratio rules only,
+    """Kinds ppo / cispo / reinforce without KL, score centering or a ratio value cap; corrections with fixed-bound ratio rules only,
     no batch normalisation, no segment level, no data-chosen (ess / quantile) bounds and no
     count after the first n rules (an integer denominator)."""
-    return config.kind in KINDS and ref_logprobs is None and core_spec(config, True, True) is not None
+    return (config.kind in KINDS and ref_logprobs is None and config.score_centering is None
+            and config.ratio_value_cap is None and core_spec(config, True, True) is not None)
 
 
 class CoreSpec(NamedTuple):

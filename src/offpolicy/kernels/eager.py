@@ -45,14 +45,15 @@ KINDS = ("ppo", "cispo", "reinforce")
 
 def supports(config: LossConfig, ref_logprobs: torch.Tensor | None) -> bool:
     """Whether this path computes exactly what the reference would: kinds ppo / cispo /
-    reinforce without a KL term, and no segment-level or data-chosen (ess / quantile) weight
+    reinforce without a KL term, score centering or a ratio value cap, and no segment-level or data-chosen (ess / quantile) weight
     bound, no count after the first n rules (an integer ``denominator``); those go to the
     reference; data-chosen rejection bounds and m2 are covered."""
     corr = config.correction
     w = None if corr is None else corr.weight
     plain_weight = w is None or (w.level != "segment" and not w.adaptive)
     named_count = corr is None or isinstance(corr.denominator, str)
-    return config.kind in KINDS and ref_logprobs is None and plain_weight and named_count
+    return (config.kind in KINDS and ref_logprobs is None and plain_weight and named_count
+            and config.score_centering is None and config.ratio_value_cap is None)
 
 
 def preferred(mask: torch.Tensor) -> bool:

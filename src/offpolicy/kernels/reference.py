@@ -8,9 +8,11 @@ its own function below, with autograd through every intermediate.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-from offpolicy import ops
+from offpolicy import centering, ops
 from offpolicy.config import LossConfig
 from offpolicy.correction import correct, sanitize, validate_inputs
 from offpolicy.kernels.common import RATIO_LOG_CLAMP, UpcastSaturating
@@ -42,9 +44,22 @@ def _ratio(logprobs: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
     return torch.exp((logprobs - old).clamp(-RATIO_LOG_CLAMP, RATIO_LOG_CLAMP))
 
 
+def capped_ratio(logprobs: torch.Tensor, old: torch.Tensor, cap: float) -> torch.Tensor:
+    """r̃ = exp(min(log r, log C) + log π_θ − sg(log π_θ)): the value min(r, C), the gradient
+    ∂r̃/∂log π_θ = r̃ kept where r > C (prime-rl ``max_importance_ratio``, ``_capped_importance_ratio``)."""
+    log_r = (logprobs - old).clamp(-RATIO_LOG_CLAMP, RATIO_LOG_CLAMP)
+    return torch.exp(log_r.detach().clamp(max=math.log(cap)) + (logprobs - logprobs.detach()))
+
+
 def ppo_token_loss(logprobs, old, adv, cfg: LossConfig, mask, metrics: Metrics) -> torch.Tensor:
-    """Clipped surrogate (+ dual clip); records clip_fraction and dual_clip_fraction."""
-    ratio = _ratio(logprobs, old)
+    """Clipped surrogate (+ dual clip); records clip_fraction and dual_clip_fraction. With
+    ``ratio_value_cap`` C the ratio is ``capped_ratio`` (value min(r, C), gradient kept) before the clip,
+    and ``ratio_capped`` records the share of tokens with r > C."""
+    if cfg.ratio_value_cap is not None:
+        ratio = capped_ratio(logprobs, old, cfg.ratio_value_cap)
+        metrics.mean("ratio_capped", (logprobs - old).detach() > math.log(cfg.ratio_value_cap), mask)
+    else:
+        ratio = _ratio(logprobs, old)
     unclipped = -adv * ratio
     clipped = -adv * _clip(ratio, cfg.clip_low, cfg.clip_high)
     loss = torch.maximum(unclipped, clipped)
@@ -161,8 +176,9 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, cfg: LossConfig) -> t
 
 
 def policy_loss(logprobs, old_logprobs, advantages, mask, rollout_logprobs, config: LossConfig, reduce: bool,
-                ref_logprobs: torch.Tensor | None = None):
-    """The readable policy loss; arguments as ``offpolicy.policy_loss`` (already checked there)."""
+                ref_logprobs: torch.Tensor | None = None, support: tuple | None = None):
+    """The readable policy loss; arguments as ``offpolicy.policy_loss`` (already checked there).
+    ``support``: (support_logprobs, support_rollout_logprobs, support_old_logprobs) of score centering."""
     cfg = config
     corr_cfg = cfg.correction
     if corr_cfg is not None:
@@ -216,6 +232,14 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, rollout_logprobs, conf
         if cfg.kl_coef > 0:
             term = cfg.kl_coef * (kl if kl_weights is None else kl * kl_weights)
             per_token = per_token + torch.where(kl_mask, term, zero)
+    if cfg.score_centering is not None:
+        # sg(A_t)·Σ_v sg(q_v c_v)·log p_v on every valid token of a kept row (offpolicy.centering); without a
+        # recorded support, none (as prime-rl), and the metric says so
+        applied = support is not None and support[0] is not None
+        metrics.mean("score_centering/applied", torch.full_like(valid, applied), valid)
+        if applied:
+            per_token = per_token + centering.score_centering_term(
+                cfg, corr if corr_cfg is not None else None, valid, advantages, *support, metrics)
     if old is not None:
         log_r = (lp - old).detach().clamp(-RATIO_LOG_CLAMP, RATIO_LOG_CLAMP)
         metrics.mean("approx_kl", torch.expm1(log_r) - log_r, loss_mask)  # k3 of π_θ vs π_old (expm1: no fp32 floor)

@@ -166,10 +166,11 @@ def spec_of(config: LossConfig, has_old: bool) -> Spec | None:
 
 
 def supports(config: LossConfig, ref_logprobs: torch.Tensor | None) -> bool:
-    """Kinds ppo / cispo / reinforce without KL; any correction but weight.normalize, the opsm,
+    """Kinds ppo / cispo / reinforce without KL, score centering or a ratio value cap; any correction but weight.normalize, the opsm,
     binary_kl, m2, mult_error and prob_diff rules, data-chosen (ess / quantile) bounds, the
     segment level, nonfinite 'neutral' and an integer denominator; Triton must be importable."""
-    return config.kind in KINDS and ref_logprobs is None and spec_of(config, True) is not None and available()
+    return (config.kind in KINDS and ref_logprobs is None and config.score_centering is None
+            and config.ratio_value_cap is None and spec_of(config, True) is not None and available())
 
 
 def preferred(mask: torch.Tensor) -> bool:
