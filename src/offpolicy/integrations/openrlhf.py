@@ -241,7 +241,7 @@ class OffpolicyPolicyLoss(PolicyLoss):
 
     def pop_metrics(self, prefix: str = METRIC_PREFIX) -> dict[str, float]:
         """offpolicy's metrics merged since the last call, as ``{prefix + name: value}``; then cleared."""
-        out = {} if self.last_metrics is None else self.last_metrics.to_dict(prefix=prefix)
+        out = {} if self.last_metrics is None else host.host_floats(self.last_metrics, prefix)
         self.last_metrics = None
         return out
 

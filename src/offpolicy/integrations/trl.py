@@ -260,6 +260,6 @@ class OffpolicyGRPOTrainer(GRPOTrainer):
             self.offpolicy_dumper.maybe_dump(self.state.global_step, old_logprobs=old, rollout_logprobs=rollout,
                                              mask=mask, advantages=advantages, logprobs=logprobs,
                                              meta={"loss_type": self.loss_type})
-        for key, value in metrics.all_reduce().to_dict().items():
+        for key, value in host.host_floats(metrics.all_reduce()).items():
             self._metrics[mode][key].append(value)
         return loss
