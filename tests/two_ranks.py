@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import socket
 import tempfile
 import traceback
 from collections.abc import Callable
@@ -73,11 +74,17 @@ def global_batches(model: torch.nn.Module, logprobs: Callable[[torch.nn.Module, 
     return batches
 
 
-def _child(rank: int, world: int, init: str, fn: Callable, args: tuple, out: str) -> None:
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child(rank: int, world: int, init: str, port: int, fn: Callable, args: tuple, out: str) -> None:
     try:
         torch.set_num_threads(1)
         for key, value in {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
-                           "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1"}.items():
+                           "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}.items():
             os.environ[key] = value
         torch.distributed.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
         result = fn(rank, world, *args)
@@ -98,10 +105,10 @@ def run_worlds(fn: Callable, args: tuple, worlds: tuple[int, ...] = (2, 1), time
     tmp = tempfile.mkdtemp(prefix="two_ranks_")
     procs = []
     for world in worlds:
-        init = os.path.join(tmp, f"init{world}")
+        init, port = os.path.join(tmp, f"init{world}"), _free_port()
         for rank in range(world):
             out = os.path.join(tmp, f"w{world}r{rank}.pt")
-            p = ctx.Process(target=_child, args=(rank, world, init, fn, args, out))
+            p = ctx.Process(target=_child, args=(rank, world, init, port, fn, args, out))
             p.start()
             procs.append((world, rank, out, p))
     for _, _, _, p in procs:
