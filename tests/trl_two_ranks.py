@@ -2,6 +2,7 @@
 run by tests/test_two_ranks_trl.py.
 
     python tests/trl_two_ranks.py IN.pt OUT.pt
+    torchrun --nproc_per_node 2 tests/trl_two_ranks.py IN.pt OUT.pt    (each rank writes OUT.pt.rank<r>)
 
 Each rank is a process forked after the imports (tests/two_ranks.py) with RANK / WORLD_SIZE /
 LOCAL_RANK / MASTER_ADDR / MASTER_PORT in its environment and a gloo group, as ``torchrun
@@ -131,4 +132,11 @@ def main(path_in: str, path_out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    if os.environ.get("TORCHELASTIC_RUN_ID"):  # under torchrun: this process is one rank of its world
+        torch.set_num_threads(1)
+        torch.distributed.init_process_group("gloo")
+        r, w = torch.distributed.get_rank(), torch.distributed.get_world_size()
+        torch.save(_rank_runs(r, w, torch.load(sys.argv[1], weights_only=False)), f"{sys.argv[2]}.rank{r}")
+        torch.distributed.destroy_process_group()
+    else:
+        main(sys.argv[1], sys.argv[2])
