@@ -131,7 +131,9 @@ def build(args) -> tuple[GRPOTrainer, list[dict]]:
     gargs = GRPOConfig(
         output_dir=args.output_dir, use_cpu=True, report_to=[], save_strategy="no", seed=args.seed, data_seed=args.seed,
         max_steps=args.steps, logging_steps=1, learning_rate=args.lr, lr_scheduler_type="constant",
-        warmup_steps=0, max_grad_norm=1.0, per_device_train_batch_size=batch, num_generations=args.group_size,
+        # bf16=False: the trainer is fp32. GRPOConfig defaults to bf16=True, and accelerate then autocasts the
+        # trainer's forward to bf16 even on the CPU (the results of 2026-11-25 in docs/hosts-end-to-end.md ran so)
+        bf16=False, warmup_steps=0, max_grad_norm=1.0, per_device_train_batch_size=batch, num_generations=args.group_size,
         steps_per_generation=args.steps_per_generation, max_completion_length=cfg.max_new_tokens,
         temperature=1.0, top_k=0, beta=0.0, loss_type=args.loss_type, disable_tqdm=True,
         dataloader_num_workers=0)

@@ -12,6 +12,18 @@ CPU stand-ins, each for a GPU-only piece this path does not exercise:
 - OpenRLHF's ``Actor`` wraps the fp32 module directly (its from-path loading is bf16/fp16 only).
 - ``torch.cuda.current_device()`` → 0: ``NaiveReplayBuffer.__init__`` builds ``torch.device("cuda:0")``
   from it for the replay buffer, which ``training_step`` does not use (CPU torch raises instead).
+
+``python tests/openrlhf_cpu_worker.py --ranks IN.pt OUT.pt`` (tests/test_two_ranks_openrlhf.py):
+OpenRLHF's own epoch loop ``ActorPPOTrainer.ppo_train`` at two gloo ranks and at one (processes
+forked after the imports, tests/two_ranks.py), over its ``NaiveReplayBuffer``, ``DataLoader``,
+``iter_grad_accum_global_norm`` (the step's global token/sample counts, all-reduced over the ranks),
+``training_step`` → the actor's loss call → ``aggregate_loss`` (× dp_size), and its metric reduction
+(token/sample-weighted sums all-reduced with ``DeepspeedStrategy.all_reduce`` itself). What is not
+OpenRLHF's: the gradient reduction. DeepSpeed's engine is replaced by ``DPStrategy`` — backward of
+loss / gas, and at every gas-th micro-batch the gradients averaged over the ranks (all-reduce
+SUM / world, what DeepSpeed's ZeRO-0 data parallel does), the global norm clipped, step, zero.
+Here ``torch.cuda.current_device()`` → "cpu" after the trainer is built (the loop's
+``experience.to_device`` and the metric all-reduce call it).
 """
 
 from __future__ import annotations
@@ -56,6 +68,40 @@ class CPUStrategy:
 
     def get_grad_norm(self, model: Any) -> float:
         return self.grad_norm
+
+
+class DPStrategy(CPUStrategy):
+    """``CPUStrategy`` with DeepSpeed's gradient accumulation and data-parallel averaging (module docstring).
+    ``all_reduce`` is ``DeepspeedStrategy.all_reduce`` itself (OpenRLHF's metric reduction)."""
+
+    def __init__(self, args: Any, world: int, gas: int) -> None:
+        from openrlhf.utils.deepspeed.deepspeed import DeepspeedStrategy
+
+        super().__init__(args)
+        self.world_size = world
+        self.accumulated_gradient = gas
+        self.calls = 0
+        self._all_reduce = DeepspeedStrategy.all_reduce
+
+    def all_reduce(self, data: Any, op: str = "mean") -> Any:
+        return self._all_reduce(self, data, op)
+
+    def is_rank_0(self) -> bool:
+        return dist.get_rank() == 0
+
+    def backward(self, loss: torch.Tensor, model: Any, optimizer: Any, **kwargs: Any) -> None:
+        (loss / self.accumulated_gradient).backward()  # DeepSpeed scales every backward by 1 / gas
+
+    def optimizer_step(self, optimizer: Any, model: Any, scheduler: Any, name: str = "model", **kwargs: Any) -> None:
+        self.calls += 1
+        if self.calls % self.accumulated_gradient:
+            return  # DeepSpeed steps at the accumulation boundary only
+        for p in model.parameters():
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
+            p.grad /= self.world_size
+        super().optimizer_step(optimizer, model, scheduler, name)
 
 
 def _init_process_group() -> None:
@@ -108,3 +154,76 @@ def train_steps(argv: list[str], model_kwargs: dict[str, Any], state: dict[str, 
                          for k, v in status["metrics"].items()})
     return {"hooked": hooked, "loss_fn": type(trainer.actor_loss_fn).__qualname__,
             "state": {k: v.detach().clone() for k, v in model.state_dict().items()}, "status": statuses}
+
+
+def _rank_runs(rank: int, world: int, inp: dict) -> dict:
+    """Each run of ``inp["runs"]``: ``ppo_train`` once per global batch on this rank's shard (tests/two_ranks.py)."""
+    torch.set_num_threads(1)
+    from openrlhf.models import Actor
+    from openrlhf.trainer.ppo_utils.experience import Experience
+    from openrlhf.trainer.ray import ppo_actor
+    from two_ranks import ROWS, shard
+
+    from offpolicy.integrations import openrlhf as op_openrlhf
+    from offpolicy.tasks.model import build_tiny_qwen2
+    from offpolicy.tasks.tokenizer import build_char_tokenizer
+
+    ppo_actor.torch_dist_barrier_and_cuda_sync = dist.barrier
+    out = {}
+    for run in inp["runs"]:
+        op_openrlhf.install(run["loss_config"])
+        args = _example().host_args(run["argv"])
+        model = build_tiny_qwen2(build_char_tokenizer(), **inp["model"])
+        model.load_state_dict(inp["state"])
+        actor = Actor(model)
+        actor.packing_samples = args.ds.packing_samples
+        optim = torch.optim.SGD(actor.parameters(), lr=inp["lr"])
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optim, lambda _: 1.0)
+        micro = inp["micro"]
+        strategy = DPStrategy(args, world, ROWS // micro // world)  # one optimizer step per global batch
+        torch.cuda.current_device = lambda: 0  # NaiveReplayBuffer.__init__ names cuda:0 (module docstring)
+        trainer = ppo_actor.ActorPPOTrainer(strategy, actor, None, optim, scheduler, micro_train_batch_size=micro,
+                                            dataloader_pin_memory=False, vllm_engines=None)
+        torch.cuda.current_device = lambda: "cpu"
+        statuses = []
+        global_norm = ppo_actor.iter_grad_accum_global_norm
+        for b in run["batches"]:
+            part = shard(b, rank, world)
+            if run.get("per_rank_count"):  # broken on purpose: each rank divides by its own token count
+                local = float(part["action_mask"].sum())
+
+                def per_rank(data_iter, strategy, gas, mask_fn, local=local):
+                    for item, info in global_norm(data_iter, strategy, gas, mask_fn):
+                        yield item, {**info, "batch_num_tokens": torch.tensor(local / gas)}
+
+                ppo_actor.iter_grad_accum_global_norm = per_rank
+            trainer.replay_buffer.append(Experience(
+                sequences=part["sequences"], attention_mask=part["attention_mask"],
+                action_mask=part["action_mask"].bool(), action_log_probs=part["old"], rollout_log_probs=part["mu"],
+                advantages=part["adv"], info={}))
+            torch.manual_seed(rank)  # the DataLoader's shuffle: the rows' order differs by rank and world
+            statuses.append(trainer.ppo_train(0.0))
+            ppo_actor.iter_grad_accum_global_norm = global_norm
+            trainer.replay_buffer.clear()
+        out[run["name"]] = {"state": {k: v.detach().clone() for k, v in model.state_dict().items()},
+                            "status": statuses, "loss_fn": type(trainer.actor_loss_fn).__qualname__}
+    return out
+
+
+def main_ranks(path_in: str, path_out: str) -> None:
+    """``_rank_runs`` at two ranks and at one, each its own gloo group; OUT.pt = {world: [per rank]}."""
+    torch.set_num_threads(1)
+    inp = torch.load(path_in, weights_only=False)
+    import openrlhf.trainer.ray.ppo_actor  # noqa: F401 - imported once, before the fork
+    from openrlhf.utils.deepspeed.deepspeed import DeepspeedStrategy  # noqa: F401
+    from two_ranks import run_worlds
+
+    import offpolicy.integrations.openrlhf  # noqa: F401
+
+    torch.save(run_worlds(_rank_runs, (inp,)), path_out)
+
+
+if __name__ == "__main__":
+    import sys
+
+    main_ranks(sys.argv[2], sys.argv[3])

@@ -16,6 +16,15 @@ micro-batch's ``to_device`` and the metric all-reduce); import placeholders for 
 calls); ``skyrl.backends`` loaded without its ``__init__`` (the Tinker backend, Python ≥ 3.12).
 
 Usage: python tests/skyrl_cpu_worker.py IN.pt OUT.pt
+       python tests/skyrl_cpu_worker.py --ranks IN.pt OUT.pt   (tests/test_two_ranks_skyrl.py)
+
+``--ranks``: the same worker at two data-parallel ranks and at one (processes forked after the
+imports, tests/two_ranks.py), its model **wrapped in FSDP2** with SkyRL's own ``apply_fsdp2``
+(fp32 ``MixedPrecisionPolicy``, a CPU ``dp`` mesh of the world's size), so that the gradient is
+reduced across ranks as in a SkyRL FSDP2 worker; ``optim_step`` then clips with SkyRL's
+``fsdp2_clip_grad_norm_`` on the sharded gradients. The advantages are pre-scaled over the
+global mini-batch (the driver's ``_normalize_advantages``) before the batch is split over ranks
+(``MeshDispatch``: contiguous chunks), as SkyRL's trainer does.
 """
 
 from __future__ import annotations
@@ -101,5 +110,97 @@ def main(path_in: str, path_out: str) -> None:
     dist.destroy_process_group()
 
 
+def _rank_runs(rank: int, world: int, inp: dict) -> dict:
+    """Every run of ``inp["runs"]`` on this rank of a ``world``-rank gloo group (tests/two_ranks.py)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from torch.distributed.tensor import DTensor
+
+    from skyrl.backends.skyrl_train.distributed.dispatch import MeshRank
+    from skyrl.backends.skyrl_train.distributed.fsdp_strategy import FSDPStrategy
+    from skyrl.backends.skyrl_train.distributed.fsdp_utils import apply_fsdp2
+    from skyrl.backends.skyrl_train.training_batch import TrainingInputBatch
+    from skyrl.backends.skyrl_train.utils.ppo_utils import (
+        PolicyLossRegistry,
+        apply_loss_reduction_to_advantages_minibatch,
+    )
+    from skyrl.backends.skyrl_train.workers.model_wrapper import HFModelWrapper
+    from skyrl.backends.skyrl_train.workers.worker import PolicyWorkerBase
+    from skyrl.train.config import SkyRLTrainConfig
+    from two_ranks import shard
+
+    from offpolicy.integrations import skyrl as op_skyrl
+    from offpolicy.tasks.model import build_tiny_qwen2
+    from offpolicy.tasks.tokenizer import build_char_tokenizer
+
+    torch.cuda.current_device = lambda: "cpu"
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    out = {}
+    for run in inp["runs"]:
+        op_skyrl.register(run["loss_config"])
+        cfg = op_skyrl.configure(SkyRLTrainConfig.from_cli_overrides(run["overrides"]))
+        tc = cfg.trainer
+        model = build_tiny_qwen2(build_char_tokenizer(), **inp["model"])
+        model.load_state_dict(inp["state"])
+        worker = PolicyWorkerBase.__new__(PolicyWorkerBase)
+        worker.cfg = tc
+        worker.profiler = None
+        worker.record_memory = False
+        worker.policy_loss_fn = PolicyLossRegistry.get(tc.algorithm.policy_loss_type)
+        worker.strategy = FSDPStrategy(fsdp_config=tc.policy.fsdp_config, optimizer_config=tc.policy.optimizer_config,
+                                       model_config=tc.policy.model, fsdp_strategy=tc.strategy, seed=tc.seed,
+                                       micro_train_batch_size_per_gpu=tc.micro_train_batch_size_per_gpu)
+        worker.strategy.world_size = world
+        worker.device_mesh = mesh
+        worker.mesh_rank = MeshRank(dp=rank, sp=0, tp=0, pp=0, world_size=world, dp_size=world, pp_size=1)
+        worker.model = HFModelWrapper(model, bf16=False, temperature=tc.algorithm.temperature)
+        # FSDPStrategy._fsdp_init_model's wrapping (SkyRL's apply_fsdp2) on the CPU mesh, fp32 compute and reduce
+        apply_fsdp2(worker.model.model, {"mesh": mesh, "mp_policy": MixedPrecisionPolicy(
+            param_dtype=torch.float32, reduce_dtype=torch.float32, cast_forward_inputs=True),
+            "offload_policy": None, "reshard_after_forward": True}, tc.policy.fsdp_config)
+        worker.optimizer = torch.optim.SGD(worker.model.parameters(), lr=inp["lr"])
+        worker.scheduler = torch.optim.lr_scheduler.LambdaLR(worker.optimizer, lambda _: 1.0)
+        statuses = []
+        for b in run["batches"]:
+            # RayPPOTrainer._normalize_advantages on the driver: over the global mini-batch, before dispatch;
+            # run["per_rank_scale"] breaks that on purpose (each rank scales by its own shard)
+            part = shard(b, rank, world)
+            src = part if run.get("per_rank_scale") else b
+            adv = apply_loss_reduction_to_advantages_minibatch(
+                advantages=src["adv"], loss_mask=src["action_mask"], loss_reduction=tc.algorithm.loss_reduction,
+                micro_batch_size=tc.micro_train_batch_size_per_gpu, max_seq_len=tc.algorithm.max_seq_len)
+            if not run.get("per_rank_scale"):
+                adv = shard({"adv": adv}, rank, world)["adv"]
+            data = TrainingInputBatch({
+                "sequences": part["sequences"], "attention_mask": part["attention_mask"],
+                "loss_mask": part["action_mask"], "response_mask": torch.ones_like(part["action_mask"], dtype=torch.long),
+                "action_log_probs": part["old"], "base_action_log_probs": part["old"], "advantages": adv,
+                "rollout_logprobs": part["mu"]})
+            data.metadata = {"response_length": part["action_mask"].shape[1]}
+            status = worker.forward_backward(data).metrics
+            statuses.append({**status, "grad_norm": worker.optim_step()})
+        state = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
+                 for k, v in worker.model.model.state_dict().items()}
+        out[run["name"]] = {"state": state, "status": statuses}
+    return out
+
+
+def main_ranks(path_in: str, path_out: str) -> None:
+    """``_rank_runs`` at two ranks and at one, each its own gloo group; OUT.pt = {world: [per rank]}."""
+    torch.set_num_threads(1)
+    inp = torch.load(path_in, weights_only=False)
+    _skyrl_backends_without_init()
+    import skyrl.backends.skyrl_train.workers.worker  # noqa: F401 - imported once, before the fork
+    from skyrl.train.config import SkyRLTrainConfig  # noqa: F401
+    from two_ranks import run_worlds
+
+    import offpolicy.integrations.skyrl  # noqa: F401
+
+    torch.save(run_worlds(_rank_runs, (inp,)), path_out)
+
+
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    if sys.argv[1] == "--ranks":
+        main_ranks(sys.argv[2], sys.argv[3])
+    else:
+        main(sys.argv[1], sys.argv[2])

@@ -49,6 +49,8 @@ def test_trl_example_trains_with_offpolicy_loss(example, offpolicy_cache, tmp_pa
     start = {k: v.detach().clone() for k, v in trainer.model.named_parameters()}
     trainer.train()
     assert type(trainer).__name__ == "OffpolicyGRPOTrainer" and trainer.state.global_step == 3
+    # the trainer is fp32 as the example says (TRL's GRPOConfig defaults to bf16=True: accelerate's autocast)
+    assert trainer.accelerator.mixed_precision == "no"
     # the loss was offpolicy's: one call per optimizer step (one micro-batch each), with the sampler's μ,
     # the recommended config, unreduced (TRL aggregates)
     assert len(calls) == 3

@@ -1,6 +1,7 @@
 """verl 0.9.1's own actor update on CPU, in a fresh process (as in a Ray worker): run by tests/test_e2e_verl.py.
 
     python tests/verl_actor_step.py JOB.pt OUT.pt
+    python tests/verl_actor_step.py --ranks JOB.pt OUT.pt     (tests/test_two_ranks_verl.py)
 
 JOB.pt holds ``model`` (a local HF model directory), ``batch`` (a padded DataProto's tensors: prompts,
 responses, input_ids, attention_mask, position_ids, response_mask, old_log_probs = μ, advantages),
@@ -22,6 +23,15 @@ CPU run; docs/hosts-end-to-end.md lists them with file:line):
 * a gloo process group, created before verl's (verl asks for ``cpu:gloo,<device>:nccl``);
 * ``is_trl_available`` answered False in verl's monkey-patch module: with trl 1.16 installed
   next to verl 0.9.1, verl imports ``AutoModelForCausalLMWithValueHead``, which trl 1.16 removed.
+
+``--ranks``: the same worker at two data-parallel ranks and at one (processes forked after verl's
+import, tests/two_ranks.py; each world its own gloo group, RANK/WORLD_SIZE in the environment as a
+Ray worker group sets them). verl's FSDP2 engine then shards over a CPU mesh of the world's size and
+reduces the gradient across the ranks; each rank gets its contiguous chunk of the batch, as verl's
+``DP_COMPUTE`` dispatch chunks a ``DataProto``, and ``train_mini_batch`` all-reduces the mini-batch's
+token count (``batch_num_tokens``) and all-gathers the metrics itself. JOB.pt's ``runs`` map a name
+to ``loss`` (OFFPOLICY_VERL_LOSS), ``overrides``, ``batches`` (one ``update_actor`` each) and
+``per_rank_count`` (broken on purpose: the loss divides by this rank's token count).
 """
 
 from __future__ import annotations
@@ -155,5 +165,66 @@ def main(job_path: str, out_path: str) -> None:
     torch.distributed.destroy_process_group()
 
 
+def _rank_runs(rank: int, world: int, job: dict) -> dict:
+    """Every run of ``job["runs"]`` on this rank (module docstring)."""
+    from verl import DataProto
+    from verl.trainer.ppo import core_algos
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.engine_workers import ActorRolloutRefWorker
+    from verl.workers.utils.padding import left_right_2_no_padding
+
+    from offpolicy.integrations import verl as op_verl
+    from two_ranks import shard
+
+    results = {}
+    for name, run in job["runs"].items():
+        os.environ["OFFPOLICY_VERL_LOSS"] = run["loss"]
+        config = compose(job["model"], {**job, "overrides": run.get("overrides", [])})
+        worker = ActorRolloutRefWorker(config.actor_rollout_ref, role="actor")
+        worker.init_model()
+        actor = config.actor_rollout_ref.actor
+        metrics = []
+        for batch in run["batches"]:
+            part = shard(batch, rank, world)
+            if run.get("per_rank_count"):  # broken on purpose: this rank's own token count as the denominator
+                local = float(part["response_mask"].sum())
+                op_verl.core_algos = types.SimpleNamespace(agg_loss=lambda local=local, **kw: core_algos.agg_loss(
+                    **{**kw, "batch_num_tokens": local}))
+            data = left_right_2_no_padding(DataProto.from_single_dict(dict(part), meta_info={"temperature": 1.0})
+                                           .to_tensordict())
+            tu.assign_non_tensor(data, calculate_entropy=False, distillation_use_topk=False, distillation_only=False,
+                                 global_batch_size=actor.ppo_mini_batch_size, mini_batch_size=actor.ppo_mini_batch_size,
+                                 epochs=actor.ppo_epochs, seed=actor.data_loader_seed,
+                                 dataloader_kwargs={"shuffle": actor.shuffle}, compute_loss=True)
+            output = worker.update_actor(data)
+            op_verl.core_algos = core_algos
+            metrics.append({k: [float(x) for x in v] if isinstance(v, list) else float(v)
+                            for k, v in tu.get(output, "metrics").items()})
+        module = worker.actor.engine.module
+        params = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+                  for n, p in module.named_parameters()}
+        results[name] = {"params": params, "metrics": metrics, "dp": worker.actor.engine.get_data_parallel_size()}
+    return results
+
+
+def main_ranks(job_path: str, out_path: str) -> None:
+    """``_rank_runs`` at two ranks and at one; OUT.pt = {world: [per rank]}."""
+    torch.set_num_threads(1)
+    job = torch.load(job_path, weights_only=False)
+    set_platform(PlatformCPU())
+    import verl.models.transformers.monkey_patch as verl_patch
+
+    verl_patch.is_trl_available = lambda: False
+    import verl.workers.engine_workers  # noqa: F401 - imported once, before the fork
+    from two_ranks import run_worlds
+
+    import offpolicy.integrations.verl  # noqa: F401
+
+    torch.save(run_worlds(_rank_runs, (job,)), out_path)
+
+
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    if sys.argv[1] == "--ranks":
+        main_ranks(sys.argv[2], sys.argv[3])
+    else:
+        main(sys.argv[1], sys.argv[2])

@@ -11,6 +11,14 @@
   there (a masked sum over no token), connected to π_θ's graph so that data-parallel gradient
   hooks still fire; ``op.policy_loss`` itself refuses such a batch (nothing to train on).
   Reported as ``offpolicy/all_masked_micro_batch`` (1 there, 0 on every other micro-batch).
+* ``host_floats``: the metrics of one call as the floats a host logs. verl, OpenRLHF and SkyRL
+  average each micro-batch's floats over the step and the data-parallel ranks (verl, SkyRL: plain
+  means; OpenRLHF: token-weighted), so a statistic over no units — ``clip_fraction`` and the
+  ``is_*`` weight statistics of a micro-batch whose tokens were all rejected, e.g. every
+  micro-batch of a rank whose tokens the correction rejected — reads 0 there, as these hosts' own
+  ``masked_mean`` gives, instead of the library's NaN, which the host's average would spread to
+  the step's value on every rank. The library's own ``Metrics`` keep NaN (no contribution
+  anywhere); ``masked_fraction`` / ``all_masked_micro_batch`` say how many tokens were rejected.
 * ``check_kl``: the hosts verl / OpenRLHF / SkyRL add their own KL to a reference model and never
   hand the loss reference log-probs; a KL to μ (``kl_to: rollout``, prime-rl's presets) needs no
   reference model, so offpolicy computes it on the μ the host passes.
@@ -22,6 +30,7 @@
 from __future__ import annotations
 
 import logging
+import math
 from importlib import metadata
 from typing import Any
 
@@ -67,6 +76,11 @@ def micro_batch_metrics(metrics: op.Metrics, empty: bool = False) -> op.Metrics:
     """Record ``all_masked_micro_batch`` on every micro-batch, so the key set is the same on all of them."""
     metrics.sum("all_masked_micro_batch", float(empty))
     return metrics
+
+
+def host_floats(metrics: op.Metrics, prefix: str = "offpolicy/") -> dict[str, float]:
+    """``metrics.to_dict(prefix)`` with a statistic over no units (NaN there) as 0.0 (module docstring)."""
+    return {k: 0.0 if math.isnan(v) else v for k, v in metrics.to_dict(prefix=prefix).items()}
 
 
 def check_kl(config: op.LossConfig, host: str, host_kl: str) -> None:

@@ -215,8 +215,10 @@ class OffpolicyPolicyLoss(PolicyLoss):
         else:  # OpenRLHF's own masked sum is 0 here; offpolicy refuses a batch without a token
             loss, metrics = host.empty_loss(log_probs, mask)
         dev = log_probs.device
-        clip_ratio = torch.tensor(metrics["clip_fraction"] if "clip_fraction" in metrics else 0.0,
-                                  device=dev, dtype=torch.float32)
+        # this micro-batch's floats; a statistic over no kept token is 0 (host.host_floats): OpenRLHF sums
+        # ppo_clip_ratio × tokens over micro-batches and ranks, where one NaN would make every rank's NaN
+        floats = host.host_floats(metrics, prefix="")
+        clip_ratio = torch.tensor(floats.get("clip_fraction", 0.0), device=dev, dtype=torch.float32)
         # the host's logged means, over valid tokens whose inputs are finite: a NaN μ that the nonfinite policy
         # neutralised in the loss must not turn vllm_kl into NaN (nor NaN padding, NaN · 0 = NaN)
         ok = (mask != 0) & torch.isfinite(old_log_probs.detach()) & torch.isfinite(log_probs.detach())
@@ -228,8 +230,7 @@ class OffpolicyPolicyLoss(PolicyLoss):
             # OpenRLHF's is_filter_ratio counts tokens its gate dropped (mask) or clamped (clip): here the
             # rejected fraction plus the fractions outside the weight's band (a token both rejected and
             # outside the band counts twice; capped at 1).
-            filtered = sum(metrics[k] for k in ("masked_fraction", "fraction_below_low", "fraction_above_high")
-                           if k in metrics)
+            filtered = sum(floats.get(k, 0.0) for k in ("masked_fraction", "fraction_below_low", "fraction_above_high"))
             is_filter_ratio = torch.tensor(min(filtered, 1.0), device=dev, dtype=torch.float32)
         self.last_metrics = metrics if self.last_metrics is None else self.last_metrics.merge(metrics)
         if self.dump is not None and rollout_log_probs is not None and has_tokens:
@@ -241,7 +242,7 @@ class OffpolicyPolicyLoss(PolicyLoss):
 
     def pop_metrics(self, prefix: str = METRIC_PREFIX) -> dict[str, float]:
         """offpolicy's metrics merged since the last call, as ``{prefix + name: value}``; then cleared."""
-        out = {} if self.last_metrics is None else self.last_metrics.to_dict(prefix=prefix)
+        out = {} if self.last_metrics is None else host.host_floats(self.last_metrics, prefix)
         self.last_metrics = None
         return out
 

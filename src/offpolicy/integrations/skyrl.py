@@ -118,7 +118,7 @@ class OffpolicyLoss:
         if not host.has_valid_token(mask):  # SkyRL's own Σ_t ℓ_t m_t is 0 here; offpolicy refuses the batch
             loss, metrics = host.empty_loss(log_probs, mask)
             self.calls += 1
-            return loss, metrics.to_dict(prefix=METRIC_PREFIX)
+            return loss, host.host_floats(metrics, METRIC_PREFIX)
         per_token, agg_mask, metrics = op.policy_loss(
             log_probs, old_log_probs, advantages, mask, rollout_logprobs, cfg, reduce=False)
         loss = (per_token * agg_mask.to(per_token.dtype)).sum()  # SkyRL's reduce_loss: Σ over pre-scaled A
@@ -128,7 +128,7 @@ class OffpolicyLoss:
                                    mask=mask, logprobs=log_probs,
                                    meta={"step_unit": "loss call (micro-batch)", "advantages": "omitted (pre-scaled)"})
         self.calls += 1
-        return loss, metrics.to_dict(prefix=METRIC_PREFIX)
+        return loss, host.host_floats(metrics, METRIC_PREFIX)
 
 
 def register(config: LossConfig | CorrectionConfig | str, *, dumper: BatchDumper | None = None) -> OffpolicyLoss:

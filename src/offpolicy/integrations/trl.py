@@ -43,6 +43,11 @@ What the subclass changes (read from trl 1.16.0, trl/trainer/grpo_trainer.py):
   there): the correction's ``nonfinite`` policy applies; left at its library default (``error``),
   the adapter sets ``neutral`` — TRL's own choice (ρ = 1 on that token), so one bad token does not
   end a run — and logs the count as ``offpolicy/nonfinite_tokens``. An explicit ``nonfinite`` wins.
+* Data-chosen bounds (``{rule: ess}``, ``{rule: quantile}``, the ``m2`` rule) and ``weight.normalize``'s
+  mean are fixed once per optimizer step over all its micro-batches and ranks (``_step_config``:
+  ``op.resolve_thresholds`` on TRL's buffered micro-batches of the step, an all-gather over the
+  process group; one extra no-grad forward per micro-batch where TRL skipped π_old), so the step
+  chooses the bound of one big batch at any number of processes (tests/test_two_ranks_trl.py).
 * Metrics: ``Metrics.all_reduce`` across ranks, then every ``offpolicy/*`` value is appended to
   ``self._metrics[mode]``, which TRL averages into its logs.
 * ``dump_dir`` + ``dump_steps``/``dump_every``: the tensors offpolicy saw, for
@@ -173,9 +178,50 @@ class OffpolicyGRPOTrainer(GRPOTrainer):
     def offpolicy_loss(self, logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
                        mask: torch.Tensor, rollout_logprobs: torch.Tensor | None,
                        ref_logprobs: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, op.Metrics]:
-        """``op.policy_loss(..., reduce=False)``: per-token ℓ (weights applied, rejected tokens 0) and its mask."""
-        return op.policy_loss(logprobs, old_logprobs, advantages, mask, rollout_logprobs, self.offpolicy_config,
+        """``op.policy_loss(..., reduce=False)``: per-token ℓ (weights applied, rejected tokens 0) and its mask,
+        under the step's config (data-chosen bounds fixed over the optimizer step: ``_step_config``)."""
+        config = getattr(self, "_offpolicy_call_config", None) or self.offpolicy_config
+        return op.policy_loss(logprobs, old_logprobs, advantages, mask, rollout_logprobs, config,
                               ref_logprobs=ref_logprobs, reduce=False)
+
+    def _resolve_inputs(self, model, inputs: dict[str, Any]) -> dict[str, torch.Tensor | None]:
+        """What ``op.resolve_thresholds`` reads of one micro-batch; π_θ (no gradient) where TRL skipped π_old
+        (then π_old = sg(π_θ), the same at every micro-batch of a step) or the anchor reads π_θ."""
+        mask = inputs["completion_mask"] if "tool_mask" not in inputs else inputs["completion_mask"] * inputs["tool_mask"]
+        old = inputs.get("old_per_token_logps")
+        logprobs = None
+        if old is None or self.offpolicy_config.correction.anchor == "current":
+            completion_ids = inputs["completion_ids"]
+            with torch.no_grad():
+                logprobs, _, _ = self._get_per_token_logps_and_entropies(
+                    model, torch.cat([inputs["prompt_ids"], completion_ids], dim=1),
+                    torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1), completion_ids.size(1),
+                    **{k: inputs.get(k) for k in _FORWARD_KEYS})
+        advantages = inputs["advantages"]
+        advantages = (advantages.unsqueeze(1) if advantages.dim() == 1 else advantages).expand(mask.shape).float()
+        return {"old_logprobs": logprobs if old is None else old, "rollout_logprobs": inputs["sampling_per_token_logps"],
+                "mask": mask.float(), "advantages": advantages, "logprobs": logprobs}
+
+    def _step_config(self, model, inputs: dict[str, Any], mode: str) -> op.LossConfig:
+        """The config with every data-chosen bound (ESS, quantile, M2PO) and ``weight.normalize``'s mean fixed over
+        the whole optimizer step — all its micro-batches on every rank (``op.resolve_thresholds``, an all-gather
+        over the default process group) — so that a step split over micro-batches and ranks chooses the bound
+        of one big batch. TRL buffers a generation's micro-batches (``_buffered_inputs``) and an optimizer step
+        takes ``gradient_accumulation_steps`` of them in order, so the step's micro-batches are known at its
+        first one. Where a step straddles two generations (``steps_per_generation`` not a multiple of the
+        accumulation steps) and in evaluation, the bound is fixed over this micro-batch on every rank."""
+        cfg = self.offpolicy_config
+        if cfg.correction is None or not cfg.correction.step_dependent or inputs.get("sampling_per_token_logps") is None:
+            return cfg
+        accum, per_generation = int(self.current_gradient_accumulation_steps), int(self.args.steps_per_generation)
+        if mode != "train" or per_generation % accum or self._buffered_inputs is None:
+            return op.resolve_thresholds(cfg, [self._resolve_inputs(model, inputs)])
+        start = self._step - self._step % accum
+        if getattr(self, "_offpolicy_step_start", None) != start:
+            chunks = [self._buffered_inputs[(start + j) % per_generation] for j in range(accum)]
+            self._offpolicy_step_cfg = op.resolve_thresholds(cfg, [self._resolve_inputs(model, c) for c in chunks])
+            self._offpolicy_step_start = start
+        return self._offpolicy_step_cfg
 
     def _aggregate(self, per_token: torch.Tensor, mask: torch.Tensor, inputs: dict[str, Any], mode: str) -> torch.Tensor:
         # The normalisers of trl 1.16.0 GRPOTrainer._compute_loss, per loss_type.
@@ -236,6 +282,8 @@ class OffpolicyGRPOTrainer(GRPOTrainer):
         ref = inputs.get("ref_per_token_logps") if wants_ref else None
         mode = "train" if self.model.training else "eval"
         all_masked = not host.has_valid_token(mask)
+        # before the branch: under a data-chosen bound this is a collective, which every rank runs on every micro-batch
+        self._offpolicy_call_config = self._step_config(model, inputs, mode)
         kl = None
         if all_masked:  # mask_truncated_completions, tools: TRL's own loss is 0 there (host.empty_loss)
             loss, metrics = host.empty_loss(logprobs, mask)
@@ -260,6 +308,7 @@ class OffpolicyGRPOTrainer(GRPOTrainer):
             self.offpolicy_dumper.maybe_dump(self.state.global_step, old_logprobs=old, rollout_logprobs=rollout,
                                              mask=mask, advantages=advantages, logprobs=logprobs,
                                              meta={"loss_type": self.loss_type})
-        for key, value in metrics.all_reduce().to_dict().items():
+        for key, value in host.host_floats(metrics.all_reduce()).items():
             self._metrics[mode][key].append(value)
+        self._offpolicy_call_config = None
         return loss

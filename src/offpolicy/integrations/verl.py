@@ -136,14 +136,14 @@ def offpolicy_policy_loss(
         # verl's agg_loss gives 0 here with its global counts and 0/0 = NaN without; offpolicy refuses the
         # batch. The zero (host.empty_loss) is what a micro-batch without a token contributes to the sum.
         loss, metrics = host.empty_loss(log_prob, mask)
-        return loss, metrics.to_dict()
+        return loss, host.host_floats(metrics)
     # Bypass mode: verl put μ in old_log_prob. Without a correction μ is not used at all.
     rollout = old_log_prob if cfg.correction is not None else None
     per_token, loss_mask, metrics = op.policy_loss(log_prob, old_log_prob, advantages, mask, rollout, cfg, reduce=False)
     batch_info = dict(getattr(config, "global_batch_info", None) or {}) if config is not None else {}
     loss = core_algos.agg_loss(loss_mat=per_token, loss_mask=loss_mask, loss_agg_mode=loss_agg_mode, **batch_info)
     _maybe_dump(log_prob, old_log_prob, response_mask, advantages, cfg)
-    return loss, host.micro_batch_metrics(metrics).to_dict()
+    return loss, host.host_floats(host.micro_batch_metrics(metrics))
 
 
 def _maybe_dump(log_prob, old_log_prob, response_mask, advantages, cfg: op.LossConfig) -> None:
