@@ -424,9 +424,9 @@ def test_a_finished_row_records_no_kept_set(sampling, tmp_path, monkeypatch):
     recorded, live = [], []
     add = StepRecorder.add
 
-    def counting(self, keep):
+    def counting(self, keep, *args, **kwargs):  # the kept ids' q_v too, where recorded (score centering)
         recorded.append(int(keep.sum()))
-        return add(self, keep)
+        return add(self, keep, *args, **kwargs)
 
     monkeypatch.setattr(StepRecorder, "add", counting)
     g = torch.Generator().manual_seed(1)
