@@ -170,3 +170,16 @@ def test_diagnose_generated_flags_parse_as_typed():
     assert result.returncode == 2 and "not allowed with argument --prompts" in result.stderr
     result = offpolicy("diagnose", "--n", "many")
     assert result.returncode == 2 and "--n: invalid int value: 'many'" in result.stderr
+
+
+def test_diagnose_flag_errors_echo_a_sampling_value_and_nothing_else():
+    """A sampling value's refusal names the flag and the value (the rule is sampling.RULES'); no other refusal
+    repeats its value — a server URL's password or a key must never be printed."""
+    from offpolicy.diagnose_config import DiagnoseConfig
+
+    with pytest.raises(op.ConfigError) as err:
+        DiagnoseConfig(top_p=2.0)
+    assert str(err.value).startswith("--top-p 2: expected in (0, 1]")
+    with pytest.raises(op.ConfigError) as err:
+        DiagnoseConfig(engine_url="http://alice:s3cretpw@127.0.0.1:8000")
+    assert "s3cretpw" not in str(err.value) and "alice" not in str(err.value)

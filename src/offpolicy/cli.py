@@ -208,7 +208,8 @@ def add_config_flags(parser: argparse.ArgumentParser, config: type[BaseModel],
         group = extra.get("group")
         if group is not None and group not in sections:
             spec = groups[group]
-            sections[group] = parser.add_mutually_exclusive_group() if spec is None else parser.add_argument_group(*spec)
+            exclusive = spec is None
+            sections[group] = parser.add_mutually_exclusive_group() if exclusive else parser.add_argument_group(*spec)
         flag, kwargs = config_flag(name, field, extra)
         (parser if group is None else sections[group]).add_argument(flag, **kwargs)
 

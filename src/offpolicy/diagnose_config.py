@@ -17,7 +17,7 @@ from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from offpolicy.config import ConfigError, _Strict
 from offpolicy.engines.config import VLLMConfig
-from offpolicy.sampling import MaxTokens, SamplingConfig, Temperature, TopK, TopP
+from offpolicy.sampling import RULES, MaxTokens, SamplingConfig, Temperature, TopK, TopP
 from offpolicy.tasks.dataset import DataConfig
 
 COMPARED = ("engine", "engine_dtype", "trainer_dtype", "logit_noise")  # what --compare may vary
@@ -50,13 +50,14 @@ SERVER_FIELD_FLAGS = {"url": "--engine-url", "api_key": "--api-key-env", "served
 
 
 def flag_error(err: ValidationError, flags: dict[str, str] | None = None) -> ConfigError:
-    """A config's first validation error in the CLI's words: the messages of our config-wide validators name the
-    flag themselves; a field's own rule (``sampling.RULES``) is the flag, the value and the rule (``--top-k 0:
-    expected -1 …``); any other names the field as its flag (``flags``, else ``--field-name``)."""
+    """A config's first validation error in the CLI's words: our validators' messages name the flag themselves;
+    a sampling value's rule (``sampling.RULES``) is the flag, the value and the rule (``--top-k 0: expected -1
+    …``; no other value is echoed: a server's URL or key may hold a secret); any other names the field as its
+    flag (``flags``, else ``--field-name``)."""
     first = err.errors()[0]
-    if first["type"] == "value_error" and not first["loc"]:
+    field = str(first["loc"][0]) if first["loc"] else None
+    if first["type"] == "value_error" and field not in RULES:
         return ConfigError(first["msg"].removeprefix("Value error, "))
-    field = str(first["loc"][0])
     flag = (flags or {}).get(field, "--" + field.replace("_", "-"))
     if first["type"] == "value_error":
         value = first["input"]

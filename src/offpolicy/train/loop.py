@@ -1,5 +1,7 @@
 """The GRPO/PPO loop, top to bottom: sample → score → advantages → forward → correct + loss →
-step → sync → log. Helpers live in batch.py, pipeline.py, checkpoint.py and logger.py.
+step → sync → log. ``train`` is ``setup`` (a ``Run``: the resolved choices, model, engine, pipeline,
+logger), one ``train_step`` a step (``score``, ``choose_old``, ``update``, ``step_values``, ``evaluate``,
+``checkpoint``) and ``close`` / ``finish``. Helpers live in batch.py, pipeline.py, checkpoint.py and logger.py.
 
 π_old is the *proximal* policy: the trainer's own weights at the start of the step. With
 synchronous sampling it differs from the engine's μ only by the engine's numerics (dtype, noise);
