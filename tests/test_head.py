@@ -357,7 +357,7 @@ def test_the_shared_prompt_plan_only_where_it_saves_work_and_serves():
 
     from offpolicy.policy.batch import shared_prompts
     from offpolicy.policy.head import shared_plan
-    from offpolicy.policy.score import to_device
+    from offpolicy.policy.score import checkpoint_activations, to_device
 
     assert shared_prompts(grouped_batch(97, group_size=1)) is None
     batch = to_device(grouped_batch(97), torch.device("cpu"))
@@ -366,7 +366,7 @@ def test_the_shared_prompt_plan_only_where_it_saves_work_and_serves():
     model = tiny_causal_lm("llama", 97).train()
     assert shared_plan(model, batch) is not None
     assert shared_plan(model, replace(batch, input_ids=batch.input_ids.clone())) is None
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    checkpoint_activations(model)
     assert shared_plan(model, batch) is None
     model.eval()
     assert shared_plan(model, batch) is not None  # no backward, no checkpointing: the cache is on

@@ -231,3 +231,26 @@ def test_the_run_header_and_config_say_which_path_ran(offpolicy_cache, tmp_path,
     text = console.export_text()
     for gate, reason in paths.items():
         assert f"  {gate}: {reason}" in text
+
+
+def test_the_cache_goes_under_the_name_the_forward_takes():
+    """transformers 5.24 renamed the forward's ``past_key_values`` to ``cache`` (the old name warns, and goes at
+    5.40): the engine's loop, its shared prefill and the trainer's shared forward pass the name the signature
+    has, so a newer transformers sees no deprecated argument of ours."""
+    from offpolicy.speed.hf_loop import refusal
+    from offpolicy.speed.shared_prompt import cache_argument
+
+    class New(torch.nn.Module):
+        def forward(self, input_ids=None, position_ids=None, cache=None, logits_to_keep=0):
+            raise AssertionError("not called")
+
+    class Old(torch.nn.Module):
+        def forward(self, input_ids=None, position_ids=None, past_key_values=None, logits_to_keep=0):
+            raise AssertionError("not called")
+
+    class Neither(torch.nn.Module):
+        def forward(self, input_ids=None, position_ids=None, logits_to_keep=0):
+            raise AssertionError("not called")
+
+    assert cache_argument(New()) == "cache" and cache_argument(Old()) == "past_key_values"
+    assert refusal(Neither()) == "its forward takes no cache"

@@ -26,22 +26,27 @@ own warpers, bit for bit (``tests/test_hf_engine.py``); top-p is transformers' n
 trainer's own function (``offpolicy.sampling.top_p_keep``), so that exactly tied probabilities at
 the cut keep the same tokens on both sides.
 
-The loop itself is ``HFEngine._sample``: transformers' ``_sample`` above with the rows that have finished
-left out of the forward (their KV cache dropped, their logits zeros). The processors and ``multinomial`` still
-run on the whole ``[B, V]``, so the random stream, and with it every unfinished row's draw, is ``generate``'s;
-the log-probs differ from ``generate``'s only by the fp32 rounding of a smaller batch's GEMMs (the embedded
-default: ``generate`` 28 → 21 ms, its rows finish at ~5 of 10 tokens; issue #49). Models it cannot drive
-(``own_loop_fits``) go through ``generate`` as before.
+The loop itself is ``offpolicy.speed.hf_loop.sample``: transformers' ``_sample`` above with the rows that have
+finished left out of the forward (their KV cache dropped, their logits zeros). The processors and ``multinomial``
+still run on the whole ``[B, V]``, so the random stream, and with it every unfinished row's draw, is
+``generate``'s; the log-probs differ from ``generate``'s only by the fp32 rounding of a smaller batch's GEMMs (the
+embedded default: ``generate`` 28 → 21 ms, its rows finish at ~5 of 10 tokens; issue #49). It reaches into
+transformers' cache, so it is gated (``offpolicy.speed.gates.HF_OWN_LOOP``: the transformers versions and model
+families it was checked against, a forward and cache it can drive, rotary frequencies that do not follow the
+forward's length); any other model or version goes through ``generate``, and ``HFEngine.speed_paths`` says why.
 
-A prompt that repeats in the batch (GRPO's group) is prefilled once: ``HFEngine._shared_prompts`` computes
-the KV cache of each distinct prompt (and its last logits) once and copies them to the prompt's rows; the loop
-draws the first token from those logits and goes on from that cache as it would from its own prefill (through
-``generate``, all but the last prompt token are shared: ``generate`` runs that one itself).
+A prompt that repeats in the batch (GRPO's group) is prefilled once where the one planner allows it
+(``offpolicy.speed.shared_prompt``, the trainer's rule too): the KV cache of each distinct prompt (and its last
+logits) computed once and copied to the prompt's rows; the loop draws the first token from those logits and goes
+on from that cache as it would from its own prefill (through ``generate``, all but the last prompt token are
+shared: ``generate`` runs that one itself).
 
 Under top-k/top-p, ``_SampledLogprobs`` also records each step's kept set — the tokens whose processed
 score is not −inf, exactly the support ``multinomial`` draws from — as kept ids
 (``offpolicy.kept_set.StepRecorder``: only the ids, the step's ``[B, V]`` mask is dropped at once), and
-``Rollouts.kept`` carries them to the trainer, which renormalises over them (replay, issue #46).
+``Rollouts.kept`` carries them to the trainer, which renormalises over them (replay, issue #46). A row the own
+loop has finished records an empty set (issue #55: its zero logits tied every token, and the whole vocabulary
+was recorded for it at every step).
 """
 
 from __future__ import annotations

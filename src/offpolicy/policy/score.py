@@ -68,6 +68,16 @@ def load_policy(path, device: torch.device):
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
 
 
+def checkpoint_activations(model) -> None:
+    """Gradient (activation) checkpointing on ``model``'s layers, non-reentrant, under the name the installed
+    transformers has: ``activation_checkpointing_enable`` (transformers ≥ 5.24, where the old name warns and goes
+    at 6.0), else ``gradient_checkpointing_enable``."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
 def precision(device: torch.device, trainer_dtype: str) -> contextlib.AbstractContextManager:
     """The forward's compute dtype: bf16 autocast over fp32 master weights, or nothing (fp32).
 

@@ -56,7 +56,7 @@ from offpolicy.metrics import Metrics
 from offpolicy.policy.batch import to_batch
 from offpolicy.speed import run_paths
 from offpolicy.speed.cpu_linear import use_onednn_linear
-from offpolicy.policy.score import Scorer, device_index, load_policy
+from offpolicy.policy.score import Scorer, checkpoint_activations, device_index, load_policy
 from offpolicy.policy.warmstart import exact_match_accuracy, model_dir, warm_start_progress
 from offpolicy.sampling import SamplingConfig
 from offpolicy.tasks import ChatRendered, make_task, problems
@@ -438,7 +438,7 @@ def load(run: Run, checkpoint: Path | None, progress: bool) -> None:
     if run.created:  # beside the engine dtype's choice, in the run's config.yaml
         add_resolved(run.run_dir, {"engine": engine_name, "engine_reason": engine_reason})
     if cfg.gradient_checkpointing:
-        policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        checkpoint_activations(policy)  # under the name the installed transformers has
         policy.config.use_cache = False
     # on the CPU torch's fused AdamW: one kernel a parameter instead of ~10 ops (the embedded default: 1.5 →
     # 0.4 ms a step, issue #49), the same update to fp32 rounding (tests/test_train.py); GPUs keep the default
