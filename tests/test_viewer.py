@@ -250,3 +250,43 @@ def test_view_refuses_a_directory_without_samples(tmp_path):
 
     result = run_cli("view", str(tmp_path))
     assert result.returncode == 2 and "no samples.jsonl" in result.stderr
+
+
+def test_view_shows_a_run_whose_steps_have_no_log_ratio(tmp_path):
+    """Issue #55 item 4: a step whose saved samples hold no log-ratio at all — samples.jsonl written before it
+    kept per-token log-probs (a run resumed across the upgrade), or a step whose one saved sample lies wholly
+    outside the trainer's top-k/top-p support — still gets its page, beside a step that has ratios; each
+    preset's verdicts stay aligned with the sequences (one row each), and the step with ratios gets the
+    verdicts ``token_verdicts`` gives it alone."""
+    import torch
+
+    from cli_inprocess import run_cli
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    old = [{"step": 0, "prompt": f"old {j}", "completion": "c", "answer": "a", "reward": 0.0, "advantage": 0.0,
+            "tokens": 3, "finished": True, "abs_log_ratio_mean": 0.01, "abs_log_ratio_max": 0.02 * j}
+           for j in range(2)]
+    outside = {"step": 1, "prompt": "outside", "completion": "xy", "reward": 1.0, "token_text": ["x", "y"],
+               "log_pi": [None, None], "log_mu": [-0.7, -1.2], "abs_log_ratio_max": None}
+    lp, lm = [-0.1, -2.0, None, -0.5], [-0.2, -0.4, -3.0, -0.5]
+    normal = {"step": 2, "prompt": "normal", "completion": "abcd", "reward": 0.5, "token_text": list("abcd"),
+              "log_pi": lp, "log_mu": lm, "abs_log_ratio_max": 1.6}
+    (run_dir / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [*old, outside, normal]))
+    result = run_cli("view", str(run_dir))
+    assert result.returncode == 0, result.stderr
+    assert (run_dir / "report.html").is_file() and "4 samples over 3 steps" in result.stdout
+    assert "2 sample(s) hold no per-token log-probs" in result.stdout
+    view, _ = viewer.run_view(run_dir)
+    assert [(s["step"], s["prompt"]) for s in view["seqs"]] == [(0, "old 1"), (0, "old 0"), (1, "outside"),
+                                                                (2, "normal")]
+    groups = view["groups"]
+    assert sorted(p for g in groups for p in g["presets"]) == sorted(view["presets"])
+    mask = torch.tensor([[float(p is not None) for p in lp]])
+    alone = viewer.token_verdicts(torch.tensor([[p or 0.0 for p in lp]]), torch.tensor([lm]), mask, lengths=[4])
+    alone_of = {p: g for g in alone for p in g["presets"]}
+    for g in groups:
+        assert len(g["w"]) == len(g["rej"]) == 4  # one row per sequence shown
+        assert g["w"][:3] == [[], [], [0.0, 0.0]] and g["rej"][:3] == [[], [], []]  # nothing to weigh or reject
+        for p in g["presets"]:
+            assert (g["w"][3], g["rej"][3]) == (alone_of[p]["w"][0], alone_of[p]["rej"][0]), p
