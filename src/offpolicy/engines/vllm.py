@@ -325,6 +325,33 @@ def _direct_reload(worker: Any, weights: Iterable[tuple[str, torch.Tensor]]) -> 
     return sorted({name for name, _ in model.named_parameters()} - set(loaded))
 
 
+def _fused_shards(worker: Any) -> dict[str, list[str]]:
+    """On vLLM's worker: each parameter vLLM fills from several checkpoint tensors (its model's
+    ``packed_modules_mapping``: ``qkv_proj`` from ``q_proj``, ``k_proj``, ``v_proj``) → those tensors' names.
+    vLLM counts such a parameter loaded once any one of them is (``load_weights`` returns its name), so its
+    own check cannot see a sync that sent only some (``partly_sent``)."""
+    model = worker.model_runner.get_model()
+    mapping = getattr(model, "packed_modules_mapping", None) or {}
+    fused = {}
+    for name, _ in model.named_parameters():
+        parts = name.split(".")
+        for i, part in enumerate(parts):
+            if part in mapping:
+                fused[name] = [".".join([*parts[:i], shard, *parts[i + 1:]]) for shard in mapping[part]]
+    return fused
+
+
+def partly_sent(fused: dict[str, list[str]], sent: set[str]) -> list[str]:
+    """The fused parameters (``_fused_shards``) a sync reached in part: some of their shards among the names
+    ``sent``, not all. None sent is vLLM's own check's (or a checkpoint that stores the fused tensor)."""
+    out = []
+    for param, shards in fused.items():
+        missing = [s for s in shards if s not in sent]
+        if 0 < len(missing) < len(shards):
+            out.append(f"{param} without {', '.join(missing)}")
+    return out
+
+
 class VLLMEngine:
     name = "vllm"
 
@@ -365,6 +392,7 @@ class VLLMEngine:
         self._watch: _UnloadedWatch | None = None
         # on the CPU, why a sync goes through vLLM's reload instead of the direct one (empty: direct)
         self.direct_sync_blockers: list[str] = ["not on the CPU"]
+        self._fused: dict[str, list[str]] = {}
         try:
             with self._failures("starting"):
                 with _cpu_weights_kept() if self.on_cpu else contextlib.nullcontext():
@@ -372,6 +400,7 @@ class VLLMEngine:
                 if self.on_cpu:
                     self.direct_sync_blockers = self.llm.collective_rpc(_prepare_direct_sync,
                                                                         args=(DIRECT_SYNC_MAX_BYTES,))[0]
+                self._fused = self.llm.collective_rpc(_fused_shards)[0]  # sync_weights' partial-shard check
         except BaseException:
             self.close()
             raise
@@ -463,7 +492,9 @@ class VLLMEngine:
         Raises:
             EngineError: vLLM failed, or the tensors left some of the engine's parameters as they were.
         """
-        weights = ((name, tensor.detach().to(self.device, self.dtype)) for name, tensor in named_tensors)
+        sent: set[str] = set()  # the names, for the shards of a fused parameter (partly_sent)
+        weights = ((sent.add(name) or name, tensor.detach().to(self.device, self.dtype))
+                   for name, tensor in named_tensors)
         with self._failures("loading the trainer's weights"):
             if self.asleep:
                 self.llm.wake_up(tags=["weights"])  # the KV cache stays freed until the weights are in
@@ -472,6 +503,9 @@ class VLLMEngine:
             else:
                 missing = self.llm.collective_rpc(_direct_reload, args=(weights,))[0]
                 unloaded = [f"{NOT_LOADED}: {set(missing)}"] if missing else []
+            partial = partly_sent(self._fused, sent)
+            if partial:  # vLLM counts qkv_proj loaded after any one of q, k, v
+                unloaded.append(f"fused parameters reached in part: {'; '.join(partial)}")
             if unloaded:  # an EngineError passes through _failures as it is
                 raise EngineError(
                     f"vLLM weight sync: the trainer's weights left some of the engine's parameters as they were "
