@@ -422,7 +422,7 @@ def test_mlflow_credentials_are_used_but_never_written_or_printed(mlflow_server,
     "View run" link and the error lines of a failed start and of a server gone mid-run show ``***``."""
     secret = "hunter2-pw"
     console = Console(record=True, width=400)
-    config = {"train": {"steps": 2}, "engine_url": mlflow_server.uri + "/v1"}
+    config = {"train": {"steps": 2}, "data_url": mlflow_server.uri + "/v1"}  # a URL in the config
     trackers = open_trackers(["mlflow"], tmp_path, "run", config, console)
     assert [t.name for t in trackers.trackers] == ["mlflow"]
     trackers.log_metrics(0, {"reward": 0.5})
@@ -437,7 +437,7 @@ def test_mlflow_credentials_are_used_but_never_written_or_printed(mlflow_server,
     written = json.loads((tmp_path / "trackers.json").read_text())
     assert written["mlflow"]["tracking_uri"] == f"http://***@127.0.0.1:{port}"
     assert trackers.places() == {"mlflow": f"http://***@127.0.0.1:{port}"}
-    assert json.loads(mlflow_server.uploads["config.json"])["engine_url"] == f"http://***@127.0.0.1:{port}/v1"
+    assert json.loads(mlflow_server.uploads["config.json"])["data_url"] == f"http://***@127.0.0.1:{port}/v1"
     out = capfd.readouterr()
     assert f"View run run at: http://***@127.0.0.1:{port}/" in out.out  # MLflow's link, kept but redacted
 

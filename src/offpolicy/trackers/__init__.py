@@ -248,7 +248,7 @@ def open_trackers(names: Sequence[str], run_dir: Path, name: str, config: dict[s
     """Start each named tracker into ``run_dir`` with ``config``. A tracker whose package is missing, or
     that fails to start, is one line on ``console`` — with the fix — and the run goes on without it."""
     console = console or Console()
-    config = redact_data(config)  # a URL of the config (diagnose's --engine-url) as trackers.json shows it
+    config = redact_data(config)  # a URL anywhere in the config, as trackers.json shows it
     opened = []
     for tracker_name in names:
         module = importlib.import_module(f"offpolicy.trackers.{tracker_name}")
