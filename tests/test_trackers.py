@@ -39,9 +39,9 @@ def finite(record: dict) -> dict[str, float]:
 
 
 def same_rows(got: list[list], want: list[list]) -> bool:
-    """Table rows equal, floats to 10 decimal places: MLflow's log_table writes its JSON through pandas,
-    which keeps 10 (``double_precision=10``); the other trackers keep every digit. A NaN (a what-if row whose
-    preset rejects every token has no weights) matches NaN or null (MLflow's JSON writes null)."""
+    """Table rows equal (floats to 1e-9 relative: a JSON round trip keeps every digit, and every tracker's
+    table is JSON now — MLflow's too, written by log_dict, issue #55). A NaN (a what-if row whose preset
+    rejects every token has no weights) matches NaN or null (the trackers write null)."""
     def same(a, b):
         missing = [v is None or (isinstance(v, float) and math.isnan(v)) for v in (a, b)]
         if any(missing):
