@@ -510,7 +510,10 @@ def test_every_tracker_error_line_hides_environment_secrets(monkeypatch):
     monkeypatch.setenv("TRACKIO_SERVER_URL", "http://carol:tr-pass-88@127.0.0.1:7860")
     monkeypatch.setenv("GIT_AUTHOR_NAME", "Someone With A Long Name")
     monkeypatch.setenv("SOME_AUTH_FLAG", "1")
+    monkeypatch.setenv("HTTPS_PROXY", "http://dave:pr/x#y?z@proxy:3128")  # raw / # ? in a password
+    monkeypatch.setenv("SOME_PATH_URL", "file:///home/me@work/run")
     secrets = env_secrets()
+    assert "pr/x#y?z" in secrets and "/home/me" not in secrets
     assert os.environ.get("PWD", "/") not in secrets and "Someone With A Long Name" not in secrets and "1" not in secrets
 
     class Leaky(Flaky):
@@ -520,13 +523,14 @@ def test_every_tracker_error_line_hides_environment_secrets(monkeypatch):
         def log_metrics(self, step, values):
             raise ConnectionError("wandb-key-0123456789abcdef rejected by wb-pass-77 at "
                                   "http://carol:tr-pass-88@127.0.0.1:7860 (hf_abcdefghijklmnop, mlflow-password) "
-                                  "by Someone With A Long Name")
+                                  "by Someone With A Long Name via http://dave:pr/x#y?z@proxy:3128")
 
     console = Console(record=True, width=400)
     trackers = Trackers([Leaky()], console)
     trackers.log_metrics(0, {"reward": 1.0})
     text = console.export_text()
-    for secret in ("wandb-key-0123456789abcdef", "wb-pass-77", "tr-pass-88", "hf_abcdefghijklmnop", "mlflow-password"):
+    for secret in ("wandb-key-0123456789abcdef", "wb-pass-77", "tr-pass-88", "hf_abcdefghijklmnop", "mlflow-password",
+                   "pr/x#y?z"):
         assert secret not in text and secret not in json.dumps(trackers.where)
     assert "http://***@127.0.0.1:7860" in text and "by Someone With A Long Name" in text
 

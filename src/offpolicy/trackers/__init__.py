@@ -68,8 +68,11 @@ def env_secrets(environ: dict[str, str] | None = None) -> list[str]:
     for name, value in (os.environ if environ is None else environ).items():
         if _SECRET_ENV.search(name) and len(value) >= MIN_ENV_SECRET:
             found.add(value)
-        for match in _USERINFO.finditer(value):
-            info = match["info"]
+        # up to the last @: a password typed with a raw / ? or # (a URL that then fails, and whose error
+        # repeats it) is found too; a path holding an @ (no ":" before its first /) is not user information
+        _, scheme, rest = value.strip().partition("://")
+        info = rest.rpartition("@")[0]
+        if scheme and info and (":" in info.split("/")[0] or "/" not in info):
             found.update(v for v in (info, info.partition(":")[2]) if len(v) >= 4)
     return sorted(found, key=len, reverse=True)
 
