@@ -317,7 +317,8 @@ def test_legend_shows_the_colour_scale_the_tokens_use(browser, tmp_path):
             return tuple(values) if len(values) == 4 else (*values, 1.0 if text.startswith("rgb(") else 0.0)
 
         legend = {float(lr): rgba(c) for lr, c in page.page.evaluate("""() => Array.from(
-            document.querySelectorAll('#legend [data-lr]')).map(s => [s.dataset.lr, getComputedStyle(s).backgroundColor])""")}
+            document.querySelectorAll('#legend [data-lr]')).map(
+                s => [s.dataset.lr, getComputedStyle(s).backgroundColor])""")}
         tokens = [rgba(c) for c in page.page.evaluate("""() => Array.from(document.querySelectorAll('#seqs .tok'))
             .map(s => getComputedStyle(s).backgroundColor)""")]
         token = dict(zip(ratios, tokens))
