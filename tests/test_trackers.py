@@ -581,3 +581,28 @@ def test_wandb_writes_where_wandb_dir_says(tmp_path, monkeypatch):
     assert Path(where["dir"]).parent == elsewhere / "wandb"
     assert wandb_records.history(wandb_file(where))[0]["reward"] == 0.25
     assert not (run_dir / "wandb").exists()
+
+
+def test_no_password_survives_redaction_whatever_it_holds():
+    """Property: a tracking URI's password of any printable characters (``@ / ? # :`` included, raw as a user
+    types it) does not appear in an error line that repeats the URL, nor in the URL as trackers.json shows it;
+    the host and port do."""
+    from hypothesis import assume, given, settings
+    from hypothesis import strategies as st
+
+    from offpolicy.trackers import env_secrets, redact
+
+    chars = st.characters(min_codepoint=33, max_codepoint=0x2FF, blacklist_characters="\x7f")
+
+    @settings(max_examples=300, deadline=None)
+    @given(user=st.text(chars.filter(lambda c: c not in "@:/?#"), min_size=1, max_size=8),
+           password=st.text(chars, min_size=4, max_size=24))
+    def check(user, password):
+        assume("mlflow.example.com:5000" not in password)  # else redacting it hides the host too
+        uri = f"https://{user}:{password}@mlflow.example.com:5000"
+        secrets = env_secrets({"MLFLOW_TRACKING_URI": uri})
+        line = f"API request to {uri}/api/2.0/mlflow/runs/log-batch failed with exception ..."
+        for text in (redact(line, secrets), redact(uri, secrets)):
+            assert password not in text and "mlflow.example.com:5000" in text
+
+    check()

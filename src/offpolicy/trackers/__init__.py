@@ -81,11 +81,10 @@ def redact(text: str, secrets: list[str] | None = None) -> str:
     """``text`` without credentials: a URL's user information as ``***`` (``http://user:pw@host`` →
     ``http://***@host``), a secret-named query parameter's value (``?token=…``) as ``***``, and each of
     ``secrets`` (``env_secrets()`` by default) as ``***``."""
-    text = _USERINFO.sub(lambda m: f"{m['scheme']}***@", text)
-    text = _SECRET_QUERY.sub(lambda m: f"{m['name']}***", text)
-    for secret in env_secrets() if secrets is None else secrets:
+    for secret in env_secrets() if secrets is None else secrets:  # first: the patterns below could split one
         text = text.replace(secret, "***")
-    return text
+    text = _USERINFO.sub(lambda m: f"{m['scheme']}***@", text)
+    return _SECRET_QUERY.sub(lambda m: f"{m['name']}***", text)
 
 
 def redact_data(data: Any, secrets: list[str] | None = None) -> Any:
