@@ -12,7 +12,7 @@ nothing. Every tracker receives, under the names ``metrics.jsonl`` uses:
 
 Offline by default: W&B in ``WANDB_MODE=offline`` under ``<run>/wandb``, MLflow's file store
 ``<run>/mlruns``, Trackio's SQLite store ``<run>/trackio`` (each unless its own environment variable says
-otherwise: ``WANDB_MODE``, ``MLFLOW_TRACKING_URI``, ``TRACKIO_DIR``). Where each one wrote goes to
+otherwise: ``WANDB_MODE``, ``WANDB_DIR``, ``MLFLOW_TRACKING_URI``, ``TRACKIO_DIR``). Where each one wrote goes to
 ``<run>/trackers.json``.
 
 No credential is written or printed: a tracking URI such as ``http://user:password@host`` (MLflow sends the
