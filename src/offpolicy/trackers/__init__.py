@@ -10,8 +10,8 @@ nothing. Every tracker receives, under the names ``metrics.jsonl`` uses:
   diagnose's what-if table;
 * PNG plots (``log_images``) and, for diagnose, a flat summary (``log_summary``).
 
-Offline by default: W&B in ``WANDB_MODE=offline`` under ``<run>/wandb``, MLflow's file store
-``<run>/mlruns``, Trackio's SQLite store ``<run>/trackio`` (each unless its own environment variable says
+Offline by default: W&B in ``WANDB_MODE=offline`` under ``<run>/wandb``, MLflow's SQLite store
+``<run>/mlflow.db``, Trackio's SQLite store ``<run>/trackio`` (each unless its own environment variable says
 otherwise: ``WANDB_MODE``, ``WANDB_DIR``, ``MLFLOW_TRACKING_URI``, ``TRACKIO_DIR``). Where each one wrote goes to
 ``<run>/trackers.json``.
 
