@@ -93,7 +93,7 @@ def test_train_logs_to_every_tracker(offpolicy_cache, tmp_path):
     the samples table and the config in each; the plot in each."""
     out = tmp_path / "run"
     env = {**os.environ, "OFFPOLICY_CACHE": str(offpolicy_cache)}
-    for var in ("WANDB_MODE", "MLFLOW_TRACKING_URI", "TRACKIO_DIR", "WANDB_PROJECT"):
+    for var in ("WANDB_MODE", "WANDB_DIR", "MLFLOW_TRACKING_URI", "TRACKIO_DIR", "WANDB_PROJECT"):
         env.pop(var, None)
     result = subprocess.run([sys.executable, "-m", "offpolicy", "train", *FAST, "steps=2", f"out_dir={out}",
                              "log_to=[wandb,mlflow,trackio,tensorboard]", "--no-progress"],
