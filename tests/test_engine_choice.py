@@ -100,6 +100,43 @@ def test_a_run_records_the_engine_auto_chose(offpolicy_cache, tmp_path, monkeypa
     assert "engine hf (" in text and "engine hf: 0.8M parameters, a 64-token vocabulary on the CPU" in text
 
 
+def test_a_resumed_run_keeps_the_engine_auto_chose(offpolicy_cache, tmp_path, monkeypatch):
+    """Suspicion of issue #55: ``engine=auto`` is chosen once, when the run is created; ``--resume`` reads
+    config.yaml's resolved engine instead of choosing again, so a run resumed where the rule would pick
+    another engine (another machine, a GPU, vLLM now importable) keeps its own. ``engine=…`` on the resume
+    still names one."""
+    from rich.console import Console
+
+    from offpolicy.train import loop
+
+    monkeypatch.setenv("OFFPOLICY_CACHE", str(offpolicy_cache))
+    overrides = ["prompts_per_step=2", "group_size=2", "eval_problems=2", f"out_dir={tmp_path / 'run'}",
+                 "device=cpu", "checkpoint_every=1"]
+    started, make_engine = [], loop.make_engine
+
+    def recording(name, *args, **kwargs):
+        started.append(name)
+        if name != "hf":  # what a resume that switches engines would start (not built here: vLLM is slow)
+            raise RuntimeError(f"the resumed run started {name}")
+        return make_engine(name, *args, **kwargs)
+
+    monkeypatch.setattr(loop, "make_engine", recording)
+    loop.train(load_train_config(None, ["steps=1", *overrides]), progress=False)
+    # where it resumes, the rule would now pick vLLM
+    monkeypatch.setattr(choice, "choose", lambda *args, **kwargs: ("vllm", "auto: a GPU"))
+    console = Console(record=True, width=300)
+    loop.train(load_train_config(None, ["steps=2", *overrides]), resume=tmp_path / "run", console=console,
+               progress=False)
+    assert started == ["hf", "hf"]
+    saved = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
+    assert saved["train"]["engine"] == "auto" and saved["resolved"]["engine"] == "hf"
+    text = console.export_text()
+    assert "engine hf (" in text and "(chosen when the run was created; a resume keeps it)" in text
+    # a resumed run given engine=… explicitly gets that one
+    assert resolve_engine(load_train_config(None, ["engine=vllm"]), CPU, 10**6, 64,
+                          recorded=saved["resolved"]) == ("vllm", "set in the config")
+
+
 def test_the_rule_names_the_measurement_it_rests_on():
     """The module states the rule and where its figures are; the threshold is the one the docs give."""
     assert "bench_engine_choice.py" in choice.__doc__

@@ -12,6 +12,7 @@ import math
 import os
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
@@ -38,9 +39,9 @@ def finite(record: dict) -> dict[str, float]:
 
 
 def same_rows(got: list[list], want: list[list]) -> bool:
-    """Table rows equal, floats to 10 decimal places: MLflow's log_table writes its JSON through pandas,
-    which keeps 10 (``double_precision=10``); the other trackers keep every digit. A NaN (a what-if row whose
-    preset rejects every token has no weights) matches NaN or null (MLflow's JSON writes null)."""
+    """Table rows equal (floats to 1e-9 relative: a JSON round trip keeps every digit, and every tracker's
+    table is JSON now — MLflow's too, written by log_dict, issue #55). A NaN (a what-if row whose preset
+    rejects every token has no weights) matches NaN or null (the trackers write null)."""
     def same(a, b):
         missing = [v is None or (isinstance(v, float) and math.isnan(v)) for v in (a, b)]
         if any(missing):
@@ -92,7 +93,7 @@ def test_train_logs_to_every_tracker(offpolicy_cache, tmp_path):
     the samples table and the config in each; the plot in each."""
     out = tmp_path / "run"
     env = {**os.environ, "OFFPOLICY_CACHE": str(offpolicy_cache)}
-    for var in ("WANDB_MODE", "MLFLOW_TRACKING_URI", "TRACKIO_DIR", "WANDB_PROJECT"):
+    for var in ("WANDB_MODE", "WANDB_DIR", "MLFLOW_TRACKING_URI", "TRACKIO_DIR", "WANDB_PROJECT"):
         env.pop(var, None)
     result = subprocess.run([sys.executable, "-m", "offpolicy", "train", *FAST, "steps=2", f"out_dir={out}",
                              "log_to=[wandb,mlflow,trackio,tensorboard]", "--no-progress"],
@@ -337,3 +338,271 @@ def test_tensorboard_writes_a_steps_scalars_as_one_event(tmp_path):
     read = tb_events(tmp_path / "tensorboard")
     assert {key: [(e.step, e.value) for e in read.Scalars(key)] for key in values} == \
         {key: [(3, value)] for key, value in values.items()}
+
+
+class FakeMlflowServer:
+    """An MLflow tracking server in a thread on 127.0.0.1 that answers only requests carrying ``user`` and
+    ``password`` as HTTP basic auth: the endpoints ``MlflowClient`` calls for a run (experiment, run,
+    log-batch, artifact uploads through the server, run end). Every request is kept (method, path,
+    Authorization header, body)."""
+
+    def __init__(self, user: str, password: str):
+        import base64
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        self.requests: list[tuple[str, str, str | None, bytes]] = []
+        self.uploads: dict[str, bytes] = {}
+        expected = "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()
+        server = self
+        # a run id of its own: MLflow caches each run's artifact repository, with the URI it was made for
+        self.run_id = uuid.uuid4().hex
+        info = {"run_id": self.run_id, "run_uuid": self.run_id, "experiment_id": "1", "status": "RUNNING",
+                "start_time": 0, "artifact_uri": f"mlflow-artifacts:/1/{self.run_id}/artifacts",
+                "lifecycle_stage": "active", "run_name": "run"}
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):  # no access log on stderr
+                pass
+
+            def reply(self, code: int, body: dict) -> None:
+                data = json.dumps(body).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def handle_any(self) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                server.requests.append((self.command, self.path, self.headers.get("Authorization"), body))
+                if self.headers.get("Authorization") != expected:
+                    return self.reply(401, {"error_code": "UNAUTHENTICATED", "message": "credentials required"})
+                path = self.path.split("?")[0]
+                if path.endswith("/experiments/get-by-name"):
+                    return self.reply(200, {"experiment": {"experiment_id": "1", "name": "offpolicy",
+                                                           "artifact_location": "mlflow-artifacts:/1",
+                                                           "lifecycle_stage": "active"}})
+                if path.endswith(("/runs/create", "/runs/get")):
+                    return self.reply(200, {"run": {"info": info, "data": {}}})
+                if path.endswith("/runs/update"):
+                    return self.reply(200, {"run_info": info})
+                if "/mlflow-artifacts/artifacts/" in path and self.command == "PUT":
+                    server.uploads[path.split(f"/artifacts/1/{server.run_id}/artifacts/")[-1]] = body
+                return self.reply(200, {})
+
+            do_GET = do_POST = do_PUT = do_PATCH = handle_any
+
+        self.http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.uri = f"http://{user}:{password}@127.0.0.1:{self.http.server_address[1]}"
+        self.thread = threading.Thread(target=self.http.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        if self.thread.is_alive():
+            self.http.shutdown()
+            self.http.server_close()
+
+
+@pytest.fixture
+def mlflow_server(monkeypatch):
+    """The fake server behind ``MLFLOW_TRACKING_URI=http://alice:<password>@127.0.0.1:<port>``; MLflow
+    does not retry (a refused connection fails at once)."""
+    server = FakeMlflowServer("alice", "hunter2-pw")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", server.uri)
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
+    yield server
+    server.close()
+
+
+def test_mlflow_credentials_are_used_but_never_written_or_printed(mlflow_server, tmp_path, capfd):
+    """Issue #55 item 3: ``http://user:password@host`` reaches the server as basic auth on every request,
+    while trackers.json, the places the run's last line names, the config the tracker stores, MLflow's own
+    "View run" link and the error lines of a failed start and of a server gone mid-run show ``***``."""
+    secret = "hunter2-pw"
+    console = Console(record=True, width=400)
+    config = {"train": {"steps": 2}, "data_url": mlflow_server.uri + "/v1"}  # a URL in the config
+    trackers = open_trackers(["mlflow"], tmp_path, "run", config, console)
+    assert [t.name for t in trackers.trackers] == ["mlflow"]
+    trackers.log_metrics(0, {"reward": 0.5})
+    trackers.log_samples(0, [{"prompt": "1+1=", "completion": "2", "reward": 1.0}])
+    trackers.close()
+    # the credentials work: every request carried them, and the server took the run
+    assert mlflow_server.requests and all(auth == "Basic YWxpY2U6aHVudGVyMi1wdw==" for _, _, auth, _ in
+                                          mlflow_server.requests)
+    assert {"config.json", "samples/step_000000.json"} <= set(mlflow_server.uploads)
+    assert any(path.endswith("/runs/update") for _, path, _, _ in mlflow_server.requests)
+    port = mlflow_server.http.server_address[1]
+    written = json.loads((tmp_path / "trackers.json").read_text())
+    assert written["mlflow"]["tracking_uri"] == f"http://***@127.0.0.1:{port}"
+    assert trackers.places() == {"mlflow": f"http://***@127.0.0.1:{port}"}
+    assert json.loads(mlflow_server.uploads["config.json"])["data_url"] == f"http://***@127.0.0.1:{port}/v1"
+    out = capfd.readouterr()
+    assert f"View run run at: http://***@127.0.0.1:{port}/" in out.out  # MLflow's link, kept but redacted
+
+    # a server gone mid-run: MLflow's error repeats the URL; the line printed does not
+    for sub in ("second", "third"):
+        (tmp_path / sub).mkdir()
+    trackers = open_trackers(["mlflow"], tmp_path / "second", "run", {}, console)
+    mlflow_server.close()
+    trackers.log_metrics(1, {"reward": 0.5})
+    trackers.close()
+    # a server that cannot be reached at start
+    assert open_trackers(["mlflow"], tmp_path / "third", "run", {}, console).trackers == []
+    text = console.export_text()
+    assert "log_to: mlflow failed while logging step 1's metrics" in text and "log_to: mlflow failed to start" in text
+    assert f"http://***@127.0.0.1:{port}/api/2.0/mlflow/" in text  # the URL is still named, without credentials
+    out = capfd.readouterr()
+    everything = [text, out.out, out.err, json.dumps(mlflow_server.requests[0][:2])]
+    everything += [p.read_text(errors="replace") for p in tmp_path.rglob("*") if p.is_file()]
+    everything += [b.decode(errors="replace") for _, _, _, b in mlflow_server.requests]
+    assert not [t for t in everything if secret in t or "alice:" in t]
+
+
+def test_diagnose_last_line_names_the_mlflow_server_without_credentials(mlflow_server, tmp_path):
+    """The command as typed: ``diagnose --log-to mlflow`` against the password-protected server; its last lines
+    name where each tracker stored the run (cli.py), without the password."""
+    import torch
+
+    from cli_inprocess import run_cli
+    from offpolicy.integrations.dump import BatchDumper
+
+    g = torch.Generator().manual_seed(1)
+    old = -2 * torch.rand(4, 6, generator=g)
+    BatchDumper(tmp_path / "dump", every=1).maybe_dump(0, old_logprobs=old, rollout_logprobs=(old - 0.1).clamp(max=0),
+                                                       mask=torch.ones(4, 6))
+    result = run_cli("diagnose", "--batch", str(tmp_path / "dump"), "--out", str(tmp_path / "diag"), "--log-to",
+                     "mlflow", env=dict(os.environ))
+    assert result.returncode == 0, result.stderr[-3000:]
+    port = mlflow_server.http.server_address[1]
+    assert f"log_to: mlflow → http://***@127.0.0.1:{port}\n" in result.stdout
+    assert "hunter2-pw" not in result.stdout + result.stderr
+    assert "hunter2-pw" not in (tmp_path / "diag" / "trackers.json").read_text()
+    assert all(auth == "Basic YWxpY2U6aHVudGVyMi1wdw==" for _, _, auth, _ in mlflow_server.requests)
+
+
+@pytest.mark.parametrize("text, want", [
+    ("http://alice:s3cret@host:5000/api", "http://***@host:5000/api"),
+    ("https://TOKEN123@mlflow.example.com", "https://***@mlflow.example.com"),
+    ("http://u:p@ss@host/x?a=1", "http://***@host/x?a=1"),  # an unescaped @ in the password
+    ("https://h/x?token=abc&b=2&X-Amz-Signature=ff;api_key=k",
+     "https://h/x?token=***&b=2&X-Amz-Signature=***;api_key=***"),
+    ("sqlite:////tmp/run/mlflow.db", "sqlite:////tmp/run/mlflow.db"),
+    ("file:///home/me@work/run", "file:///home/me@work/run"),
+    ("see a@b.com and ratio 1e-4", "see a@b.com and ratio 1e-4"),
+])
+def test_redact_urls(text, want):
+    from offpolicy.trackers import redact
+
+    assert redact(text, secrets=[]) == want
+
+
+def test_every_tracker_error_line_hides_environment_secrets(monkeypatch):
+    """A key or token in an environment variable (W&B's, Hugging Face's for a Trackio space, MLflow's
+    password), and the password of a URL in one (WANDB_BASE_URL, TRACKIO_SERVER_URL), never reach a line,
+    whatever the tracker's error repeats. The working directory (PWD) and short flags are left alone."""
+    from offpolicy.trackers import env_secrets
+
+    monkeypatch.setenv("WANDB_API_KEY", "wandb-key-0123456789abcdef")
+    monkeypatch.setenv("HF_TOKEN", "hf_abcdefghijklmnop")
+    monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", "mlflow-password")
+    monkeypatch.setenv("WANDB_BASE_URL", "https://bob:wb-pass-77@wandb.example.com")
+    monkeypatch.setenv("TRACKIO_SERVER_URL", "http://carol:tr-pass-88@127.0.0.1:7860")
+    monkeypatch.setenv("GIT_AUTHOR_NAME", "Someone With A Long Name")
+    monkeypatch.setenv("SOME_AUTH_FLAG", "1")
+    monkeypatch.setenv("HTTPS_PROXY", "http://dave:pr/x#y?z@proxy:3128")  # raw / # ? in a password
+    monkeypatch.setenv("SOME_PATH_URL", "file:///home/me@work/run")
+    secrets = env_secrets()
+    assert "pr/x#y?z" in secrets and "/home/me" not in secrets
+    assert os.environ.get("PWD", "/") not in secrets
+    assert "Someone With A Long Name" not in secrets and "1" not in secrets
+
+    class Leaky(Flaky):
+        name = "leaky"
+        where = {"dir": "nowhere", "server": "https://bob:wb-pass-77@wandb.example.com"}
+
+        def log_metrics(self, step, values):
+            raise ConnectionError("wandb-key-0123456789abcdef rejected by wb-pass-77 at "
+                                  "http://carol:tr-pass-88@127.0.0.1:7860 (hf_abcdefghijklmnop, mlflow-password) "
+                                  "by Someone With A Long Name via http://dave:pr/x#y?z@proxy:3128")
+
+    console = Console(record=True, width=400)
+    trackers = Trackers([Leaky()], console)
+    trackers.log_metrics(0, {"reward": 1.0})
+    text = console.export_text()
+    for secret in ("wandb-key-0123456789abcdef", "wb-pass-77", "tr-pass-88", "hf_abcdefghijklmnop", "mlflow-password",
+                   "pr/x#y?z"):
+        assert secret not in text and secret not in json.dumps(trackers.where)
+    assert "http://***@127.0.0.1:7860" in text and "by Someone With A Long Name" in text
+
+
+def test_mlflow_logs_tables_without_pandas(tmp_path, monkeypatch):
+    """Issue #55 item 5: ``offpolicy[mlflow]`` installs no pandas; with pandas blocked, the samples table and
+    the what-if table still reach MLflow (a JSON artifact ``{"columns", "data"}``, every digit), and the
+    tracker stays on."""
+    monkeypatch.setitem(sys.modules, "pandas", None)  # import pandas → ImportError, as without the package
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    console = Console(record=True, width=300)
+    trackers = open_trackers(["mlflow"], tmp_path, "run", {"a": 1}, console)
+    samples = [{"prompt": "2+2=", "completion": "4", "answer": "4", "reward": 1.0, "advantage": 0.123456789012345,
+                "tokens": 2, "finished": True, "outside_support": 0, "abs_log_ratio_mean": 1.2345678901234e-7,
+                "abs_log_ratio_max": 0.3}]
+    for step in range(2):
+        trackers.log_samples(step, samples)
+        trackers.log_table("what_if", step, ["preset", "ess"], [["trl:tis", 0.1 + step / 3], ["verl:x", math.nan]])
+    assert [t.name for t in trackers.trackers] == ["mlflow"]  # never turned off
+    trackers.close()
+    assert "failed" not in console.export_text()
+    where = json.loads((tmp_path / "trackers.json").read_text())["mlflow"]
+    client = mlflow_client(where)
+    artifacts = Path(client.download_artifacts(where["run_id"], "", str(tmp_path / "artifacts")))
+    for step in range(2):
+        table = json.loads((artifacts / "samples" / f"step_{step:06d}.json").read_text())
+        assert table == {"columns": SAMPLE_COLUMNS, "data": [[step if c == "step" else samples[0][c]
+                                                              for c in SAMPLE_COLUMNS]]}
+        what_if = json.loads((artifacts / "what_if" / f"step_{step:06d}.json").read_text())
+        assert what_if == {"columns": ["preset", "ess"], "data": [["trl:tis", 0.1 + step / 3], ["verl:x", None]]}
+
+
+def test_wandb_writes_where_wandb_dir_says(tmp_path, monkeypatch):
+    """Suspicion of issue #55: ``WANDB_DIR`` set by the user is where the run's W&B files go (W&B's
+    convention), and trackers.json says so; without it, the run directory."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.setenv("WANDB_DIR", str(elsewhere))
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    trackers = open_trackers(["wandb"], run_dir, "run", {"a": 1}, Console(record=True))
+    trackers.log_metrics(0, {"reward": 0.25})
+    trackers.close()
+    where = json.loads((run_dir / "trackers.json").read_text())["wandb"]
+    assert Path(where["dir"]).parent == elsewhere / "wandb"
+    assert wandb_records.history(wandb_file(where))[0]["reward"] == 0.25
+    assert not (run_dir / "wandb").exists()
+
+
+def test_no_password_survives_redaction_whatever_it_holds():
+    """Property: a tracking URI's password of any printable characters (``@ / ? # :`` included, raw as a user
+    types it) does not appear in an error line that repeats the URL, nor in the URL as trackers.json shows it;
+    the host and port do."""
+    from hypothesis import assume, given, settings
+    from hypothesis import strategies as st
+
+    from offpolicy.trackers import env_secrets, redact
+
+    chars = st.characters(min_codepoint=33, max_codepoint=0x2FF, blacklist_characters="\x7f")
+
+    @settings(max_examples=300, deadline=None)
+    @given(user=st.text(chars.filter(lambda c: c not in "@:/?#"), min_size=1, max_size=8),
+           password=st.text(chars, min_size=4, max_size=24))
+    def check(user, password):
+        assume("mlflow.example.com:5000" not in password)  # else redacting it hides the host too
+        uri = f"https://{user}:{password}@mlflow.example.com:5000"
+        secrets = env_secrets({"MLFLOW_TRACKING_URI": uri})
+        line = f"API request to {uri}/api/2.0/mlflow/runs/log-batch failed with exception ..."
+        for text in (redact(line, secrets), redact(uri, secrets)):
+            assert password not in text and "mlflow.example.com:5000" in text
+
+    check()

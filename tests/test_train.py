@@ -460,3 +460,36 @@ def test_the_cpu_trainers_fused_adamw_is_the_plain_update():
             optimizer.step()
     for a, b in zip(plain.parameters(), fused.parameters()):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_functional_dropout_through_a_config_field_keeps_the_old_policy_forward():
+    """Suspicion of issue #55: OPT applies its ``config.dropout`` (0.1 in OPT-125m) with
+    ``nn.functional.dropout``, no ``nn.Dropout`` module, so two training-mode forwards differ and π_old may not
+    be taken from the update's own forward (``single_update``). Any config number > 0 named "…drop…" counts,
+    in a sub-config too; with every one 0 the reuse stays on."""
+    from types import SimpleNamespace
+
+    from transformers import OPTConfig, OPTForCausalLM, PretrainedConfig
+
+    cfg = load_train_config(None, ["minibatches=1", "ppo_epochs=1"])
+    small = dict(vocab_size=64, hidden_size=16, num_hidden_layers=1, ffn_dim=32, num_attention_heads=2,
+                 max_position_embeddings=32, word_embed_proj_dim=16)
+    torch.manual_seed(0)
+    opt = OPTForCausalLM(OPTConfig(**small, dropout=0.1, attention_dropout=0.0)).train()
+    assert not any(isinstance(m, torch.nn.Dropout) for m in opt.modules())  # nothing a module scan finds
+    ids = torch.randint(0, 64, (2, 12))
+    assert not torch.equal(opt(ids).logits, opt(ids).logits)  # and yet the forward is random
+    assert train_loop.dropout_in(opt) == ["config.dropout=0.1"]
+    assert not train_loop.single_update(cfg, opt)
+    quiet = OPTForCausalLM(OPTConfig(**small, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0)).train()
+    assert torch.equal(quiet(ids).logits, quiet(ids).logits)
+    assert train_loop.dropout_in(quiet) == [] and train_loop.single_update(cfg, quiet)
+
+    for fields in ({"hidden_dropout": 0.1}, {"attention_probs_dropout_prob": 0.1}, {"resid_pdrop": 0.05},
+                   {"embd_pdrop": 0.1}, {"activation_dropout": 0.2}, {"layerdrop": 0.1}, {"attention_dropout": 0.1},
+                   {"text_config": {"attention_dropout": 0.1}}):
+        model = SimpleNamespace(modules=lambda: [], config=PretrainedConfig(**fields))
+        assert train_loop.dropout_in(model), fields
+        assert not train_loop.single_update(cfg, model), fields
+    flags = SimpleNamespace(modules=lambda: [], config=PretrainedConfig(hidden_dropout=0.0, use_dropout=True))
+    assert train_loop.dropout_in(flags) == [] and train_loop.single_update(cfg, flags)

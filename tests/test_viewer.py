@@ -250,3 +250,89 @@ def test_view_refuses_a_directory_without_samples(tmp_path):
 
     result = run_cli("view", str(tmp_path))
     assert result.returncode == 2 and "no samples.jsonl" in result.stderr
+
+
+def test_view_shows_a_run_whose_steps_have_no_log_ratio(tmp_path):
+    """Issue #55 item 4: a step whose saved samples hold no log-ratio at all — samples.jsonl written before it
+    kept per-token log-probs (a run resumed across the upgrade), or a step whose one saved sample lies wholly
+    outside the trainer's top-k/top-p support — still gets its page, beside a step that has ratios; each
+    preset's verdicts stay aligned with the sequences (one row each), and the step with ratios gets the
+    verdicts ``token_verdicts`` gives it alone."""
+    import torch
+
+    from cli_inprocess import run_cli
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    old = [{"step": 0, "prompt": f"old {j}", "completion": "c", "answer": "a", "reward": 0.0, "advantage": 0.0,
+            "tokens": 3, "finished": True, "abs_log_ratio_mean": 0.01, "abs_log_ratio_max": 0.02 * j}
+           for j in range(2)]
+    outside = {"step": 1, "prompt": "outside", "completion": "xy", "reward": 1.0, "token_text": ["x", "y"],
+               "log_pi": [None, None], "log_mu": [-0.7, -1.2], "abs_log_ratio_max": None}
+    lp, lm = [-0.1, -2.0, None, -0.5], [-0.2, -0.4, -3.0, -0.5]
+    normal = {"step": 2, "prompt": "normal", "completion": "abcd", "reward": 0.5, "token_text": list("abcd"),
+              "log_pi": lp, "log_mu": lm, "abs_log_ratio_max": 1.6}
+    (run_dir / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [*old, outside, normal]))
+    result = run_cli("view", str(run_dir))
+    assert result.returncode == 0, result.stderr
+    assert (run_dir / "report.html").is_file() and "4 samples over 3 steps" in result.stdout
+    assert "2 sample(s) hold no per-token log-probs" in result.stdout
+    view, _ = viewer.run_view(run_dir)
+    assert [(s["step"], s["prompt"]) for s in view["seqs"]] == [(0, "old 1"), (0, "old 0"), (1, "outside"),
+                                                                (2, "normal")]
+    groups = view["groups"]
+    assert sorted(p for g in groups for p in g["presets"]) == sorted(view["presets"])
+    mask = torch.tensor([[float(p is not None) for p in lp]])
+    alone = viewer.token_verdicts(torch.tensor([[p or 0.0 for p in lp]]), torch.tensor([lm]), mask, lengths=[4])
+    alone_of = {p: g for g in alone for p in g["presets"]}
+    for g in groups:
+        assert len(g["w"]) == len(g["rej"]) == 4  # one row per sequence shown
+        assert g["w"][:3] == [[], [], [0.0, 0.0]] and g["rej"][:3] == [[], [], []]  # nothing to weigh or reject
+        for p in g["presets"]:
+            assert (g["w"][3], g["rej"][3]) == (alone_of[p]["w"][0], alone_of[p]["rej"][0]), p
+
+
+def test_legend_shows_the_colour_scale_the_tokens_use(browser, tmp_path):
+    """Suspicion of issue #55, found by hand in Chromium: the legend drew a linear bar from −1 to +1 while the
+    tokens are coloured by |log ρ| on a log scale from 1e-4 (white) to 1 (full colour), so a token at
+    log ρ = 0.006 looked strongly red beside a legend that put it near white. The legend's swatches, one a
+    decade from 1e-4 to 1 each side, have exactly the colour of a token at that log ρ; 0.006 falls between
+    the 0.001 and 0.01 swatches; below 1e-4 is white."""
+    import re
+
+    import torch
+
+    ratios = [1.0, 0.1, 0.01, 0.001, 1e-4, -1.0, -0.1, -0.01, -0.001, -1e-4, 0.006, 5e-5, 0.0]
+    # log π − log μ exactly each ratio on the page (one side 0): no rounding across the 1e-4 edge
+    trainer = torch.tensor([[min(r, 0.0) for r in ratios]], dtype=torch.float64)
+    rollout = torch.tensor([[min(-r, 0.0) for r in ratios]], dtype=torch.float64)
+    mask = torch.ones_like(rollout)
+    seqs = viewer.sequences(trainer, rollout, mask, [[f"t{i}" for i in range(len(ratios))]], None)
+    view = {"name": "legend", "kind": "diagnose", "stats": [], "what_if": None, "plots": [], "groups": [],
+            "presets": [], "seqs": [{"i": 0, **seqs[0], "worst": 1.0}]}
+    page = Page(browser, viewer.write_html(tmp_path / "legend.html", [view], "legend"))
+    try:
+        def rgba(text: str) -> tuple[float, ...]:
+            values = [float(v) for v in re.findall(r"[\d.]+", text)]
+            return tuple(values) if len(values) == 4 else (*values, 1.0 if text.startswith("rgb(") else 0.0)
+
+        legend = {float(lr): rgba(c) for lr, c in page.page.evaluate("""() => Array.from(
+            document.querySelectorAll('#legend [data-lr]')).map(
+                s => [s.dataset.lr, getComputedStyle(s).backgroundColor])""")}
+        tokens = [rgba(c) for c in page.page.evaluate("""() => Array.from(document.querySelectorAll('#seqs .tok'))
+            .map(s => getComputedStyle(s).backgroundColor)""")]
+        token = dict(zip(ratios, tokens))
+        assert sorted(legend) == sorted(ratios[:10] + [0.0])  # a decade a swatch, 1e-4 to 1 each side, and 0
+        for lr in ratios[:10]:
+            assert legend[lr] == pytest.approx(token[lr], abs=1e-3), lr
+        assert legend[1.0][:3] == (220, 40, 40) and legend[-1.0][:3] == (40, 90, 220)  # red π > μ, blue π < μ
+        alphas = [legend[v][3] for v in (1e-4, 0.001, 0.01, 0.1, 1.0)]
+        assert alphas == sorted(alphas) and alphas[-1] > 0.9 and alphas[0] < 0.1
+        assert legend[0.001][3] < token[0.006][3] < legend[0.01][3]  # the issue's token, where the legend puts it
+        assert token[5e-5][3] == 0 and legend[0.0][3] == 0  # below 1e-4: no colour (white)
+        # no gradient left that claims another scale
+        assert not page.page.evaluate("""() => Array.from(document.querySelectorAll('.legend, .legend *')).some(
+            e => getComputedStyle(e).backgroundImage.includes('gradient'))""")
+        assert page.errors == []
+    finally:
+        page.close()

@@ -43,6 +43,9 @@ def test_weight_sync_fp32_engine_matches_trainer():
     assert r["fresh_engine_same"]
     assert r["detokenize_same"]  # no text asked of vLLM: the same tokens and log-probs
     assert "model.norm.weight" in r["partial_sync_error"] and "part old, part new" in r["partial_sync_error"]
+    # a fused parameter reached in part (issue #55): vLLM itself counts qkv_proj loaded after any one of q, k, v
+    assert "model.layers.0.self_attn.qkv_proj.weight without model.layers.0.self_attn.k_proj.weight" in \
+        r["partial_shard_error"]
     # processed log-probs: the engine reports log-probs renormalised over top-k/top-p at
     # temperature 0.7, and renormalize_logprobs reproduces them on the trainer side
     assert r["after_sync_top_p_top_k_temperature"]["max"] < 1e-4
@@ -88,3 +91,39 @@ def test_train_cli_on_vllm_bf16(offpolicy_cache, tmp_path):
     for noise in ("Warning", "NUMA", "Loading safetensors"):
         assert noise not in console, console[-2000:]
     assert (out / "engine.log").stat().st_size > 0  # vLLM always reports loading the weights
+
+
+def test_a_fused_parameter_counts_as_synced_only_with_all_its_shards():
+    """Issue #55: vLLM's ``load_weights`` names ``qkv_proj`` loaded once any one of q, k, v reached it, so the
+    sync check reads the model's ``packed_modules_mapping``: each fused parameter's shards are all sent or
+    none (none: vLLM's own check, or a checkpoint that stores the fused tensor, as Phi-3's does)."""
+    import torch
+
+    from offpolicy.engines.vllm import _fused_shards, partly_sent
+
+    class Attention(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv_proj = torch.nn.Linear(4, 12)
+            self.o_proj = torch.nn.Linear(4, 4, bias=False)
+
+    class Model(torch.nn.Module):
+        packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
+
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList([Attention() for _ in range(2)])
+
+    model = Model()
+    worker = type("Worker", (), {"model_runner": type("Runner", (), {"get_model": lambda self: model})()})()
+    fused = _fused_shards(worker)
+    assert fused == {f"layers.{i}.qkv_proj.{p}": [f"layers.{i}.{s}_proj.{p}" for s in "qkv"]
+                     for i in range(2) for p in ("weight", "bias")}
+    everything = {n for shards in fused.values() for n in shards} | {"layers.0.o_proj.weight", "layers.1.o_proj.weight"}
+    assert partly_sent(fused, everything) == []
+    assert partly_sent(fused, everything - {"layers.1.k_proj.weight"}) == \
+        ["layers.1.qkv_proj.weight without layers.1.k_proj.weight"]
+    assert partly_sent(fused, everything - {"layers.0.q_proj.bias", "layers.0.v_proj.bias"}) == \
+        ["layers.0.qkv_proj.bias without layers.0.q_proj.bias, layers.0.v_proj.bias"]
+    # a checkpoint storing the fused tensor itself (no shard name at all): not this check's
+    assert partly_sent(fused, {"layers.0.qkv_proj.weight", "layers.0.qkv_proj.bias"}) == []

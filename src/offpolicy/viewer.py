@@ -51,9 +51,14 @@ def token_verdicts(trainer: torch.Tensor, rollout: torch.Tensor, mask: torch.Ten
     the what-if table runs it), ``[B, T]`` inputs. Presets that give identical weights and masks share one
     group: ``{"presets": [...], "w": per row the weight of each of its tokens (0 where rejected or without a
     ratio), "rej": per row the positions it rejects}`` over each row's first ``lengths[i]`` columns
-    (``row_lengths``)."""
+    (``row_lengths``). A batch without a single ratio (samples saved before samples.jsonl kept log-probs, or
+    a step whose rows all lie outside the trainer's top-k/top-p support), which ``correct`` refuses, is one
+    group of every preset that weighs and rejects nothing: the page still shows it."""
     groups: dict[tuple[bytes, bytes], dict[str, Any]] = {}
     lengths = row_lengths(mask) if lengths is None else lengths
+    if not mask.bool().any():
+        return [{"presets": list(names or presets.names()), "w": [[0.0] * n for n in lengths],
+                 "rej": [[] for _ in lengths]}]
     adv = torch.zeros_like(mask)
     for name in names or presets.names():
         out = op.correct(trainer, rollout, mask, presets.correction(name), logprobs=trainer, advantages=adv)

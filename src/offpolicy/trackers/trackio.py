@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from offpolicy.trackers import redacted_stdout
 from offpolicy.trackers.runlog import RunLogTracker
 
 PROJECT = "offpolicy"
@@ -26,9 +27,11 @@ class TrackioTracker(RunLogTracker):
 
         self.lib = trackio
         project = os.environ.get("TRACKIO_PROJECT", PROJECT)
-        # embed=False: no browser, no server; auto_log_*: no system-metrics thread
-        self.run = trackio.init(project=project, name=name, config=config, embed=False, auto_log_gpu=False,
-                                auto_log_cpu=False)
+        # embed=False: no browser, no server; auto_log_*: no system-metrics thread. It prints where it logs
+        # (a TRACKIO_SERVER_URL too): redacted
+        with redacted_stdout():
+            self.run = trackio.init(project=project, name=name, config=config, embed=False, auto_log_gpu=False,
+                                    auto_log_cpu=False)
         # the run's id too: a store outside the run directory may hold other runs of the same name
         self.where = {"dir": str(utils.TRACKIO_DIR), "project": project, "run": self.run.name, "run_id": self.run.id}
 

@@ -1,5 +1,6 @@
 """Weights & Biases, offline by default: ``WANDB_MODE=offline`` (unless set), files under ``<run>/wandb``
-(``wandb sync <run>/wandb/offline-run-*`` uploads them later). Scalars by ``wandb.log(step=)``, the
+unless ``WANDB_DIR`` is set (then under ``$WANDB_DIR/wandb``, W&B's convention; trackers.json names the
+directory either way; ``wandb sync <run>/wandb/offline-run-*`` uploads them later). Scalars by ``wandb.log(step=)``, the
 samples and what-if tables as ``wandb.Table``, plots as ``wandb.Image``, the config as the run's config."""
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ class WandbTracker(RunLogTracker):
         # thread and no git/pip metadata (a training run is not a code snapshot)
         settings = wandb.Settings(console="off", silent=True, x_disable_stats=True, x_disable_meta=True,
                                   disable_git=True, save_code=False)
-        self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "offpolicy"), name=name, dir=str(run_dir),
+        # W&B's own variable wins over the run directory, as WANDB_MODE and WANDB_PROJECT do
+        directory = os.environ.get("WANDB_DIR") or str(run_dir)
+        self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "offpolicy"), name=name, dir=directory,
                               mode=mode, config=config, settings=settings, reinit="create_new")
         self.where = {"dir": str(Path(self.run.dir).parent), "mode": mode, "project": self.run.project,
                       "id": self.run.id}

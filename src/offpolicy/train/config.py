@@ -376,11 +376,17 @@ def _native_bf16() -> tuple[bool, str]:
     return False, "CPU has no native bf16 (no avx512_bf16/amx_bf16): bf16 is emulated and 2–2.5× slower than fp32"
 
 
-def resolve_engine(cfg: TrainConfig, device, parameters: int, vocabulary: int) -> tuple[str, str]:
+def resolve_engine(cfg: TrainConfig, device, parameters: int, vocabulary: int,
+                   recorded: dict[str, Any] | None = None) -> tuple[str, str]:
     """The engine to run with and why: ``engine`` unless it is ``auto`` (``offpolicy.engines.choice.choose``:
-    by the device, the model's ``parameters`` and its ``vocabulary``)."""
+    by the device, the model's ``parameters`` and its ``vocabulary``). A resumed run passes its config.yaml's
+    ``resolved`` choices as ``recorded``: ``auto`` then keeps the engine the run chose when it was created,
+    wherever it resumes (the mismatch a run measures is its engine's); ``engine=…`` on the resume still wins."""
     if cfg.engine != "auto":
         return cfg.engine, "set in the config"
+    if recorded and recorded.get("engine"):
+        why = str(recorded.get("engine_reason") or "auto")
+        return recorded["engine"], f"{why} (chosen when the run was created; a resume keeps it)"
     from offpolicy.engines.choice import choose
 
     return choose(device, parameters, vocabulary, logit_noise=cfg.engine_logit_noise,

@@ -203,9 +203,30 @@ def set_threads(n: int) -> int:
 
 def single_update(cfg: TrainConfig, policy) -> bool:
     """π_old = sg(π_θ) exactly: one optimizer step per batch and no dropout to make forwards differ."""
-    dropout = any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in policy.modules()) or \
-        getattr(policy.config, "attention_dropout", 0.0) > 0
-    return cfg.ppo_epochs == 1 and cfg.minibatches == 1 and not dropout and not cfg.recompute_old
+    return cfg.ppo_epochs == 1 and cfg.minibatches == 1 and not dropout_in(policy) and not cfg.recompute_old
+
+
+def dropout_in(policy) -> list[str]:
+    """What makes ``policy``'s training-mode forwards random: its ``nn.Dropout`` modules with p > 0, and every
+    number > 0 of its config (sub-configs too) whose name holds "drop" — the dropout a model applies
+    functionally, with no module to show it (OPT's ``dropout``, ``attention_dropout``, ``hidden_dropout``,
+    BERT's ``attention_probs_dropout_prob``, GPT-2's ``resid_pdrop``/``embd_pdrop``, ``layerdrop``,
+    ``drop_path_rate``). Decided by the name, not a list of models: a field the model does not use (GPT-2's
+    ``summary_first_dropout``) only costs the π_old forward that reusing π_θ saves."""
+    found = sorted({type(m).__name__ for m in policy.modules() if isinstance(m, torch.nn.Dropout) and m.p > 0})
+
+    def fields(values: dict, prefix: str = "") -> None:
+        for key, value in values.items():
+            if isinstance(value, dict):
+                fields(value, f"{prefix}{key}.")
+            elif "drop" in str(key).lower() and isinstance(value, (int, float)) and not isinstance(value, bool) \
+                    and value > 0:
+                found.append(f"config.{prefix}{key}={value}")
+
+    config = getattr(policy, "config", None)
+    if config is not None:
+        fields(config.to_dict() if hasattr(config, "to_dict") else vars(config))
+    return found
 
 
 def uses_old(loss_cfg: op.LossConfig) -> bool:
@@ -433,8 +454,9 @@ def load(run: Run, checkpoint: Path | None, progress: bool) -> None:
     # fp32 master weights on the device; bf16 is autocast compute (policy.score.precision)
     run.policy = policy = load_policy(load_from, run.device).train()
     linear = use_onednn_linear(policy, cfg.cpu_linear, run.device, run.trainer_dtype)
-    engine_name, engine_reason = resolve_engine(cfg, run.device, parameter_count(policy),
-                                                policy.get_output_embeddings().weight.shape[0])
+    engine_name, engine_reason = resolve_engine(  # a resumed run keeps the engine auto chose at its start
+        cfg, run.device, parameter_count(policy), policy.get_output_embeddings().weight.shape[0],
+        recorded=None if run.created else yaml.safe_load((run.run_dir / "config.yaml").read_text()).get("resolved"))
     if run.created:  # beside the engine dtype's choice, in the run's config.yaml
         add_resolved(run.run_dir, {"engine": engine_name, "engine_reason": engine_reason})
     if cfg.gradient_checkpointing:
