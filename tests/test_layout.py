@@ -83,7 +83,7 @@ def test_no_import_circle():
 FLOORS = {
     0: {"errors", "metrics", "ops", "kl", "proximal", "kept_set", "trackers"},
     1: {"config", "sampling", "preset_data", "presets", "thresholds", "speed"},
-    2: {"correction", "kernels", "losses", "step", ""},  # "": the package's facade, offpolicy/__init__.py
+    2: {"correction", "centering", "kernels", "losses", "step", ""},  # "": the package's facade, offpolicy/__init__.py
     3: {"engines", "tasks", "integrations", "viewer"},
     4: {"policy"},
     5: {"train", "diagnose", "diagnose_config"},

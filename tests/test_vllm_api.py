@@ -100,7 +100,8 @@ def test_sync_wakes_the_weights_then_loads_a_lazy_iterator_through_the_worker(mo
 
     engine.sync_weights(trainer_weights())
     engine.generate([[1, 2]], SAMPLING, seed=0, version=1)
-    assert llm.calls == [("generate",), ("sleep", 1), ("wake_up", ["weights"]), ("collective_rpc", "reload_weights"),
+    assert llm.calls == [("collective_rpc", "_fused_shards"),  # at start: the fused parameters' shards
+                         ("generate",), ("sleep", 1), ("wake_up", ["weights"]), ("collective_rpc", "reload_weights"),
                          ("reload_weights",), ("trainer yields", "embed"), ("loaded", "embed"),
                          ("trainer yields", "head"), ("loaded", "head"),
                          ("collective_rpc", "_read_back"),  # the sync's check: the 1-D weights read back
