@@ -109,11 +109,12 @@ def _cmd_diagnose(args: argparse.Namespace, console: Console) -> int:
     _quiet_libraries()
     done = diagnose.run(config, console)
     _print_diagnosis(console, done.reports)
+    diagnose.print_checks(console, done.reports)
     console.print(f"viewer: {done.page} (open it in a browser; one file, works offline)")
     for name, place in done.places.items():
         console.print(f"log_to: {name} → {place}")
     console.print(f"report: {done.report_path}  plots: {', '.join(done.plots)}")
-    if not config.fail_above and not config.fail_below:
+    if not config.fail_above and not config.fail_below and not config.require_exact:
         return 0
     failed = diagnose.gate_failures(config, done.reports)
     for line in failed:
@@ -269,6 +270,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="do not send vLLM's cache_salt (sent by default: one fresh salt per run, so no request "
                           "reuses prefix-cache KV computed before the run by older weights); for a server that "
                           "refuses the field")
+    d.add_argument("--self-check", action="store_true", help="also score the engine's tokens with the trainer at "
+                   "micro-batch 1 and with an fp32 head, and attribute the engine precision's gap by layer")
+    d.add_argument("--require-exact", action="store_true", help="exit 3 unless every log-ratio is exactly 0, naming "
+                   "the first token that differs (row, position, both log-probs)")
     d.set_defaults(func=_cmd_diagnose)
     d.add_argument("--log-to", metavar="TRACKERS", help="also send the summary, what-if table and plots to these "
                    "trackers, comma-separated: tensorboard, wandb, mlflow, trackio (offline, into --out)")

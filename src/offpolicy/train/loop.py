@@ -65,6 +65,8 @@ from offpolicy.train.logger import RunLogger, StageTimer, sample_records
 from offpolicy.train.memory import memory_metrics, reset_memory_peaks
 from offpolicy.train.pipeline import Pending, RolloutPipeline
 from offpolicy.train.update import optimizer_step
+from offpolicy.sequence_weight import StepSequenceWeights, warn_once
+from offpolicy.sync_check import InitialPolicy, verified_sync
 
 log = logging.getLogger(__name__)
 
@@ -385,7 +387,8 @@ def train(cfg: TrainConfig, resume: Path | None = None, console: Console | None 
                              cpu_linear=cfg.cpu_linear)
         # the engine's share of the trainer device's allocations (memory_metrics)
         engine_bytes = torch.cuda.memory_allocated(device) - engine_bytes if device.type == "cuda" else 0
-        engine.sync_weights(engine_weights(policy, cfg, version, snapshot=False))
+        verified_sync(engine, engine_weights(policy, cfg, version, snapshot=False))
+        initial = InitialPolicy(model_path, scorer) if cfg.initial_kl_rows else None  # sync/engine_kl_to_initial
         # no π_old forward where it equals sg(π_θ) exactly, or where the loss never reads it
         single = single_update(cfg, policy)
         skip_old = single or (not uses_old(loss_cfg) and not cfg.recompute_old)
@@ -405,6 +408,7 @@ def train(cfg: TrainConfig, resume: Path | None = None, console: Console | None 
         raise
 
     completed, updating, interrupted, failed, saved = start_step, False, False, False, start_step
+    seq_warned: set[str] = set()  # the sequence-weight pre-check's warnings, each once a run
     raised = False
     def checkpoint() -> None:
         """The run at ``completed`` steps: weights, optimizer, queued rollouts and the pipeline's counters."""
@@ -444,6 +448,9 @@ def train(cfg: TrainConfig, resume: Path | None = None, console: Console | None 
                         update_lp.update({r: logprobs[i].detach() for i, r in enumerate(rows.tolist()) if r in shown})
                     return logprobs.detach()
                 return old[device_index(rows, device), : mb.mask.shape[1]]
+
+            seq_weights = StepSequenceWeights.for_loss(loss_cfg.correction, len(rewards), device)  # Π ρ, Π-ρ only
+            old_of = seq_weights.wrap(old_of) if seq_weights else old_of
 
             samples = []
             if update_lp is None:
@@ -502,6 +509,12 @@ def train(cfg: TrainConfig, resume: Path | None = None, console: Console | None 
                 }
                 if kl_update is not None:  # a skipped update moves nothing: exactly 0
                     values["policy/kl_k3_update"] = kl_update
+                if seq_weights is not None:  # the sequence weight before truncation, and its pre-check
+                    values.update(seq_weights.values())
+                    warn_once(seq_weights.warnings(cfg.preset or "loss"), seq_warned, console)
+                if initial is not None:
+                    rows = spread_rows(len(rewards), cfg.group_size, cfg.initial_kl_rows)
+                    values.update(initial.values(batch, rows, None if old is None else old[rows.to(old.device)]))
             # its own stage: greedy answers to the held-out prompts cost seconds on a real model (issue #49),
             # which inside "log" hid what writing the step's records costs (milliseconds)
             if eval_set and (step % cfg.eval_every == 0 or step == cfg.steps - 1):
