@@ -119,3 +119,32 @@ def test_step_collector_over_micro_batches_equals_the_whole_batch():
         assert values[f"seq_weight/log_{k}"] == pytest.approx(whole["distribution"][f"log_{k}"], abs=1e-6)
     assert values["seq_weight/measured_outside"] == whole["presets"][0]["measured_outside"]
     assert values["seq_weight/predicted_outside"] == whole["presets"][0]["predicted_outside"]
+
+
+@pytest.mark.slow
+def test_train_logs_the_weight_before_truncation_and_warns_as_typed(offpolicy_cache, tmp_path):
+    """``offpolicy train preset=skyrl:product_mask`` with a noisy engine (σ = 2 on its logits: log ρ a token
+    ≈ −KL(μ ‖ π), far below 0): the product of every row drops under 0.5, so the pre-check warns once, and
+    each step logs the weight's distribution before truncation; ``initial_kl_rows`` logs the engine's KL to π_0."""
+    import json
+    import os
+
+    from cli_inprocess import offpolicy
+    from conftest import FAST
+
+    out = tmp_path / "run"
+    result = offpolicy("train", *FAST, "steps=2", "preset=skyrl:product_mask", "engine_logit_noise=2.0",
+                       "initial_kl_rows=4", f"out_dir={out}", "--no-progress",
+                       env={**os.environ, "OFFPOLICY_CACHE": str(offpolicy_cache)})
+    assert result.returncode == 0, result.stderr[-2000:]
+    text = " ".join(result.stdout.split())
+    assert text.count("warning: skyrl:product_mask: reject/0 (mask) Π ρ outside [0.5, 2] — the sequence weight Π ρ "
+                      "would mask most rows") == 1  # once a run
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    for r in rows:
+        assert r["seq_weight/log_min"] <= r["seq_weight/log_median"] <= r["seq_weight/log_max"]
+        assert r["seq_weight/median"] == pytest.approx(math.exp(r["seq_weight/log_median"]), rel=1e-5)
+        assert r["seq_weight/predicted_outside"] > 0.5
+        assert r["sync/engine_kl_to_initial"] > 0.1  # σ = 2 logit noise: μ is far from π_0
+    # the measured share is what the preset did: its sequence mask removed most rows
+    assert rows[0]["seq_weight/measured_outside"] > 0.5 and rows[0]["offpolicy/masked_fraction_seq"] > 0.5
