@@ -54,6 +54,8 @@ from offpolicy.policy.batch import to_batch
 from offpolicy.policy.cpu_linear import use_onednn_linear
 from offpolicy.policy.score import Scorer, device_index, load_policy
 from offpolicy.policy.warmstart import exact_match_accuracy, model_dir, warm_start_progress
+from offpolicy.sequence_weight import StepSequenceWeights, warn_once
+from offpolicy.sync_check import InitialPolicy, verified_sync
 from offpolicy.tasks import ChatRendered, make_task, problems
 from offpolicy.tasks.dataset import load_dataset_task
 from offpolicy.tasks.tokenizer import ensure_pad_token, load_tokenizer
@@ -65,8 +67,6 @@ from offpolicy.train.logger import RunLogger, StageTimer, sample_records
 from offpolicy.train.memory import memory_metrics, reset_memory_peaks
 from offpolicy.train.pipeline import Pending, RolloutPipeline
 from offpolicy.train.update import optimizer_step
-from offpolicy.sequence_weight import StepSequenceWeights, warn_once
-from offpolicy.sync_check import InitialPolicy, verified_sync
 
 log = logging.getLogger(__name__)
 
@@ -513,8 +513,8 @@ def train(cfg: TrainConfig, resume: Path | None = None, console: Console | None 
                     values.update(seq_weights.values())
                     warn_once(seq_weights.warnings(cfg.preset or "loss"), seq_warned, console)
                 if initial is not None:
-                    rows = spread_rows(len(rewards), cfg.group_size, cfg.initial_kl_rows)
-                    values.update(initial.values(batch, rows, None if old is None else old[rows.to(old.device)]))
+                    probe = spread_rows(len(rewards), cfg.group_size, cfg.initial_kl_rows)
+                    values.update(initial.values(batch, probe, None if old is None else old[probe.to(old.device)]))
             # its own stage: greedy answers to the held-out prompts cost seconds on a real model (issue #49),
             # which inside "log" hid what writing the step's records costs (milliseconds)
             if eval_set and (step % cfg.eval_every == 0 or step == cfg.steps - 1):
