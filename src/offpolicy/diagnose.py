@@ -868,8 +868,9 @@ def _self_check(config: DiagnoseConfig, console, s: Sample, trainer: TrainerSide
         return None
     from offpolicy import self_check
 
-    console.print(f"diagnose: --self-check: the trainer ({trainer.dtype}) against itself, and {engine_dtype} "
-                  "against fp32 layer by layer ...")
+    layers = "no per-layer attribution (the engine's precision is fp32)" if engine_dtype == "fp32" else \
+        f"{engine_dtype} against fp32 layer by layer"
+    console.print(f"diagnose: --self-check: the trainer ({trainer.dtype}) against itself, and {layers} ...")
     return self_check.run(s.batch, trainer.scorer(), trainer.model_path, engine_dtype, trainer.sampling.temperature)
 
 
