@@ -176,6 +176,7 @@ class StepSequenceWeights:
         self.sums = torch.zeros(rows, dtype=torch.float32, device=device)
         self.counts = torch.zeros(rows, dtype=torch.float32, device=device)
         self.device = device
+        self.last: list[tuple[SequenceBound, dict[str, float], float, float]] = []  # values()'s, for warnings()
 
     @classmethod
     def for_loss(cls, correction: CorrectionConfig | None, rows: int, device: torch.device
@@ -222,7 +223,7 @@ class StepSequenceWeights:
 
     def warnings(self, name: str) -> list[str]:
         """The pre-check's lines for the last ``values`` (empty when no bound is crossed by most rows)."""
-        return [warning(name, bound, s, m, length) for bound, s, m, length in getattr(self, "last", [])
+        return [warning(name, bound, s, m, length) for bound, s, m, length in self.last
                 if max(s["predicted_outside"], s["measured_outside"]) > MOST]
 
 
