@@ -41,39 +41,11 @@ import torch
 
 from offpolicy import ops
 from offpolicy.engines.base import EngineError
-
-PROBES = 4  # tensors fingerprinted per sync (the largest: every update moves them)
-
-Fingerprint = tuple[float, float, float]
+from offpolicy.engines.fingerprint import PROBES, Fingerprint, fingerprint, fingerprints, probe_names  # noqa: F401
 
 
 class SyncError(EngineError):
     """A weight sync that changed nothing in the engine while the trainer's weights changed."""
-
-
-def fingerprint(tensor: torch.Tensor) -> Fingerprint:
-    """(Σ x, Σ |x|, ‖x‖₂) of ``tensor``, accumulated in float64: one host read for the three."""
-    x = tensor.detach()
-    sums = torch.stack([x.sum(dtype=torch.float64), torch.linalg.vector_norm(x, 1, dtype=torch.float64),
-                        torch.linalg.vector_norm(x, 2, dtype=torch.float64)])  # no float64 copy of the tensor
-    return tuple(float(v) for v in sums.cpu())
-
-
-def probe_names(named: dict[str, torch.Tensor], k: int = PROBES) -> list[str]:
-    """The ``k`` largest floating tensors of ``named`` (ties by name; a tied weight once, under its first
-    name), in name order."""
-    seen: set[int] = set()
-    floats = []
-    for n, t in sorted(named.items()):
-        if t.is_floating_point() and t.numel() > 0 and t.data_ptr() not in seen:
-            seen.add(t.data_ptr())
-            floats.append((n, t))
-    return sorted(n for n, _ in sorted(floats, key=lambda nt: (-nt[1].numel(), nt[0]))[:k])
-
-
-def fingerprints(named: dict[str, torch.Tensor], k: int = PROBES) -> dict[str, Fingerprint]:
-    """``fingerprint`` of each of ``named``'s ``probe_names``: an engine's ``weight_fingerprint``."""
-    return {n: fingerprint(named[n]) for n in probe_names(named, k)}
 
 
 _SENT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # engine → what the last sync sent (probe names)
@@ -96,7 +68,7 @@ def verified_sync(engine: Any, weights: Iterable[tuple[str, torch.Tensor]]) -> b
     def tapped() -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in weights:
             if name in before:
-                sent[name] = fingerprint(tensor.float())
+                sent[name] = fingerprint(tensor)
             yield name, tensor
 
     engine.sync_weights(tapped())
