@@ -42,7 +42,16 @@ def test_probe_names_pick_the_largest_tensors_once():
              "d.ids": torch.zeros(100, dtype=torch.long), "e.proj": torch.zeros(5, 4)}
     # the tied embedding once (under its first name), integers never
     assert sync_check.probe_names(named, k=3) == ["a.embed", "c.mlp", "e.proj"]
-    assert sync_check.fingerprint(torch.tensor([3.0, -4.0])) == (-1.0, 7.0, 5.0)
+    assert sync_check.fingerprint(torch.tensor([3.0, -4.0])) == (-1.0, 7.0, 25.0)
+    # a large tensor: 8 runs of 2,048 entries, the first and the last included; bf16 as the engine stores it
+    big = torch.zeros(100_000)
+    base = sync_check.fingerprint(big)
+    for i, seen in ((0, True), (99_999, True), (50_000, False)):  # 50,000 lies between two runs
+        moved = big.clone()
+        moved[i] = 1.0
+        assert (sync_check.fingerprint(moved) != base) is seen
+    tiny_step = torch.full((4,), 1.0)
+    assert sync_check.fingerprint(tiny_step + 1e-4, torch.bfloat16) == sync_check.fingerprint(tiny_step, torch.bfloat16)
 
 
 def test_a_sync_that_changed_nothing_is_an_error(tiny):
@@ -53,6 +62,8 @@ def test_a_sync_that_changed_nothing_is_an_error(tiny):
     assert sync_check.verified_sync(engine, trainer_weights(tiny, 0.01))  # new weights reach the engine
     assert engine.weight_fingerprint() != before
     sync_check.verified_sync(engine, trainer_weights(tiny, 0.01))  # the same weights again (lr 0): no error
+    # an update below bf16's resolution changes nothing the engine stores: compared in its dtype, no error
+    sync_check.verified_sync(engine, trainer_weights(tiny, 0.01 + 1e-9))
 
     broken = Unsynced(str(tiny), tok, "bf16")
     sync_check.verified_sync(broken, trainer_weights(tiny))

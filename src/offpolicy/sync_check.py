@@ -6,12 +6,13 @@ trainer's move on, so the mismatch KL grows and the ESS collapses (verl #7495: a
 vLLM, rollout KL rose 36×; xtuner #2044: FP8 quantisation that left the engine's weights misaligned).
 
 **The check** (``verified_sync``, engine-agnostic). An engine that can read its own weights back exposes
-``weight_fingerprint()`` → {name: (Σ x, Σ |x|, ‖x‖₂)} in float64 over a few of its largest tensors (the hf
-engine: ``PROBES`` of them; the largest change in every update, where a norm's few entries under a small
+``weight_fingerprint()`` → {name: (Σ x, Σ |x|, Σ x²)} in float64 over a strided sample of a few of its largest
+tensors (``engines.fingerprint``; the hf engine: ``PROBES`` of them, where a norm's few entries under a small
 learning rate may round to the same bf16 value). Around each ``sync_weights`` the trainer side reads the
-fingerprint before and after, and fingerprints the tensors it sends under those names as they pass. When
-what it sent under the probe names differs from what it sent at the previous sync, but the engine's
-fingerprint is unchanged, the sync changed nothing: ``SyncError``. What the trainer sent unchanged (a
+fingerprint before and after, and fingerprints the tensors it sends under those names as they pass, cast to
+the engine's dtype (``engine.dtype``) so that an update too small to change the engine's bf16 copy counts as
+no change. When what it sent under the probe names differs from what it sent at the previous sync, but the
+engine's fingerprint is unchanged, the sync changed nothing: ``SyncError``. What the trainer sent unchanged (a
 learning rate of 0, the first sync) is no error. An engine without ``weight_fingerprint`` is synced
 unchecked (``checked`` False; vLLM's own verification lives in ``engines/vllm.py``).
 
@@ -64,11 +65,13 @@ def verified_sync(engine: Any, weights: Iterable[tuple[str, torch.Tensor]]) -> b
         return False
     before = read()
     sent: dict[str, Fingerprint] = {}
+    dtype = getattr(engine, "dtype", None)  # what the engine stores: an update below its precision sends nothing new
+    dtype = dtype if isinstance(dtype, torch.dtype) else None
 
     def tapped() -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in weights:
             if name in before:
-                sent[name] = fingerprint(tensor)
+                sent[name] = fingerprint(tensor, dtype)
             yield name, tensor
 
     engine.sync_weights(tapped())
