@@ -236,3 +236,147 @@ def test_diagnose_config_refuses_in_the_flags_words(flags, message):
     with pytest.raises(op.ConfigError) as err:
         DiagnoseConfig(**flags)
     assert str(err.value).startswith(message), str(err.value)
+
+
+# ============================================================ issue #56: pre-check, exact gate, self-check
+def dump(directory: Path, old: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor) -> Path:
+    from offpolicy.integrations.dump import BatchDumper
+
+    BatchDumper(directory, every=1, host="test").maybe_dump(0, old_logprobs=old, rollout_logprobs=rollout, mask=mask)
+    return directory
+
+
+def test_require_exact_passes_on_identical_log_probs_as_typed(tmp_path):
+    rollout = -torch.rand(3, 5, generator=torch.Generator().manual_seed(0)) - 0.01
+    path = dump(tmp_path / "d", rollout.clone(), rollout, torch.ones(3, 5))
+    result = diag("--batch", str(path), "--out", str(tmp_path / "o"), "--require-exact", process=True)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "exact: every log-ratio is 0 (15 tokens)" in result.stdout
+    assert "gate passed" in result.stderr
+    report = json.loads((tmp_path / "o" / "report.json").read_text())
+    assert report["exact"] == {"exact": True, "tokens": 15, "differing_tokens": 0, "first": None}
+    assert report["summary"]["differing_tokens"] == 0
+
+
+def test_require_exact_names_the_first_differing_token(tmp_path):
+    """verl #7688 / NeMo-RL #3208: one token one fp32 step apart fails the gate, and the line says where —
+    the lowest row, then its earliest position (row 1, position 3 comes before row 2, position 0); padding
+    (mask 0) never counts."""
+    rollout = torch.full((3, 6), -0.5)
+    old = rollout.clone()
+    old[2, 0] = -0.25
+    old[1, 3] = torch.nextafter(torch.tensor(-0.5), torch.tensor(0.0))  # one fp32 ulp: log ρ ≈ 6e-8
+    old[0, 5] = -9.0  # padding
+    mask = torch.ones(3, 6)
+    mask[0, 5] = 0
+    path = dump(tmp_path / "d", old, rollout, mask)
+    result = diag("--batch", str(path), "--out", str(tmp_path / "o"), "--require-exact")
+    assert result.returncode == 3
+    (line,) = [x for x in result.stderr.splitlines() if "FAIL" in x]
+    assert line == ("offpolicy diagnose: FAIL --require-exact: 2 of 17 tokens have log π_train ≠ log μ; the first is "
+                    "row 1, position 3: log π_train = -0.49999997, log μ = -0.5 (log ρ = 2.98e-08)")
+    # without the flag the same run passes: the section is a report, the gate is opt-in
+    assert diag("--batch", str(path), "--out", str(tmp_path / "o2")).returncode == 0
+
+
+def test_exactness_counts_a_token_outside_the_trainers_support():
+    rollout = torch.tensor([[-0.5, -0.7]])
+    zeros = torch.zeros(1, 2, dtype=torch.long)
+    batch = diagnose.Batch(input_ids=zeros, attention_mask=zeros, positions=zeros, response_ids=zeros,
+                           mask=torch.tensor([[1.0, 0.0]]), rollout_logprobs=rollout, versions=torch.zeros(1, dtype=torch.long))
+    # score_batch took token 1 out (log π = −inf there) and left the trainer's value 0 in its place
+    s = diagnose.Sample(batch, torch.tensor([[-0.5, 0.0]]), None, outside=torch.tensor([[False, True]]),
+                        token_text=[["a", "b"]])
+    out = diagnose.exactness(s)
+    assert out["differing_tokens"] == 1 and out["tokens"] == 2
+    assert out["first"] == {"row": 0, "position": 1, "trainer_logprob": float("-inf"),
+                            "engine_logprob": pytest.approx(-0.7), "log_ratio": float("-inf"), "token": "b"}
+
+
+def test_sequence_precheck_warns_as_typed(tmp_path):
+    """A dump of 60-token rows at mean log ρ = 0.03: Π ρ ≈ e^1.8 = 6 crosses TRL's cap of 3 on every row (and
+    SkyRL's product mask's 2): the run warns, names the preset and both shares, and logs the distribution."""
+    g = torch.Generator().manual_seed(1)
+    rollout = -torch.rand(8, 60, generator=g) - 0.1
+    old = rollout + 0.03 + 0.01 * torch.randn(8, 60, generator=g)
+    path = dump(tmp_path / "d", old.clamp(max=0.0), rollout, torch.ones(8, 60))
+    result = diag("--batch", str(path), "--out", str(tmp_path / "o"))
+    assert result.returncode == 0, result.stderr[-2000:]
+    out = " ".join(result.stdout.split())  # rich wraps long lines
+    assert ("warning: trl:sequence_mask: weight (mask) Π ρ outside [0, 3] — the sequence weight Π ρ would mask "
+            "most rows: predicted 100%") in out
+    assert "warning: skyrl:product_mask: reject/0 (mask) Π ρ outside [0.5, 2]" in out
+    assert "warning: trl:token_mask" not in out  # token-level: no product
+    report = json.loads((tmp_path / "o" / "report.json").read_text())
+    seq = report["sequence_weight"]
+    assert seq["mean_log_ratio"] == pytest.approx(float((old.clamp(max=0.0) - rollout).mean()), rel=1e-5)
+    sums = (old.clamp(max=0.0) - rollout).sum(-1)
+    assert seq["distribution"]["log_max"] == pytest.approx(float(sums.max()), rel=1e-5)
+    assert report["summary"]["seq_log_weight_min"] == pytest.approx(float(sums.min()), rel=1e-5)
+    rows = {r["preset"]: r for r in seq["presets"]}
+    assert rows["trl:sequence_mask"]["measured_outside"] == 1.0 and rows["trl:sequence_mask"]["warn"]
+    # the what-if table agrees: TRL's mask zeroes every row's weight
+    what_if = {r["preset"]: r for r in report["what_if"]}
+    assert what_if["trl:sequence_mask"]["weight_max"] == 0.0
+
+
+def test_self_check_comparisons_by_hand():
+    from offpolicy import self_check
+
+    a = torch.tensor([[-1.0, -2.0, -3.0, -4.0]])
+    b = a + torch.tensor([[0.0, 0.05, -0.2, 0.0]])
+    b[0, 3] = float("-inf")  # not finite on one side: counted apart
+    out = self_check.compare(a, b, torch.ones(1, 4))
+    # Δ = a − b = 0, −0.05, 0.2 over 3 tokens: only 0.2 > log 1.1 = 0.0953
+    assert out == pytest.approx({"tokens": 3, "not_finite": 1, "fraction_outside_0.9_1.1": 1 / 3,
+                                 "fraction_differing": 2 / 3, "abs_log_diff_mean": 0.25 / 3, "abs_log_diff_max": 0.2})
+
+
+def test_self_check_refuses_a_dump():
+    from offpolicy.diagnose_config import DiagnoseConfig
+
+    with pytest.raises(op.ConfigError, match="--self-check scores the engine's tokens again"):
+        DiagnoseConfig(batch="d", self_check=True)
+
+
+@pytest.mark.slow
+def test_cli_self_check(tiny_model, tmp_path):
+    """``--self-check`` on the hf engine with a bf16 trainer: the three comparisons and the per-layer table.
+    In fp32 an fp32 head changes nothing; the micro-batch comparison is the trainer's own scoring twice."""
+    result = diag("--model", str(tiny_model), "--engine", "hf", "--n", "12", "--max-tokens", "6", "--trainer-dtype",
+                  "bf16", "--micro-batch-tokens", "64", "--self-check", "--out", str(tmp_path / "s"))
+    assert result.returncode == 0, result.stderr[-2000:]
+    check = json.loads((tmp_path / "s" / "report.json").read_text())["self_check"]
+    trainer = check["trainer"]
+    assert trainer["configured"]["dtype"] == "bf16" and trainer["configured"]["micro_batches"] > 1
+    for part in ("micro_batch", "fp32_head", "fp32"):
+        assert 0 <= trainer[part]["fraction_outside_0.9_1.1"] <= trainer[part]["fraction_differing"] <= 1
+    assert trainer["fp32"]["fraction_differing"] > 0  # bf16 autocast against fp32: every token moves a little
+    layers = check["layers"]
+    assert [row["layer"] for row in layers["layers"]] == ["embedding", "layer 1", "layer 2 + final norm"]
+    # the embedding's difference is bf16's rounding of the weights alone: below 2⁻⁸ relative
+    assert 0 < layers["layers"][0]["relative_difference"] < 2 ** -8
+    assert layers["head"]["tokens"] > 0 and layers["head"]["abs_log_diff_max"] > 0
+    assert "self-check: the trainer against itself" in result.stdout and "where bf16 diverges from fp32" in result.stdout
+
+    from offpolicy import self_check
+    from offpolicy.policy.score import Scorer, load_policy
+
+    # the fp32 head's baseline is the configured scoring: in fp32 both columns are Scorer.score's numbers
+    s = bf16_batch(tiny_model)
+    scorer = Scorer(load_policy(tiny_model, torch.device("cpu")).eval(), SamplingConfig(max_tokens=12),
+                    torch.device("cpu"), "fp32", 64)
+    configured, fp32_head = self_check.fp32_head_score(scorer, s)
+    counted = s.mask.bool()
+    assert torch.equal(configured[counted], fp32_head[counted])
+    torch.testing.assert_close(configured[counted], scorer.score(s).float()[counted], rtol=0, atol=1e-5)
+
+
+def bf16_batch(tiny_model):
+    from offpolicy.engines.hf import HFEngine
+    from offpolicy.policy.batch import to_batch
+
+    tok = build_char_tokenizer()
+    prompts = [prompt_ids(tok, p) for p in problems(make_task("reverse"), 6, seed=3)]
+    rollouts = HFEngine(str(tiny_model), tok, "bf16").generate(prompts, SamplingConfig(max_tokens=8), seed=0, version=0)
+    return to_batch(rollouts, tok.pad_token_id)

@@ -113,11 +113,12 @@ def _cmd_diagnose(args: argparse.Namespace, console: Console) -> int:
     _quiet_libraries()
     done = diagnose.run(config, console)
     _print_diagnosis(console, done.reports)
+    diagnose.print_checks(console, done.reports)
     console.print(f"viewer: {done.page} (open it in a browser; one file, works offline)")
     for name, place in done.places.items():
         console.print(f"log_to: {name} → {place}")
     console.print(f"report: {done.report_path}  plots: {', '.join(done.plots)}")
-    if not config.fail_above and not config.fail_below:
+    if not config.fail_above and not config.fail_below and not config.require_exact:
         return 0
     failed = diagnose.gate_failures(config, done.reports)
     for line in failed:

@@ -19,7 +19,14 @@ engine's top-k/top-p support, docs/specification.md §6), and reports:
   a dump) — with replay, the share of engine tokens outside the trainer's own set and the ρ band
   shares both with and without replay (issue #46);
 * a flat ``summary`` of the numbers a CI gate reads (``--fail-above STAT=V``, ``--fail-below
-  STAT=V``; ``gate``): exit 3 when a bound fails (issue #25, docs/ci-gate.md).
+  STAT=V``; ``gate``): exit 3 when a bound fails (issue #25, docs/ci-gate.md);
+* the sequence weight Π ρ before truncation and the pre-check of every Π-ρ preset (``sequence_weight``:
+  warns when one would clamp or mask most rows, ``offpolicy.sequence_weight``; issue #56);
+* whether every log-ratio is exactly 0, and the first token where one is not (``exact``; ``--require-exact``
+  fails the run on it);
+* with ``--self-check``, the trainer against itself — micro-batch 1 against the configured micro-batches,
+  an fp32 head against the configured precision — and, layer by layer, where the engine's precision first
+  diverges from fp32 (``self_check``, ``offpolicy.self_check``).
 """
 
 from __future__ import annotations
@@ -33,7 +40,7 @@ from typing import Any
 import torch
 
 import offpolicy as op
-from offpolicy import ops, presets, viewer
+from offpolicy import ops, presets, sequence_weight, viewer
 from offpolicy.config import ConfigError
 from offpolicy.diagnose_config import MICRO_BATCH_TOKENS, DiagnoseConfig
 from offpolicy.engines import Rollouts, SamplingConfig, make_engine
@@ -68,6 +75,9 @@ class Sample:
     # where ``trainer`` replayed the engine's kept sets: the same tokens scored on the trainer's own,
     # recomputed top-k/top-p set (the numbers "without replay"); None where no set was replayed
     without_replay: Sample | None = None
+    # [B, T] bool: the tokens ``score_batch`` took out as outside the trainer's support (log π = −inf), by
+    # position, for ``exactness``; None where none were taken out or the sample comes from a dump
+    outside: torch.Tensor | None = None
 
 
 def read_prompts(path: Path, tokenizer) -> list[list[int]]:
@@ -184,7 +194,7 @@ def score_batch(trainer: TrainerSide, batch: Batch, seconds: float | None = None
     if not bool(batch.mask.any()):
         raise RuntimeError("every sampled token lies outside the trainer's top-k/top-p support: nothing to compare")
     return Sample(batch, torch.where(outside, 0.0, lp), seconds, entropy=seen["entropy"],
-                  outside_support=int(outside.sum()),
+                  outside_support=int(outside.sum()), outside=outside if bool(outside.any()) else None,
                   outside_mass=seen["outside_mass"] if "outside_mass" in seen else None,
                   token_entropy=entropy.float().cpu())
 
@@ -218,6 +228,41 @@ def kept_set_report(s: Sample) -> dict[str, Any]:
     return {"applied": "replayed", "why": "the trainer renormalises over the engine's recorded kept set",
             "replayed_tokens": replayed, "tokens": tokens, "replayed_share": replayed / tokens if tokens else 0.0,
             "with_replay": shares(s), "without_replay": shares(s.without_replay)}
+
+
+def exactness(s: Sample) -> dict[str, Any]:
+    """Is every log-ratio exactly 0 — log π_train(y_t) == log μ(y_t) to the bit, on every sampled token — and
+    if not, the first token (row-major: the lowest row, then its earliest position) where it is not, with
+    both log-probs (verl #7688, NeMo-RL #3208: engines run with exactly zero difference; ``--require-exact``
+    fails the run on any). A token outside the trainer's top-k/top-p support (log π = −inf) differs; NaN on
+    either side differs. Rows and positions index the sample (a dump's rows in its files' order) and the
+    response tokens (0 = the first response token)."""
+    mask = s.batch.mask.bool()
+    outside = s.outside if s.outside is not None else torch.zeros_like(mask)
+    counted = mask | outside
+    trainer = torch.where(outside, float("-inf"), s.trainer.float())
+    rollout = s.batch.rollout_logprobs.float()
+    differ = counted & ~(trainer == rollout)
+    n = int(differ.sum())
+    out: dict[str, Any] = {"exact": n == 0, "tokens": int(counted.sum()), "differing_tokens": n, "first": None}
+    if n:
+        row, position = (int(i) for i in differ.nonzero()[0])
+        lp, mu = float(trainer[row, position]), float(rollout[row, position])
+        out["first"] = {"row": row, "position": position, "trainer_logprob": lp, "engine_logprob": mu,
+                        "log_ratio": lp - mu,
+                        "token": None if s.token_text is None else s.token_text[row][position]}
+    return out
+
+
+def exact_failure(exact: dict[str, Any]) -> str | None:
+    """``--require-exact``'s line for a report's ``exact`` section (None: every log-ratio is 0)."""
+    if exact["exact"]:
+        return None
+    f = exact["first"]
+    token = "" if f["token"] is None else f" (token {f['token']!r})"
+    return (f"FAIL --require-exact: {exact['differing_tokens']} of {exact['tokens']} tokens have log π_train ≠ "
+            f"log μ; the first is row {f['row']}, position {f['position']}{token}: log π_train = "
+            f"{f['trainer_logprob']:.9g}, log μ = {f['engine_logprob']:.9g} (log ρ = {f['log_ratio']:.3g})")
 
 
 def from_dump(path: Path) -> tuple[Sample, dict[str, Any]]:
@@ -403,7 +448,15 @@ SUMMARY_STATS = {
                                                        "trainer's own recomputed top-k/top-p set",
     **{f"fraction_outside_{k}_without_replay": f"with replay: fraction of tokens with ρ outside [{lo:g}, {hi:g}] "
        "on the trainer's own recomputed set" for k, (lo, hi) in RATIO_BANDS.items()},
+    "differing_tokens": "tokens whose log π_train differs from log μ at all (0: exact; --require-exact)",
+    **{f"seq_log_weight_{k}": f"the {k} over rows of log Π_t ρ_t, the sequence weight before truncation"
+       for k in ("min", "median", "max")},
+    "self_check_micro_batch_fraction_outside_0.9_1.1": "--self-check: share of tokens whose π at the configured "
+                                                       "micro-batches over π at micro-batch 1 is outside [0.9, 1.1]",
+    "self_check_fp32_head_fraction_outside_0.9_1.1": "--self-check: share of tokens whose π with the configured "
+                                                     "head over π with an fp32 head is outside [0.9, 1.1]",
 }
+NO_SELF_CHECK = "left out, run with --self-check (the trainer scores the tokens again)"
 # per preset, "STAT@PRESET": what that preset's correct() does to this batch (the what-if table)
 PRESET_STATS = {"masked_fraction": "token_rejected", "seq_masked_fraction": "seq_rejected", "weight_ess": "ess"}
 NO_LOGITS = ("left out, no trainer logits are at hand (a --batch dump holds log-probs only); the engine path "
@@ -445,6 +498,18 @@ def summary(result: dict[str, Any], entropy: float | None) -> tuple[dict[str, fl
             out["kl_over_entropy"] = m["kl_k3"] / entropy
         else:
             notes.append("kl_over_entropy: left out, the trainer's entropy is 0 (a deterministic policy)")
+    if result.get("exact") is not None:
+        out["differing_tokens"] = float(result["exact"]["differing_tokens"])
+    if result.get("sequence_weight") is not None:
+        dist = result["sequence_weight"]["distribution"]
+        out.update({f"seq_log_weight_{k}": dist[f"log_{k}"] for k in ("min", "median", "max")})
+    trainer_check = (result.get("self_check") or {}).get("trainer")
+    for part in ("micro_batch", "fp32_head"):
+        stat = f"self_check_{part}_fraction_outside_0.9_1.1"
+        if trainer_check is not None and "fraction_outside_0.9_1.1" in trainer_check[part]:
+            out[stat] = trainer_check[part]["fraction_outside_0.9_1.1"]
+        else:
+            notes.append(f"{stat}: " + (NO_SELF_CHECK if trainer_check is None else trainer_check[part]["against"]))
     for row in result["what_if"]:
         for stat, column in PRESET_STATS.items():
             out[f"{stat}@{row['preset']}"] = row[column]
@@ -503,6 +568,9 @@ def gate_failures(config: DiagnoseConfig, reports: list[dict[str, Any]]) -> list
     for r in reports:
         prefix = f"{r['setting']['name']}: " if len(reports) > 1 else ""
         failed += [prefix + line for line in gate(r["summary"], above, below, r["summary_notes"])]
+        line = exact_failure(r["exact"]) if getattr(config, "require_exact", False) else None
+        if line:
+            failed.append(prefix + line)
     return failed
 
 
@@ -603,9 +671,12 @@ def within_support(s: Sample) -> tuple[Sample, float]:
     return s, s.outside_support / max(sampled, 1.0)
 
 
-def report(s: Sample, setting: dict[str, Any], out_dir: Path, plots: bool = True) -> dict[str, Any]:
+def report(s: Sample, setting: dict[str, Any], out_dir: Path, plots: bool = True,
+           self_check: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The report of one setting (module doc); ``self_check``: ``--self-check``'s section, when it ran."""
     out_dir.mkdir(parents=True, exist_ok=True)
     kept_set = kept_set_report(s)  # before within_support: "without replay" has its own outside tokens
+    exact = exactness(s)  # before within_support: a token outside the trainer's support is a difference too
     s, outside = within_support(s)
     tokens = float(s.batch.mask.sum()) + s.outside_support  # every token the engine sampled
     result = {
@@ -620,7 +691,12 @@ def report(s: Sample, setting: dict[str, Any], out_dir: Path, plots: bool = True
         "mismatch": mismatch(s),
         "breakdowns": breakdowns(s),
         "what_if": what_if(s),
+        "exact": exact,
+        "sequence_weight": sequence_weight.precheck(s.trainer - s.batch.rollout_logprobs, s.batch.mask,
+                                                    {name: presets.correction(name) for name in presets.names()}),
     }
+    if self_check is not None:
+        result["self_check"] = self_check
     result["summary"], result["summary_notes"] = summary(result, s.entropy)
     if plots:
         label = setting.get("label") or f"{setting['engine']} {setting['engine_dtype']} vs trainer {setting['trainer_dtype']}"
@@ -744,8 +820,9 @@ def _sampled_reports(config: DiagnoseConfig, console) -> list[dict[str, Any]]:
                    logit_noise=setting["logit_noise"], log_path=out / "engine.log",
                    max_model_len=max(map(len, prompts)) + config.max_tokens,
                    vllm_options=config.vllm_options() if setting["engine"] == "vllm" else None)
+        checked = _self_check(config, console, s, trainer, setting["engine_dtype"])
         reports.append(report(s, {**setting, "name": name, "model": str(model_path), "sampling": sampling.__dict__},
-                              out / name if len(settings) > 1 else out))
+                              out / name if len(settings) > 1 else out, self_check=checked))
     return reports
 
 
@@ -793,4 +870,69 @@ def _server_report(config: DiagnoseConfig, console, server, trainer: TrainerSide
     setting = {"engine": "server", "engine_dtype": "as served", "trainer_dtype": dtype, "name": f"server-vs-{dtype}",
                "label": f"server {info['served_model']} vs trainer {dtype}", "model": str(trainer.model_path),
                "sampling": trainer.sampling.__dict__, "server": info}
-    return report(s, setting, Path(config.out))
+    return report(s, setting, Path(config.out), self_check=_self_check(config, console, s, trainer, config.engine_dtype))
+
+
+def _self_check(config: DiagnoseConfig, console, s: Sample, trainer: TrainerSide, engine_dtype: str
+                ) -> dict[str, Any] | None:
+    """``--self-check`` on the sample's tokens (``offpolicy.self_check``); None without the flag."""
+    if not getattr(config, "self_check", False):
+        return None
+    from offpolicy import self_check
+
+    layers = "no per-layer attribution (the engine's precision is fp32)" if engine_dtype == "fp32" else \
+        f"{engine_dtype} against fp32 layer by layer"
+    console.print(f"diagnose: --self-check: the trainer ({trainer.dtype}) against itself, and {layers} ...")
+    return self_check.run(s.batch, trainer.scorer(), trainer.model_path, engine_dtype, trainer.sampling.temperature)
+
+
+def print_checks(console, reports: list[dict[str, Any]]) -> None:
+    """The checks of issue #56 after the tables: the sequence weight's distribution and the pre-check's
+    warnings, whether the log-ratios are exactly 0, and ``--self-check``'s tables."""
+    from rich.table import Table
+    from rich.text import Text
+
+    for r in reports:
+        prefix = f"{r['setting']['name']}: " if len(reports) > 1 else ""
+        seq = r.get("sequence_weight")
+        if seq is not None:
+            d = seq["distribution"]
+            console.print(f"{prefix}sequence weight Π ρ before truncation over {d['rows']:.0f} rows: log min "
+                          f"{d['log_min']:.4g}, median {d['log_median']:.4g}, max {d['log_max']:.4g} (Π ρ {d['min']:.4g}"
+                          f" … {d['median']:.4g} … {d['max']:.4g}); mean log ρ a token {seq['mean_log_ratio']:.3g}")
+            for line in seq["warnings"]:
+                console.print(Text(f"warning: {prefix}{line}", style="yellow"))
+        exact = r.get("exact")
+        if exact is not None:
+            console.print(f"{prefix}exact: every log-ratio is 0 ({exact['tokens']} tokens)" if exact["exact"] else
+                          f"{prefix}exact: no — {exact_failure(exact).removeprefix('FAIL --require-exact: ')}")
+        check = r.get("self_check")
+        if check is None:
+            continue
+        table = Table(title=f"{prefix}self-check: the trainer against itself (configured: "
+                      f"{check['trainer']['configured']['dtype']}, {check['trainer']['configured']['micro_batches']} "
+                      "micro-batch(es))")
+        for col in ("configured against", "ρ outside [0.9, 1.1]", "differing", "mean |Δ log π|", "max |Δ log π|"):
+            table.add_column(col, justify="right" if col != "configured against" else "left")
+        for part in ("micro_batch", "fp32_head", "fp32"):
+            row = check["trainer"][part]
+            if "tokens" not in row:
+                table.add_row(row["against"], "–", "–", "–", "–")
+                continue
+            table.add_row(row["against"], f"{row['fraction_outside_0.9_1.1']:.4f}", f"{row['fraction_differing']:.4f}",
+                          f"{row['abs_log_diff_mean']:.3g}", f"{row['abs_log_diff_max']:.3g}")
+        console.print(table)
+        layers = check["layers"]
+        if not layers["layers"]:
+            console.print(f"{prefix}per-layer attribution: {layers.get('note', 'none')}")
+            continue
+        table = Table(title=f"{prefix}where {layers['engine_dtype']} diverges from fp32 ({layers['rows']} sequences): "
+                      f"first above {layers['threshold']:g}: {layers['first_above_threshold']}; largest step: "
+                      f"{layers['largest_step']}")
+        for col in ("layer", "‖Δh‖/‖h‖", "step"):
+            table.add_column(col, justify="right")
+        for row in layers["layers"]:
+            table.add_row(row["layer"], f"{row['relative_difference']:.3e}", f"{row['step']:+.2e}")
+        head = layers["head"]
+        table.add_row("head: |Δ log π| mean / max", f"{head['abs_log_diff_mean']:.3g}", f"{head['abs_log_diff_max']:.3g}")
+        console.print(table)

@@ -155,6 +155,12 @@ class DiagnoseConfig(_Strict):
     sampling_mask_logprobs: bool = Field(
         False, description="with --sampling-mask sglang: also ask the log-prob of every kept id (SGLang PR #40932) "
         "and check them", json_schema_extra={"group": SERVER})
+    self_check: bool = Field(False, description="also score the engine's tokens with the trainer at micro-batch 1 "
+                             "and with an fp32 head, against the configured micro-batches and precision (the share "
+                             "of tokens with a ratio outside [0.9, 1.1], max |Δ log π|), and attribute the engine "
+                             "precision's gap to fp32 layer by layer (report.json self_check; offpolicy.self_check)")
+    require_exact: bool = Field(False, description="fail (exit 3) unless every log-ratio is exactly 0, naming the "
+                                "first token whose log-probs differ: row, position, log π_train and log μ")
 
     def __init__(self, **flags: Any) -> None:
         """Raises ConfigError: one line in the CLI's words — the flag, the value's problem (``--n and
@@ -182,6 +188,9 @@ class DiagnoseConfig(_Strict):
                              "Fix: --engine vllm, or drop it")
         if self.batch and self.compare:
             raise ValueError("--batch reports on the dumped tensors as they are; --compare needs an engine to sample with")
+        if self.batch and self.self_check:
+            raise ValueError("--self-check scores the engine's tokens again with the trainer; a --batch dump holds "
+                             "log-probs only, no token ids (diagnose --model MODEL --self-check samples them)")
         if not self.batch:
             self._check_sampling()
         return self

@@ -238,5 +238,12 @@ class HFEngine:
                 raise KeyError(f"hf engine: no parameter {name!r} to sync")
             params[name].copy_(tensor.to(self.dtype))
 
+    def weight_fingerprint(self) -> dict[str, tuple[float, float, float]]:
+        """Float64 sums of a few of the largest weights (``engines.fingerprint``; ``offpolicy.sync_check``: the
+        trainer checks that a sync of changed weights changed them here)."""
+        from offpolicy.engines.fingerprint import fingerprints
+
+        return fingerprints(self.model.state_dict())
+
     def close(self) -> None:
         self.model = None

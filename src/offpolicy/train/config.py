@@ -158,6 +158,10 @@ class TrainConfig(_Strict):
                                 "policy before and after the update is measured (policy/kl_k3_update: k3 of "
                                 "π_new/π_old on those rows' response tokens, two no-grad forwards of the rows); "
                                 "0 = off")
+    initial_kl_rows: int = Field(0, ge=0, description="rows of each step's batch on which the initial policy "
+                                 "(kept frozen) scores the engine's tokens: sync/engine_kl_to_initial, the k3 "
+                                 "estimate of KL(μ ‖ π_0), tells an engine that never moved from a stale one "
+                                 "(offpolicy.sync_check); a model copy and one no-grad forward of the rows; 0 = off")
     split_metrics: bool = Field(False, description="also log op.split_metrics each micro-batch (kl_k3 on the kept "
                                 "and the masked tokens, the masked tokens' advantage signs, the rows' raw-weight "
                                 "fractions; docs/estimators.md): one more reference `correct` per micro-batch, "

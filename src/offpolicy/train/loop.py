@@ -59,6 +59,8 @@ from offpolicy.speed.cpu_linear import use_onednn_linear
 from offpolicy.policy.score import Scorer, checkpoint_activations, device_index, load_policy
 from offpolicy.policy.warmstart import exact_match_accuracy, model_dir, warm_start_progress
 from offpolicy.sampling import SamplingConfig
+from offpolicy.sequence_weight import StepSequenceWeights, warn_once
+from offpolicy.sync_check import InitialPolicy, verified_sync
 from offpolicy.tasks import ChatRendered, make_task, problems
 from offpolicy.tasks.dataset import load_dataset_task
 from offpolicy.tasks.tokenizer import ensure_pad_token, load_tokenizer
@@ -367,6 +369,8 @@ class Run:
     version: int = 0  # the policy version: weight updates so far
     completed: int = 0  # steps done
     saved: int = 0  # steps in the latest checkpoint
+    initial: Any = None  # the initial policy, for sync/engine_kl_to_initial (initial_kl_rows; sync_check)
+    seq_warned: set[str] = field(default_factory=set)  # the sequence-weight pre-check's warnings, each once a run
 
 
 @dataclass
@@ -476,6 +480,7 @@ def load(run: Run, checkpoint: Path | None, progress: bool) -> None:
     run.version = state["version"]
     print_header(run, engine_name, engine_reason, f"{torch.get_num_threads()} ({threads_reason})", linear)
     start_engine(run, engine_name, load_from, linear)
+    run.initial = InitialPolicy(model_path, run.scorer) if cfg.initial_kl_rows else None
     # no π_old forward where it equals sg(π_θ) exactly, or where the loss never reads it
     run.single = single_update(cfg, policy)
     run.skip_old = run.single or (not uses_old(run.loss_cfg) and not cfg.recompute_old)
@@ -526,7 +531,7 @@ def start_engine(run: Run, engine_name: str, load_from: Path, linear: str) -> No
     for gate, reason in paths.items():
         run.console.print(f"  {gate}: {reason}")
     run.engine_bytes = torch.cuda.memory_allocated(device) - before if device.type == "cuda" else 0
-    run.engine.sync_weights(engine_weights(run.policy, cfg, run.version, snapshot=False))
+    verified_sync(run.engine, engine_weights(run.policy, cfg, run.version, snapshot=False))  # a no-op sync raises
 
 
 # ---------------------------------------------------------------------------------------------------- step
@@ -544,6 +549,9 @@ def train_step(run: Run, step: int, stop: GracefulStop) -> None:
     # which rows' log ρ are shown as text (samples.jsonl), and π_old as the update reads it
     shown = set(spread_rows(len(s.rewards), cfg.group_size, cfg.samples_per_step).tolist())
     old_of, update_lp = choose_old(run, s, old, shown)
+    # Π ρ of each row before truncation, for a loss with a sequence-level stage only (sequence_weight)
+    seq_weights = StepSequenceWeights.for_loss(run.loss_cfg.correction, len(s.rewards), run.device)
+    old_of = seq_weights.wrap(old_of) if seq_weights else old_of
     samples = []
     if update_lp is None:
         with timer("samples"):  # a few rows as text, with their log ρ under the weights that start the step
@@ -566,6 +574,12 @@ def train_step(run: Run, step: int, stop: GracefulStop) -> None:
                               run.version)
     with timer("log"):
         values = step_values(run, s, metrics, skipped, trained_on, kl_update)
+        if seq_weights is not None:  # the sequence weight before truncation, and its pre-check
+            values.update(seq_weights.values())
+            warn_once(seq_weights.warnings(cfg.preset or "loss"), run.seq_warned, run.console)
+        if run.initial is not None:  # the engine's (and trainer's) KL to the initial policy
+            probe = spread_rows(len(s.rewards), cfg.group_size, cfg.initial_kl_rows)
+            values.update(run.initial.values(s.batch, probe, None if old is None else old[probe.to(old.device)]))
     values.update(evaluate(run, step, timer))
     values.update({"time/generate": item.seconds, "time/wait": waited,
                    **{f"time/{k}": v for k, v in timer.seconds.items()},
