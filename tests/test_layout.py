@@ -86,7 +86,7 @@ FLOORS = {
     2: {"correction", "centering", "kernels", "losses", "step", ""},  # "": the package's facade, offpolicy/__init__.py
     3: {"engines", "tasks", "integrations", "viewer"},
     4: {"policy"},
-    5: {"train", "diagnose", "diagnose_config"},
+    5: {"train", "diagnose", "diagnose_config", "sync_check", "self_check", "sequence_weight"},
     6: {"cli", "__main__"},
 }
 
