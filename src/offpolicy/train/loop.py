@@ -53,7 +53,7 @@ from offpolicy.metrics import Metrics
 from offpolicy.policy.batch import to_batch
 from offpolicy.policy.cpu_linear import use_onednn_linear
 from offpolicy.policy.score import Scorer, device_index, load_policy
-from offpolicy.policy.warmstart import exact_match_accuracy, model_dir, warm_start_progress
+from offpolicy.policy.warmstart import model_dir, warm_start_progress
 from offpolicy.tasks import ChatRendered, make_task, problems
 from offpolicy.tasks.dataset import load_dataset_task
 from offpolicy.tasks.tokenizer import ensure_pad_token, load_tokenizer
@@ -61,6 +61,7 @@ from offpolicy.train.advantages import grpo_advantages, tied_groups
 from offpolicy.train.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint
 from offpolicy.train.config import (TrainConfig, resolve_device, resolve_engine, resolve_engine_dtype,
                                     resolve_trainer_dtype)
+from offpolicy.train.evaluate import evaluate
 from offpolicy.train.logger import RunLogger, StageTimer, sample_records
 from offpolicy.train.memory import memory_metrics, reset_memory_peaks
 from offpolicy.train.pipeline import Pending, RolloutPipeline
@@ -505,11 +506,8 @@ def train(cfg: TrainConfig, resume: Path | None = None, console: Console | None 
             # its own stage: greedy answers to the held-out prompts cost seconds on a real model (issue #49),
             # which inside "log" hid what writing the step's records costs (milliseconds)
             if eval_set and (step % cfg.eval_every == 0 or step == cfg.steps - 1):
-                with timer("eval"):
-                    values["eval/accuracy"] = exact_match_accuracy(policy, tokenizer, task, eval_set,
-                                                                   cfg.max_new_tokens, sample_seed=None,
-                                                                   score=task.reward if hasattr(task, "held_out") else None,
-                                                                   trainer_dtype=trainer_dtype)
+                with timer("eval"):  # held-out tasks: greedy reward, truncation, length, answer log-prob (evaluate.py)
+                    values.update(evaluate(policy, tokenizer, task, eval_set, cfg.max_new_tokens, trainer_dtype))
             values.update({"time/generate": item.seconds, "time/wait": waited,
                            **{f"time/{k}": v for k, v in timer.seconds.items()},
                            "step_seconds": time.perf_counter() - t0})
