@@ -16,8 +16,8 @@ binds), ``max_staleness`` 4 and 40 steps. The cells and the rule are registered 
 
 ``preset none`` runs with ``loss.correction={}``: the mismatch is measured (``offpolicy/kl_k3`` …) and no
 weight changes. Every run is ``python -m offpolicy train`` in its own process and directory
-``OUT/CELL/seedN`` (log beside it), ``--jobs`` at once, seed-major (all cells of seed 0, then seed 1 …,
-so a grid cut short stays balanced). A finished run is skipped, a cut one resumed from its checkpoint
+``OUT/CELL/seedN`` (log beside it), ``--jobs`` at once: tier 1 first, each tier seed-major (all its cells
+at seed 0, then seed 1 …, so a grid cut short stays balanced). A finished run is skipped, a cut one resumed from its checkpoint
 (``checkpoint_every`` 10), one without a checkpoint started again; a finished run's checkpoints are
 deleted unless ``--keep-checkpoints`` (the last grid's final checkpoints filled a 64 GB disk).
 
@@ -301,8 +301,11 @@ def run_env() -> dict[str, str]:
 
 
 def schedule(cells: list[Cell], seeds: list[int]) -> list[tuple[Cell, int]]:
-    """Seed-major: every cell at the first seed, then the next seed, … (a grid cut short stays balanced)."""
-    return [(c, s) for s in seeds for c in cells]
+    """Tier 1 first, then the others; within each, seed-major: every cell at the first seed, then the next
+    seed, … (a grid cut short has tier 1 at the most seeds, and every cell of a tier at the same count)."""
+    first = [c for c in cells if c.name in TIERS["1"]]
+    rest = [c for c in cells if c.name not in TIERS["1"]]
+    return [(c, s) for group in (first, rest) for s in seeds for c in group]
 
 
 def run_grid(cells: list[Cell], seeds: list[int], args: argparse.Namespace) -> list[str]:

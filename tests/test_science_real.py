@@ -258,8 +258,8 @@ def test_cells_commands_and_order(science, tmp_path):
     assert science.TIERS["1"] == ("R", "N", "C") and set(science.TIERS["2"]) == {"token_is", "icepop", "none_1mb"}
     args = science.parse(["--tier", "all", "--model", "M", "--out", str(tmp_path), "--steps", "7", "--seeds", "0,1"])
     assert args.cell_names == ("R", "N", "C", "token_is", "icepop", "none_1mb") and args.seed_list == [0, 1]
-    order = science.schedule([cells[n] for n in ("R", "N")], [0, 1])
-    assert [(c.name, s) for c, s in order] == [("R", 0), ("N", 0), ("R", 1), ("N", 1)]  # seed-major
+    order = science.schedule([cells[n] for n in ("icepop", "R", "N")], [0, 1])  # tier 1 first, each seed-major
+    assert [(c.name, s) for c, s in order] == [("R", 0), ("N", 0), ("R", 1), ("N", 1), ("icepop", 0), ("icepop", 1)]
     n = set(science.command(cells["N"], 2, args, tmp_path / "r"))
     assert {"max_staleness=4", "engine_dtype=bf16", "preset=none", "seed=2", "steps=7", "task=count", "minibatches=4",
             "loss.correction={}", "eval_every=10", "eval_problems=128", "trainer_dtype=fp32"} <= n
@@ -310,3 +310,31 @@ def test_the_grid_runs_at_toy_scale(tiny_qwen2_dir, tmp_path):
                             str(tmp_path / "t.json")], capture_output=True, text=True, timeout=120)
     assert again.returncode == 0 and "| R | 1/1 |" in again.stdout and "| R − N (≥) | 1 v 1 |" in again.stdout
     assert (out / "science_long.png").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_device_script_dry_run_resumes(tiny_qwen2_dir, tmp_path):
+    """scripts/device_science.sh --dry-run as typed, at toy scale on the CPU: a tier-1 cell before a tier-2 one,
+    the report and the packed runs in OUT; a second call given that pack runs nothing again."""
+    import os
+
+    runs = tmp_path / "m1" / "science_long"
+    env = {**os.environ, "MODEL": str(tiny_qwen2_dir), "OUT": str(tmp_path / "out"), "RUNS": str(runs),
+           "SEEDS": "0", "JOBS": "2", "CELLS": "none_1mb,R", "RESUME_FROM": str(tmp_path / "none.tgz")}
+    first = subprocess.run(["bash", "scripts/device_science.sh", "--dry-run"], cwd=ROOT, env=env,
+                           capture_output=True, text=True, timeout=400)
+    assert first.returncode == 0, (first.stdout + first.stderr)[-3000:]
+    starts = [line for line in first.stdout.splitlines() if line.startswith("start ")]
+    assert starts == ["start R seed 0", "start none_1mb seed 0"], first.stdout  # tier 1 first
+    assert {p.name for p in (tmp_path / "out").iterdir()} >= {"grid.log", "science_long_gpu.json",
+                                                              "science_long_gpu.png", "runs.tgz"}
+    report = json.loads((tmp_path / "out" / "science_long_gpu.json").read_text())
+    assert {row["cell"]: row["finished"] for row in report["table"]} == {"R": 1, "none_1mb": 1}
+    assert not list(runs.rglob("checkpoints"))  # finished runs keep none
+    # a fresh machine: nothing under RUNS, the pack of the first call carried
+    (tmp_path / "out" / "runs.tgz").rename(tmp_path / "runs.tgz")
+    second = subprocess.run(["bash", "scripts/device_science.sh", "--dry-run"], cwd=ROOT, timeout=400,
+                            env={**env, "RUNS": str(tmp_path / "m2" / "science_long"),
+                                 "RESUME_FROM": str(tmp_path / "runs.tgz")}, capture_output=True, text=True)
+    assert second.returncode == 0, (second.stdout + second.stderr)[-3000:]
+    assert "2 runs finished already, 0 to run" in second.stdout
