@@ -338,3 +338,14 @@ def test_device_script_dry_run_resumes(tiny_qwen2_dir, tmp_path):
                                  "RESUME_FROM": str(tmp_path / "runs.tgz")}, capture_output=True, text=True)
     assert second.returncode == 0, (second.stdout + second.stderr)[-3000:]
     assert "2 runs finished already, 0 to run" in second.stdout
+
+
+def test_untrained_probe_at_toy_scale(tiny_qwen2_dir, tmp_path, science, capsys):
+    """``--untrained`` as the task's probe runs it (hf engine here, vLLM on the real model): its numbers are in
+    range and its groups counted as ``groups_with_spread`` counts them."""
+    assert science.main(["--untrained", "3", "--engine", "hf", "--model", str(tiny_qwen2_dir), "--group-size", "2",
+                         "--max-new-tokens", "5", "--out", str(tmp_path)]) == 0
+    probe = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert probe["task"] == "count" and probe["samples"] == 6
+    assert 0 <= probe["mean_reward"] <= 1 and 0 <= probe["groups_with_spread"] <= 1 and 1 <= probe["mean_length"] <= 5
+    assert probe["truncated"] in {i / 6 for i in range(7)}
