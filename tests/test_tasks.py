@@ -97,3 +97,53 @@ def test_walk_is_seeded_long_verifiable_and_fits_the_response_limit():
     assert make_task("walk", min_len=20, max_len=40).max_new_tokens == 50
     with pytest.raises(ValueError, match="min_len"):
         Walk(min_len=60, max_len=50)
+
+
+# ---------------------------------------------------------------- task=count (issue #54)
+
+@pytest.mark.parametrize(("completion", "reward"), [
+    ("1 2 3 4", 1.0), ("1, 2, 3, 4", 1.0), ("1\n2\n3\n4.", 1.0), ("Sure! 1-2-3-4", 1.0),  # the numbers, in order
+    ("1 2 4", 0.5 * 2 / 4), ("1 2 3", 0.5 * 3 / 4), ("1 2 3 4 5", 0.5),  # a skip, stopped early, ran past
+    ("1 to 4: 1 2 3 4", 0.5 * 1 / 4),  # the prompt's numbers repeated first: only "1" matches
+    ("0 1 2 3 4", 0.0), ("four", 0.0), ("", 0.0), ("12 3 4", 0.0),  # wrong start, no numbers, glued digits
+])
+def test_count_reward_by_hand(completion, reward):
+    from offpolicy.tasks import count_reward
+
+    assert count_reward(completion, [1, 2, 3, 4]) == pytest.approx(reward, abs=1e-12)
+
+
+def test_count_prompts_answers_and_splits():
+    from offpolicy.tasks import Count
+    from offpolicy.tasks.count import SEPARATORS, WORDINGS
+
+    task = Count()
+    train = {task.problem(*k).prompt for k in task.train_keys}
+    held = [p.prompt for p in task.held_out]
+    # 6 wordings × 3 separators × ends 8–30: 414 distinct prompts, 160 of them held out, none of those trained on
+    assert (len(WORDINGS), len(SEPARATORS), len(train), len(held), len(set(held))) == (6, 3, 254, 160, 160)
+    assert not train & set(held)
+    assert Count().held_out == task.held_out and Count(split_seed=1).held_out != task.held_out
+    rng = random.Random(0)
+    drawn = [task.sample(rng) for _ in range(300)]
+    assert all(p.prompt in train for p in drawn)
+    assert {p.answer.count("\n") > 0 for p in drawn} == {True, False}  # separators vary
+    p = Count.problem(0, 1, 5, "commas")
+    assert (p.prompt, p.answer) == ("Count from 1 to 5. Write the numbers only, separated by commas.", "1, 2, 3, 4, 5")
+    assert Count.problem(1, 2, 4, "new lines").answer == "2\n3\n4"
+    assert task.reward(p, p.answer) == 1.0 and task.reward(p, "1, 2") == pytest.approx(0.2)
+    near = make_task("count", starts=[0, 1, 2], n_held_out=200)  # YAML's list, a start near 1
+    assert len(near.train_keys) + len(near.held_out_keys) == 3 * 414 and {k[1] for k in near.train_keys} == {0, 1, 2}
+    for bad in ({"starts": (8,)}, {"low": 10, "high": 9}, {"n_held_out": 414}, {"n_held_out": 0}):
+        with pytest.raises(ValueError, match="count:"):
+            Count(**bad)
+
+
+def test_count_needs_a_model_directory_and_takes_its_limit():
+    from offpolicy.config import ConfigError
+    from offpolicy.train.config import load_train_config
+
+    with pytest.raises(ConfigError, match="task=count renders its prompts with a model's chat template"):
+        load_train_config(None, ["task=count"])
+    cfg = load_train_config(None, ["task=count", "model=/models/any", "task_params={n_held_out: 130}"])
+    assert cfg.max_new_tokens == 128 and make_task(cfg.task, **cfg.task_params).n_held_out == 130

@@ -57,6 +57,7 @@ class Larger:
     name: str = "larger"
     max_new_tokens: int = 16  # the answer is 2–3 tokens and EOS; a sentence is cut at 16
     needs_model_dir: bool = field(default=True, repr=False)  # prompts go through the model's chat template
+    answer_is_completion: bool = field(default=True, repr=False)  # the eval's teacher-forced answer (train/evaluate.py)
     train_pairs: tuple[tuple[int, int], ...] = field(init=False, repr=False, compare=False)
     held_out_pairs: tuple[tuple[int, int], ...] = field(init=False, repr=False, compare=False)
 

@@ -158,7 +158,7 @@ TASKS: dict[str, type] = {"addition": Addition, "reverse": Reverse, "walk": Walk
 
 
 def make_task(name: str, **params) -> Task:
-    """The task called ``name`` (``addition`` | ``reverse`` | ``walk`` | ``larger``) with its parameters.
+    """The task called ``name`` (``addition`` | ``reverse`` | ``walk`` | ``larger`` | ``count``) with its parameters.
 
     Raises:
         ValueError: unknown task name.

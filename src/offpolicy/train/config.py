@@ -65,10 +65,11 @@ class TrainConfig(_Strict):
 
     # what is trained, on what
     model: str = Field("default", description="'default' (embedded tiny Qwen2, warm-started) or a local HF model path")
-    task: Literal["addition", "reverse", "walk", "larger", "dataset"] = Field(
+    task: Literal["addition", "reverse", "walk", "larger", "count", "dataset"] = Field(
         "reverse", description="reverse/addition: answers of ≤ 5 tokens; walk: 50–150 tokens (long responses); "
         "larger: 'which number is larger?' for a real chat model (model=DIR, partial-credit reward, held-out "
-        "pairs); dataset: prompts and references from data.path, scored by `reward`")
+        "pairs); count: 'count from 1 to n' for a real chat model (long graded answers, 128 tokens, held-out "
+        "prompts; issue #54); dataset: prompts and references from data.path, scored by `reward`")
     task_params: dict[str, Any] = Field(default_factory=dict, description="e.g. {digits: 2} or {min_len: 3, max_len: 6}")
     # the rollout engine and the mismatch it brings
     engine: Literal["auto", "vllm", "hf"] = Field(

@@ -57,7 +57,7 @@ from offpolicy.policy.batch import to_batch
 from offpolicy.speed import run_paths
 from offpolicy.speed.cpu_linear import use_onednn_linear
 from offpolicy.policy.score import Scorer, checkpoint_activations, device_index, load_policy
-from offpolicy.policy.warmstart import exact_match_accuracy, model_dir, warm_start_progress
+from offpolicy.policy.warmstart import model_dir, warm_start_progress
 from offpolicy.sampling import SamplingConfig
 from offpolicy.sequence_weight import StepSequenceWeights, warn_once
 from offpolicy.sync_check import InitialPolicy, verified_sync
@@ -68,6 +68,7 @@ from offpolicy.train.advantages import grpo_advantages, tied_groups
 from offpolicy.train.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint
 from offpolicy.train.config import (TrainConfig, resolve_device, resolve_engine, resolve_engine_dtype,
                                     resolve_trainer_dtype)
+from offpolicy.train.evaluate import evaluate as held_out_eval
 from offpolicy.train.logger import RunLogger, StageTimer, sample_records
 from offpolicy.train.memory import memory_metrics, reset_memory_peaks
 from offpolicy.train.pipeline import Pending, RolloutPipeline
@@ -692,11 +693,8 @@ def evaluate(run: Run, step: int, timer: StageTimer) -> dict[str, float]:
     cfg, task = run.cfg, run.task
     if not run.eval_set or not (step % cfg.eval_every == 0 or step == cfg.steps - 1):
         return {}
-    with timer("eval"):
-        accuracy = exact_match_accuracy(run.policy, run.tokenizer, task, run.eval_set, cfg.max_new_tokens,
-                                        sample_seed=None, score=task.reward if hasattr(task, "held_out") else None,
-                                        trainer_dtype=run.trainer_dtype)
-    return {"eval/accuracy": accuracy}
+    with timer("eval"):  # held-out tasks: greedy reward, truncation, length, answer log-prob (train/evaluate.py)
+        return held_out_eval(run.policy, run.tokenizer, task, run.eval_set, cfg.max_new_tokens, run.trainer_dtype)
 
 
 def checkpoint(run: Run) -> None:
