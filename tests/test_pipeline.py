@@ -232,6 +232,19 @@ def test_engine_dtype_auto_is_resolved_with_a_reason(monkeypatch):
     assert resolve_engine_dtype(forced) == ("fp16", "set in the config")
 
 
+def test_a_resumed_run_keeps_the_engine_dtype_auto_chose(monkeypatch):
+    """A run created where auto chose bf16 and resumed on a machine without native bf16 keeps bf16 (its
+    mismatch is its engine's); engine_dtype set on the resume still wins. On 65ba3dd the resume chose again."""
+    from offpolicy.train import config as train_config
+
+    monkeypatch.setattr(train_config, "_native_bf16", lambda: (False, "CPU has no native bf16"))
+    recorded = {"engine_dtype": "bf16", "engine_dtype_reason": "auto: CPU has native bf16 (amx_bf16)"}
+    dtype, why = resolve_engine_dtype(load_train_config(None, []), recorded)
+    assert dtype == "bf16" and "a resume keeps it" in why and "amx_bf16" in why
+    assert resolve_engine_dtype(load_train_config(None, ["engine_dtype=fp32"]), recorded) == ("fp32", "set in the config")
+    assert resolve_engine_dtype(load_train_config(None, []), {})[0] == "fp32"  # nothing recorded: chosen now
+
+
 @pytest.mark.slow
 def test_run_config_records_the_dtype_and_resumes_from_it(offpolicy_cache, tmp_path):
     first = _run(tmp_path, "auto", "steps=2", "engine_dtype=auto", "max_staleness=1")

@@ -398,10 +398,16 @@ def resolve_engine(cfg: TrainConfig, device, parameters: int, vocabulary: int,
                   vllm_options_set=cfg.vllm != VLLMConfig())
 
 
-def resolve_engine_dtype(cfg: TrainConfig) -> tuple[str, str]:
-    """The engine dtype to run with and why: ``engine_dtype`` unless it is ``auto``."""
+def resolve_engine_dtype(cfg: TrainConfig, recorded: dict[str, Any] | None = None) -> tuple[str, str]:
+    """The engine dtype to run with and why: ``engine_dtype`` unless it is ``auto``. A resumed run passes its
+    config.yaml's ``resolved`` choices as ``recorded``: ``auto`` then keeps the dtype the run started with (a
+    resume on a machine with or without native bf16 would otherwise switch the engine's numerics, and so the
+    mismatch, mid-run); ``engine_dtype=…`` on the resume still wins."""
     if cfg.engine_dtype != "auto":
         return cfg.engine_dtype, "set in the config"
+    if recorded and recorded.get("engine_dtype"):
+        why = str(recorded.get("engine_dtype_reason") or "auto")
+        return recorded["engine_dtype"], f"{why} (chosen when the run was created; a resume keeps it)"
     native, why = _native_bf16()
     return ("bf16" if native else "fp32"), f"auto: {why}"
 

@@ -422,7 +422,9 @@ def setup(cfg: TrainConfig, resume: Path | None, console: Console, progress: boo
     directory this call created (an engine failure keeps it, for its engine.log)."""
     torch.manual_seed(cfg.seed)
     loss_cfg = cfg.loss_config()
-    engine_dtype, dtype_reason = resolve_engine_dtype(cfg)
+    recorded = yaml.safe_load((resume / "config.yaml").read_text()).get("resolved") \
+        if resume is not None and (resume / "config.yaml").is_file() else None
+    engine_dtype, dtype_reason = resolve_engine_dtype(cfg, recorded)  # a resume keeps auto's first choice
     device = resolve_device(cfg)  # before the run directory: device=cuda without CUDA leaves nothing
     trainer_dtype, trainer_dtype_reason = resolve_trainer_dtype(cfg, device)
     run_dir = resume if resume is not None else new_run_dir(cfg, {
