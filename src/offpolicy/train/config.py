@@ -331,6 +331,20 @@ class TrainConfig(_Strict):
         return self
 
     @model_validator(mode="after")
+    def _score_centering_needs_support(self) -> TrainConfig:
+        # policy_loss centres over support tensors (the kept set's or a top-k head's log-probs under π_θ, π_old
+        # and μ; docs/estimators.md#score-centering) that the trainer's chunked head does not produce yet: the
+        # loss would run uncentred, logging score_centering/applied = 0. Refused rather than run as it is not.
+        if getattr(self.loss_config(), "score_centering", None):
+            raise ValueError(
+                f"loss.score_centering={self.loss_config().score_centering!r}: offpolicy train does not compute "
+                "the support log-probs score centering reads yet (the trainer's head returns the sampled token's "
+                "only), so the loss would run uncentred. Score centering runs through op.policy_loss with "
+                "support_logprobs / support_rollout_logprobs (docs/estimators.md#score-centering). Fix: drop "
+                "loss.score_centering, or a preset without it")
+        return self
+
+    @model_validator(mode="after")
     def _micro_batches_exact(self) -> TrainConfig:
         loss = self.loss_config()
         if self.micro_batch_tokens is not None and loss.agg == "seq-mean-token-sum-norm" and loss.max_len is None:
