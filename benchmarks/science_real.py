@@ -17,8 +17,8 @@ binds), ``max_staleness`` 4 and 40 steps. The cells and the rule are registered 
 ``preset none`` runs with ``loss.correction={}``: the mismatch is measured (``offpolicy/kl_k3`` …) and no
 weight changes. Every run is ``python -m offpolicy train`` in its own process and directory
 ``OUT/CELL/seedN`` (log beside it), ``--jobs`` at once: tier 1 first, each tier seed-major (all its cells
-at seed 0, then seed 1 …, so a grid cut short stays balanced). A finished run is skipped, a cut one resumed from its checkpoint
-(``checkpoint_every`` 10), one without a checkpoint started again; a finished run's checkpoints are
+at seed 0, then seed 1 …, so a grid cut short stays balanced). A finished run is skipped, a cut one resumed
+from its checkpoint (``checkpoint_every`` 10), one without a checkpoint started again; a finished run's checkpoints are
 deleted unless ``--keep-checkpoints`` (the last grid's final checkpoints filled a 64 GB disk).
 
     python benchmarks/science_real.py --untrained 24 --engine vllm   # the task's probe on the untrained model
@@ -237,9 +237,11 @@ def verdict(gate: dict[str, Any], rescue: dict[str, Any], tier2: list[dict[str, 
                 lines.append(f"the correction MATTERS: C − N = {rescue['diff']:.3f} ≥ {RESCUE}, p = {rescue['p']:.4f}; "
                              f"recovered share {_fmt(share, '.2f')} (90 % CI {_ci(rescue['recovered_ci'])})")
             elif rescue["ci"] is not None and -EQUIVALENCE < rescue["ci"][0] and rescue["ci"][1] < EQUIVALENCE:
-                lines.append(f"the correction does NOT rescue: C − N's 90 % CI {_ci(rescue['ci'])} inside ±{EQUIVALENCE}")
+                lines.append(f"the correction does NOT rescue: C − N's 90 % CI {_ci(rescue['ci'])} inside "
+                             f"±{EQUIVALENCE}")
             else:
-                lines.append(f"C − N inconclusive: {rescue['diff']:.3f}, p = {rescue['p']:.4f}, 90 % CI {_ci(rescue['ci'])}")
+                lines.append(f"C − N inconclusive: {rescue['diff']:.3f}, p = {rescue['p']:.4f}, "
+                             f"90 % CI {_ci(rescue['ci'])}")
     else:
         lines.append(f"gate FAILS (R − N = {gate['diff']:.3f}, p = {gate['p']:.4f}): the bound on the harm is "
                      f"R − N's 90 % CI {ci}")

@@ -202,10 +202,12 @@ def test_power_bootstrap_and_pooled_sd(science):
 
 
 def _run_rows(evals: dict[int, float], steps: int, kl=1e-3, truncated=0.1) -> list[dict]:
+    def evaluated(s):
+        return {"eval/accuracy": evals[s], "eval/truncated_share": truncated, "eval/response_length": 50.0,
+                "eval/answer_logprob": -20.0} if s in evals else {}
+
     return [{"step": s, "reward": 0.1, "response_length": 40.0, "truncated_share": truncated, "offpolicy/kl_k3": kl,
-             "step_seconds": 2.0, **({"eval/accuracy": evals[s], "eval/truncated_share": truncated,
-                                      "eval/response_length": 50.0, "eval/answer_logprob": -20.0} if s in evals else {})}
-            for s in range(steps)]
+             "step_seconds": 2.0, **evaluated(s)} for s in range(steps)]
 
 
 def _fake_runs(science, gap: float) -> dict:
