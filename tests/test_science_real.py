@@ -274,7 +274,9 @@ def test_cells_commands_and_order(science, tmp_path):
     (tmp_path / "r" / "checkpoints").mkdir(parents=True)
     (tmp_path / "r" / "checkpoints" / "latest").write_text("step-5")
     assert science.command(cells["N"], 2, args, tmp_path / "r")[-3:] == ["--resume", str(tmp_path / "r"), "steps=7"]
-    for bad in (["--cells", "R,nope"], ["--tier", "1", "--cells", "R"]):
+    assert science.parse(["--pilot", "--model", "M"]).cell_names == ("R", "N", "C")
+    assert science.parse(["--cells", "all", "--model", "M"]).cell_names == science.TIERS["all"]
+    for bad in (["--cells", "R,nope"], ["--tier", "1", "--cells", "R"], ["--pilot", "--tier", "2"]):
         with pytest.raises(SystemExit):
             science.parse([*bad, "--model", "M"])
 
