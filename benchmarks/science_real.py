@@ -17,15 +17,15 @@ binds), ``max_staleness`` 4 and 40 steps. The cells and the rule are registered 
 ``preset none`` runs with ``loss.correction={}``: the mismatch is measured (``offpolicy/kl_k3`` …) and no
 weight changes. Every run is ``python -m offpolicy train`` in its own process and directory
 ``OUT/CELL/seedN`` (log beside it), ``--jobs`` at once: tier 1 first, each tier seed-major (all its cells
-at seed 0, then seed 1 …, so a grid cut short stays balanced). A finished run is skipped, a cut one resumed from its checkpoint
-(``checkpoint_every`` 10), one without a checkpoint started again; a finished run's checkpoints are
+at seed 0, then seed 1 …, so a grid cut short stays balanced). A finished run is skipped, a cut one resumed
+from its checkpoint (``checkpoint_every`` 10), one without a checkpoint started again; a finished run's checkpoints are
 deleted unless ``--keep-checkpoints`` (the last grid's final checkpoints filled a 64 GB disk).
 
     python benchmarks/science_real.py --untrained 24 --engine vllm   # the task's probe on the untrained model
     python benchmarks/science_real.py --tier 1 --seeds 0 --jobs 2     # the pilot: R, N, C at one seed
     python benchmarks/science_real.py --tier all --seeds 0,1,2,3,4 --jobs 8 --device cuda
-    python benchmarks/science_real.py --tier all --report --json docs/science_long.json --plot docs/science_long.png
-    python benchmarks/science_real.py --from-json docs/science_long.json   # the table and tests again, no runs
+    python benchmarks/science_real.py --tier all --report --json runs/science_long/report.json
+    python benchmarks/science_real.py --from-json runs/science_long/report.json   # the table and tests again, no runs
 
 Per run: the primary metric (the mean greedy held-out reward of the last two evals,
 ``offpolicy.train.evaluate.primary_metric``) and the collapse rule (``evaluate.collapsed``; a run that did
@@ -246,9 +246,11 @@ def verdict(gate: dict[str, Any], rescue: dict[str, Any], tier2: list[dict[str, 
                 lines.append(f"the correction MATTERS: C − N = {rescue['diff']:.3f} ≥ {RESCUE}, p = {rescue['p']:.4f}; "
                              f"recovered share {_fmt(share, '.2f')} (90 % CI {_ci(rescue['recovered_ci'])})")
             elif rescue["ci"] is not None and -EQUIVALENCE < rescue["ci"][0] and rescue["ci"][1] < EQUIVALENCE:
-                lines.append(f"the correction does NOT rescue: C − N's 90 % CI {_ci(rescue['ci'])} inside ±{EQUIVALENCE}")
+                lines.append(f"the correction does NOT rescue: C − N's 90 % CI {_ci(rescue['ci'])} inside "
+                             f"±{EQUIVALENCE}")
             else:
-                lines.append(f"C − N inconclusive: {rescue['diff']:.3f}, p = {rescue['p']:.4f}, 90 % CI {_ci(rescue['ci'])}")
+                lines.append(f"C − N inconclusive: {rescue['diff']:.3f}, p = {rescue['p']:.4f}, "
+                             f"90 % CI {_ci(rescue['ci'])}")
     else:
         lines.append(f"gate FAILS (R − N = {gate['diff']:.3f}, p = {gate['p']:.4f}): the bound on the harm is "
                      f"R − N's 90 % CI {ci}")
@@ -563,7 +565,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=Path("runs/science_long"))
     p.add_argument("--tier", default=None, choices=tuple(TIERS), help="1: R, N, C; 2: token_is, icepop, none_1mb; "
                    "all: both; x: the exploratory cell (score centering, where offpolicy has it)")
-    p.add_argument("--cells", default=None, help=f"comma-separated cell names ({', '.join(CELLS)}); default: tier 1")
+    p.add_argument("--cells", default=None, help=f"comma-separated cell names ({', '.join(CELLS)}), or 'all' (tiers 1 "
+                   "and 2); default: tier 1")
+    p.add_argument("--pilot", action="store_true", help="the pilot's cells: tier 1 (R, N, C)")
     p.add_argument("--seeds", default="0")
     p.add_argument("--jobs", type=int, default=2, help="runs at once (one torch thread each)")
     p.add_argument("--model", default=None, help="model directory; default: SmolLM2-135M-Instruct as "
@@ -592,8 +596,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", type=Path, default=None, help="write the table, tests and per-run numbers here")
     p.add_argument("--plot", type=Path, default=None, help="write the plots here (default OUT/science_long.png)")
     args = p.parse_args(argv)
-    if args.tier and args.cells:
-        p.error("--tier or --cells, not both")
+    if sum(map(bool, (args.tier, args.cells, args.pilot))) > 1:
+        p.error("one of --tier, --cells and --pilot")
+    if args.cells == "all":
+        args.tier = "all"
     names = TIERS[args.tier] if args.tier else TIERS["1"] if args.cells is None else \
         tuple(c.strip() for c in args.cells.split(","))
     unknown = [n for n in names if n not in CELLS]

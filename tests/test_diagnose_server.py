@@ -738,9 +738,9 @@ def test_a_url_with_credentials_is_refused_and_never_shown(url, suggested, tmp_p
     (["--temperature", "inf"], "--temperature inf: expected a finite number > 0"),
     (["--top-k", "0"], "--top-k 0: expected -1 (no top-k; vLLM also reads 0 as off"),
     (["--top-k", "-2"], "--top-k -2: expected -1"),
-    (["--top-p", "0"], "--top-p 0: expected a value in (0, 1]"),
-    (["--top-p", "1.5"], "--top-p 1.5: expected a value in (0, 1]"),
-    (["--top-p", "nan"], "--top-p nan: expected a value in (0, 1]"),
+    (["--top-p", "0"], "--top-p 0: expected in (0, 1]"),
+    (["--top-p", "1.5"], "--top-p 1.5: expected in (0, 1]"),
+    (["--top-p", "nan"], "--top-p nan: expected in (0, 1]"),
 ], ids=["t0", "t-neg", "t-nan", "t-inf", "k0", "k-2", "p0", "p1.5", "p-nan"])
 def test_impossible_sampling_flags_are_refused_before_anything(flags, message, tiny_qwen2_dir, tok, prompts,
                                                               tmp_path, capsys):

@@ -202,10 +202,12 @@ def test_power_bootstrap_and_pooled_sd(science):
 
 
 def _run_rows(evals: dict[int, float], steps: int, kl=1e-3, truncated=0.1) -> list[dict]:
+    def evaluated(s):
+        return {"eval/accuracy": evals[s], "eval/truncated_share": truncated, "eval/response_length": 50.0,
+                "eval/answer_logprob": -20.0} if s in evals else {}
+
     return [{"step": s, "reward": 0.1, "response_length": 40.0, "truncated_share": truncated, "offpolicy/kl_k3": kl,
-             "step_seconds": 2.0, **({"eval/accuracy": evals[s], "eval/truncated_share": truncated,
-                                      "eval/response_length": 50.0, "eval/answer_logprob": -20.0} if s in evals else {})}
-            for s in range(steps)]
+             "step_seconds": 2.0, **evaluated(s)} for s in range(steps)]
 
 
 def _fake_runs(science, gap: float) -> dict:
@@ -272,7 +274,9 @@ def test_cells_commands_and_order(science, tmp_path):
     (tmp_path / "r" / "checkpoints").mkdir(parents=True)
     (tmp_path / "r" / "checkpoints" / "latest").write_text("step-5")
     assert science.command(cells["N"], 2, args, tmp_path / "r")[-3:] == ["--resume", str(tmp_path / "r"), "steps=7"]
-    for bad in (["--cells", "R,nope"], ["--tier", "1", "--cells", "R"]):
+    assert science.parse(["--pilot", "--model", "M"]).cell_names == ("R", "N", "C")
+    assert science.parse(["--cells", "all", "--model", "M"]).cell_names == science.TIERS["all"]
+    for bad in (["--cells", "R,nope"], ["--tier", "1", "--cells", "R"], ["--pilot", "--tier", "2"]):
         with pytest.raises(SystemExit):
             science.parse([*bad, "--model", "M"])
 

@@ -95,7 +95,8 @@ def greedy(policy, tokenizer, problems: list, max_new_tokens: int, trainer_dtype
             with precision(policy.device, trainer_dtype):
                 out = generate(policy, input_ids, attention, config)
             new = out[:, input_ids.shape[1]:].cpu()
-            is_stop = torch.isin(new, torch.tensor(stop, dtype=new.dtype)) if stop else torch.zeros_like(new, dtype=bool)
+            is_stop = (torch.isin(new, torch.tensor(stop, dtype=new.dtype)) if stop
+                       else torch.zeros_like(new, dtype=torch.bool))
             for row, stops in zip(new, is_stop):
                 where = stops.nonzero()
                 if len(where):  # what follows the first stop token is padding
