@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -387,7 +389,7 @@ def test_vllm_cpu_cannot_return_masks_and_says_why(tiny_qwen2_dir):
 
     from vllm.triton_utils import HAS_TRITON
 
-    from offpolicy.engines.vllm import VLLMEngine, sampling_mask_blocker
+    from offpolicy.engines.vllm import sampling_mask_blocker
 
     truncated = SamplingConfig(max_tokens=3, temperature=1.0, top_k=TOP_K)
     assert not HAS_TRITON
@@ -395,14 +397,29 @@ def test_vllm_cpu_cannot_return_masks_and_says_why(tiny_qwen2_dir):
     assert "Model Runner V2, which needs Triton" in reason and "doesn't include CPU backend" in reason
     assert "top_k > 0" in sampling_mask_blocker(SamplingConfig(top_p=0.9))
     assert "does not truncate" in sampling_mask_blocker(SamplingConfig())
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    engine = VLLMEngine(str(tiny_qwen2_dir), dtype="fp32", max_model_len=128, sampling=truncated)
-    try:
-        assert engine.sampling_mask_blocker == reason and "return_sampling_mask" not in engine.llm_kwargs
-        rollouts = engine.generate([[3, 4, 5]], truncated, seed=0, version=0)
-        assert rollouts.kept is None and len(rollouts.response_ids[0]) == 3  # the trainer recomputes the set
-    finally:
-        engine.close()
+    # the engine in a fresh process, as tests/vllm_sync_check.py runs vLLM: vLLM's CPU worker walks every
+    # loaded module at start (triton_utils.dispatcher), and a module another test of this worker imported
+    # (flask's current_app, through areal) raises when touched outside its context
+    script = f"""
+import json
+from offpolicy.engines import SamplingConfig
+from offpolicy.engines.vllm import VLLMEngine
+truncated = SamplingConfig(max_tokens=3, temperature=1.0, top_k={TOP_K})
+engine = VLLMEngine({str(tiny_qwen2_dir)!r}, dtype="fp32", max_model_len=128, sampling=truncated)
+try:
+    rollouts = engine.generate([[3, 4, 5]], truncated, seed=0, version=0)
+    print(json.dumps({{"blocker": engine.sampling_mask_blocker, "asked": "return_sampling_mask" in engine.llm_kwargs,
+                      "kept": rollouts.kept is not None, "tokens": len(rollouts.response_ids[0])}}))
+finally:
+    engine.close()
+"""
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONPATH": os.pathsep.join(
+        [str(Path(__file__).resolve().parents[1] / "src"), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert got["blocker"] == reason and not got["asked"]
+    assert not got["kept"] and got["tokens"] == 3  # no mask: the trainer recomputes the set
 
 
 @pytest.mark.skipif(VLLM_ERROR is not None, reason=f"vLLM does not import ({VLLM_ERROR})")
