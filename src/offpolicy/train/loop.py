@@ -481,7 +481,7 @@ def load(run: Run, checkpoint: Path | None, progress: bool) -> None:
         run.optimizer.load_state_dict(state["optimizer"])
     run.completed = run.saved = state["step"]
     run.version = state["version"]
-    print_header(run, engine_name, engine_reason, f"{torch.get_num_threads()} ({threads_reason})", linear)
+    print_header(run, engine_name, engine_reason, f"{torch.get_num_threads()} ({threads_reason})")
     start_engine(run, engine_name, load_from, linear)
     run.initial = InitialPolicy(model_path, run.scorer) if cfg.initial_kl_rows else None
     # no π_old forward where it equals sg(π_θ) exactly, or where the loss never reads it
@@ -497,9 +497,9 @@ def load(run: Run, checkpoint: Path | None, progress: bool) -> None:
                            config=yaml.safe_load((run.run_dir / "config.yaml").read_text()))
 
 
-def print_header(run: Run, engine_name: str, engine_reason: str, threads: str, linear: str) -> None:
+def print_header(run: Run, engine_name: str, engine_reason: str, threads: str) -> None:
     """The run's first lines: what trains on what, with which engine and loss; the defaults the model chose;
-    the CPU's threads and linear layers; the engine=auto choice and why."""
+    the CPU's threads; the engine=auto choice and why (the linear layers are a speed path: ``start_engine``)."""
     cfg, console = run.cfg, run.console
     console.print(f"offpolicy train: {cfg.task} · {run.device} ({run.trainer_dtype}) · "
                   f"engine {engine_name} ({run.engine_dtype}) · "
@@ -508,7 +508,7 @@ def print_header(run: Run, engine_name: str, engine_reason: str, threads: str, l
     defaults = cfg.model_defaults()
     if defaults:  # chosen by the model, not the task: say which applied
         console.print(f"  {defaults}")
-    console.print(f"  threads: {threads} · linear layers: {linear}")
+    console.print(f"  threads: {threads}")
     if cfg.engine == "auto":
         console.print(f"  engine {engine_name}: {engine_reason.removeprefix('auto: ')} (engine=auto)")
 
