@@ -354,6 +354,7 @@ class Run:
     engine_dtype: str
     loss_cfg: op.LossConfig
     sampling: SamplingConfig
+    recorded: dict | None = None  # a resumed run's config.yaml ``resolved`` choices (engine, dtype: kept on resume)
     threads_before: int | None = None  # torch's thread count before the run set its own (restored at close)
     tokenizer: Any = None
     task: Any = None
@@ -431,7 +432,8 @@ def setup(cfg: TrainConfig, resume: Path | None, console: Console, progress: boo
         "engine_dtype": engine_dtype, "engine_dtype_reason": dtype_reason, "device": str(device),
         "trainer_dtype": trainer_dtype, "trainer_dtype_reason": trainer_dtype_reason,
         "loss": loss_cfg.model_dump(mode="json")})  # the preset with the loss.* keys on top: what runs
-    run = Run(cfg, console, run_dir, resume is None, device, trainer_dtype, engine_dtype, loss_cfg, cfg.sampling)
+    run = Run(cfg, console, run_dir, resume is None, device, trainer_dtype, engine_dtype, loss_cfg, cfg.sampling,
+              recorded)
     try:
         load(run, latest_checkpoint(run_dir) if resume is not None else None, progress)
     except BaseException as err:
@@ -463,7 +465,7 @@ def load(run: Run, checkpoint: Path | None, progress: bool) -> None:
     linear = use_onednn_linear(policy, cfg.cpu_linear, run.device, run.trainer_dtype)
     engine_name, engine_reason = resolve_engine(  # a resumed run keeps the engine auto chose at its start
         cfg, run.device, parameter_count(policy), policy.get_output_embeddings().weight.shape[0],
-        recorded=None if run.created else yaml.safe_load((run.run_dir / "config.yaml").read_text()).get("resolved"))
+        recorded=run.recorded)
     if run.created:  # beside the engine dtype's choice, in the run's config.yaml
         add_resolved(run.run_dir, {"engine": engine_name, "engine_reason": engine_reason})
     if cfg.gradient_checkpointing:
