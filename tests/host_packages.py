@@ -13,8 +13,12 @@ from __future__ import annotations
 import importlib
 import importlib.machinery
 import importlib.util
+import os
 import sys
 import types
+from pathlib import Path
+
+TESTS = Path(__file__).resolve().parent
 
 
 def bare_package(name: str) -> types.ModuleType:
@@ -57,3 +61,18 @@ def import_openrlhf_loss() -> types.ModuleType:
     finally:
         if added:
             del sys.modules["deepspeed"]
+
+
+def worker_pythonpath(placeholders_for: tuple[str, ...]) -> str:
+    """PYTHONPATH for a host worker run in a fresh process: tests/ and src/, then the caller's; the GPU
+    packages' placeholders (tests/gpu_placeholders) first only where one of ``placeholders_for`` is missing
+    (placed first they would shadow a real install)."""
+    parts = [str(TESTS), str(TESTS.parent / "src")]
+    if any(importlib.util.find_spec(m) is None for m in placeholders_for):
+        parts.insert(0, str(TESTS / "gpu_placeholders"))
+    return os.pathsep.join(parts + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
+
+
+def worker_env(placeholders_for: tuple[str, ...]) -> dict[str, str]:
+    """The environment of such a worker: ``worker_pythonpath`` and one OpenMP thread."""
+    return {**os.environ, "PYTHONPATH": worker_pythonpath(placeholders_for), "OMP_NUM_THREADS": "1"}

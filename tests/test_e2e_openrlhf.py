@@ -28,6 +28,7 @@ pytest.importorskip("openrlhf", reason="OpenRLHF not installed (pip install offp
 ray = pytest.importorskip("ray", reason="Ray not installed (OpenRLHF's launcher needs it)")
 pytest.importorskip("pylatexenc", reason="pylatexenc (an OpenRLHF dependency) not installed: run install.sh")
 
+from host_packages import worker_pythonpath  # noqa: E402
 from conftest import fixed_denominator  # noqa: E402
 from e2e_reference import LR, MAX_NORM, MODEL, assert_host_steps_equal_policy_loss, make_setup, statuses  # noqa: E402
 
@@ -37,7 +38,6 @@ pytestmark = pytest.mark.slow  # a Ray cluster / fresh processes importing the h
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
-PLACEHOLDERS = TESTS / "gpu_placeholders"
 # A GRPO launch as the README's users write it (model and reward URL are only parsed here); clip 0.4 =
 # recommended's ε, token-mean aggregation, OpenRLHF's own IS correction off (the default).
 ARGV = ["--actor.model_name_or_path", "Qwen/Qwen2.5-0.5B-Instruct",
@@ -52,12 +52,8 @@ PLAIN = op.LossConfig(clip_low=0.4, clip_high=0.4, agg="token-mean")
 
 
 def _worker_pythonpath() -> str:
-    # The worker imports tests/openrlhf_cpu_worker.py and src/; the placeholders only where the real
-    # GPU packages are missing (placed first they would shadow a real install).
-    parts = [str(TESTS), str(ROOT / "src")]
-    if any(importlib_util.find_spec(m) is None for m in ("deepspeed", "flash_attn")):
-        parts.insert(0, str(PLACEHOLDERS))
-    return os.pathsep.join(parts + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
+    # the worker imports tests/openrlhf_cpu_worker.py and src/ (host_packages.worker_pythonpath)
+    return worker_pythonpath(("deepspeed", "flash_attn"))
 
 
 @pytest.fixture(scope="module")

@@ -15,10 +15,8 @@ Also the README's launch section as examples/skyrl_train.py --dry-run.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
-from importlib import util as importlib_util
 from pathlib import Path
 
 import pytest
@@ -28,6 +26,7 @@ pytest.importorskip("skyrl", reason="SkyRL not installed (pip install offpolicy[
 for _dep in ("ray", "omegaconf", "jaxtyping", "loguru"):
     pytest.importorskip(_dep, reason=f"{_dep} (a SkyRL dependency) not installed: run install.sh")
 
+from host_packages import worker_env  # noqa: E402
 from conftest import fixed_denominator  # noqa: E402
 from e2e_reference import LR, MAX_NORM, MODEL, assert_host_steps_equal_policy_loss, make_setup, statuses  # noqa: E402
 
@@ -48,11 +47,7 @@ PLAIN = op.LossConfig(clip_low=CFG.clip_low, clip_high=CFG.clip_high, agg="token
 
 
 def _env() -> dict[str, str]:
-    parts = [str(TESTS), str(ROOT / "src")]
-    if importlib_util.find_spec("flash_attn") is None:  # model_wrapper imports flash_attn.bert_padding at import
-        parts.insert(0, str(TESTS / "gpu_placeholders"))
-    old = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(parts + old), "OMP_NUM_THREADS": "1"}
+    return worker_env(("flash_attn",))  # model_wrapper imports flash_attn.bert_padding at import
 
 
 @pytest.fixture(scope="module")

@@ -23,10 +23,8 @@ gradients at the same boundaries on every rank); its dynamic batching equalises 
 from __future__ import annotations
 
 import math
-import os
 import subprocess
 import sys
-from importlib import util as importlib_util
 from pathlib import Path
 
 import pytest
@@ -35,6 +33,7 @@ import torch
 pytest.importorskip("openrlhf", reason="OpenRLHF not installed (pip install offpolicy[openrlhf])")
 pytest.importorskip("pylatexenc", reason="pylatexenc (an OpenRLHF dependency) not installed: run install.sh")
 
+from host_packages import worker_env  # noqa: E402
 from conftest import fixed_denominator  # noqa: E402
 from e2e_reference import LR, MAX_NORM, MODEL, distance, response_logprobs  # noqa: E402
 from hf_fixtures import char_model  # noqa: E402
@@ -45,8 +44,6 @@ import offpolicy as op  # noqa: E402
 pytestmark = pytest.mark.slow
 
 TESTS = Path(__file__).resolve().parent
-ROOT = TESTS.parent
-PLACEHOLDERS = TESTS / "gpu_placeholders"
 
 
 def _argv(clip: float, agg: str) -> list[str]:
@@ -66,11 +63,7 @@ QUANTILE = op.LossConfig(clip_low=0.2, clip_high=0.2, correction=op.CorrectionCo
 
 
 def _env() -> dict[str, str]:
-    parts = [str(TESTS), str(ROOT / "src")]
-    if any(importlib_util.find_spec(m) is None for m in ("deepspeed", "flash_attn")):
-        parts.insert(0, str(PLACEHOLDERS))
-    old = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(parts + old), "OMP_NUM_THREADS": "1"}
+    return worker_env(("deepspeed", "flash_attn"))
 
 
 def _runs():

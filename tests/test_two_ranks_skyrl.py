@@ -25,10 +25,8 @@ micro-batch count to be equal across ranks).
 from __future__ import annotations
 
 import math
-import os
 import subprocess
 import sys
-from importlib import util as importlib_util
 from pathlib import Path
 
 import pytest
@@ -38,6 +36,7 @@ pytest.importorskip("skyrl", reason="SkyRL not installed (pip install offpolicy[
 for _dep in ("ray", "omegaconf", "jaxtyping", "loguru"):
     pytest.importorskip(_dep, reason=f"{_dep} (a SkyRL dependency) not installed: run install.sh")
 
+from host_packages import worker_env  # noqa: E402
 from conftest import fixed_denominator  # noqa: E402
 from e2e_reference import LR, MAX_NORM, MODEL, distance, response_logprobs  # noqa: E402
 from hf_fixtures import char_model  # noqa: E402
@@ -48,7 +47,6 @@ import offpolicy as op  # noqa: E402
 pytestmark = pytest.mark.slow
 
 TESTS = Path(__file__).resolve().parent
-ROOT = TESTS.parent
 BASE = ["trainer.logger=console", "trainer.micro_train_batch_size_per_gpu=2",
         f"trainer.policy.optimizer_config.max_grad_norm={MAX_NORM}", "trainer.algorithm.use_kl_loss=false",
         "trainer.algorithm.use_entropy_loss=false", f"trainer.algorithm.max_seq_len={RESPONSE}"]
@@ -62,11 +60,7 @@ REDUCTIONS = ("token_mean", "token_mean_legacy", "sequence_mean", "seq_mean_toke
 
 
 def _env() -> dict[str, str]:
-    parts = [str(TESTS), str(ROOT / "src")]
-    if importlib_util.find_spec("flash_attn") is None:
-        parts.insert(0, str(TESTS / "gpu_placeholders"))
-    old = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(parts + old), "OMP_NUM_THREADS": "1"}
+    return worker_env(("flash_attn",))
 
 
 def _runs():
