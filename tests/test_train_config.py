@@ -17,9 +17,10 @@ README = Path(__file__).resolve().parents[1] / "README.md"
 
 
 def _trains(name: str) -> bool:
-    """Every preset but score centering's: offpolicy train refuses loss.score_centering (its head does not
-    compute the support the term reads; test_train_refuses_score_centering_instead_of_running_uncentred)."""
-    return not op.LossConfig.from_preset(name).score_centering
+    """Every preset that loads with train's default sampling: score centering's exact form centres over a
+    truncated sampler's kept sets, so it needs top_k or top_p < 1 (test_train_runs_a_centred_preset_where_its_
+    support_exists)."""
+    return op.LossConfig.from_preset(name).score_centering != "exact"
 
 
 def resolved(*overrides: str) -> op.LossConfig:
@@ -31,13 +32,15 @@ def test_the_trainer_runs_the_whole_preset(name):
     assert resolved(f"preset={name}") == op.LossConfig.from_preset(name)
 
 
-@pytest.mark.parametrize("overrides", [["preset=prime-rl:ipo_score_centering"], ["loss.score_centering=head"],
-                                       ["preset=verl:decoupled_token_is", "loss.score_centering=exact"]])
-def test_train_refuses_score_centering_instead_of_running_uncentred(overrides):
-    """policy_loss centres only over support tensors the trainer's head does not produce, so train would log
-    score_centering/applied = 0 and run an uncentred loss under a centred name: refused, saying why."""
-    with pytest.raises(ConfigError, match="score_centering.*uncentred"):
-        load_train_config(None, overrides)
+def test_train_runs_a_centred_preset_where_its_support_exists():
+    """prime-rl's IPO with score centering (exact, over the sampler's kept sets) trains under truncated sampling
+    on the hf engine, the preset whole; the head form asks the engine for its head (``head_logprobs``)."""
+    cfg = load_train_config(None, ["preset=prime-rl:ipo_score_centering", "top_k=20", "engine=hf"])
+    assert cfg.loss_config() == op.LossConfig.from_preset("prime-rl:ipo_score_centering")
+    assert cfg.sampling.head_logprobs == 0
+    head = load_train_config(None, ["loss.score_centering=head", "score_centering_head=7"])
+    assert head.loss_config().score_centering == "head" and head.sampling.head_logprobs == 7
+    assert load_train_config(None, []).sampling.head_logprobs == 0
 
 
 def expected(name: str, top: dict, correction: dict | None = None) -> op.LossConfig | type[ConfigError]:

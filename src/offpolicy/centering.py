@@ -213,7 +213,7 @@ def support_logprobs(logits: torch.Tensor, ids: torch.Tensor, present: torch.Ten
     a time: it holds ``[B, T, K]`` plus one logsumexp over ``[B, T, V]``."""
     if form not in ("exact", "head"):
         raise ValueError(f"form must be 'exact' or 'head'; got {form!r}")
-    z = logits.float()
+    z = logits.to(torch.promote_types(logits.dtype, torch.float32))  # fp32, float64 for a float64 model
     gathered = torch.gather(z, -1, ids)  # [B, T, K]
     if form == "head":
         norm = torch.logsumexp(z, dim=-1, keepdim=True)

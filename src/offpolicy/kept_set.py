@@ -121,6 +121,21 @@ class KeptIds:
         logq[position, slot] = self.logprobs[source].float()
         return ids.view(shape), logq.view(shape)
 
+    def padded(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The sets dense: ids ``[*shape, K]`` int64 (0 where padded) and log q ``[*shape, K]`` fp32 (−inf where
+        padded; needs ``logprobs``), K the largest set (at least 1), each position's ids in their stored order."""
+        if self.logprobs is None:
+            raise ValueError("these kept sets carry no log-probs to pad")
+        position, source, count = self._flat()
+        k = max(1, int(count.max())) if count.numel() else 1
+        first = torch.cumsum(count, 0) - count
+        slot = torch.arange(position.numel(), device=count.device) - first[position]
+        ids = torch.zeros((count.numel(), k), dtype=torch.int64, device=count.device)
+        logq = torch.full((count.numel(), k), float("-inf"), dtype=torch.float32, device=count.device)
+        ids[position, slot] = self.ids[source].long()
+        logq[position, slot] = self.logprobs[source].float()
+        return ids.view(*self.start.shape, k), logq.view(*self.start.shape, k)
+
     def pad(self, width: int) -> KeptIds:
         """``[B, T] → [B, width]``: cut, or extended with empty positions."""
         rows, have = self.start.shape
@@ -132,15 +147,20 @@ class KeptIds:
         return KeptIds(start, count, self.ids, self.logprobs)
 
     @staticmethod
-    def from_rows(rows: list[list[list[int]]]) -> KeptIds:
+    def from_rows(rows: list[list[list[int]]], logprobs: list[list[list[float]]] | None = None) -> KeptIds:
         """Kept ids listed per response and per token (a server's sampling masks, each position's ids
-        ascending) → ``[B, longest]`` sets, positions past a response's end empty; compact."""
+        ascending) → ``[B, longest]`` sets, positions past a response's end empty; compact. ``logprobs``,
+        laid out as ``rows``: each kept id's log q_v (``KeptIds.logprobs``)."""
         width = max((len(r) for r in rows), default=0)
         count = torch.tensor([[len(r[t]) if t < len(r) else 0 for t in range(width)] for r in rows],
                              dtype=torch.int32).reshape(len(rows), width)
         ids = torch.tensor([v for r in rows for position in r for v in position], dtype=torch.int32)
         start = (torch.cumsum(count.reshape(-1).long(), 0) - count.reshape(-1).long()).view(len(rows), width)
-        return KeptIds(start, count, ids)
+        logq = None if logprobs is None else torch.tensor(
+            [v for r in logprobs for position in r for v in position], dtype=torch.float32)
+        if logq is not None and logq.shape != ids.shape:
+            raise ValueError(f"{logq.numel()} kept log-probs for {ids.numel()} kept ids")
+        return KeptIds(start, count, ids, logq)
 
     @staticmethod
     def from_mask(keep: torch.Tensor, logprobs: torch.Tensor | None = None) -> KeptIds:

@@ -79,6 +79,9 @@ class SamplingConfig(_Strict):
     temperature: Temperature = Field(1.0, description="τ: the logits are divided by it before top-k/top-p")
     top_p: TopP = Field(1.0, description="nucleus mass in (0, 1]; 1 keeps everything")
     top_k: TopK = Field(-1, description="tokens kept by top-k; -1 = no top-k")
+    head_logprobs: int = Field(0, ge=0, le=1024, description="k > 0: the engine also returns the k most likely ids "
+                               "of each token's sampling distribution with their log μ (``Rollouts.head``: score "
+                               "centering's head support); changes nothing the engine samples")
 
     @model_validator(mode="before")
     @classmethod

@@ -31,9 +31,11 @@ class Rollouts:
     weights that sampled them. ``kept`` ``[rows, steps]``: under top-k/top-p, the set each token was
     drawn from (``offpolicy.kept_set``; the hf engine records it, a server asked for its sampling masks
     returns it, vLLM does where its build can: ``engines/vllm.py``), for the trainer to renormalise over;
-    None where the engine records none, and the trainer recomputes the set. ``kept_logprobs`` ``[nnz]``
-    fp32: log μ of each id of ``kept.ids`` (aligned with it), where the engine sent them (SGLang's
-    ``output_token_sampling_mask_logprobs``); None elsewhere.
+    None where the engine records none, and the trainer recomputes the set. ``kept.logprobs`` ``[nnz]``
+    fp32: log μ of each kept id, where the engine records them (the hf engine; SGLang's
+    ``output_token_sampling_mask_logprobs``): exact score centering's support. ``head`` ``[rows, steps]``:
+    the top-k ids of each token's sampling distribution with their log μ (``KeptIds`` with ``logprobs``),
+    where an engine was asked for them (``head_logprobs``): score centering's ``head`` support.
     """
 
     prompt_ids: list[list[int]]
@@ -43,7 +45,7 @@ class Rollouts:
     version: int
     meta: dict[str, float] = field(default_factory=dict)
     kept: KeptIds | None = None
-    kept_logprobs: torch.Tensor | None = None
+    head: KeptIds | None = None
 
     def __len__(self) -> int:
         return len(self.prompt_ids)

@@ -46,7 +46,9 @@ score is not −inf, exactly the support ``multinomial`` draws from — as kept 
 (``offpolicy.kept_set.StepRecorder``: only the ids, the step's ``[B, V]`` mask is dropped at once), and
 ``Rollouts.kept`` carries them to the trainer, which renormalises over them (replay, issue #46). A row the own
 loop has finished records an empty set (issue #55: its zero logits tied every token, and the whole vocabulary
-was recorded for it at every step).
+was recorded for it at every step). Each kept id carries its log q_v (exact score centering's support). Asked
+for a head (``SamplingConfig.head_logprobs`` = k), it records the k most likely ids of each step's processed
+distribution and their log q_v the same way (``Rollouts.head``: score centering's head support).
 """
 
 from __future__ import annotations
@@ -96,11 +98,13 @@ class _SampledLogprobs(LogitsProcessor):
     step's kept set (scores > −inf: the support the token is drawn from) goes to ``kept``, but for the rows
     ``live`` (set by the own loop) says have finished: theirs is empty."""
 
-    def __init__(self, record_kept: bool = False):
+    def __init__(self, record_kept: bool = False, record_head: int = 0):
         self.pending: torch.Tensor | None = None
         self.steps: list[torch.Tensor] = []
         self.criterion = _GatherDrawn(self)
         self.kept = StepRecorder() if record_kept else None
+        self.head_k = record_head
+        self.head = StepRecorder() if record_head else None
         self.live: torch.Tensor | None = None  # [B] bool, set by the own loop: the rows still running
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
@@ -110,6 +114,11 @@ class _SampledLogprobs(LogitsProcessor):
             # a row the own loop has finished records nothing (its zero logits would keep every token); with
             # each kept id's q_v (score centering)
             self.kept.add(keep if self.live is None else keep & self.live[:, None], self.pending)
+        if self.head is not None:  # the k most likely ids of the processed distribution, with their log q_v
+            top = self.pending.topk(min(self.head_k, self.pending.shape[-1]), dim=-1)
+            keep = torch.zeros_like(self.pending, dtype=torch.bool).scatter_(-1, top.indices, True)
+            keep &= self.pending > float("-inf")  # a truncated sampler's head holds only what it can draw
+            self.head.add(keep if self.live is None else keep & self.live[:, None], self.pending)
         return scores
 
 
@@ -194,7 +203,8 @@ class HFEngine:
         input_ids, attention = (t.to(self.device) for t in left_pad(prompt_ids, pad))
         width = input_ids.shape[1]
         torch.manual_seed(seed)  # generate() samples from the global generator (seeds CUDA's too)
-        recorder = _SampledLogprobs(record_kept=sampling.truncates)  # without, the set is the whole vocabulary
+        # without truncation the kept set is the whole vocabulary: nothing to record
+        recorder = _SampledLogprobs(record_kept=sampling.truncates, record_head=sampling.head_logprobs)
         noise = [_LogitNoise(self.logit_noise, seed + 1)] if self.logit_noise > 0 else []
         shared = self._shared_prompts(prompt_ids, input_ids, attention, whole=self._own_loop)
         processors = LogitsProcessorList([*noise, *warpers(sampling), recorder])
@@ -217,9 +227,11 @@ class HFEngine:
             responses.append(row_ids[:stop])
             logprobs.append(row_lps[:stop])
             finished.append(bool(ends))
-        kept = None if recorder.kept is None else recorder.kept.assemble(new_tokens.shape[1], list(map(len, responses)))
+        lengths = list(map(len, responses))
+        kept, head = (None if r is None else r.assemble(new_tokens.shape[1], lengths).to("cpu")
+                      for r in (recorder.kept, recorder.head))
         return Rollouts(prompt_ids=[list(p) for p in prompt_ids], response_ids=responses, logprobs=logprobs,
-                        finished=finished, version=version, kept=None if kept is None else kept.to("cpu"))
+                        finished=finished, version=version, kept=kept, head=head)
 
     def _shared_prompts(self, prompt_ids: list[list[int]], input_ids: torch.Tensor, attention: torch.Tensor,
                         whole: bool) -> tuple[DynamicCache, torch.Tensor | None] | None:

@@ -764,22 +764,22 @@ def parse_sglang_generate(answer: dict[str, Any], index: int, sent: list[int], t
     return out
 
 
-def kept_from_masks(rows: list[dict[str, Any]]) -> tuple[KeptIds, torch.Tensor | None]:
+def kept_from_masks(rows: list[dict[str, Any]]) -> KeptIds:
     """The responses' masks as ``KeptIds`` ``[B, longest]`` (ids ascending within a position, positions past a
-    response's end empty) and, where every response carried them, the kept ids' log-probs as one fp32
-    vector aligned with ``KeptIds.ids``."""
-    per_row = []
-    logprobs: list[float] | None = [] if all(r["mask_logprobs"] is not None for r in rows) else None
+    response's end empty) and, where every response carried them, the kept ids' log-probs in
+    ``KeptIds.logprobs`` (fp32, aligned with the ids)."""
+    per_row, per_row_lps = [], []
+    with_logprobs = all(r["mask_logprobs"] is not None for r in rows)
     for r in rows:
-        positions = []
+        positions, position_lps = [], []
         for t, mask in enumerate(r["mask"]):
             order = sorted(range(len(mask)), key=mask.__getitem__)
             positions.append([mask[k] for k in order])
-            if logprobs is not None:
-                logprobs.extend(r["mask_logprobs"][t][k] for k in order)
+            if with_logprobs:
+                position_lps.append([r["mask_logprobs"][t][k] for k in order])
         per_row.append(positions)
-    kept = KeptIds.from_rows(per_row)
-    return kept, None if logprobs is None else torch.tensor(logprobs, dtype=torch.float32)
+        per_row_lps.append(position_lps)
+    return KeptIds.from_rows(per_row, per_row_lps if with_logprobs else None)
 
 
 def mask_report(engine: str, rows: list[dict[str, Any]], asked_logprobs: bool) -> dict[str, Any]:
@@ -927,7 +927,7 @@ def generate(config: ServerConfig, tokenizer, prompts: list[list[int]], sampling
     rollouts = Rollouts(prompt_ids=[list(p) for p in prompts], response_ids=[r["ids"] for r in rows],
                         logprobs=[r["logprobs"] for r in rows], finished=[r["finished"] for r in rows], version=0)
     if engine:
-        rollouts.kept, rollouts.kept_logprobs = kept_from_masks(rows)
+        rollouts.kept = kept_from_masks(rows)
     rollouts.validate("server")
     sent = {k: v for k, v in bodies[0].items() if k not in ("prompt", "token_ids", "input_ids", "seed", "cache_salt")}
     if "sampling_params" in sent:  # the per-request seed stays out of the request the report shows

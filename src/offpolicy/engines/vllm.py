@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import math
 import os
 import traceback
 import types
@@ -366,6 +367,22 @@ class _SyncReadBack:
         return differ
 
 
+def _head(completion, ids: list[int], k: int) -> tuple[list[list[int]], list[list[float]]]:
+    """The k most likely ids of each sampled position (vLLM's ``rank`` ≤ k; the sampled id, added beside them
+    when it ranks lower, left out) with their processed log μ, ids ascending; −inf entries (outside a truncated
+    sampler's support) dropped. vLLM returns them with ``SamplingParams(logprobs=k)``."""
+    if completion.logprobs is None or len(completion.logprobs) < len(ids):
+        raise EngineError(f"vLLM returned {0 if completion.logprobs is None else len(completion.logprobs)} top-{k} "
+                          f"log-prob entries for {len(ids)} tokens (asked with logprobs={k})")
+    ids_out, lps_out = [], []
+    for step in completion.logprobs[: len(ids)]:
+        head = sorted((token, entry.logprob) for token, entry in step.items()
+                      if entry.rank is not None and entry.rank <= k and math.isfinite(entry.logprob))
+        ids_out.append([t for t, _ in head])
+        lps_out.append([v for _, v in head])
+    return ids_out, lps_out
+
+
 def _sampling_mask(completion: Any, ids: list[int], index: int) -> list[list[int]]:
     """Response ``index``'s kept ids per token (ascending) from vLLM's ``CompletionOutput.sampling_mask``.
 
@@ -558,7 +575,8 @@ class VLLMEngine:
                 top_p=sampling.top_p,
                 top_k=sampling.top_k,
                 max_tokens=sampling.max_tokens,
-                logprobs=0,  # the sampled token's own log-prob
+                # the sampled token's own log-prob, and with a head asked for, the k most likely ids' too
+                logprobs=sampling.head_logprobs,
                 seed=seed * 1_000_003 + i,  # per request: independent of batch composition
                 # one object per request, never reused: vLLM may take it as it is instead of deep-copying it
                 # (SamplingParams.clone: ~2,900 deepcopy calls a step of 64 requests, issue #49)
@@ -591,8 +609,12 @@ class VLLMEngine:
         if self.sampling_mask_blocker is None:
             kept = KeptIds.from_rows([_sampling_mask(out.outputs[0], ids, i)
                                       for i, (out, ids) in enumerate(zip(outputs, responses))])
+        head = None
+        if sampling.head_logprobs:
+            rows = [_head(out.outputs[0], ids, sampling.head_logprobs) for out, ids in zip(outputs, responses)]
+            head = KeptIds.from_rows([r[0] for r in rows], [r[1] for r in rows])
         return Rollouts(prompt_ids=[list(p) for p in prompt_ids], response_ids=responses, logprobs=logprobs,
-                        finished=finished, version=version, kept=kept)
+                        finished=finished, version=version, kept=kept, head=head)
 
     def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Overwrite the engine's weights in place with ``named_tensors``.

@@ -17,7 +17,7 @@ from offpolicy.engines import Rollouts
 from offpolicy.kept_set import FlatKept, KeptIds
 from offpolicy.speed.shared_prompt import SharedPrompts, plan
 
-__all__ = ["Batch", "Counted", "SharedPrompts", "TENSORS", "shared_prompts", "to_batch"]
+__all__ = ["Batch", "Counted", "SharedPrompts", "Support", "TENSORS", "shared_prompts", "to_batch"]
 
 
 TENSORS = ("input_ids", "attention_mask", "positions", "response_ids", "mask", "rollout_logprobs", "versions")
@@ -46,6 +46,35 @@ class Counted(NamedTuple):
     shared: SharedPrompts | None = None  # the forward with each repeated prompt once, made on the host
 
 
+class Support(NamedTuple):
+    """Score centering's support of each response token (``offpolicy.centering``; docs/estimators.md#score-centering):
+    K token ids and the sampler's log q_v of each, dense ``[B, T, K]`` (K: the batch's largest set), padded with id 0
+    and log q = −inf. ``form`` says which support and how the trainer normalises p over it: ``exact``, the engine's
+    kept set (p renormalised over it), or ``head``, the sampler's top-k head (p over the full vocabulary)."""
+
+    ids: torch.Tensor  # [B, T, K] int64
+    rollout: torch.Tensor  # [B, T, K] fp32, −inf where padded
+    form: str
+
+    @staticmethod
+    def of(sets: KeptIds, form: str) -> Support:
+        """``[B, T]`` kept sets that carry their log q_v (``KeptIds.logprobs``) as a dense support."""
+        if sets.logprobs is None:
+            raise ValueError("score centering needs the sampler's log q_v of each support id; these sets carry none")
+        ids, logq = sets.padded()
+        return Support(ids, logq, form)
+
+    def select(self, rows: torch.Tensor) -> Support:
+        return Support(self.ids[rows], self.rollout[rows], self.form)
+
+    def cut(self, width: int) -> Support:
+        return Support(self.ids[:, :width], self.rollout[:, :width], self.form)
+
+    def to(self, device: torch.device, non_blocking: bool = False) -> Support:
+        return Support(self.ids.to(device, non_blocking=non_blocking),
+                       self.rollout.to(device, non_blocking=non_blocking), self.form)
+
+
 @dataclass
 class Batch:
     input_ids: torch.Tensor  # [B, L] prompt + response, right-padded
@@ -61,15 +90,22 @@ class Batch:
     # [B, T] the engine's kept set of each response token (``offpolicy.kept_set``), replayed by the trainer's
     # head; None: the engine recorded none and the trainer recomputes top-k/top-p on its own logits
     kept: KeptIds | None = field(default=None, repr=False, compare=False)
+    # score centering's support of each response token (``Support``); None where centering is off
+    support: Support | None = field(default=None, repr=False, compare=False)
 
     def select(self, rows: torch.Tensor) -> Batch:
-        return Batch(*(getattr(self, f)[rows] for f in TENSORS), kept=None if self.kept is None else self.kept[rows])
+        return Batch(*(getattr(self, f)[rows] for f in TENSORS), kept=None if self.kept is None else self.kept[rows],
+                     support=None if self.support is None else self.support.select(rows))
 
 
-def to_batch(rollouts: Rollouts, pad_id: int) -> Batch:
+def to_batch(rollouts: Rollouts, pad_id: int, support: str | None = None) -> Batch:
     """The rollouts as right-padded ``[B, L]`` rows and ``[B, T]`` response tensors. Built from the
     flattened token lists in one masked write per tensor: a loop over the rows cost ~1.5 ms of the
-    embedded default's step (64 rows; issue #49)."""
+    embedded default's step (64 rows; issue #49). ``support`` (score centering's form, ``exact`` or
+    ``head``): the support the batch carries (``Support``), from the engine's kept sets or its head.
+
+    Raises:
+        ValueError: a token without its log-prob, or a support the engine did not record."""
     prompts, responses = rollouts.prompt_ids, rollouts.response_ids
     rows = len(rollouts)
     prompt_len = torch.tensor([len(p) for p in prompts], dtype=torch.long)
@@ -95,4 +131,28 @@ def to_batch(rollouts: Rollouts, pad_id: int) -> Batch:
     rollout_lp[counted] = torch.tensor([x for lps in rollouts.logprobs for x in lps], dtype=torch.float32)
     versions = torch.full((rows,), rollouts.version, dtype=torch.long)
     kept = None if rollouts.kept is None else rollouts.kept.pad(t_max)
-    return Batch(input_ids, attention, positions, response, mask, rollout_lp, versions, kept=kept)
+    return Batch(input_ids, attention, positions, response, mask, rollout_lp, versions, kept=kept,
+                 support=None if support is None else Support.of(recorded_support(rollouts, support).pad(t_max),
+                                                                 support))
+
+
+def recorded_support(rollouts: Rollouts, form: str) -> KeptIds:
+    """The sets score centering's ``form`` reads from the rollouts: the kept sets with their log q_v (``exact``)
+    or the top-k head (``head``).
+
+    Raises:
+        ValueError: the engine recorded no such sets, naming what records them."""
+    if form == "exact":
+        if rollouts.kept is None or rollouts.kept.logprobs is None:
+            raise ValueError("score_centering 'exact' centres over the engine's kept sets with each kept id's log q_v, "
+                             "and these rollouts carry none: the hf engine records them under top-k/top-p sampling "
+                             "(vLLM returns no q over its mask). Fix: engine=hf with top_k or top_p < 1, or "
+                             "score_centering 'head'")
+        return rollouts.kept
+    if form == "head":
+        if rollouts.head is None:
+            raise ValueError("score_centering 'head' centres over the sampler's top-k head, and these rollouts carry "
+                             "none: ask the engine for it (SamplingConfig.head_logprobs = k; the hf and vLLM engines "
+                             "return it)")
+        return rollouts.head
+    raise ValueError(f"score centering's support is 'exact' or 'head'; got {form!r}")

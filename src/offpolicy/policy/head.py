@@ -392,7 +392,8 @@ def counted_positions(batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def trainer_logprobs(model, batch: Batch, sampling: SamplingConfig, metrics: Metrics | None = None, *,
-                     chunk: int | None = None, entropy_out: list[torch.Tensor] | None = None) -> torch.Tensor:
+                     chunk: int | None = None, entropy_out: list[torch.Tensor] | None = None,
+                     support_out: list[torch.Tensor] | None = None) -> torch.Tensor:
     """log π(y_t) ``[B, T]`` (fp32; float64 for a float64 model) under ``model`` on the engine's
     sampling support (docs/specification.md §6), 0 where ``batch.mask`` is 0; −inf exactly where the sampled token
     lies outside the trainer's top-k/top-p support (the caller masks those, see
@@ -405,7 +406,10 @@ def trainer_logprobs(model, batch: Batch, sampling: SamplingConfig, metrics: Met
     ``entropy`` (``token_entropy``; the denominator of prime-rl's mismatch KL / entropy, issue #25)
     and, with top-k/top-p, the mass the sampler truncated away (``outside_mass``,
     ``outside_mass_max``; see ``outside_mass_metrics``). With ``entropy_out`` given, each token's entropy
-    ``[B, T]`` (0 where ``batch.mask`` is 0) is appended to it: the per-token viewer shows it.
+    ``[B, T]`` (0 where ``batch.mask`` is 0) is appended to it: the per-token viewer shows it. With
+    ``support_out`` given and the batch carrying score centering's support (``Batch.support``), log p_v of
+    each support id ``[B, T, K]`` (with grad; 0 where padded or ``batch.mask`` is 0) is appended to it
+    (``support_logprobs``).
 
     Raises:
         ConfigError: a head this module does not reproduce (``linear_head``, ``check_head``).
@@ -423,6 +427,12 @@ def trainer_logprobs(model, batch: Batch, sampling: SamplingConfig, metrics: Met
                                                 batch.response_ids[rows, cols], head, sampling,
                                                 stats=metrics is not None or entropy_out is not None, chunk=chunk,
                                                 kept=kept)
+    if support_out is not None and batch.support is not None:
+        sup = batch.support
+        lp = support_logprobs(hidden, sup.ids[rows, cols], torch.isfinite(sup.rollout[rows, cols]), head, sampling,
+                              sup.form, chunk=chunk)  # [N, K]
+        out = torch.zeros((*batch.mask.shape, lp.shape[-1]), dtype=lp.dtype, device=lp.device)
+        support_out.append(out.index_put((rows, cols), lp))
     if entropy_out is not None:
         per_token = torch.zeros(batch.mask.shape, dtype=entropy.dtype, device=entropy.device)
         entropy_out.append(per_token.index_put((rows, cols), entropy))
@@ -433,6 +443,39 @@ def trainer_logprobs(model, batch: Batch, sampling: SamplingConfig, metrics: Met
             metrics.mean("kept_set_replayed", torch.full_like(outside, float(kept is not None)))
     out = torch.zeros(batch.mask.shape, dtype=token_lp.dtype, device=token_lp.device)
     return out.index_put((rows, cols), token_lp)  # [B, T]
+
+
+def support_logprobs(hidden: torch.Tensor, ids: torch.Tensor, present: torch.Tensor, head: LinearHead,
+                     sampling: SamplingConfig, form: str, *, chunk: int | None = None) -> torch.Tensor:
+    """log p_v ``[N, K]`` of the trainer at score centering's support ids ``[N, K]`` (``present`` False where
+    padded: 0 there), from the hidden states ``[N, H]`` of the same tokens, with grad (docs/estimators.md#score-centering):
+
+        exact: z_v/τ − logsumexp_{u ∈ S_t} z_u/τ   (renormalised over the replayed kept set, as log π̃(y_t) is)
+        head:  z_v/τ − logsumexp_{u ∈ V} z_u/τ     (the full-vocabulary distribution, as log π(y_t) is untruncated)
+
+    One chunk of ``chunk`` tokens at a time (``chunk_tokens``), each under activation checkpointing: the chunk's
+    ``[C, V]`` logits are recomputed in the backward, not kept, so memory stays O(C·V) as in ``token_logprobs``.
+    It computes the head's logits a second time (the forward's ``_ChunkedHead`` keeps none): score centering's
+    price, paid only where it is on."""
+    from torch.utils.checkpoint import checkpoint
+
+    from offpolicy.centering import support_logprobs as gather_support
+
+    chunk = chunk or chunk_tokens(head.weight.shape[0], hidden.device)
+
+    def one(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, index: torch.Tensor,
+            keep: torch.Tensor) -> torch.Tensor:
+        z = capped(F.linear(h, weight, bias), head.softcap) / sampling.temperature
+        return gather_support(z, index, keep, form)
+
+    parts = []
+    for start in range(0, hidden.shape[0], chunk):
+        end = start + chunk
+        args = (hidden[start:end], head.weight, head.bias, ids[start:end], present[start:end])
+        parts.append(checkpoint(one, *args, use_reentrant=False) if torch.is_grad_enabled() else one(*args))
+    if not parts:
+        return torch.zeros(ids.shape, dtype=torch.float32, device=hidden.device)
+    return torch.cat(parts)
 
 
 def replayed_sets(batch: Batch, sampling: SamplingConfig, rows: torch.Tensor, cols: torch.Tensor

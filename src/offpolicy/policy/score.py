@@ -122,7 +122,8 @@ def trim(batch: Batch) -> Batch:
     return Batch(batch.input_ids[:, :width], batch.attention_mask[:, :width],
                  batch.positions[:, :t_max].clamp(max=width - 1), batch.response_ids[:, :t_max],
                  batch.mask[:, :t_max], batch.rollout_logprobs[:, :t_max], batch.versions,
-                 kept=None if batch.kept is None else batch.kept[:, :t_max])
+                 kept=None if batch.kept is None else batch.kept[:, :t_max],
+                 support=None if batch.support is None else batch.support.cut(t_max))
 
 
 def to_device(batch: Batch, device: torch.device) -> Batch:
@@ -130,7 +131,8 @@ def to_device(batch: Batch, device: torch.device) -> Batch:
     (``Batch.counted``) worked out here while the mask is on the host: the forward then gathers them
     without reading the device (a ``nonzero`` of a CUDA mask waits for every kernel queued before it)."""
     moved = Batch(*(getattr(batch, f).to(device, non_blocking=True) for f in TENSORS),
-                  kept=None if batch.kept is None else batch.kept.to(device, non_blocking=True))
+                  kept=None if batch.kept is None else batch.kept.to(device, non_blocking=True),
+                  support=None if batch.support is None else batch.support.to(device, non_blocking=True))
     if batch.mask.device.type == "cpu":
         rows, cols = batch.mask.bool().nonzero(as_tuple=True)
         flat = None
@@ -166,11 +168,13 @@ class Scorer:
         return replace(self, budget=None)
 
     def forward(self, mb: Batch, metrics: Metrics | None = None,
-                entropy_out: list[torch.Tensor] | None = None) -> torch.Tensor:
+                entropy_out: list[torch.Tensor] | None = None,
+                support_out: list[torch.Tensor] | None = None) -> torch.Tensor:
         """log π(y_t) ``[b, T']`` fp32 of a device micro-batch under the configured precision
-        (``metrics``, ``entropy_out``: see ``head.trainer_logprobs``)."""
+        (``metrics``, ``entropy_out``, ``support_out``: see ``head.trainer_logprobs``)."""
         with precision(self.device, self.dtype):
-            logprobs = trainer_logprobs(self.model, mb, self.sampling, metrics, entropy_out=entropy_out)
+            logprobs = trainer_logprobs(self.model, mb, self.sampling, metrics, entropy_out=entropy_out,
+                                        support_out=support_out)
         return logprobs.to(torch.promote_types(logprobs.dtype, torch.float32))
 
     def micro_batches(self, batch: Batch, rows: torch.Tensor) -> list[torch.Tensor]:
@@ -182,33 +186,41 @@ class Scorer:
         return to_device(trim(batch.select(rows)), self.device)
 
     @torch.no_grad()
-    def score(self, batch: Batch, metrics: Metrics | None = None, entropy: bool = False
-              ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    def score(self, batch: Batch, metrics: Metrics | None = None, entropy: bool = False,
+              support_out: list[torch.Tensor] | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """log π ``[B, T]`` fp32 on the device for the whole CPU ``batch``, in micro-batches; the
         columns past a micro-batch's longest response stay 0 (masked everywhere). The rows' order
         goes to the device once, after the last forward, without a host wait (``device_index``).
         ``metrics``: the forward's own (mean token entropy, outside mass); ``entropy``: also each
-        token's entropy ``[B, T]`` (0 off the mask), returned second."""
+        token's entropy ``[B, T]`` (0 off the mask), returned second; ``support_out``: log π of the batch's
+        score-centering support ids ``[B, T, K]`` (``Batch.support``) is appended to it."""
         groups = self.micro_batches(batch, torch.arange(len(batch.mask)))
         width = batch.mask.shape[1]
-        parts, entropies = [], []
+        parts, entropies, supports = [], [], []
         for rows in groups:
             out: list[torch.Tensor] | None = [] if entropy else None
-            logprobs = self.forward(self.to_device(batch, rows), metrics, out)  # [b, T'] fp32 (fp64: fp64 model)
+            support: list[torch.Tensor] | None = [] if support_out is not None else None
+            logprobs = self.forward(self.to_device(batch, rows), metrics, out, support)  # [b, T'] fp32
             parts.append(widen(logprobs, width))
             if entropy:
                 entropies.append(widen(out[0], width))
+            if support is not None:
+                supports.append(widen(support[0], width))
         order = torch.cat(groups)  # row of each stacked part
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(len(order))
         index = device_index(inverse, self.device)
         logprobs = torch.cat(parts)[index]  # [B, T]
+        if support_out is not None:
+            support_out.append(torch.cat(supports)[index])
         return (logprobs, torch.cat(entropies)[index]) if entropy else logprobs
 
 
-def widen(x: torch.Tensor, width: int) -> torch.Tensor:
-    """``[b, T']`` → ``[b, width]`` with zeros in the new columns (masked everywhere)."""
-    return x if x.shape[1] == width else torch.nn.functional.pad(x, (0, width - x.shape[1]))
+def widen(x: torch.Tensor, width: int, value: float = 0.0) -> torch.Tensor:
+    """``[b, T', ...]`` → ``[b, width, ...]`` with ``value`` (0: masked everywhere) in the new columns."""
+    if x.shape[1] == width:
+        return x
+    return torch.nn.functional.pad(x, (0, 0) * (x.dim() - 2) + (0, width - x.shape[1]), value=value)
 
 
 def device_index(index: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -119,6 +119,9 @@ class TrainConfig(_Strict):
                                "uncorrected)")
     loss: LossConfig = Field(default_factory=LossConfig, description="set keys override the preset's; after loading, "
                              "the resolved loss that runs (written out in the run's config.yaml)")
+    score_centering_head: int = Field(
+        20, ge=1, le=20, description="loss.score_centering=head: the sampler's k most likely ids of each token the "
+        "engine returns with their log μ, the head the score is centred over (≤ 20: vLLM's max_logprobs)")
     # where and how the trainer runs (issue #21): device, precision, memory
     device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$", description="auto = cuda when CUDA is "
                         "available, else cpu; policy, optimizer state, batches and the loss live there (so does the "
@@ -331,17 +334,33 @@ class TrainConfig(_Strict):
         return self
 
     @model_validator(mode="after")
-    def _score_centering_needs_support(self) -> TrainConfig:
-        # policy_loss centres over support tensors (the kept set's or a top-k head's log-probs under π_θ, π_old
-        # and μ; docs/estimators.md#score-centering) that the trainer's chunked head does not produce yet: the
-        # loss would run uncentred, logging score_centering/applied = 0. Refused rather than run as it is not.
-        if getattr(self.loss_config(), "score_centering", None):
-            raise ValueError(
-                f"loss.score_centering={self.loss_config().score_centering!r}: offpolicy train does not compute "
-                "the support log-probs score centering reads yet (the trainer's head returns the sampled token's "
-                "only), so the loss would run uncentred. Score centering runs through op.policy_loss with "
-                "support_logprobs / support_rollout_logprobs (docs/estimators.md#score-centering). Fix: drop "
-                "loss.score_centering, or a preset without it")
+    def _score_centering_has_its_support(self) -> TrainConfig:
+        # the support score centering reads (docs/estimators.md#score-centering): the engine's kept sets with q_v
+        # (exact: only truncated sampling has sets smaller than the vocabulary) or the engine's top-k head (head:
+        # p over the full vocabulary, so untruncated sampling only: under top-k/top-p the trainer's p is renormalised
+        # over its kept set, and exact is the form that matches it)
+        form = self.loss_config().score_centering
+        if form is None:
+            if self.score_centering_head != type(self).model_fields["score_centering_head"].default:
+                raise ValueError("score_centering_head applies only with loss.score_centering=head")
+            return self
+        if self.prox_logp == "loglinear":
+            raise ValueError(f"loss.score_centering={form!r} with prox_logp=loglinear: the centring reads log π_old of "
+                             "every support id, which AReaL's interpolation does not give. Fix: prox_logp=forward")
+        truncates = self.top_k > 0 or self.top_p < 1.0
+        if form == "exact" and not truncates:
+            raise ValueError("loss.score_centering=exact centres over the engine's kept sets, and untruncated sampling "
+                             "keeps the whole vocabulary (top_k=-1, top_p=1). Fix: loss.score_centering=head, or "
+                             "top_k / top_p < 1")
+        if form == "exact" and self.engine == "vllm":
+            raise ValueError("loss.score_centering=exact needs each kept id's log q_v, which vLLM does not return "
+                             "with its sampling mask. Fix: engine=hf, or loss.score_centering=head with untruncated "
+                             "sampling")
+        if form == "head" and truncates:
+            raise ValueError(f"loss.score_centering=head with top_k={self.top_k}, top_p={self.top_p}: under truncated "
+                             "sampling the trainer's p is renormalised over the kept set, not the full vocabulary the "
+                             "head's tail is modelled on. Fix: loss.score_centering=exact (engine=hf records each kept "
+                             "id's q_v), or top_k=-1 top_p=1")
         return self
 
     @model_validator(mode="after")
@@ -359,9 +378,11 @@ class TrainConfig(_Strict):
     @property
     def sampling(self) -> SamplingConfig:
         """What the engine samples with and the trainer renormalises over: ``max_new_tokens``, ``temperature``,
-        ``top_p``, ``top_k`` (checked by the same rules when the config loaded)."""
+        ``top_p``, ``top_k`` (checked by the same rules when the config loaded); under score centering's head form,
+        also the head the engine returns (``head_logprobs``)."""
         return SamplingConfig(max_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p,
-                              top_k=self.top_k)
+                              top_k=self.top_k, head_logprobs=self.score_centering_head
+                              if self.loss_config().score_centering == "head" else 0)
 
     def loss_config(self) -> LossConfig:
         """The loss that runs: ``loss``, already resolved from the preset when the config loaded."""

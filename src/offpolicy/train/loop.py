@@ -466,6 +466,9 @@ def load(run: Run, checkpoint: Path | None, progress: bool) -> None:
     engine_name, engine_reason = resolve_engine(  # a resumed run keeps the engine auto chose at its start
         cfg, run.device, parameter_count(policy), policy.get_output_embeddings().weight.shape[0],
         recorded=run.recorded)
+    if run.loss_cfg.score_centering == "exact" and engine_name != "hf":  # engine=vllm is refused when the config loads
+        raise ConfigError(f"loss.score_centering=exact needs each kept id's log q_v, which only the hf engine records; "
+                          f"engine=auto chose {engine_name} ({engine_reason}). Fix: engine=hf")
     if run.created:  # beside the engine dtype's choice, in the run's config.yaml
         add_resolved(run.run_dir, {"engine": engine_name, "engine_reason": engine_reason})
     if cfg.gradient_checkpointing:
@@ -550,7 +553,10 @@ def train_step(run: Run, step: int, stop: GracefulStop) -> None:
     with timer("score"):
         s = score(run, item)
     with timer("pi_old"):  # π_old: the trainer before this step (no forward where it is skipped, or loglinear)
-        old = None if run.skip_old or cfg.prox_logp == "loglinear" else run.scorer.score(s.batch)
+        # with score centering, log π_old of the support ids too (else the update's own, detached: ``optimizer_step``)
+        old_support: list[torch.Tensor] | None = [] if s.batch.support is not None else None
+        old = None if run.skip_old or cfg.prox_logp == "loglinear" else run.scorer.score(s.batch,
+                                                                                          support_out=old_support)
     # which rows' log ρ are shown as text (samples.jsonl), and π_old as the update reads it
     shown = set(spread_rows(len(s.rewards), cfg.group_size, cfg.samples_per_step).tolist())
     old_of, update_lp = choose_old(run, s, old, shown)
@@ -567,7 +573,7 @@ def train_step(run: Run, step: int, stop: GracefulStop) -> None:
     skipped = bool((s.advantages == 0).all()) and run.loss_cfg.kl_coef == 0
     trained_on = run.version  # the weights this step starts from (the version does not advance on a skip)
     stop.updating = True  # from here until the step is logged, the weights are mid-update
-    kl_update = update(run, step, s, old_of, metrics, skipped, timer)
+    kl_update = update(run, step, s, old_of, metrics, skipped, timer, old_support[0] if old_support else None)
     if update_lp is not None:
         with timer("samples"):  # log π_old from the update's own forward (choose_old)
             samples = step_samples(cfg, run.scorer, run.tokenizer, item, s.batch, s.texts, s.rewards, s.advantages,
@@ -605,7 +611,7 @@ def score(run: Run, item: Pending) -> Scored:
     texts = run.tokenizer.batch_decode(item.rollouts.response_ids, skip_special_tokens=True)
     rewards = torch.tensor([run.task.reward(p, t) for p, t in zip(item.problems, texts)])
     advantages = grpo_advantages(rewards, run.cfg.group_size)
-    batch = to_batch(item.rollouts, run.tokenizer.pad_token_id)
+    batch = to_batch(item.rollouts, run.tokenizer.pad_token_id, support=run.loss_cfg.score_centering)
     adv_tokens = advantages.unsqueeze(-1).expand_as(batch.mask).contiguous()
     return Scored(item, texts, rewards, advantages, batch, adv_tokens)
 
@@ -640,7 +646,7 @@ def choose_old(run: Run, s: Scored, old: torch.Tensor | None, shown: set[int]
 
 
 def update(run: Run, step: int, s: Scored, old_of: Callable, metrics: Metrics, skipped: bool,
-           timer: StageTimer) -> float | None:
+           timer: StageTimer, old_support: torch.Tensor | None = None) -> float | None:
     """The corrected loss over PPO's epochs and mini-batches (micro-batches inside ``optimizer_step``), into
     ``metrics``; a skipped step takes one no-grad pass for its mismatch statistics (module doc). Returns the
     update's KL on ``policy_kl_rows`` rows (None when off; exactly 0 for a skip)."""
@@ -652,7 +658,7 @@ def update(run: Run, step: int, s: Scored, old_of: Callable, metrics: Metrics, s
         kl_before = None if kl_rows is None or skipped else scorer.whole().score(batch.select(kl_rows))
     with timer("train"):
         step_args = dict(old_of=old_of, loss_cfg=run.loss_cfg, max_grad_norm=cfg.max_grad_norm, metrics=metrics,
-                         split_metrics=cfg.split_metrics)
+                         split_metrics=cfg.split_metrics, old_support=old_support)
         if skipped:  # the mismatch is still measured: one no-grad pass over the batch (module doc)
             optimizer_step(scorer, run.optimizer, batch, torch.arange(n_rows), s.adv_tokens, **step_args,
                            update=False)

@@ -40,7 +40,7 @@ from offpolicy.config import M2Rule
 from offpolicy.kernels.common import row_aggregation
 from offpolicy.metrics import Metrics
 from offpolicy.policy.batch import Batch
-from offpolicy.policy.score import Scorer, widen
+from offpolicy.policy.score import Scorer, device_index, widen
 
 
 def within_support(mb: Batch, logprobs: torch.Tensor, old: torch.Tensor | None, metrics: Metrics | None = None
@@ -85,17 +85,22 @@ def step_config(loss_cfg: op.LossConfig, parts: list[dict[str, torch.Tensor]],
 
 
 def accumulate(logprobs: torch.Tensor, old_logprobs: torch.Tensor | None, advantages: torch.Tensor, mb: Batch,
-               loss_cfg: op.LossConfig, metrics: Metrics, backward: bool = True, split: bool = False) -> torch.Tensor:
+               loss_cfg: op.LossConfig, metrics: Metrics, backward: bool = True, split: bool = False,
+               support: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None) -> torch.Tensor:
     """One micro-batch's corrected loss, backpropagated (gradients add up in ``.grad``; not with
     ``backward=False``, which only measures); returns its value, detached, in float64.
 
     ``policy_loss`` gives the per-token terms (``reduce=False``); they are aggregated here with the
     loss's own rule (``row_aggregation``: Σ / N_tokens, or the row means over N_rows) in float64,
     so that the micro-batches' values add up to the whole step's to float64 rounding whatever the
-    split. The per-call ``loss`` metric is left out: ``optimizer_step`` records the step's.
+    split. The per-call ``loss`` metric is left out: ``optimizer_step`` records the step's. ``support``: score
+    centering's (log p_v with grad, log q_v, log π_old(v)) ``[b, T, K]`` of the micro-batch's support ids.
     """
+    centring = {} if support is None else dict(zip(
+        ("support_logprobs", "support_rollout_logprobs", "support_old_logprobs"), support))
     per_token, agg_mask, m = op.policy_loss(logprobs, old_logprobs, advantages, mb.mask,
-                                            rollout_logprobs=mb.rollout_logprobs, config=loss_cfg, reduce=False)
+                                            rollout_logprobs=mb.rollout_logprobs, config=loss_cfg, reduce=False,
+                                            **centring)
     numerator, count, _ = row_aggregation(per_token.double().sum(-1), agg_mask.double().sum(-1), loss_cfg,
                                           per_token.shape[-1])
     loss = numerator / count.clamp(min=1)
@@ -166,7 +171,7 @@ def _part(mb: Batch, advantages: torch.Tensor, logprobs: torch.Tensor, old: torc
 def optimizer_step(scorer: Scorer, optimizer, batch: Batch, rows: torch.Tensor, advantages: torch.Tensor, *,
                    old_of: Callable[[torch.Tensor, Batch, torch.Tensor | None], torch.Tensor | None],
                    loss_cfg: op.LossConfig, max_grad_norm: float, metrics: Metrics,
-                   update: bool = True, split_metrics: bool = False) -> None:
+                   update: bool = True, split_metrics: bool = False, old_support: torch.Tensor | None = None) -> None:
     """One optimizer step of ``scorer.model`` on ``rows`` of the CPU ``batch`` (``advantages`` ``[B, T]``
     CPU), in ``scorer``'s micro-batches, precision and sampling support.
 
@@ -179,6 +184,10 @@ def optimizer_step(scorer: Scorer, optimizer, batch: Batch, rows: torch.Tensor, 
     from ``logprobs`` (the update's own forward, detached, when π_old = sg(π_θ)), or AReaL's
     log-linear proximal. ``split_metrics`` adds ``op.split_metrics`` (``drift_and_split_metrics``).
 
+    Score centering (``loss.score_centering``, the batch carrying its ``Batch.support``): each micro-batch's forward
+    also gives log p_v of the support ids (``Scorer.forward``'s ``support_out``), and ``old_support`` ``[B, T, K]``
+    (device) log π_old(v) from the π_old forward; None: the update's own, detached, as ``old_of`` does for π_old.
+
     Whatever the split, the step computes and reports the same numbers (issue #32): the config is
     fixed over the whole step (``step_config``); each micro-batch's per-token tensors are widened
     back to the step's response width T before the loss, so every per-row reduction (sequence
@@ -190,10 +199,12 @@ def optimizer_step(scorer: Scorer, optimizer, batch: Batch, rows: torch.Tensor, 
     """
     if not update:
         with torch.no_grad():
-            _step(scorer, batch, rows, advantages, old_of, loss_cfg, metrics, backward=False, split=split_metrics)
+            _step(scorer, batch, rows, advantages, old_of, loss_cfg, metrics, backward=False, split=split_metrics,
+                  old_support=old_support)
         return
     optimizer.zero_grad(set_to_none=True)
-    total = _step(scorer, batch, rows, advantages, old_of, loss_cfg, metrics, backward=True, split=split_metrics)
+    total = _step(scorer, batch, rows, advantages, old_of, loss_cfg, metrics, backward=True, split=split_metrics,
+                  old_support=old_support)
     if total is None:
         return
     metrics.mean("loss", total.reshape(1))
@@ -201,7 +212,8 @@ def optimizer_step(scorer: Scorer, optimizer, batch: Batch, rows: torch.Tensor, 
 
 
 def _step(scorer: Scorer, batch: Batch, rows: torch.Tensor, advantages: torch.Tensor, old_of,
-          loss_cfg: op.LossConfig, metrics: Metrics, backward: bool, split: bool = False) -> torch.Tensor | None:
+          loss_cfg: op.LossConfig, metrics: Metrics, backward: bool, split: bool = False,
+          old_support: torch.Tensor | None = None) -> torch.Tensor | None:
     """The forwards, the correction and (``backward``) the backward passes of one optimizer step
     (``optimizer_step``'s docstring); records the step's metrics but ``loss`` in ``metrics`` and
     returns the step's loss (float64, detached), or None for rows without a response token."""
@@ -221,6 +233,14 @@ def _step(scorer: Scorer, batch: Batch, rows: torch.Tensor, advantages: torch.Te
         view = replace(mb, mask=widen(mb.mask, width), rollout_logprobs=widen(mb.rollout_logprobs, width))
         return view, widen(logprobs, width), None if old is None else widen(old, width)
 
+    def centring(g, mb, support_out):
+        """Score centering's (log p_v, log q_v, log π_old(v)) ``[b, width, K]`` of the micro-batch, or None."""
+        if mb.support is None:
+            return None
+        (lp,) = support_out
+        old = lp.detach() if old_support is None else old_support[device_index(g, scorer.device), : lp.shape[1]]
+        return widen(lp, width), widen(mb.support.rollout, width, float("-inf")), widen(old, width)
+
     def counts(view: Batch) -> bool:
         # under top-k/top-p a micro-batch can lose every token to the support (one host read, only then)
         return not truncated or bool(view.mask.any())
@@ -229,11 +249,13 @@ def _step(scorer: Scorer, batch: Batch, rows: torch.Tensor, advantages: torch.Te
     total = torch.zeros((), dtype=torch.float64, device=scorer.device)
     if len(groups) == 1:  # the update's own forward gives π_θ for the step's bounds: no extra forward
         (g,), (mb,), (adv,) = groups, mbs, advs
-        view, logprobs, old = loss_inputs(g, mb, scorer.forward(mb, metrics),
+        support_out: list[torch.Tensor] = []
+        view, logprobs, old = loss_inputs(g, mb, scorer.forward(mb, metrics, support_out=support_out),
                                           metrics if truncated else None)
         if counts(view):
             parts = [{"mask": view.mask}] if loss_cfg.correction is None else [_part(view, adv, logprobs.detach(), old)]
-            total = accumulate(logprobs, old, adv, view, step_config(loss_cfg, parts, step), step, backward, split)
+            total = accumulate(logprobs, old, adv, view, step_config(loss_cfg, parts, step), step, backward, split,
+                               centring(g, mb, support_out))
     else:
         # the step's count and bounds need each micro-batch's surviving tokens before any backward:
         # a correction's inputs, and under top-k/top-p the tokens inside the trainer's support
@@ -259,7 +281,10 @@ def _step(scorer: Scorer, batch: Batch, rows: torch.Tensor, advantages: torch.Te
                 continue
             # π_old from the update's own forward where it is sg(π_θ), as in the unsplit step (the
             # no-grad forward above may take other kernels and differ in the last bit)
-            view, logprobs, old = loss_inputs(g, mb, scorer.forward(mb, None if first_pass else metrics))
-            total = total + accumulate(logprobs, old, adv, view, cfg, step, backward, split)
+            support_out = []
+            view, logprobs, old = loss_inputs(g, mb, scorer.forward(mb, None if first_pass else metrics,
+                                                                    support_out=support_out))
+            total = total + accumulate(logprobs, old, adv, view, cfg, step, backward, split,
+                                       centring(g, mb, support_out))
     metrics.update(step.renamed(rule_names(loss_cfg)))
     return total
