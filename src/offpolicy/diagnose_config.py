@@ -23,7 +23,8 @@ from offpolicy.tasks.dataset import DataConfig
 COMPARED = ("engine", "engine_dtype", "trainer_dtype", "logit_noise")  # what --compare may vary
 SERVER_FLAGS = (("api_key_env", "--api-key-env"), ("served_model_name", "--served-model-name"),
                 ("no_cache_salt", "--no-cache-salt"), ("sampling_mask", "--sampling-mask"),
-                ("sampling_mask_logprobs", "--sampling-mask-logprobs"))
+                ("sampling_mask_logprobs", "--sampling-mask-logprobs"), ("head_logprobs", "--head-logprobs"))
+HEAD_LOGPROBS_MAX = 20  # vLLM's default --max-logprobs (ModelConfig.max_logprobs, 0.32): a request above it is refused
 # padded tokens of one trainer micro-batch: train's micro_batch_tokens for a pretrained model (2,048 bound
 # SmolLM2-135M's activations on a 24 GB host: train/config.py, PRETRAINED_DEFAULTS)
 MICRO_BATCH_TOKENS = 2048
@@ -155,6 +156,11 @@ class DiagnoseConfig(_Strict):
     sampling_mask_logprobs: bool = Field(
         False, description="with --sampling-mask sglang: also ask the log-prob of every kept id (SGLang PR #40932) "
         "and check them", json_schema_extra={"group": SERVER})
+    head_logprobs: int = Field(
+        0, description="also ask a vLLM server for each sampled token's K most likely ids with their log-probs (the "
+        "sampler's head, score centering's 'head' support: vLLM 0.32 sends none for its mask's ids), check them and "
+        f"report the mass they cover; 0 = off, at most {HEAD_LOGPROBS_MAX} (a vLLM server's default max_logprobs; "
+        f"{HEAD_LOGPROBS_MAX - 1} with --sampling-mask vllm)", json_schema_extra={"metavar": "K", "group": SERVER})
     self_check: bool = Field(False, description="also score the engine's tokens with the trainer at micro-batch 1 "
                              "and with an fp32 head, against the configured micro-batches and precision (the share "
                              "of tokens with a ratio outside [0.9, 1.1], max |Δ log π|), and attribute the engine "
@@ -211,9 +217,9 @@ class DiagnoseConfig(_Strict):
     @property
     def sampling(self) -> SamplingConfig:
         """What the engine samples with and the trainer renormalises over (``--max-tokens``, ``--temperature``,
-        ``--top-p``, ``--top-k``)."""
+        ``--top-p``, ``--top-k``), and the head the server is asked for (``--head-logprobs``)."""
         return SamplingConfig(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
-                              top_k=self.top_k)
+                              top_k=self.top_k, head_logprobs=self.head_logprobs)
 
     def settings(self) -> list[dict[str, Any]]:
         """The engine settings to sample in: this config's, or one per value of ``--compare KEY=V1,V2``."""
@@ -260,8 +266,11 @@ class DiagnoseConfig(_Strict):
             ConfigError: a flag that has no meaning against a server, a URL that is not http(s), an
                 ``--api-key-env`` variable that is unset, or a server flag without ``--engine-url``.
         """
-        from offpolicy.engines.server import ServerConfig, api_key_from_env
+        from offpolicy.engines.server import SGLANG_HEAD, ServerConfig, api_key_from_env, head_asked
 
+        if not 0 <= self.head_logprobs <= HEAD_LOGPROBS_MAX:
+            raise ConfigError(f"--head-logprobs {self.head_logprobs}: expected 0 (off) to {HEAD_LOGPROBS_MAX}, the "
+                              "most top log-probs a vLLM server sends by default (its --max-logprobs)")
         if self.engine_url is None:
             given = [flag for name, flag in SERVER_FLAGS if getattr(self, name) not in (None, False)]
             if given:
@@ -280,6 +289,14 @@ class DiagnoseConfig(_Strict):
         if self.sampling_mask_logprobs and self.sampling_mask != "sglang":
             raise ConfigError("--sampling-mask-logprobs needs --sampling-mask sglang: vLLM 0.32 returns the kept ids "
                               "only, and /v1/completions no mask at all")
+        if self.head_logprobs and self.sampling_mask == "sglang":
+            raise ConfigError(SGLANG_HEAD)
+        if self.sampling_mask == "vllm" and head_asked("vllm", self.head_logprobs) > HEAD_LOGPROBS_MAX:
+            raise ConfigError(f"--head-logprobs {self.head_logprobs} with --sampling-mask vllm asks "
+                              f"/inference/v1/generate for {head_asked('vllm', self.head_logprobs)} log-probs (it "
+                              "sends the sampled id plus K − 1 others when the sampled one ranks below K), above "
+                              f"vLLM's default --max-logprobs of {HEAD_LOGPROBS_MAX}. Fix: --head-logprobs "
+                              f"{HEAD_LOGPROBS_MAX - 1} or less")
         if self.sampling_mask and self.top_k < 1:
             raise ConfigError(f"--sampling-mask {self.sampling_mask} needs --top-k K ≥ 1 (top-k is {self.top_k}): "
                               "vLLM refuses a mask request without top_k > 0 ('sampling distribution replay "

@@ -10,7 +10,9 @@
   auto`` (its default) fills only the fields a request leaves out from the model's
   ``generation_config.json``, so none of its values can change μ behind the report's back;
 * ``logprobs: 1`` asks for log μ of each sampled token; ``return_token_ids`` (vLLM 0.32,
-  recent SGLang) and ``return_tokens_as_token_ids`` (vLLM) ask for the sampled token ids;
+  recent SGLang) and ``return_tokens_as_token_ids`` (vLLM) ask for the sampled token ids; with a head
+  (``SamplingConfig.head_logprobs`` = k) ``logprobs: k`` asks for each token's k most likely ids as well
+  (``read_head``: score centering's head support, ``Rollouts.head``);
 * ``cache_salt`` (vLLM; ``--no-cache-salt`` leaves it out for a server that refuses the field):
   one fresh salt per diagnose run, so no request is served from prefix-cache KV computed before
   the run — by weights the server held earlier, if a trainer updated them without resetting its
@@ -365,14 +367,16 @@ def completion_body(model: str, prompt_ids: list[int], sampling: SamplingConfig,
                     salt: str | None = None) -> dict[str, Any]:
     """The ``/v1/completions`` request for one prompt: token ids in, every sampling field explicit
     (neutral penalties, ``min_p`` 0, no stop strings, ``min_tokens`` 0), the sampled tokens'
-    log-probs and ids out; ``salt``: vLLM's ``cache_salt`` (module doc)."""
+    log-probs and ids out; ``salt``: vLLM's ``cache_salt`` (module doc). With ``sampling.head_logprobs`` = k,
+    ``logprobs: k``: vLLM 0.32 then sends, per token, the k most likely ids and the sampled one in
+    ``logprobs.top_logprobs``, keyed ``token_id:N`` (``return_tokens_as_token_ids``; read by ``read_head``)."""
     return {**({"cache_salt": salt} if salt is not None else {}),
         "model": model, "prompt": list(prompt_ids), "n": 1, "stream": False, "echo": False,
         "max_tokens": sampling.max_tokens, "temperature": sampling.temperature, "top_p": sampling.top_p,
         "top_k": sampling.top_k, "min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0,
         "frequency_penalty": 0.0, "min_tokens": 0, "ignore_eos": False, "stop": [], "seed": seed,
         # logprobs=1, not 0: a server that reads 0 as "off" would answer without them
-        "logprobs": 1, "return_tokens_as_token_ids": True, "return_token_ids": True,
+        "logprobs": max(1, sampling.head_logprobs), "return_tokens_as_token_ids": True, "return_token_ids": True,
         "add_special_tokens": False, "skip_special_tokens": False,
     }
 
@@ -459,18 +463,21 @@ def text_difference(text: str, local: str, width: int = 24) -> str:
 
 
 def parse_completion(answer: dict[str, Any], index: int, sent: list[int], tokenizer,
-                     vocab_size: int | None = None) -> dict[str, Any]:
+                     vocab_size: int | None = None, head: int = 0) -> dict[str, Any]:
     """Token ids, log μ and alignment evidence of one ``/v1/completions`` answer.
 
-    Returns ``{"ids", "logprobs", "finished", "prompt", "text", "text_form"}`` with ``prompt`` one of
+    Returns ``{"ids", "logprobs", "finished", "prompt", "text", "text_form", "head"}`` with ``prompt`` one of
     ``"ids"`` (the server reported the ids it scored: equal), ``"count"`` (only its prompt-token count:
     equal), ``"none"``; ``text`` ``"checked"`` or ``"none"`` (no text returned); ``text_form`` what
-    set the text apart from the plain decode (``expected_texts``; empty: nothing).
+    set the text apart from the plain decode (``expected_texts``; empty: nothing); ``head`` (``head`` = k > 0,
+    asked with ``logprobs: k``): each token's k most likely ids and their log μ from
+    ``logprobs.top_logprobs`` (``read_head``), else None.
 
     Raises:
         ServerError: no choice, no log-probs, no token ids, ids that disagree with each other,
             lie outside ``vocab_size`` (--model's embedding rows) or do not give the returned text
-            (``text_form``), a non-finite or positive log-prob, or a changed prompt.
+            (``text_form``), a non-finite or positive log-prob, a changed prompt, or a head asked for
+            and missing, short or inconsistent (``read_head``).
     """
     where = f"response {index}"
     choices = answer.get("choices")
@@ -479,8 +486,8 @@ def parse_completion(answer: dict[str, Any], index: int, sent: list[int], tokeni
     choice = choices[0]
     lp = choice.get("logprobs")
     if not isinstance(lp, dict) or not isinstance(lp.get("token_logprobs"), list):
-        raise ServerError(f"{where}: the server returned no log-probs (asked with logprobs=1); offpolicy needs log μ "
-                          "of each sampled token")
+        raise ServerError(f"{where}: the server returned no log-probs (asked with logprobs={max(1, head)}); offpolicy "
+                          "needs log μ of each sampled token")
     values = lp["token_logprobs"]
     direct = choice.get("token_ids")
     tokens = lp.get("tokens")
@@ -501,9 +508,14 @@ def parse_completion(answer: dict[str, Any], index: int, sent: list[int], tokeni
     ids = direct if direct is not None else from_tokens
     if len(values) != len(ids):
         raise ServerError(f"{where}: {len(values)} log-probs for {len(ids)} sampled tokens")
-    return checked_response(where, ids, values, sent, tokenizer, vocab_size, choice.get("prompt_token_ids"),
-                            (answer.get("usage") or {}).get("prompt_tokens"), choice.get("text"),
-                            choice.get("finish_reason") == "stop")
+    out = checked_response(where, ids, values, sent, tokenizer, vocab_size, choice.get("prompt_token_ids"),
+                           (answer.get("usage") or {}).get("prompt_tokens"), choice.get("text"),
+                           choice.get("finish_reason") == "stop")
+    out["head"] = None
+    if head:
+        rows = completion_head_rows(lp.get("top_logprobs"), len(ids), where)
+        out["head"] = read_head(rows, out["ids"], out["logprobs"], head, head, where, HEAD_FIELDS[None], vocab_size)
+    return out
 
 
 def checked_response(where: str, ids: list[int], values: list, sent: list[int], tokenizer, vocab_size: int | None,
@@ -550,6 +562,165 @@ def checked_response(where: str, ids: list[int], values: list, sent: list[int], 
             "text": checked, "text_form": form}
 
 
+# ---------------------------------------------------------------------------------------------------- the head
+# Each token's k most likely ids with their log μ (``SamplingConfig.head_logprobs`` = k): score centering's
+# ``head`` support (docs/estimators.md, "Score centering"), what a vLLM server can give where it sends no log-prob
+# of its sampling mask's ids (docs/diagnose.md, "The sampler's head from a server").
+HEAD_FIELDS = {None: "choices[0].logprobs.top_logprobs", "vllm": "choices[0].logprobs.content[t].top_logprobs"}
+# vLLM's API writes −inf (an id outside a truncated sampler's support) and NaN as this number
+# (vllm/entrypoints/openai/completion/serving.py, scale_out/token_in_token_out/serving.py, 0.32)
+OUTSIDE_SUPPORT = -9999.0
+HEAD_TOLERANCE = 1e-4  # the sampled id's entry against its log μ: two copies of one fp32 number, JSON-rounded
+
+
+def head_asked(engine: str | None, k: int) -> int:
+    """How many top log-probs a request asks for a head of ``k``: k on ``/v1/completions``, whose vLLM 0.32 sends
+    the sampled id beside the k most likely (k + 1 entries where it ranks lower); k + 1 on
+    ``/inference/v1/generate``, whose vLLM 0.32 cuts that list to its first ``logprobs`` entries, the sampled id
+    first (``_create_tokens_logprobs``): asked k it would drop the k-th most likely id whenever the sampled one
+    ranks below it."""
+    return k + 1 if engine == "vllm" else k
+
+
+def completion_head_rows(top, tokens: int, where: str) -> list[list[tuple[int, Any]]]:
+    """``/v1/completions``' ``logprobs.top_logprobs`` (one ``{"token_id:N": log-prob}`` dict per token, as
+    vLLM 0.32 writes it with ``return_tokens_as_token_ids``) as (id, value) pairs per token.
+
+    Raises:
+        ServerError: the list is absent, not one entry per token, or names a token by its text.
+    """
+    field = HEAD_FIELDS[None]
+    if top is None:
+        raise ServerError(f"{where}: the server sent no top log-probs ({field} is absent or null), asked with "
+                          "--head-logprobs: it ignores logprobs > 1 (vLLM's /v1/completions sends them)")
+    if not isinstance(top, list) or len(top) != tokens:
+        got = len(top) if isinstance(top, list) else type(top).__name__
+        raise ServerError(f"{where}: {field} holds {got} entries for {tokens} sampled tokens")
+    rows = []
+    for t, entry in enumerate(top):
+        if entry is None:
+            raise ServerError(f"{where}, token {t}: the server sent no top log-probs for this token ({field}[{t}] is "
+                              "null), asked with --head-logprobs")
+        if not isinstance(entry, dict):
+            raise ServerError(f"{where}, token {t}: {field}[{t}] is not a dict of log-probs: "
+                              f"{_one_line(json.dumps(entry))[:80]}")
+        pairs = []
+        for key, value in entry.items():
+            match = TOKEN_ID.fullmatch(key)
+            if match is None:
+                raise ServerError(f"{where}, token {t}: {field} names a token by its text ({key!r}), not as "
+                                  "token_id:N: the server ignored return_tokens_as_token_ids, and a token's text does "
+                                  "not map back to one id; --head-logprobs needs vLLM's /v1/completions")
+            pairs.append((int(match.group(1)), value))
+        rows.append(pairs)
+    return rows
+
+
+def generate_head_rows(content: list[dict[str, Any]], ids: list[int], where: str) -> list[list[tuple[int, Any]]]:
+    """``/inference/v1/generate``'s per-token candidates (``output_mode: "tokens"``: ``GenerateLogProbsContent``
+    of vLLM 0.32's ``token_in_token_out/protocol.py``, each with ``top_logprobs``, a list of ``{token_id,
+    logprob, rank}``, the sampled id first) as (id, value) pairs per token.
+
+    Raises:
+        ServerError: a token's entry names another id than the sampled one, or carries no candidates.
+    """
+    field = HEAD_FIELDS["vllm"]
+    rows = []
+    for t, (entry, y) in enumerate(zip(content, ids)):
+        if "token_id" in entry and entry["token_id"] != y:
+            raise ServerError(f"{where}, token {t}: logprobs.content names id {entry['token_id']!r}, token_ids {y}: "
+                              "the server's two fields disagree")
+        top = entry.get("top_logprobs")
+        if not isinstance(top, list) or not top:
+            raise ServerError(f"{where}, token {t}: the server sent no top log-probs for this token ({field} is "
+                              f"{_one_line(json.dumps(top))[:40]}), asked with --head-logprobs")
+        if not all(isinstance(c, dict) and _ints([c.get("token_id")]) for c in top):
+            raise ServerError(f"{where}, token {t}: {field} does not name each candidate by its token_id (a "
+                              "server answering in output_mode 'text' names them by their text): "
+                              f"{_one_line(json.dumps(top))[:80]}")
+        rows.append([(c["token_id"], c.get("logprob")) for c in top])
+    return rows
+
+
+def read_head(rows: list[list[tuple[int, Any]]], ids: list[int], values: list[float], k: int, asked: int,
+              where: str, field: str, vocab_size: int | None = None) -> tuple[list[list[int]], list[list[float]]]:
+    """Each token's head from the (id, log-prob) pairs the server sent for it (``asked`` of them, or ``asked``
+    + 1 with the sampled id beside them): the ``k`` most likely (by value, ties by id — the completions API
+    sends no rank), ids ascending, log μ aligned; entries at vLLM's −inf stand-in (``OUTSIDE_SUPPORT``: ids a
+    truncated sampler cannot draw) left out, as the in-process engines leave them out. Checked: every value a
+    finite log-probability ≤ 0, no id sent twice with two values, every id a row of --model's embedding, the
+    sampled id's value its log μ (``values``, within ``HEAD_TOLERANCE``) wherever it was sent, and the head's
+    probabilities summing to at most 1.
+
+    Raises:
+        ServerError: fewer than ``asked`` distinct ids for a token (a short head: never read as a smaller one),
+            or a check above fails; each names ``where``, the token and the fix.
+    """
+    heads_ids, heads_lps = [], []
+    limit = math.inf if vocab_size is None else vocab_size
+    for t, (pairs, y, sampled) in enumerate(zip(rows, ids, values)):
+        seen: dict[int, float] = {}
+        for v_id, value in pairs:
+            if (not isinstance(value, (int, float)) or isinstance(value, bool) or math.isnan(value)
+                    or value > HEAD_TOLERANCE):
+                raise ServerError(f"{where}, token {t}: {field} holds {value!r} for id {v_id}, not a log-probability "
+                                  "≤ 0 (a vLLM --logprobs-mode *_logits returns logits: start it with --logprobs-mode "
+                                  "processed_logprobs)")
+            if not 0 <= v_id < limit:
+                raise ServerError(f"{where}, token {t}: {field} names id {v_id}, outside --model's vocabulary: the "
+                                  "server runs another model than --model")
+            value = max(float(value), OUTSIDE_SUPPORT)
+            if v_id in seen and abs(seen[v_id] - value) > 1e-6:
+                raise ServerError(f"{where}, token {t}: {field} gives id {v_id} two log-probs ({seen[v_id]:.6g} and "
+                                  f"{value:.6g})")
+            seen[v_id] = value
+        if len(seen) < asked:
+            raise ServerError(f"{where}, token {t}: the server sent {len(seen)} top log-probs, asked for {asked} "
+                              f"({field}; --head-logprobs {k}): a short head would be read as the sampler's top-{k}. "
+                              "A vLLM server caps them at its --max-logprobs (default 20): restart it with a larger "
+                              "one, or ask a smaller --head-logprobs")
+        if y in seen and abs(seen[y] - sampled) > HEAD_TOLERANCE:
+            raise ServerError(f"{where}, token {t}: {field} gives the sampled id {y} log-prob {seen[y]:.6g}, its "
+                              f"log μ is {sampled:.6g}: the top log-probs are not of the distribution it sampled from")
+        top = sorted(seen.items(), key=lambda e: (-e[1], e[0]))[:k]
+        head = sorted((v_id, value) for v_id, value in top if value > OUTSIDE_SUPPORT)
+        mass = math.fsum(math.exp(value) for _, value in head)
+        if mass > 1 + 1e-3:
+            raise ServerError(f"{where}, token {t}: the head's probabilities sum to {mass:.6g} > 1: {field} is not "
+                              "one distribution's top log-probs")
+        heads_ids.append([v_id for v_id, _ in head])
+        heads_lps.append([value for _, value in head])
+    return heads_ids, heads_lps
+
+
+def head_from_rows(rows: list[dict[str, Any]]) -> KeptIds:
+    """The responses' heads as ``KeptIds`` ``[B, longest]`` with ``logprobs`` (``Rollouts.head``): ids ascending
+    within a position, log μ aligned, positions past a response's end empty."""
+    return KeptIds.from_rows([r["head"][0] for r in rows], [r["head"][1] for r in rows])
+
+
+def head_report(engine: str | None, rows: list[dict[str, Any]], k: int) -> dict[str, Any]:
+    """What the report says about the heads: k, what was asked of which endpoint, how many tokens carried one,
+    its mean size, the mean and least head mass Σ_{v∈head} q_v per token (the share of the sampler's mass the
+    head covers; head score centering models the rest as a proportional tail), and how often the sampled id was
+    in it."""
+    sizes = [len(h) for r in rows for h in r["head"][0]]
+    masses = [math.fsum(math.exp(v) for v in lps) for r in rows for lps in r["head"][1]]
+    inside = sum(y in h for r in rows for y, h in zip(r["ids"], r["head"][0]))
+    tokens = len(sizes)
+    asked = head_asked(engine, k)
+    return {"k": k, "endpoint": MASK_ENDPOINTS.get(engine, "/v1/completions"),
+            "asked": (f"sampling_params.logprobs: {asked} (output_mode 'tokens'; the {k} most likely kept)"
+                      if engine == "vllm" else f"logprobs: {asked}"),
+            "tokens": tokens, "tokens_with_head": sum(1 for n in sizes if n),
+            "ids_mean": sum(sizes) / tokens if tokens else 0.0, "ids_min": min(sizes, default=0),
+            "mass_mean": math.fsum(masses) / tokens if tokens else 0.0, "mass_min": min(masses, default=0.0),
+            "sampled_in_head_share": inside / tokens if tokens else 0.0,
+            "logprobs": (f"checked: every token's top-{k} sent, finite and ≤ 0, the sampled id's equal to log μ "
+                         f"(within {HEAD_TOLERANCE:g}) where it is among them, each head's mass ≤ 1; ids a truncated "
+                         "sampler cannot draw (vLLM's −9999) left out")}
+
+
 # ---------------------------------------------------------------------------------------------- sampling masks
 # Where each engine returns the kept set (its sampling mask) of every sampled token, and what makes it come
 # back empty: the cause an error names (docs/diagnose.md, "Sampling masks from a server").
@@ -564,6 +735,12 @@ MASK_CAUSES = {
               "#27408, captured from the sampler's support since #36630) and top_k is finite (#35205); an older "
               "build ignores the field",
 }
+# why a head is not read from SGLang (docs/diagnose.md, "The sampler's head from a server")
+SGLANG_HEAD = ("--head-logprobs is not read from SGLang: its top log-probs (meta_info.output_top_logprobs, asked with "
+               "top_logprobs_num) come from the distribution before top-k and top-p (python/sglang/srt/layers/"
+               "sampler.py: softmax of logits/τ, or of the raw logits under SGLANG_RETURN_ORIGINAL_LOGPROB), so under "
+               "the top-k that --sampling-mask sglang needs they are not log μ. Fix: --sampling-mask-logprobs, which "
+               "returns log μ of every kept id (exact score centering's support)")
 MASK_LOGPROBS_CAUSE = ("SGLang sends the log-prob of every kept id (output_token_sampling_mask_logprobs) only where "
                        "its build has SGLang PR #40932 and the request sets return_sampling_mask_logprobs")
 
@@ -575,15 +752,21 @@ def vllm_generate_body(model: str, prompt_ids: list[int], sampling: SamplingConf
     sampling field explicit in ``sampling_params`` (vLLM's ``SamplingParams`` as JSON; ``logprobs: 0`` is
     the sampled token's own), ``output_mode: "text"`` so the text comes back to be checked,
     ``return_token_ids`` for the prompt ids it scored. The server started with ``--return-sampling-mask``
-    puts each token's kept ids in ``choices[0].sampling_mask``; nothing in the request asks for them."""
+    puts each token's kept ids in ``choices[0].sampling_mask``; nothing in the request asks for them.
+
+    With a head (``sampling.head_logprobs`` = k): ``logprobs: k + 1`` (``head_asked``) and ``output_mode:
+    "tokens"``, where each candidate comes with its ``token_id`` (``GenerateLogProb``); text mode names them by
+    their text, which does not map back to one id, and returns no text to check in exchange."""
+    head = sampling.head_logprobs
     return {**({"cache_salt": salt} if salt is not None else {}),
-            "model": model, "token_ids": list(prompt_ids), "stream": False, "output_mode": "text",
-            "return_token_ids": True,
+            "model": model, "token_ids": list(prompt_ids), "stream": False,
+            "output_mode": "tokens" if head else "text", "return_token_ids": True,
             "sampling_params": {
                 "n": 1, "max_tokens": sampling.max_tokens, "temperature": sampling.temperature,
                 "top_p": sampling.top_p, "top_k": sampling.top_k, "min_p": 0.0, "repetition_penalty": 1.0,
                 "presence_penalty": 0.0, "frequency_penalty": 0.0, "min_tokens": 0, "ignore_eos": False, "stop": [],
-                "seed": seed, "logprobs": 0, "skip_special_tokens": False, "detokenize": True}}
+                "seed": seed, "logprobs": head_asked("vllm", head) if head else 0, "skip_special_tokens": False,
+                "detokenize": True}}
 
 
 def sglang_generate_body(prompt_ids: list[int], sampling: SamplingConfig, seed: int,
@@ -669,14 +852,17 @@ def read_mask_logprobs(rows, masks: list[list[int]], ids: list[int], values: lis
 
 
 def parse_vllm_generate(answer: dict[str, Any], index: int, sent: list[int], tokenizer,
-                        vocab_size: int | None = None) -> dict[str, Any]:
-    """``parse_completion`` for one answer of vLLM's ``/inference/v1/generate`` (``GenerateTextResponse``):
-    ids from ``choices[0].token_ids``, log μ from ``logprobs.content[t].logprob``, the prompt from the
-    top-level ``prompt_token_ids``, and ``"mask"``: each token's kept ids (``read_masks``). vLLM 0.32
-    sends no log-probs of the kept ids (``"mask_logprobs"``: None).
+                        vocab_size: int | None = None, head: int = 0) -> dict[str, Any]:
+    """``parse_completion`` for one answer of vLLM's ``/inference/v1/generate`` (``GenerateTextResponse``, or
+    ``GenerateTokensResponse`` with a head): ids from ``choices[0].token_ids``, log μ from
+    ``logprobs.content[t].logprob``, the prompt from the top-level ``prompt_token_ids``, and ``"mask"``: each
+    token's kept ids (``read_masks``). vLLM 0.32 sends no log-probs of the kept ids (``"mask_logprobs"``:
+    None); ``"head"`` (``head`` = k > 0): each token's k most likely ids with their log μ, from
+    ``logprobs.content[t].top_logprobs`` (``generate_head_rows``, ``read_head``), else None.
 
     Raises:
-        ServerError: as ``parse_completion``; a mask absent, null or empty (``read_masks``).
+        ServerError: as ``parse_completion``; a mask absent, null or empty (``read_masks``); a head asked for
+            and missing, short or inconsistent (``read_head``).
     """
     where = f"response {index}"
     choices = answer.get("choices")
@@ -689,7 +875,8 @@ def parse_vllm_generate(answer: dict[str, Any], index: int, sent: list[int], tok
                           f"{_one_line(json.dumps(ids))[:120]}")
     content = (choice.get("logprobs") or {}).get("content") if isinstance(choice.get("logprobs"), dict) else None
     if not isinstance(content, list) or not all(isinstance(c, dict) and "logprob" in c for c in content):
-        raise ServerError(f"{where}: the server returned no log-probs (asked with sampling_params.logprobs=0); "
+        asked = head_asked("vllm", head) if head else 0
+        raise ServerError(f"{where}: the server returned no log-probs (asked with sampling_params.logprobs={asked}); "
                           "offpolicy needs log μ of each sampled token")
     values = [c["logprob"] for c in content]
     if len(values) != len(ids):
@@ -702,6 +889,11 @@ def parse_vllm_generate(answer: dict[str, Any], index: int, sent: list[int], tok
                           "cannot return sampling masks. " + MASK_CAUSES["vllm"])
     out["mask"] = read_masks(choice["sampling_mask"], out["ids"], where, "vllm", vocab_size)
     out["mask_logprobs"] = None
+    out["head"] = None
+    if head:
+        rows = generate_head_rows(content, out["ids"], where)
+        out["head"] = read_head(rows, out["ids"], out["logprobs"], head, head_asked("vllm", head), where,
+                                HEAD_FIELDS["vllm"], vocab_size)
     return out
 
 
@@ -760,7 +952,7 @@ def parse_sglang_generate(answer: dict[str, Any], index: int, sent: list[int], t
     stopped = isinstance(finish, dict) and finish.get("type") == "stop"
     out = checked_response(where, ids, values, sent, tokenizer, vocab_size, None, meta.get("prompt_tokens"),
                            answer.get("text"), stopped)
-    out["mask"], out["mask_logprobs"] = masks, kept_lp
+    out["mask"], out["mask_logprobs"], out["head"] = masks, kept_lp, None
     return out
 
 
@@ -803,7 +995,9 @@ PROMPT_CHECK = {"ids": "verified: the server reported the prompt token ids it sc
                          "count, equal to the ids sent",
                 "none": "not verified: the server reports neither the prompt ids it scored nor their count"}
 TEXT_CHECK = {"checked": "verified: the sampled ids decode here to the text the server returned",
-              "none": "not verified: the server returned no text"}
+              "none": "not verified: the server returned no text",
+              "tokens": "not verified: asked in output_mode 'tokens', which returns no text, for --head-logprobs (text "
+                        "mode names the head's ids by their text)"}
 TEXT_FORMS = {"held_back": "cut by max_tokens inside a multi-byte character, the incomplete character held back",
               "stop_token_left_out": "the stop token left out of the text",
               "after_prompt": "decoded on from the prompt (a leading space kept)",
@@ -893,10 +1087,18 @@ def generate(config: ServerConfig, tokenizer, prompts: list[list[int]], sampling
     Request ``i`` carries seed ``seed · 1000003 + i`` (the vllm engine's per-request seeds);
     ``vocab_size`` is --model's number of embedding rows (a sampled id beyond it is refused).
 
+    With ``sampling.head_logprobs`` = k each request also asks for every token's k most likely ids
+    (``completion_body``, ``vllm_generate_body``): they come back as ``Rollouts.head`` and the report's
+    ``head`` (``head_report``).
+
     Raises:
-        ServerError: see ``request_json``, ``served_model``, ``parse_completion``.
+        ServerError: see ``request_json``, ``served_model``, ``parse_completion``; a head asked of SGLang
+            (``SGLANG_HEAD``).
     """
     engine = config.sampling_mask
+    head = sampling.head_logprobs
+    if head and engine == "sglang":
+        raise ServerError(SGLANG_HEAD)
     path = MASK_ENDPOINTS[engine] if engine else "/v1/completions"
     with client(config) as http:
         card = served_model(config, http)
@@ -914,11 +1116,11 @@ def generate(config: ServerConfig, tokenizer, prompts: list[list[int]], sampling
         def one(i: int, stop: threading.Event) -> None:
             answer = request_json(config, path, bodies[i], stop, http)
             if engine == "vllm":
-                results[i] = parse_vllm_generate(answer, i, prompts[i], tokenizer, vocab_size)
+                results[i] = parse_vllm_generate(answer, i, prompts[i], tokenizer, vocab_size, head)
             elif engine == "sglang":
                 results[i] = parse_sglang_generate(answer, i, prompts[i], tokenizer, vocab_size, config.mask_logprobs)
             else:
-                results[i] = parse_completion(answer, i, prompts[i], tokenizer, vocab_size)
+                results[i] = parse_completion(answer, i, prompts[i], tokenizer, vocab_size, head)
 
         start = time.perf_counter()
         run_all(one, len(prompts), config.concurrency, console, name)
@@ -928,6 +1130,8 @@ def generate(config: ServerConfig, tokenizer, prompts: list[list[int]], sampling
                         logprobs=[r["logprobs"] for r in rows], finished=[r["finished"] for r in rows], version=0)
     if engine:
         rollouts.kept = kept_from_masks(rows)
+    if head:
+        rollouts.head = head_from_rows(rows)
     rollouts.validate("server")
     sent = {k: v for k, v in bodies[0].items() if k not in ("prompt", "token_ids", "input_ids", "seed", "cache_salt")}
     if "sampling_params" in sent:  # the per-request seed stays out of the request the report shows
@@ -944,7 +1148,8 @@ def generate(config: ServerConfig, tokenizer, prompts: list[list[int]], sampling
                      "the tokens it sampled are measured as they are")
     levels = {r["prompt"] for r in rows}  # the report states the weakest evidence any response gave
     prompt_level = "none" if "none" in levels else "count" if "count" in levels else "ids"
-    text_level = "none" if any(r["text"] == "none" for r in rows) else "checked"
+    text_level = ("tokens" if engine == "vllm" and head else "none" if any(r["text"] == "none" for r in rows)
+                  else "checked")
     forms = {name: sum(name in r["text_form"] for r in rows) for name in TEXT_FORMS}
     text_check = TEXT_CHECK[text_level]
     if text_level == "checked" and any(forms.values()):
@@ -961,6 +1166,7 @@ def generate(config: ServerConfig, tokenizer, prompts: list[list[int]], sampling
                          "no cache_salt sent (--no-cache-salt): the server may reuse prefix-cache KV computed "
                          "before the run"),
         "sampling_mask": None if not engine else mask_report(engine, rows, config.mask_logprobs),
+        "head": head_report(engine, rows, head) if head else None,
         "alignment": {"prompt_ids": PROMPT_CHECK[prompt_level],
                       "response_ids": "verified: returned as ids (" + {
                           "vllm": "choices[0].token_ids", "sglang": "output_ids"}.get(
