@@ -42,7 +42,8 @@ import torch
 
 from offpolicy import ops
 from offpolicy.engines.base import EngineError
-from offpolicy.engines.fingerprint import PROBES, Fingerprint, fingerprint, fingerprints, probe_names  # noqa: F401
+from offpolicy.engines.fingerprint import (PROBES, Fingerprint, fingerprint, fingerprints, probe_names,  # noqa: F401
+                                         sample, summarize)
 
 
 class SyncError(EngineError):
@@ -64,17 +65,18 @@ def verified_sync(engine: Any, weights: Iterable[tuple[str, torch.Tensor]]) -> b
         engine.sync_weights(weights)
         return False
     before = read()
-    sent: dict[str, Fingerprint] = {}
+    samples: dict[str, torch.Tensor] = {}
     dtype = getattr(engine, "dtype", None)  # what the engine stores: an update below its precision sends nothing new
     dtype = dtype if isinstance(dtype, torch.dtype) else None
 
     def tapped() -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in weights:
             if name in before:
-                sent[name] = fingerprint(tensor, dtype)
+                samples[name] = sample(tensor, dtype)  # summed below, in one host read for all of them
             yield name, tensor
 
     engine.sync_weights(tapped())
+    sent = summarize(samples)
     after = read()
     previous = _SENT.get(engine)
     _SENT[engine] = sent

@@ -190,6 +190,7 @@ class HFEngine:
         self.speed_paths = {"hf_own_loop": loop.reason, "hf_shared_prefill": sharing.reason,
                             "hf_linear": self.linear}
         self._warned = False
+        self._probes: dict[str, torch.Tensor] | None = None  # the tensors weight_fingerprint reads
 
     @torch.no_grad()
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingConfig, seed: int, version: int) -> Rollouts:
@@ -252,10 +253,14 @@ class HFEngine:
 
     def weight_fingerprint(self) -> dict[str, tuple[float, float, float]]:
         """Float64 sums of a few of the largest weights (``engines.fingerprint``; ``offpolicy.sync_check``: the
-        trainer checks that a sync of changed weights changed them here)."""
-        from offpolicy.engines.fingerprint import fingerprints
+        trainer checks that a sync of changed weights changed them here). The probed tensors are found once: a
+        sync writes them in place (``sync_weights``), so the same tensors hold the engine's weights after it."""
+        from offpolicy.engines.fingerprint import probe_names, sample, summarize
 
-        return fingerprints(self.model.state_dict())
+        if self._probes is None:
+            params = self.model.state_dict()
+            self._probes = {name: params[name] for name in probe_names(params)}
+        return summarize({name: sample(tensor) for name, tensor in self._probes.items()})
 
     def close(self) -> None:
         self.model = None
