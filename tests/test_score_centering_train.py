@@ -24,6 +24,7 @@ from offpolicy.cli import main
 from offpolicy.engines import SamplingConfig
 from offpolicy.engines.hf import HFEngine
 from offpolicy.metrics import Metrics
+from offpolicy.policy import head
 from offpolicy.policy.batch import to_batch
 from offpolicy.policy.score import Scorer
 from offpolicy.sampling import renormalize_logprobs
@@ -116,11 +117,11 @@ def trainer_grads(model, batch, adv, cfg, sampling, old, old_support, budget):
     ("exact", SamplingConfig(max_tokens=8, temperature=1.2, top_k=6), "verl:decoupled_token_is"),
     ("exact", SamplingConfig(max_tokens=8, temperature=1.0, top_p=0.7), None),
 ])
-def test_the_trainers_centred_gradient_is_the_references(tiny_dir, form, sampling, preset):
+def test_the_trainers_centred_gradient_is_the_references(tiny_dir, form, sampling, preset, monkeypatch):
     """Differential, float64 model: the trainer's step (chunked head, support under checkpointing, micro-batches
-    of 40 tokens or none) gives the loss and gradient of ``policy_loss`` over the model's full logits; π_old ≠ π_θ
-    (another model's forward, its support's log-probs from the trainer's own ``score``). Without centring the
-    gradient differs (the check can fail)."""
+    of 40 tokens or none, one chunk or chunks of 16 tokens) gives the loss and gradient of ``policy_loss`` over the
+    model's full logits; π_old ≠ π_θ (another model's forward, its support's log-probs from the trainer's own
+    ``score``). Without centring the gradient differs (the check can fail)."""
     _, tok, rollouts = rollouts_of(tiny_dir, sampling, rows=8)
     batch = to_batch(rollouts, tok.pad_token_id, support=form)
     model = op_model(tiny_dir)
@@ -135,7 +136,9 @@ def test_the_trainers_centred_gradient_is_the_references(tiny_dir, form, samplin
     adv = (adv - adv.mean()).unsqueeze(-1).expand_as(batch.mask).contiguous().double()
     cfg = op.LossConfig.from_preset(preset, score_centering=form) if preset else op.LossConfig(score_centering=form)
     want_loss, want = reference_grads(model, batch, adv, cfg, sampling, old, old_support)
-    for budget in (None, 40):
+    for budget, chunk_bytes in ((None, None), (40, None), (None, 1)):
+        if chunk_bytes is not None:  # the head's smallest chunk (MIN_CHUNK tokens): many chunks, each checkpointed
+            monkeypatch.setitem(head.CHUNK_BYTES, "cpu", chunk_bytes)
         loss, got = trainer_grads(model, batch, adv, cfg, sampling, old, old_support, budget)
         assert float(loss) == pytest.approx(float(want_loss), rel=1e-5, abs=1e-7)  # fp32 terms, cancelling
         scale = max(float(g.abs().max()) for g in want)
@@ -243,3 +246,50 @@ finally:
             assert torch.allclose(torch.tensor(got["lq"][start: start + count]), lq[t, ids], atol=1e-3, rtol=0)
             if y in ids:
                 assert got["logprobs"][b][t] == pytest.approx(got["lq"][start + ids.index(y)], abs=1e-6)
+
+
+def test_at_a_real_vocabulary_with_long_responses_the_trainer_still_equals_the_reference():
+    """SmolLM2's vocabulary (49,152 ids), 96-token responses, a top-20 head built from a perturbed copy of the
+    model's own distribution (a sampler that is not the trainer): the head's default chunks (170 tokens at this
+    vocabulary: several per micro-batch) give the reference's loss and gradient, anchor old with π_old ≠ π_θ."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from offpolicy.engines import Rollouts
+    from offpolicy.kept_set import KeptIds
+
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=49_152, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)
+    model = Qwen2ForCausalLM(config).double().train()
+    stale = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in stale.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 49_152, (5,), generator=g).tolist() for _ in range(3) for _ in range(2)]
+    lengths = [96, 90, 96, 40, 96, 77]
+    responses = [torch.randint(0, 49_152, (n,), generator=g).tolist() for n in lengths]
+    heads, head_lps, sampled = [], [], []
+    with torch.no_grad():
+        for p, r in zip(prompts, responses):
+            z = model(torch.tensor([p + r])).logits[0, len(p) - 1: -1].float()
+            lq = ((z + 0.3 * torch.randn(z.shape, generator=g)) / 0.9).log_softmax(-1)  # the sampler's μ
+            top = lq.topk(20)
+            order = top.indices.argsort(dim=-1)
+            heads.append(top.indices.gather(-1, order).tolist())
+            head_lps.append(top.values.gather(-1, order).tolist())
+            sampled.append(lq.gather(-1, torch.tensor(r).unsqueeze(-1)).squeeze(-1).tolist())
+    rollouts = Rollouts(prompts, responses, sampled, [False] * 6, version=0,
+                        head=KeptIds.from_rows(heads, head_lps))
+    batch = to_batch(rollouts, 0, support="head")
+    sampling = SamplingConfig(max_tokens=96, temperature=0.9, head_logprobs=20)
+    sup_old: list[torch.Tensor] = []
+    old = Scorer(stale, sampling, torch.device("cpu"), "fp32").score(batch, support_out=sup_old)
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0], dtype=torch.float64)
+    adv = adv.unsqueeze(-1).expand_as(batch.mask).contiguous()
+    cfg = op.LossConfig(score_centering="head")
+    want_loss, want = reference_grads(model, batch, adv, cfg, sampling, old, sup_old[0])
+    loss, got = trainer_grads(model, batch, adv, cfg, sampling, old, sup_old[0], None)
+    assert float(loss) == pytest.approx(float(want_loss), rel=1e-5, abs=1e-7)
+    scale = max(float(t.abs().max()) for t in want)
+    assert max(float((a - b).abs().max()) for a, b in zip(got, want)) <= 2e-6 * scale
