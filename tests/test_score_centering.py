@@ -375,3 +375,41 @@ def test_head_form_is_skyrl_2244s_with_anchor_old_token_tis_and_ppo_clip(seed):
     torch.testing.assert_close(with_term - without, theirs.detach(), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(g_with - g_without, z.grad, rtol=1e-4, atol=1e-6)
     assert theirs.abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("where", ["support_rollout_logprobs", "support_logprobs", "support_old_logprobs"])
+def test_a_non_finite_support_value_follows_the_nonfinite_policy(where):
+    """Only −inf pads a support. A NaN (or +inf) log q, trainer or π_old log-prob in the support of a centred token
+    is an error under ``nonfinite: error`` (and without a correction); under ``mask_token``/``neutral`` that token is
+    left uncentred — the loss of the same batch with the token's support all padding — and under
+    ``mask_sequence`` its row; ``score_centering/nonfinite_tokens`` counts them."""
+    g = torch.Generator().manual_seed(0)
+    b, t, k = 3, 4, 5
+    lp = torch.randn(b, t, generator=g) - 2
+    old = lp + 0.1 * torch.randn(b, t, generator=g)
+    mu = lp + 0.1 * torch.randn(b, t, generator=g)
+    adv = torch.tensor([[1.0], [-1.0], [0.5]]).expand(b, t)
+    sup = torch.randn(b, t, k, generator=g).log_softmax(-1)
+    tensors = {"support_logprobs": sup.clone(), "support_rollout_logprobs": (sup + 0.05).clone(),
+               "support_old_logprobs": (sup - 0.05).clone()}
+    tensors[where][1, 2, 3] = float("nan")
+
+    def loss(policy, support):
+        cfg = op.LossConfig(score_centering="head", correction={"anchor": "old", "nonfinite": policy,
+                                                                  "weight": {"level": "token", "mode": "truncate", "high": 2.0}})
+        return op.policy_loss(lp, old, adv, torch.ones(b, t), mu, cfg, **support)
+
+    with pytest.raises(ValueError, match=f"{where} has 1 non-finite value.*correction.nonfinite"):
+        loss("error", tensors)
+    with pytest.raises(ValueError, match=where):
+        op.policy_loss(lp, old, adv, torch.ones(b, t), mu, op.LossConfig(score_centering="head"), **tensors)
+    padded = {name: value.clone() for name, value in tensors.items()}
+    padded["support_rollout_logprobs"][1, 2] = float("-inf")  # the token's support: all padding
+    padded[where][1, 2] = 0.0 if where != "support_rollout_logprobs" else float("-inf")
+    for policy, rows in (("mask_token", None), ("neutral", None), ("mask_sequence", 1)):
+        got, metrics = loss(policy, tensors)
+        if rows is not None:
+            padded["support_rollout_logprobs"][rows] = float("-inf")
+        want, _ = loss(policy, padded)
+        assert torch.isfinite(got) and float(got) == pytest.approx(float(want), abs=1e-7)
+        assert metrics["score_centering/nonfinite_tokens"] == (t if policy == "mask_sequence" else 1)

@@ -146,21 +146,38 @@ def score_centering_term(cfg: LossConfig, corr: Correction | None, valid: torch.
     support is not). Support entries with log q = −inf are padding (q_v = 0) and count nowhere.
     Records ``score_centering/coef_mass`` = mean_t Σ_{v∈S_t} q_v c_v (the tail's q_T c_T included).
 
+    A NaN or +inf log q, or a non-finite trainer or π_old log-prob, at a support entry of a centred token follows
+    ``correction.nonfinite`` (no correction: ``error``): ``error`` raises; ``mask_token`` and ``neutral`` leave
+    that token uncentred, ``mask_sequence`` its row; ``score_centering/nonfinite_tokens`` counts the tokens left.
+
     Raises:
-        ValueError: a non-finite trainer or π_old log-prob at a support entry of a centred token.
+        ValueError: a non-finite support value under ``nonfinite: error``.
     """
     centred = corr.row_mask.bool() if corr is not None else valid
     zero = torch.zeros((), dtype=torch.float32, device=valid.device)
     lq_in = support_rollout_logprobs.float()
-    present = centred.unsqueeze(-1) & torch.isfinite(lq_in)  # [B, T, K]
     lp_in = UpcastSaturating.apply(support_logprobs) if support_logprobs.dtype in (torch.float16, torch.bfloat16) \
         else support_logprobs.float()
-    for name, tensor in (("support_logprobs", support_logprobs), ("support_old_logprobs", support_old_logprobs)):
-        if tensor is not None:
-            bad = present & ~torch.isfinite(tensor)
-            if bool(bad.any()):
-                raise ValueError(f"{name} has {int(bad.sum())} non-finite value(s) where the sampler's log q is finite "
-                                 "(on a centred token): a support id the trainer did not score")
+    entry = centred.unsqueeze(-1) & (lq_in != float("-inf"))  # [B, T, K]: what is not padding
+    broken = [(name, entry & ~torch.isfinite(tensor)) for name, tensor in (
+        ("support_rollout_logprobs", lq_in), ("support_logprobs", support_logprobs),
+        ("support_old_logprobs", support_old_logprobs)) if tensor is not None]
+    bad_token = torch.zeros_like(centred)
+    for _, bad in broken:
+        bad_token |= bad.any(dim=-1)
+    if bool(bad_token.any()):  # one host read a call
+        policy = cfg.correction.nonfinite if cfg.correction is not None else "error"
+        if policy == "error":
+            name, count = next((name, int(bad.sum())) for name, bad in broken if bool(bad.any()))
+            raise ValueError(f"{name} has {count} non-finite value(s) (NaN or +inf; only −inf pads) in the support of "
+                             "a centred token: a support id the trainer or the sampler did not score. Fix the source, "
+                             "or set correction.nonfinite to mask_token, mask_sequence or neutral to leave such tokens "
+                             "uncentred")
+        if policy == "mask_sequence":
+            bad_token = bad_token.any(dim=-1, keepdim=True) & centred
+        centred = centred & ~bad_token
+    metrics.sum("score_centering/nonfinite_tokens", bad_token.sum())
+    present = centred.unsqueeze(-1) & (lq_in != float("-inf"))  # [B, T, K]
     lp = torch.where(present, lp_in, zero)  # the gradient path
     lp_sg = lp.detach()
     lq = torch.where(present, lq_in, zero)

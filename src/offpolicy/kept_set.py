@@ -121,21 +121,6 @@ class KeptIds:
         logq[position, slot] = self.logprobs[source].float()
         return ids.view(shape), logq.view(shape)
 
-    def padded(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The sets dense: ids ``[*shape, K]`` int64 (0 where padded) and log q ``[*shape, K]`` fp32 (−inf where
-        padded; needs ``logprobs``), K the largest set (at least 1), each position's ids in their stored order."""
-        if self.logprobs is None:
-            raise ValueError("these kept sets carry no log-probs to pad")
-        position, source, count = self._flat()
-        k = max(1, int(count.max())) if count.numel() else 1
-        first = torch.cumsum(count, 0) - count
-        slot = torch.arange(position.numel(), device=count.device) - first[position]
-        ids = torch.zeros((count.numel(), k), dtype=torch.int64, device=count.device)
-        logq = torch.full((count.numel(), k), float("-inf"), dtype=torch.float32, device=count.device)
-        ids[position, slot] = self.ids[source].long()
-        logq[position, slot] = self.logprobs[source].float()
-        return ids.view(*self.start.shape, k), logq.view(*self.start.shape, k)
-
     def pad(self, width: int) -> KeptIds:
         """``[B, T] → [B, width]``: cut, or extended with empty positions."""
         rows, have = self.start.shape
@@ -233,6 +218,20 @@ class StepRecorder:
         self.ids.append(step.ids)
         if step.logprobs is not None:
             self.logprobs.append(step.logprobs)
+
+    def add_top(self, logprobs: torch.Tensor, k: int, live: torch.Tensor | None = None) -> None:
+        """One step's head: the ``k`` largest of ``logprobs`` ``[B, V]`` each row (ids ascending, −inf dropped:
+        ids a truncated sampler cannot draw), with their values; a row ``live`` says has finished records none.
+        Built from ``topk`` itself, without a ``[B, V]`` mask."""
+        top = logprobs.topk(min(k, logprobs.shape[-1]), dim=-1)
+        ids, order = top.indices.sort(dim=-1)
+        values = top.values.gather(-1, order)
+        valid = values > float("-inf")
+        if live is not None:
+            valid &= live[:, None]
+        self.counts.append(valid.sum(dim=-1).to(torch.int32))
+        self.ids.append(ids[valid].to(torch.int32))  # row-major: row by row, ids ascending
+        self.logprobs.append(values[valid].float())
 
     def assemble(self, steps: int, lengths: list[int]) -> KeptIds:
         """``[B, steps]`` sets of the first ``steps`` steps, only the first ``lengths[b]`` of row b kept."""

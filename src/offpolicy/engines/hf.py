@@ -115,10 +115,7 @@ class _SampledLogprobs(LogitsProcessor):
             # each kept id's q_v (score centering)
             self.kept.add(keep if self.live is None else keep & self.live[:, None], self.pending)
         if self.head is not None:  # the k most likely ids of the processed distribution, with their log q_v
-            top = self.pending.topk(min(self.head_k, self.pending.shape[-1]), dim=-1)
-            keep = torch.zeros_like(self.pending, dtype=torch.bool).scatter_(-1, top.indices, True)
-            keep &= self.pending > float("-inf")  # a truncated sampler's head holds only what it can draw
-            self.head.add(keep if self.live is None else keep & self.live[:, None], self.pending)
+            self.head.add_top(self.pending, self.head_k, self.live)
         return scores
 
 
@@ -264,3 +261,4 @@ class HFEngine:
 
     def close(self) -> None:
         self.model = None
+        self._probes = None  # views of the model's largest weights

@@ -370,14 +370,16 @@ class _SyncReadBack:
 def _head(completion, ids: list[int], k: int) -> tuple[list[list[int]], list[list[float]]]:
     """The k most likely ids of each sampled position (vLLM's ``rank`` ≤ k; the sampled id, added beside them
     when it ranks lower, left out) with their processed log μ, ids ascending; −inf entries (outside a truncated
-    sampler's support) dropped. vLLM returns them with ``SamplingParams(logprobs=k)``."""
+    sampler's support) dropped, a NaN or +inf one an error. vLLM returns them with ``SamplingParams(logprobs=k)``."""
     if completion.logprobs is None or len(completion.logprobs) < len(ids):
         raise EngineError(f"vLLM returned {0 if completion.logprobs is None else len(completion.logprobs)} top-{k} "
                           f"log-prob entries for {len(ids)} tokens (asked with logprobs={k})")
     ids_out, lps_out = [], []
-    for step in completion.logprobs[: len(ids)]:
+    for t, step in enumerate(completion.logprobs[: len(ids)]):
         head = sorted((token, entry.logprob) for token, entry in step.items()
-                      if entry.rank is not None and entry.rank <= k and math.isfinite(entry.logprob))
+                      if entry.rank is not None and entry.rank <= k and entry.logprob != -math.inf)
+        if any(not math.isfinite(v) for _, v in head):  # −inf only is "cannot be drawn"
+            raise EngineError(f"vLLM returned a non-finite top-{k} log-prob at token {t}: {head}")
         ids_out.append([t for t, _ in head])
         lps_out.append([v for _, v in head])
     return ids_out, lps_out

@@ -59,16 +59,21 @@ class Support(NamedTuple):
     @staticmethod
     def of(sets: KeptIds, form: str) -> Support:
         """``[B, T]`` kept sets that carry their log q_v (``KeptIds.logprobs``) as a dense support."""
-        if sets.logprobs is None:
-            raise ValueError("score centering needs the sampler's log q_v of each support id; these sets carry none")
         ids, logq = sets.padded()
+        if logq is None:
+            raise ValueError("score centering needs the sampler's log q_v of each support id; these sets carry none")
         return Support(ids, logq, form)
 
     def select(self, rows: torch.Tensor) -> Support:
         return Support(self.ids[rows], self.rollout[rows], self.form)
 
     def cut(self, width: int) -> Support:
-        return Support(self.ids[:, :width], self.rollout[:, :width], self.form)
+        """The first ``width`` response columns, and only as many of the K slots as the largest set among them
+        uses (each position's ids fill its first slots): a micro-batch of short sets does not carry the
+        batch's largest K. A CPU support (its sizes are read on the host)."""
+        rollout = self.rollout[:, :width]
+        k = int(torch.isfinite(rollout).sum(dim=-1).max()) if rollout.numel() else 0
+        return Support(self.ids[:, :width, :k], rollout[..., :k], self.form)
 
     def to(self, device: torch.device, non_blocking: bool = False) -> Support:
         return Support(self.ids.to(device, non_blocking=non_blocking),

@@ -455,16 +455,19 @@ def support_logprobs(hidden: torch.Tensor, ids: torch.Tensor, present: torch.Ten
 
     One chunk of ``chunk`` tokens at a time (``chunk_tokens``), each under activation checkpointing: the chunk's
     ``[C, V]`` logits are recomputed in the backward, not kept, so memory stays O(C·V) as in ``token_logprobs``.
-    It computes the head's logits a second time (the forward's ``_ChunkedHead`` keeps none): score centering's
-    price, paid only where it is on."""
+    It computes the head's GEMM four more times a chunk (its forward, the checkpoint's recompute and autograd's two
+    backward products: the main head's ``_ChunkedHead`` writes its weight gradient in place instead): score
+    centering's price, paid only where it is on."""
     from torch.utils.checkpoint import checkpoint
 
     from offpolicy.centering import support_logprobs as gather_support
 
     chunk = chunk or chunk_tokens(head.weight.shape[0], hidden.device)
+    several = hidden.shape[0] > chunk
 
     def one(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, index: torch.Tensor,
             keep: torch.Tensor) -> torch.Tensor:
+        _release_freed(h.device, several)  # the previous chunk's [C, V] buffers, forward and recompute alike
         z = capped(F.linear(h, weight, bias), head.softcap) / sampling.temperature
         return gather_support(z, index, keep, form)
 

@@ -204,8 +204,9 @@ class Scorer:
             parts.append(widen(logprobs, width))
             if entropy:
                 entropies.append(widen(out[0], width))
-            if support is not None:
-                supports.append(widen(support[0], width))
+            if support is not None:  # back to the batch's K (a micro-batch carries only the slots it uses)
+                part = widen(support[0], width)
+                supports.append(torch.nn.functional.pad(part, (0, batch.support.ids.shape[-1] - part.shape[-1])))
         order = torch.cat(groups)  # row of each stacked part
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(len(order))

@@ -238,7 +238,8 @@ def _step(scorer: Scorer, batch: Batch, rows: torch.Tensor, advantages: torch.Te
         if mb.support is None:
             return None
         (lp,) = support_out
-        old = lp.detach() if old_support is None else old_support[device_index(g, scorer.device), : lp.shape[1]]
+        old = lp.detach() if old_support is None else \
+            old_support[device_index(g, scorer.device), : lp.shape[1], : lp.shape[2]]
         return widen(lp, width), widen(mb.support.rollout, width, float("-inf")), widen(old, width)
 
     def counts(view: Batch) -> bool:
