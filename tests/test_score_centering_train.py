@@ -295,22 +295,23 @@ def test_at_a_real_vocabulary_with_long_responses_the_trainer_still_equals_the_r
     assert max(float((a - b).abs().max()) for a, b in zip(got, want)) <= 2e-6 * scale
 
 
-def test_the_support_head_gives_each_chunks_buffers_back_before_the_next(monkeypatch):
-    """On the CPU, as the main head does (``_release_freed``: without it glibc's heap — and the process's RSS — grew
-    by about a chunk's [C, V] buffers per chunk, ~2 GB at 5,440 tokens of V = 49,152): every chunk, in the forward
-    and in the checkpoint's recompute, first returns the freed pages; one chunk alone does not."""
-    calls = []
-    monkeypatch.setattr(head, "_release_freed", lambda device, several: calls.append((device.type, several)))
-    weight = torch.randn(300, 8, requires_grad=True)
-    lin = head.LinearHead(weight, None, None)
-    hidden = torch.randn(40, 8, requires_grad=True)
-    ids = torch.randint(0, 300, (40, 4))
-    out = head.support_logprobs(hidden, ids, torch.ones(40, 4, dtype=torch.bool), lin,
-                                SamplingConfig(head_logprobs=4), "head", chunk=16)
-    assert calls == [("cpu", True)] * 3  # 40 tokens in chunks of 16
-    out.sum().backward()
-    assert calls == [("cpu", True)] * 6  # each chunk recomputed once
-    calls.clear()
-    head.support_logprobs(hidden[:10], ids[:10], torch.ones(10, 4, dtype=torch.bool), lin,
-                          SamplingConfig(head_logprobs=4), "head", chunk=16)
-    assert calls == [("cpu", False)]
+def test_under_bf16_autocast_the_support_follows_the_sampled_tokens_precision(tiny_dir):
+    """``trainer_dtype=bf16``: the support's log p comes from the same autocast chunk as log π(y) — within bf16's
+    rounding of the fp32 values — and its gradient reaches every weight finite."""
+    sampling = SamplingConfig(max_tokens=8, temperature=0.8, head_logprobs=4)
+    _, tok, rollouts = rollouts_of(tiny_dir, sampling, rows=4)
+    batch = to_batch(rollouts, tok.pad_token_id, support="head")
+    model = op_model(tiny_dir).float()
+    values = {}
+    for dtype in ("fp32", "bf16"):
+        model.zero_grad(set_to_none=True)
+        out: list[torch.Tensor] = []
+        scorer = Scorer(model, sampling, torch.device("cpu"), dtype)
+        lp = scorer.forward(scorer.to_device(batch, torch.arange(4)), support_out=out)
+        (lp.sum() + out[0].sum()).backward()
+        values[dtype] = out[0].detach()
+        assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+    present = torch.isfinite(batch.support.rollout)[:, : values["fp32"].shape[1], : values["fp32"].shape[2]]
+    assert present.any()
+    assert torch.allclose(values["bf16"][present], values["fp32"][present], atol=0.1, rtol=0)
+    assert not torch.equal(values["bf16"], values["fp32"])  # autocast did run

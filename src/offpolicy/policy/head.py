@@ -191,27 +191,32 @@ def check_head(model, head: LinearHead, input_ids: torch.Tensor) -> None:
 
 
 def _chunk_numbers(lin: torch.Tensor, tokens: torch.Tensor, sampling: SamplingConfig, softcap: float | None,
-                   stats: bool = False, keep: torch.Tensor | None = None
-                   ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+                   stats: bool = False, keep: torch.Tensor | None = None, support: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """One chunk: head output ``lin`` ``[C, V]`` → log π̃(y) ``[C]`` and, with ``stats``, the token
     entropy ``[C]`` and (truncated sampling) the outside mass ``[C]``. ``keep`` ``[C, V]``: the engine's
-    kept set, replayed instead of the trainer's own top-k/top-p set (``offpolicy.kept_set``)."""
+    kept set, replayed instead of the trainer's own top-k/top-p set (``offpolicy.kept_set``). ``support``
+    ``[C, K]`` ids: also log π̃ of each (score centering's support, ``centring_support``)."""
     logits = capped(lin, softcap)
     want_outside = stats and sampling.truncates
     result = renormalize_logprobs(logits, top_p=sampling.top_p, top_k=sampling.top_k,
                                   temperature=sampling.temperature, return_outside_mass=want_outside, keep=keep)
     logprobs, outside = result if want_outside else (result, None)
     token_lp = logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-    return token_lp, token_entropy(logprobs) if stats else None, outside
+    support_lp = None if support is None else logprobs.gather(-1, support)
+    return token_lp, token_entropy(logprobs) if stats else None, outside, support_lp
 
 
 def _chunk_grad(lin: torch.Tensor, tokens: torch.Tensor, grad: torch.Tensor, sampling: SamplingConfig,
-                softcap: float | None, keep: torch.Tensor | None = None) -> torch.Tensor:
-    """∂(Σ_n g_n log π̃(y_n)) / ∂lin ``[c, V]`` in ``lin``'s dtype, for head outputs ``lin``:
+                softcap: float | None, keep: torch.Tensor | None = None, support: torch.Tensor | None = None,
+                support_grad: torch.Tensor | None = None) -> torch.Tensor:
+    """∂(Σ_n g_n log π̃(y_n) + Σ_{n,k} g_nk log π̃(s_nk)) / ∂lin ``[c, V]`` in ``lin``'s dtype, for head outputs
+    ``lin`` (``support`` ``[c, K]`` ids s_nk and ``support_grad`` their g_nk, 0 where padded; or none):
 
         z = c·tanh(l / c) / τ   (no cap: z = l / τ);  log π̃(y) = z_y − logsumexp_{v ∈ K} z_v
         ∂ log π̃(y) / ∂z_v = 1[v = y] − π̃_v        (π̃_v = 0 for v ∉ K: the kept set K is constant
                                                      in z almost everywhere, as for autograd)
+        so ∂/∂z_v of the sum = g 1[v = y] + Σ_k g_k 1[v = s_k] − (g + Σ_k g_k) π̃_v
         ∂z_v / ∂l_v = (1 − tanh²(l_v / c)) / τ
 
     with π̃ = exp(``renormalize_logprobs``) — the forward's own definition, on the forward's K (the
@@ -226,9 +231,17 @@ def _chunk_grad(lin: torch.Tensor, tokens: torch.Tensor, grad: torch.Tensor, sam
                              keep=keep)
     del logits
     g = grad.to(d.dtype).unsqueeze(-1)  # [c, 1]
-    d.exp_().mul_(-g)  # −g π̃
-    d.scatter_add_(-1, tokens.unsqueeze(-1), g)  # + g 1[v = y]
-    d.masked_fill_(g == 0, 0.0)  # 0 · NaN stays out of the weight gradient
+    if support is None:
+        d.exp_().mul_(-g)  # −g π̃
+        d.scatter_add_(-1, tokens.unsqueeze(-1), g)  # + g 1[v = y]
+        d.masked_fill_(g == 0, 0.0)  # 0 · NaN stays out of the weight gradient
+    else:
+        gs = support_grad.to(d.dtype)  # [c, K]
+        total = g + gs.sum(dim=-1, keepdim=True)
+        d.exp_().mul_(-total)  # −(g + Σ_k g_k) π̃
+        d.scatter_add_(-1, tokens.unsqueeze(-1), g)  # + g 1[v = y]
+        d.scatter_add_(-1, support, gs)  # + Σ_k g_k 1[v = s_k]
+        d.masked_fill_((g == 0) & (gs == 0).all(dim=-1, keepdim=True), 0.0)
     if sampling.temperature != 1.0:
         d.div_(sampling.temperature)
     if squash is not None:
@@ -273,40 +286,52 @@ class _ChunkedHead(torch.autograd.Function):
     positions, or None): the engine's kept sets, made dense one chunk at a time."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, tokens, sampling, softcap, chunk, stats, kept=None):
+    def forward(ctx, hidden, weight, bias, tokens, sampling, softcap, chunk, stats, kept=None, support=None):
         n = hidden.shape[0]
         dtype = torch.promote_types(weight.dtype, torch.float32)
         token_lp = torch.empty(n, dtype=dtype, device=hidden.device)
         extra = torch.zeros((n, 2 if stats else 0), dtype=dtype, device=hidden.device)  # entropy, outside mass
+        # score centering's support ids [N, K] (``centring_support``): log π̃ of each, 0 where ``support`` is -1
+        present = None if support is None else support >= 0
+        ids = None if support is None else support.clamp(min=0)
+        support_lp = torch.zeros((n, 0 if support is None else support.shape[-1]), dtype=dtype, device=hidden.device)
         if kept is not None:
             kept.check(weight.shape[0])
         for start in range(0, n, chunk):
             end = min(n, start + chunk)
             lin = F.linear(hidden[start:end], weight, bias)  # [c, V] in the autocast dtype
             keep = None if kept is None else kept.mask(start, end, lin.shape[-1])
-            lp, entropy, outside = _chunk_numbers(lin, tokens[start:end], sampling, softcap, stats, keep)
+            lp, entropy, outside, s_lp = _chunk_numbers(lin, tokens[start:end], sampling, softcap, stats, keep,
+                                                        None if ids is None else ids[start:end])
             token_lp[start:end] = _mark_nonfinite(lp, lin)
+            if s_lp is not None:
+                support_lp[start:end] = torch.where(present[start:end], s_lp, torch.zeros((), dtype=s_lp.dtype,
+                                                                                        device=s_lp.device))
             if stats:
                 extra[start:end, 0] = entropy
                 if outside is not None:
                     extra[start:end, 1] = outside
-            del lin, lp, entropy, outside, keep  # before the next chunk's: one chunk's buffers at a time
+            del lin, lp, entropy, outside, keep, s_lp  # before the next chunk's: one chunk's buffers at a time
             _release_freed(hidden.device, n > chunk)
         device = hidden.device.type
         ctx.autocast = (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
         ctx.sampling, ctx.softcap, ctx.chunk, ctx.kept = sampling, softcap, chunk, kept
-        ctx.save_for_backward(hidden, weight, bias, tokens, token_lp)
+        ctx.save_for_backward(hidden, weight, bias, tokens, token_lp, ids, present, support_lp)
         ctx.mark_non_differentiable(extra)
-        return token_lp, extra
+        return token_lp, extra, support_lp
 
     @staticmethod
-    def backward(ctx, grad_lp, _grad_extra):
-        hidden, weight, bias, tokens, token_lp = ctx.saved_tensors
+    def backward(ctx, grad_lp, _grad_extra, grad_support):
+        hidden, weight, bias, tokens, token_lp, ids, present, support_lp = ctx.saved_tensors
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
         device, autocast, autocast_dtype = ctx.autocast
         # log π̃ = −inf (outside the support) is constant in the logits; NaN was flagged upstream
         grad_lp = torch.where(torch.isfinite(token_lp), grad_lp, torch.zeros((), dtype=grad_lp.dtype,
                                                                               device=grad_lp.device))
+        if ids is not None:  # padding and a non-finite log π̃ of a support id take no gradient
+            grad_support = torch.zeros_like(support_lp) if grad_support is None else torch.where(
+                present & torch.isfinite(support_lp), grad_support, torch.zeros((), dtype=grad_support.dtype,
+                                                                                 device=grad_support.device))
         d_hidden = torch.zeros_like(hidden) if need_hidden else None
         d_weight = torch.zeros_like(weight) if need_weight else None
         d_bias = torch.zeros_like(bias) if need_bias else None
@@ -319,7 +344,8 @@ class _ChunkedHead(torch.autograd.Function):
             h = _compute_dtype(hidden[start:end], autocast, autocast_dtype)
             lin = F.linear(h, weight_c, bias_c)  # the forward's [c, V], recomputed with the same casts
             keep = None if ctx.kept is None else ctx.kept.mask(start, end, lin.shape[-1])
-            d_lin = _chunk_grad(lin, tokens[start:end], grad_lp[start:end], ctx.sampling, ctx.softcap, keep)
+            d_lin = _chunk_grad(lin, tokens[start:end], grad_lp[start:end], ctx.sampling, ctx.softcap, keep,
+                                *((None, None) if ids is None else (ids[start:end], grad_support[start:end])))
             del lin, keep
             # the linear layer's backward in the compute dtype, as autograd does under autocast
             if need_hidden:
@@ -330,7 +356,7 @@ class _ChunkedHead(torch.autograd.Function):
                 d_bias.add_(d_lin.sum(dim=0))
             del d_lin  # before the next chunk's: one chunk's buffers at a time
             _release_freed(hidden.device, hidden.shape[0] > ctx.chunk)
-        return d_hidden, d_weight, d_bias, None, None, None, None, None, None
+        return d_hidden, d_weight, d_bias, None, None, None, None, None, None, None
 
 
 def _compute_dtype(x: torch.Tensor | None, autocast: bool, dtype: torch.dtype) -> torch.Tensor | None:
@@ -357,7 +383,8 @@ def _add_weight_grad(d_weight: torch.Tensor, d_lin: torch.Tensor, h: torch.Tenso
 
 
 def token_logprobs(hidden: torch.Tensor, tokens: torch.Tensor, head: LinearHead, sampling: SamplingConfig, *,
-                   stats: bool = False, chunk: int | None = None, kept: KeptIds | FlatKept | None = None
+                   stats: bool = False, chunk: int | None = None, kept: KeptIds | FlatKept | None = None,
+                   support: torch.Tensor | None = None, support_out: list[torch.Tensor] | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """log π̃(y_n) ``[N]`` of tokens ``[N]`` from their hidden states ``[N, H]``, flat in N.
 
@@ -367,7 +394,10 @@ def token_logprobs(hidden: torch.Tensor, tokens: torch.Tensor, head: LinearHead,
     (``KeptIds`` ``[N]``, or its ``FlatKept``): the engine's kept set of each token, the support instead of
     the trainer's own top-k/top-p set (``offpolicy.kept_set``); None recomputes it from the trainer's
     logits. ``KeptIds`` are expanded here (two host reads: a wait on CUDA); the trainer passes the
-    ``FlatKept`` it made on the host (``Batch.counted``).
+    ``FlatKept`` it made on the host (``Batch.counted``). ``support`` ``[N, K]`` ids (−1: padding), with
+    ``support_out``: log π̃ of each support id ``[N, K]`` (with grad, 0 at padding) is appended to it, taken from
+    the same chunk's log-probs as log π̃(y) and differentiated in the same backward (score centering's support:
+    the replayed kept set for ``exact``, any ids of the untruncated distribution for ``head``).
 
     Raises:
         ValueError: a kept id outside the head's vocabulary.
@@ -375,8 +405,10 @@ def token_logprobs(hidden: torch.Tensor, tokens: torch.Tensor, head: LinearHead,
     chunk = chunk or chunk_tokens(head.weight.shape[0], hidden.device)
     if isinstance(kept, KeptIds):
         kept = kept.flat()
-    token_lp, extra = _ChunkedHead.apply(hidden, head.weight, head.bias, tokens, sampling, head.softcap, chunk,
-                                         stats, kept)
+    token_lp, extra, support_lp = _ChunkedHead.apply(hidden, head.weight, head.bias, tokens, sampling, head.softcap,
+                                                     chunk, stats, kept, support)
+    if support_out is not None and support is not None:
+        support_out.append(support_lp)
     if not stats:
         return token_lp, None, None
     return token_lp, extra[:, 0], extra[:, 1] if sampling.truncates else None
@@ -408,11 +440,12 @@ def trainer_logprobs(model, batch: Batch, sampling: SamplingConfig, metrics: Met
     ``outside_mass_max``; see ``outside_mass_metrics``). With ``entropy_out`` given, each token's entropy
     ``[B, T]`` (0 where ``batch.mask`` is 0) is appended to it: the per-token viewer shows it. With
     ``support_out`` given and the batch carrying score centering's support (``Batch.support``), log p_v of
-    each support id ``[B, T, K]`` (with grad; 0 where padded or ``batch.mask`` is 0) is appended to it
-    (``support_logprobs``).
+    each support id ``[B, T, K]`` (with grad; 0 where padded or ``batch.mask`` is 0) is appended to it, from
+    the same chunks and backward as log π(y_t) (``centring_support``, ``token_logprobs``).
 
     Raises:
         ConfigError: a head this module does not reproduce (``linear_head``, ``check_head``).
+        ValueError: a support its form cannot normalise (``centring_support``).
     """
     rows, cols = counted_positions(batch)  # [N] each, the response tokens that count
     kept = replayed_sets(batch, sampling, rows, cols)
@@ -423,14 +456,15 @@ def trainer_logprobs(model, batch: Batch, sampling: SamplingConfig, metrics: Met
         hidden = decoder_hidden(model, batch.input_ids, batch.attention_mask)[rows, batch.positions[rows, cols]]
     else:  # each repeated prompt once: column t predicts response token t
         hidden = shared_decoder_hidden(model, plan)[rows, cols]
+    support, fused = None, []
+    if support_out is not None and batch.support is not None:
+        support = centring_support(batch, sampling, kept, rows, cols)
     token_lp, entropy, outside = token_logprobs(hidden,  # [N, H]
                                                 batch.response_ids[rows, cols], head, sampling,
                                                 stats=metrics is not None or entropy_out is not None, chunk=chunk,
-                                                kept=kept)
-    if support_out is not None and batch.support is not None:
-        sup = batch.support
-        lp = support_logprobs(hidden, sup.ids[rows, cols], torch.isfinite(sup.rollout[rows, cols]), head, sampling,
-                              sup.form, chunk=chunk)  # [N, K]
+                                                kept=kept, support=support, support_out=fused)
+    if fused:
+        (lp,) = fused  # [N, K]
         out = torch.zeros((*batch.mask.shape, lp.shape[-1]), dtype=lp.dtype, device=lp.device)
         support_out.append(out.index_put((rows, cols), lp))
     if entropy_out is not None:
@@ -445,40 +479,23 @@ def trainer_logprobs(model, batch: Batch, sampling: SamplingConfig, metrics: Met
     return out.index_put((rows, cols), token_lp)  # [B, T]
 
 
-def support_logprobs(hidden: torch.Tensor, ids: torch.Tensor, present: torch.Tensor, head: LinearHead,
-                     sampling: SamplingConfig, form: str, *, chunk: int | None = None) -> torch.Tensor:
-    """log p_v ``[N, K]`` of the trainer at score centering's support ids ``[N, K]`` (``present`` False where
-    padded: 0 there), from the hidden states ``[N, H]`` of the same tokens, with grad (docs/estimators.md#score-centering):
+def centring_support(batch: Batch, sampling: SamplingConfig, kept: FlatKept | None, rows: torch.Tensor,
+                     cols: torch.Tensor) -> torch.Tensor:
+    """The support ids ``[N, K]`` of the counted tokens (−1 where padded) for ``token_logprobs``: p over the same
+    set as log π̃(y) — for ``exact`` the replayed kept set (so the batch must carry it), for ``head`` the
+    untruncated distribution (so sampling must not truncate).
 
-        exact: z_v/τ − logsumexp_{u ∈ S_t} z_u/τ   (renormalised over the replayed kept set, as log π̃(y_t) is)
-        head:  z_v/τ − logsumexp_{u ∈ V} z_u/τ     (the full-vocabulary distribution, as log π(y_t) is untruncated)
-
-    One chunk of ``chunk`` tokens at a time (``chunk_tokens``), each under activation checkpointing: the chunk's
-    ``[C, V]`` logits are recomputed in the backward, not kept, so memory stays O(C·V) as in ``token_logprobs``.
-    It computes the head's GEMM four more times a chunk (its forward, the checkpoint's recompute and autograd's two
-    backward products: the main head's ``_ChunkedHead`` writes its weight gradient in place instead): score
-    centering's price, paid only where it is on."""
-    from torch.utils.checkpoint import checkpoint
-
-    from offpolicy.centering import support_logprobs as gather_support
-
-    chunk = chunk or chunk_tokens(head.weight.shape[0], hidden.device)
-    several = hidden.shape[0] > chunk
-
-    def one(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, index: torch.Tensor,
-            keep: torch.Tensor) -> torch.Tensor:
-        _release_freed(h.device, several)  # the previous chunk's [C, V] buffers, forward and recompute alike
-        z = capped(F.linear(h, weight, bias), head.softcap) / sampling.temperature
-        return gather_support(z, index, keep, form)
-
-    parts = []
-    for start in range(0, hidden.shape[0], chunk):
-        end = start + chunk
-        args = (hidden[start:end], head.weight, head.bias, ids[start:end], present[start:end])
-        parts.append(checkpoint(one, *args, use_reentrant=False) if torch.is_grad_enabled() else one(*args))
-    if not parts:
-        return torch.zeros(ids.shape, dtype=torch.float32, device=hidden.device)
-    return torch.cat(parts)
+    Raises:
+        ValueError: a support the head cannot normalise as its form says."""
+    sup = batch.support
+    if sup.form == "exact" and kept is None:
+        raise ValueError("score centering 'exact' renormalises p over the engine's replayed kept set, and this batch "
+                         "replays none (no Batch.kept, or untruncated sampling)")
+    if sup.form == "head" and sampling.truncates:
+        raise ValueError("score centering 'head' takes p over the full vocabulary, which truncated sampling does not "
+                         "give the trainer: use 'exact' over the replayed kept sets")
+    ids = sup.ids[rows, cols]
+    return torch.where(sup.rollout[rows, cols] == float("-inf"), torch.full_like(ids, -1), ids)
 
 
 def replayed_sets(batch: Batch, sampling: SamplingConfig, rows: torch.Tensor, cols: torch.Tensor
