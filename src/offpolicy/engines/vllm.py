@@ -380,8 +380,8 @@ def _head(completion, ids: list[int], k: int) -> tuple[list[list[int]], list[lis
                       if entry.rank is not None and entry.rank <= k and entry.logprob != -math.inf)
         if any(not math.isfinite(v) for _, v in head):  # −inf only is "cannot be drawn"
             raise EngineError(f"vLLM returned a non-finite top-{k} log-prob at token {t}: {head}")
-        ids_out.append([t for t, _ in head])
-        lps_out.append([v for _, v in head])
+        ids_out.append([token for token, _ in head])
+        lps_out.append([value for _, value in head])
     return ids_out, lps_out
 
 

@@ -231,17 +231,14 @@ def _chunk_grad(lin: torch.Tensor, tokens: torch.Tensor, grad: torch.Tensor, sam
                              keep=keep)
     del logits
     g = grad.to(d.dtype).unsqueeze(-1)  # [c, 1]
-    if support is None:
-        d.exp_().mul_(-g)  # −g π̃
-        d.scatter_add_(-1, tokens.unsqueeze(-1), g)  # + g 1[v = y]
-        d.masked_fill_(g == 0, 0.0)  # 0 · NaN stays out of the weight gradient
-    else:
-        gs = support_grad.to(d.dtype)  # [c, K]
-        total = g + gs.sum(dim=-1, keepdim=True)
-        d.exp_().mul_(-total)  # −(g + Σ_k g_k) π̃
-        d.scatter_add_(-1, tokens.unsqueeze(-1), g)  # + g 1[v = y]
+    gs = None if support is None else support_grad.to(d.dtype)  # [c, K]
+    d.exp_().mul_(-(g if gs is None else g + gs.sum(dim=-1, keepdim=True)))  # −(g + Σ_k g_k) π̃
+    d.scatter_add_(-1, tokens.unsqueeze(-1), g)  # + g 1[v = y]
+    quiet = g == 0  # a row with no gradient at all: 0 · NaN stays out of the weight gradient
+    if gs is not None:
         d.scatter_add_(-1, support, gs)  # + Σ_k g_k 1[v = s_k]
-        d.masked_fill_((g == 0) & (gs == 0).all(dim=-1, keepdim=True), 0.0)
+        quiet &= (gs == 0).all(dim=-1, keepdim=True)
+    d.masked_fill_(quiet, 0.0)
     if sampling.temperature != 1.0:
         d.div_(sampling.temperature)
     if squash is not None:

@@ -347,7 +347,7 @@ class TrainConfig(_Strict):
         if self.prox_logp == "loglinear":
             raise ValueError(f"loss.score_centering={form!r} with prox_logp=loglinear: the centring reads log π_old of "
                              "every support id, which AReaL's interpolation does not give. Fix: prox_logp=forward")
-        truncates = self.top_k > 0 or self.top_p < 1.0
+        truncates = self.sampling.truncates  # SamplingConfig's one rule
         if form == "exact" and not truncates:
             raise ValueError("loss.score_centering=exact centres over the engine's kept sets, and untruncated sampling "
                              "keeps the whole vocabulary (top_k=-1, top_p=1). Fix: loss.score_centering=head, or "
