@@ -133,8 +133,8 @@ def shared_plan(model, batch: Batch) -> SharedPrompts | None:
     """The plan that computes each repeated prompt once (``Batch.counted.shared``, made on the host by
     ``score.to_device``) where it serves this batch and this model, else None: the whole rows are run. The one
     planner decides (``offpolicy.speed.shared_prompt.serves``: the batch's own ``input_ids``, an eligible model —
-    its gate, plain per-layer KV, SDPA, rotary frequencies that do not depend on the forward's length — and no
-    gradient checkpointing while training)."""
+    its gate, plain full attention in every layer, SDPA, rotary frequencies that do not depend on the forward's
+    length)."""
     counted = batch.counted
     plan = None if counted is None else counted.shared
     return plan if shared_prompt.serves(model, plan, batch.input_ids) else None
@@ -142,8 +142,9 @@ def shared_plan(model, batch: Batch) -> SharedPrompts | None:
 
 def shared_decoder_hidden(model, plan: SharedPrompts) -> torch.Tensor:
     """The decoder's last hidden states that predict each row's response tokens, ``[B, S + 1, H]`` (column t
-    predicts response token t; ``offpolicy.speed.shared_prompt.decoder_hidden``): the prompts' share of the GEMMs
-    computed once a group (the embedded default's train stage: 45 → 31 ms, issue #49)."""
+    predicts response token t; ``offpolicy.speed.shared_prompt.decoder_hidden``): one forward of packs, each a
+    prompt and its rows' responses back to back, so neither a prompt nor a short response's padding is computed
+    once per row (docs/performance.md)."""
     return shared_prompt.decoder_hidden(model, plan)
 
 

@@ -19,9 +19,5 @@ def run_paths(policy, linear: str, engine) -> dict[str, str]:
     the trainer's shared prompt (``policy``), and the engine's own (its ``speed_paths``, where it has any)."""
     from offpolicy.speed import shared_prompt
 
-    trainer = shared_prompt.decision(policy, "tokens")
-    if trainer.fast and any(getattr(m, "gradient_checkpointing", False) for m in policy.modules()):
-        reason = f"{shared_prompt.SHARED_PROMPT.fallback}: gradient checkpointing (it turns the cache off)"
-    else:
-        reason = trainer.reason
+    reason = shared_prompt.decision(policy, "packed").reason
     return {"trainer_linear": linear, "trainer_shared_prompt": reason, **getattr(engine, "speed_paths", {})}

@@ -50,7 +50,7 @@ HF_OWN_LOOP = Gate(
 )
 SHARED_PROMPT = Gate(
     name="shared_prompt",
-    fast="each repeated prompt computed once (hf engine prefill, trainer forward)",
+    fast="each repeated prompt computed once (the hf engine's prefill; the trainer's forward, packed)",
     fallback="every row computes its whole prompt",
     versions={"transformers": ("5.19.0", "5.24.0")},
     families=frozenset({"llama", "qwen2", "qwen3", "mistral", "gemma2", "phi3"}),

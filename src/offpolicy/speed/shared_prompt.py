@@ -2,25 +2,27 @@
 forwards that do it — the hf engine's prefill (``prefill``) and the trainer's decoder pass (``decoder_hidden``).
 
 GRPO repeats each prompt group-size times, and under causal attention a prompt's keys and values do not depend
-on what follows it: every row of a group computes the same prompt. The shared forward runs each distinct prompt
-once, copies its KV cache to the prompt's rows (the cache's ``reorder_cache``: an index copy) and runs the rest
-through that cache.
+on what follows it: every row of a group computes the same prompt. The engine runs each distinct prompt once and
+copies its KV cache to the prompt's rows (the cache's ``reorder_cache``: an index copy), then decodes one token
+at a time. The trainer *packs*: one forward over sequences that each hold a distinct prompt followed by the
+responses of its rows, back to back, under a custom 4D attention mask (a response sees its prompt and its own
+earlier tokens) and each token's own position — so neither a prompt nor the padding after a short response is
+computed once per row (transformers' public custom-mask path; the prompt's gradient is the sum over its rows).
 
-Eligibility (``refusal``, one rule for the engine and the trainer, decided once per model):
+Eligibility (``refusal``, decided once per model and form):
 
 - the gate (``gates.SHARED_PROMPT``): transformers at a checked version, a checked model family;
-- a decoder-only model whose cache layers can copy rows (``reorder_cache``);
 - positions whose rotary frequencies do not depend on how long the forward is (``rope_refusal``). transformers'
   ``dynamic`` and ``longrope`` rotary types pick their frequencies from the largest position of each call, so a
   prompt computed alone (positions below the original context) gets other frequencies than the same prompt inside
   a whole row that passes it (issue #55: fp64 log-probs off by 1e-4–1e-3, gradients by up to 10 %). The rule
   tests the behaviour, not a list of names: the rotary embedding's cos/sin of the first positions, once called
   with those positions alone and once with a far position beside them, must be equal;
-- where the rest goes through the cache many tokens at a time (the trainer's responses, ``continuation="tokens"``):
-  plain per-layer KV (``DynamicLayer``: no sliding window, no linear attention) and torch's SDPA attention. SDPA
-  only: the left-padded prefixes have query rows that attend to nothing, which SDPA returns as zeros, while the
-  eager attention of an fp64 model turns them into NaN that reach the next layer's keys and values. The engine
-  goes on one token at a time (``continuation="token"``), as ``generate`` does through any cache.
+- the engine (``"token"``): a decoder-only model whose cache layers can copy rows (``reorder_cache``);
+- the trainer (``"packed"``): a decoder-only model whose every layer is plain full attention (transformers'
+  ``DynamicCache`` builds a ``DynamicLayer`` for each: a custom mask would override a sliding window, and linear
+  attention has no mask) and torch's SDPA attention (which takes a boolean 4D mask as it is; the eager form adds
+  it as a float).
 
 Per batch (``groups``): a plan only where some prompt repeats.
 """
@@ -36,11 +38,11 @@ import torch
 
 from offpolicy.speed.gates import SHARED_PROMPT, decide, model_family
 
-Continuation = Literal["token", "tokens"]
+Form = Literal["token", "packed"]
 # the far position of the rotary probe: past any context a model here is trained or sampled at
 FAR_POSITION = 2**20
 
-_refusals: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model → {continuation: refusal}
+_refusals: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model → {form: refusal}
 
 
 def cache_argument(module) -> str:
@@ -92,22 +94,22 @@ def rope_refusal(model) -> str | None:
     return None
 
 
-def refusal(model, continuation: Continuation) -> str | None:
+def refusal(model, form: Form) -> str | None:
     """Why a group's prompt may not be computed once for ``model`` (module doc), or None where it may; worked out
-    once per model and continuation."""
+    once per model and form."""
     known = _refusals.setdefault(model, {})
-    if continuation not in known:
-        known[continuation] = _refusal(model, continuation)
-    return known[continuation]
+    if form not in known:
+        known[form] = _refusal(model, form)
+    return known[form]
 
 
-def decision(model, continuation: Continuation):
+def decision(model, form: Form):
     """The gate's ``Decision`` for ``model`` (for the run's header)."""
-    return decide(SHARED_PROMPT, model_family(model), _structural_refusal(model, continuation))
+    return decide(SHARED_PROMPT, model_family(model), _structural_refusal(model, form))
 
 
-def _refusal(model, continuation: Continuation) -> str | None:
-    found = decision(model, continuation)
+def _refusal(model, form: Form) -> str | None:
+    found = decision(model, form)
     return None if found.fast else found.reason
 
 
@@ -127,18 +129,24 @@ def cache_refusal(model) -> str | None:
     return None
 
 
-def _structural_refusal(model, continuation: Continuation) -> str | None:
+def _structural_refusal(model, form: Form) -> str | None:
     from transformers import DynamicCache
     from transformers.cache_utils import DynamicLayer
 
     config = model.config
-    cache = cache_refusal(model)
-    if cache is not None:
-        return cache
-    layers = DynamicCache(config=config).layers
-    if continuation == "tokens":
-        if not all(type(layer) is DynamicLayer for layer in layers):
-            return "its cache is not plain per-layer KV (sliding window or linear attention)"
+    if form == "token":
+        cache = cache_refusal(model)
+        if cache is not None:
+            return cache
+    else:
+        if getattr(config, "is_encoder_decoder", False):
+            return "an encoder-decoder model"
+        try:
+            layers = DynamicCache(config=config).layers
+        except Exception:  # noqa: BLE001 — a config DynamicCache cannot read
+            return "its layers are not ones transformers' DynamicCache builds"
+        if not layers or not all(type(layer) is DynamicLayer for layer in layers):
+            return "its layers are not all plain full attention (sliding window or linear attention)"
         if getattr(config, "_attn_implementation", None) != "sdpa":
             return f"its attention is {getattr(config, '_attn_implementation', None)!r}, not SDPA"
     return rope_refusal(model)
@@ -186,90 +194,117 @@ def prefill(model, input_ids: torch.Tensor, attention: torch.Tensor, whole: bool
 
 # ------------------------------------------------------------------------------------------------- the trainer
 
-class SharedPrompts(NamedTuple):
-    """A micro-batch's forward with each repeated prompt computed once (``plan``; ``decoder_hidden``). Split each
-    row after its prompt:
+# The most tokens a pack holds (a pack's prompt and its first response always go in, whatever their length).
+# Inside a pack every token attends under a dense [W, W] mask, so attention costs ~4·W·d a token against the
+# linear layers' ~24·d² (d the width): packs of ≤ 1,024 tokens keep it a fraction of the GEMMs the packing saves
+# at the widths packed here (SmolLM2's 576: 1,024 tokens ≈ 0.3 of the linears a token; docs/performance.md).
+PACK_TOKENS = 1024
 
-    - the *prefix*, the whole prompt, once per distinct prompt: ``prefix_ids`` ``[D, P]``, left-padded
-      (``prefix_mask``, ``prefix_positions``), whose KV cache goes to each row by ``index`` ``[B]``, and whose
-      last hidden state is each of its rows' logits for response token 0;
-    - the *suffix*, the response but its last token, per row: ``suffix_ids`` ``[B, S]``, right-padded, at
-      positions ``suffix_positions`` after the row's prompt, attending through ``attention_mask``
-      ``[B, P + S]`` (the row's prefix mask, then its own); suffix column t − 1 gives the logits of response
-      token t. S is 0 where no response is longer than a token.
+
+class SharedPrompts(NamedTuple):
+    """A micro-batch's forward with each repeated prompt computed once, packed (``plan``; ``decoder_hidden``).
+    Each row is its prompt and its response; the response's last token predicts nothing. A *pack* is one
+    distinct prompt followed by the responses (but their last tokens) of some of its rows, back to back, with no
+    padding between them; ``ids`` ``[n, W]`` holds the packs (0-padded at the right), ``positions`` ``[n, W]`` each
+    token's position in its whole row, and ``segments`` ``[n, W]`` whose it is: 0 the prompt, r + 1 row r's
+    response, −1 padding. A response's token attends to its prompt and to its own earlier tokens, as in its whole
+    row (the mask is built from ``segments`` on the device). ``gather`` ``[B, S + 1]`` indexes the packs'
+    flattened hidden states: column t of row r is the one that predicts r's response token t (column 0 the
+    prompt's last token; columns past the response repeat it). S is 0 where no response is longer than a token.
 
     ``input_ids`` is the batch tensor this was made from (the plan serves only it)."""
 
     input_ids: torch.Tensor
-    prefix_ids: torch.Tensor
-    prefix_mask: torch.Tensor
-    prefix_positions: torch.Tensor
-    index: torch.Tensor
-    suffix_ids: torch.Tensor
-    suffix_positions: torch.Tensor
-    attention_mask: torch.Tensor
+    ids: torch.Tensor
+    positions: torch.Tensor
+    segments: torch.Tensor
+    gather: torch.Tensor
 
     def to(self, device: torch.device, input_ids: torch.Tensor) -> SharedPrompts:
         """On ``device``, serving ``input_ids`` (that batch's tensor, already there)."""
         return SharedPrompts(input_ids, *(t.to(device, non_blocking=True) for t in self[1:]))
 
 
-def plan(input_ids: torch.Tensor, attention: torch.Tensor, prompt: torch.Tensor) -> SharedPrompts | None:
+def plan(input_ids: torch.Tensor, attention: torch.Tensor, prompt: torch.Tensor,
+         cap: int = PACK_TOKENS) -> SharedPrompts | None:
     """The trainer's plan for right-padded rows ``[B, L]`` whose prompts are ``prompt`` ``[B]`` tokens long, made
     on the host (CPU tensors); None where it would save nothing (no prompt repeats). Rows whose prompts are equal
-    token for token share a prefix."""
+    token for token share a prompt. A group's rows fill packs in batch order, each pack's responses starting
+    within ``cap`` − len(prompt) tokens of its first (so a pack ends at most one response past ``cap``)."""
     rows, width = input_ids.shape
     if rows < 2 or int(prompt.min()) < 1:
         return None
     grouped = groups(torch.where(torch.arange(width) < prompt[:, None], input_ids, -1))
     if grouped is None:
         return None
-    distinct, index, _ = grouped
-    # prefixes: each distinct prompt, left-padded to the longest
-    prefix_len = (distinct >= 0).sum(dim=1)  # [D]
-    width_p = int(prefix_len.max())
-    source = torch.arange(width_p)[None, :] - (width_p - prefix_len)[:, None]
-    prefix_mask = source >= 0
-    prefix_ids = torch.where(prefix_mask, distinct.gather(1, source.clamp(min=0)), 0)
-    prefix_positions = (prefix_mask.long().cumsum(-1) - 1).clamp(min=0)
-    # suffixes: the response but its last token, right-padded
-    suffix_len = (attention.sum(dim=1) - prompt - 1).clamp(min=0)  # [B]
-    width_s = int(suffix_len.max())
-    columns = prompt[:, None] + torch.arange(width_s)  # [B, S] in the row's input_ids
-    suffix_mask = torch.arange(width_s)[None, :] < suffix_len[:, None]
-    suffix_ids = torch.where(suffix_mask, input_ids.gather(1, columns.clamp(max=width - 1)), 0)
-    return SharedPrompts(input_ids, prefix_ids, prefix_mask.long(), prefix_positions, index, suffix_ids, columns,
-                         torch.cat([prefix_mask[index], suffix_mask], dim=1).long())
+    distinct, index, first = grouped
+    prompt_len = prompt[first]  # [D]
+    suffix = (attention.sum(dim=1) - prompt - 1).clamp(min=0)  # [B]: the response but its last token
+    # the rows in group order, each group's in batch order; a row's offset among its group's responses
+    order = torch.sort(index, stable=True).indices
+    group, length = index[order], suffix[order]
+    start = length.cumsum(0) - length
+    offset = start - torch.zeros_like(prompt_len).scatter_reduce(0, group, start, "amin", include_self=False)[group]
+    # pack k of a group: the rows whose responses start in [k·b, (k + 1)·b) of the group's responses back to back,
+    # b = cap − len(prompt); a row with no response rides in the pack of the row before it (no pack of a prompt
+    # alone, unless a group has nothing else)
+    chunk = torch.where(length > 0, offset // (cap - prompt_len[group]).clamp(min=1), 0)
+    key = (group * (int(suffix.sum()) + 1) + chunk).cummax(0).values  # keys rise from group to group
+    _, pack = torch.unique(key, return_inverse=True)  # packs in group order
+    packs = int(pack.max()) + 1
+    pack_group = torch.zeros(packs, dtype=torch.long).scatter(0, pack, group)
+    pack_prompt = prompt_len[pack_group]  # [n]
+    column = offset - torch.full((packs,), rows * width).scatter_reduce(0, pack, offset, "amin")[pack]
+    column = column + pack_prompt[pack]  # where each row's response starts in its pack
+    packed = int((pack_prompt + torch.zeros(packs, dtype=torch.long).scatter_add(0, pack, length)).max())
+    # the prompts
+    cols = torch.arange(packed)
+    in_prompt = cols[None, :] < pack_prompt[:, None]  # [n, W]
+    ids = torch.where(in_prompt, distinct[pack_group].gather(1, cols.clamp(max=width - 1).expand(packs, -1)), 0)
+    positions = torch.where(in_prompt, cols, 0)
+    segments = torch.where(in_prompt, 0, -1)
+    # the responses (but their last tokens), each after its pack's prompt and the responses before it
+    width_s = int(suffix.max())
+    t = torch.arange(width_s)
+    valid = t[None, :] < length[:, None]  # [B, S], rows in group order
+    target = pack[:, None] * packed + column[:, None] + t  # flat index into [n·W]
+    source = (prompt[order][:, None] + t).clamp(max=width - 1)  # the tokens' columns in their whole rows
+    ids.view(-1)[target[valid]] = input_ids[order].gather(1, source)[valid]
+    positions.view(-1)[target[valid]] = source[valid]
+    segments.view(-1)[target[valid]] = (order[:, None] + 1).expand(-1, width_s)[valid]
+    last = pack * packed + pack_prompt[pack] - 1  # each row's prompt's last token
+    gather = torch.empty((rows, width_s + 1), dtype=torch.long)
+    gather[order] = torch.cat([last[:, None], torch.where(valid, target, last[:, None])], dim=1)
+    return SharedPrompts(input_ids, ids, positions, segments, gather)
 
 
 def serves(model, shared: SharedPrompts | None, input_ids: torch.Tensor) -> bool:
-    """Whether the trainer's forward of ``input_ids`` may take ``shared``: it was made for that very tensor, the
-    model is eligible (``refusal``), and gradient checkpointing is off while training (it turns the cache off)."""
+    """Whether the trainer's forward of ``input_ids`` may take ``shared``: it was made for that very tensor and
+    the model is eligible (``refusal``)."""
     if shared is None or shared.input_ids is not input_ids:
         return False
-    if model.training and any(getattr(m, "gradient_checkpointing", False) for m in model.modules()):
-        return False
-    return refusal(model, "tokens") is None
+    return refusal(model, "packed") is None
+
+
+def attention_mask(segments: torch.Tensor) -> torch.Tensor:
+    """The packs' attention ``[n, 1, W, W]`` (True: attends) from their ``segments`` (``SharedPrompts``): a token
+    attends to the earlier tokens of its own segment and to its pack's prompt; padding only to itself (so no row of
+    the softmax is empty)."""
+    n, width = segments.shape
+    i = torch.arange(width, device=segments.device)
+    key, query = segments[:, None, :], segments[:, :, None]
+    allowed = (i[None, :] <= i[:, None]) & (key >= 0) & (query >= 0) & ((key == 0) | (key == query))
+    return (allowed | torch.eye(width, dtype=torch.bool, device=segments.device))[:, None]
 
 
 def decoder_hidden(model, shared: SharedPrompts) -> torch.Tensor:
     """The decoder's last hidden states that predict each row's response tokens, ``[B, S + 1, H]`` (column t
-    predicts response token t): the distinct prompts once, their KV cache and last hidden state copied to each
-    row (``index_select``, whose backward sums the rows' gradients into their prompt's), then every row's
-    response attending through that cache. The same function of the weights as the whole rows' forward at those
-    positions."""
-    from transformers import DynamicCache
-
+    predicts response token t): one forward of the packs (``SharedPrompts``) through transformers' public custom
+    4D attention mask and explicit positions, then each row's states gathered from its pack (the gather's
+    backward sums the rows' gradients into their prompt's). The same function of the weights as the whole rows'
+    forward at those positions."""
     decoder = model.get_decoder()
-    name = cache_argument(decoder)
-    cache = DynamicCache(config=model.config)
-    out = decoder(input_ids=shared.prefix_ids, attention_mask=shared.prefix_mask,
-                  position_ids=shared.prefix_positions, use_cache=shared.suffix_ids.shape[1] > 0, **{name: cache})
-    last = (out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0])[:, -1:]  # [D, 1, H]
-    first = last.index_select(0, shared.index)  # [B, 1, H]: response token 0's
-    if shared.suffix_ids.shape[1] == 0:
-        return first
-    cache.reorder_cache(shared.index)
-    out = decoder(input_ids=shared.suffix_ids, attention_mask=shared.attention_mask,
-                  position_ids=shared.suffix_positions, use_cache=True, **{name: cache})
-    return torch.cat([first, out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]], dim=1)
+    out = decoder(input_ids=shared.ids, attention_mask=attention_mask(shared.segments),
+                  position_ids=shared.positions, use_cache=False)
+    hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]  # [n, W, H]
+    return hidden.reshape(-1, hidden.shape[-1])[shared.gather]
