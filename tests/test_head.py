@@ -410,8 +410,8 @@ def test_the_packs_by_hand():
 
 @pytest.mark.parametrize("seed", range(10))
 def test_packs_of_random_batches_score_as_the_whole_rows(seed, monkeypatch):
-    """Differential, float64, five families: random groups (1–4 prompts of 1–6 tokens, 1–5 rows each, responses of 0–9 tokens),
-    packed under a random cap (2–40 tokens, so groups split), under gradient checkpointing on odd seeds. The
+    """Differential, float64, five families: random groups (1–4 prompts of 1–6 tokens, 1–5 rows each, responses
+    of 0–9 tokens), packed under a random cap (2–40 tokens, so groups split), gradient checkpointing on odd seeds. The
     packed forward's hidden states at every counted position, and the gradients of a weighted sum of log π̃,
     equal the whole rows': the states to float64 rounding, the gradients to ~1e-7 of the largest (transformers'
     RMSNorm computes in float32 whatever the model's dtype)."""
@@ -444,8 +444,9 @@ def test_packs_of_random_batches_score_as_the_whole_rows(seed, monkeypatch):
     plain = Batch(*(getattr(batch, f) for f in ("input_ids", "attention_mask", "positions", "response_ids", "mask",
                                                    "rollout_logprobs", "versions")))
     weights = torch.randn(batch.mask.shape, generator=g)
-    want, want_grads = value_and_grads(lambda: trainer_logprobs(model, plain, SAMPLINGS["plain"]), model, plain, weights)
-    got, grads = value_and_grads(lambda: trainer_logprobs(model, batch, SAMPLINGS["plain"]), model, batch, weights)
+    plain_lp, packed_lp = (lambda b=b: trainer_logprobs(model, b, SAMPLINGS["plain"]) for b in (plain, batch))
+    want, want_grads = value_and_grads(plain_lp, model, plain, weights)
+    got, grads = value_and_grads(packed_lp, model, batch, weights)
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
     for a, b in zip(grads, want_grads):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-6 * (float(b.abs().max()) + 1e-30))

@@ -36,10 +36,10 @@ families it was checked against, a forward and cache it can drive, rotary freque
 forward's length); any other model or version goes through ``generate``, and ``HFEngine.speed_paths`` says why.
 
 A prompt that repeats in the batch (GRPO's group) is prefilled once where the one planner allows it
-(``offpolicy.speed.shared_prompt``, the trainer's rule too): the KV cache of each distinct prompt (and its last
-logits) computed once and copied to the prompt's rows; the loop draws the first token from those logits and goes
-on from that cache as it would from its own prefill (through ``generate``, all but the last prompt token are
-shared: ``generate`` runs that one itself).
+(``offpolicy.speed.shared_prompt``, which also plans the trainer's packs): the KV cache of each distinct prompt
+(and its last logits) computed once and copied to the prompt's rows; the loop draws the first token from those
+logits and goes on from that cache as it would from its own prefill (through ``generate``, all but the last
+prompt token are shared: ``generate`` runs that one itself).
 
 Under top-k/top-p, ``_SampledLogprobs`` also records each step's kept set — the tokens whose processed
 score is not −inf, exactly the support ``multinomial`` draws from — as kept ids
