@@ -158,7 +158,8 @@ def score_centering_term(cfg: LossConfig, corr: Correction | None, valid: torch.
     lq_in = support_rollout_logprobs.float()
     lp_in = UpcastSaturating.apply(support_logprobs) if support_logprobs.dtype in (torch.float16, torch.bfloat16) \
         else support_logprobs.float()
-    entry = centred.unsqueeze(-1) & (lq_in != float("-inf"))  # [B, T, K]: what is not padding
+    filled = lq_in != float("-inf")  # [B, T, K]: what is not padding
+    entry = centred.unsqueeze(-1) & filled
     broken = [(name, entry & ~torch.isfinite(tensor)) for name, tensor in (
         ("support_rollout_logprobs", lq_in), ("support_logprobs", support_logprobs),
         ("support_old_logprobs", support_old_logprobs)) if tensor is not None]
@@ -177,7 +178,7 @@ def score_centering_term(cfg: LossConfig, corr: Correction | None, valid: torch.
             bad_token = bad_token.any(dim=-1, keepdim=True) & centred
         centred = centred & ~bad_token
     metrics.sum("score_centering/nonfinite_tokens", bad_token.sum())
-    present = centred.unsqueeze(-1) & (lq_in != float("-inf"))  # [B, T, K]
+    present = centred.unsqueeze(-1) & filled  # [B, T, K]
     lp = torch.where(present, lp_in, zero)  # the gradient path
     lp_sg = lp.detach()
     lq = torch.where(present, lq_in, zero)

@@ -113,43 +113,49 @@ def _refusal(model, form: Form) -> str | None:
     return None if found.fast else found.reason
 
 
-def cache_refusal(model) -> str | None:
-    """Why ``model``'s KV cache cannot have its rows copied or dropped (``reorder_cache`` on every layer of
-    transformers' ``DynamicCache``), or None where it can."""
+def _cache_layers(model) -> tuple[list, str | None]:
+    """The layers transformers' ``DynamicCache`` builds for ``model``'s config, or ``([], why)`` where it builds
+    none that apply (an encoder-decoder model, a config it cannot read)."""
     from transformers import DynamicCache
 
     if getattr(model.config, "is_encoder_decoder", False):
-        return "an encoder-decoder model"
+        return [], "an encoder-decoder model"
     try:
-        layers = DynamicCache(config=model.config).layers
+        return DynamicCache(config=model.config).layers, None
     except Exception:  # noqa: BLE001 — a config DynamicCache cannot read
-        return "its cache is not one transformers' DynamicCache builds"
+        return [], "its cache is not one transformers' DynamicCache builds"
+
+
+def cache_refusal(model) -> str | None:
+    """Why ``model``'s KV cache cannot have its rows copied or dropped (``reorder_cache`` on every layer of
+    transformers' ``DynamicCache``), or None where it can."""
+    layers, why = _cache_layers(model)
+    if why is not None:
+        return why
     if not layers or not all(hasattr(layer, "reorder_cache") for layer in layers):
         return "its cache layers cannot copy rows"
     return None
 
 
-def _structural_refusal(model, form: Form) -> str | None:
-    from transformers import DynamicCache
+def packed_refusal(model) -> str | None:
+    """Why the trainer may not pack ``model``'s rows (module doc): a layer that is not plain full attention (a
+    custom mask would override a sliding window; linear attention has none) or attention other than SDPA."""
     from transformers.cache_utils import DynamicLayer
 
-    config = model.config
-    if form == "token":
-        cache = cache_refusal(model)
-        if cache is not None:
-            return cache
-    else:
-        if getattr(config, "is_encoder_decoder", False):
-            return "an encoder-decoder model"
-        try:
-            layers = DynamicCache(config=config).layers
-        except Exception:  # noqa: BLE001 — a config DynamicCache cannot read
-            return "its layers are not ones transformers' DynamicCache builds"
-        if not layers or not all(type(layer) is DynamicLayer for layer in layers):
-            return "its layers are not all plain full attention (sliding window or linear attention)"
-        if getattr(config, "_attn_implementation", None) != "sdpa":
-            return f"its attention is {getattr(config, '_attn_implementation', None)!r}, not SDPA"
-    return rope_refusal(model)
+    layers, why = _cache_layers(model)
+    if why is not None:
+        return why
+    if not layers or not all(type(layer) is DynamicLayer for layer in layers):
+        return "its layers are not all plain full attention (sliding window or linear attention)"
+    attention = getattr(model.config, "_attn_implementation", None)
+    if attention != "sdpa":
+        return f"its attention is {attention!r}, not SDPA"
+    return None
+
+
+def _structural_refusal(model, form: Form) -> str | None:
+    why = cache_refusal(model) if form == "token" else packed_refusal(model)
+    return why if why is not None else rope_refusal(model)
 
 
 def groups(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
