@@ -315,3 +315,18 @@ def test_under_bf16_autocast_the_support_follows_the_sampled_tokens_precision(ti
     assert present.any()
     assert torch.allclose(values["bf16"][present], values["fp32"][present], atol=0.1, rtol=0)
     assert not torch.equal(values["bf16"], values["fp32"])  # autocast did run
+
+
+def test_a_micro_batch_cuts_the_support_at_its_padding_only():
+    """``Support.cut`` keeps as many K slots as the largest set among its columns uses, counting every entry but
+    −inf padding: a NaN log q (which ``correction.nonfinite`` must see) is a slot, not padding, so neither it nor
+    the finite entry after it is cut away."""
+    from offpolicy.policy.batch import Support
+
+    nan, pad = float("nan"), float("-inf")
+    rollout = torch.tensor([[[nan, -1.0, pad, pad], [-0.5, pad, pad, pad]],
+                            [[-0.2, pad, pad, pad], [-0.7, -0.9, -2.0, pad]]])
+    ids = torch.arange(16).view(2, 2, 4)
+    first = Support(ids, rollout, "exact").cut(1)  # column 0: the NaN row uses two slots
+    assert first.ids.shape == (2, 1, 2) and torch.isnan(first.rollout[0, 0, 0]) and first.rollout[0, 0, 1] == -1.0
+    assert Support(ids, rollout, "exact").cut(2).ids.shape == (2, 2, 3)

@@ -72,7 +72,7 @@ class Support(NamedTuple):
         uses (each position's ids fill its first slots): a micro-batch of short sets does not carry the
         batch's largest K. A CPU support (its sizes are read on the host)."""
         rollout = self.rollout[:, :width]
-        k = int(torch.isfinite(rollout).sum(dim=-1).max()) if rollout.numel() else 0
+        k = int((rollout != float("-inf")).sum(dim=-1).max()) if rollout.numel() else 0  # only −inf pads
         return Support(self.ids[:, :width, :k], rollout[..., :k], self.form)
 
     def to(self, device: torch.device, non_blocking: bool = False) -> Support:
