@@ -1,17 +1,20 @@
 #!/usr/bin/env bash
-# The GPU checks of issue #44 as one call of the device machine (docs/performance.md, "Issue #44"):
-# one call that fits 7 minutes (so a rerun fits a 15-minute lease), in order of priority — first what the
-# last lease left unrun.
+# The GPU checks of issues #44 and #57 as one call of the device machine (docs/performance.md): one call that
+# fits 7 minutes (so a rerun fits a 15-minute lease); STEPS picks the steps, whose limits must add up to at most
+# the 7 minutes.
 #
 #   bash scripts/device_check.sh              # on the device machine (run tool, timeout_s 450)
 #   bash scripts/device_check.sh --dry-run    # here, without a GPU: proves the script's own steps
-#   STEPS="tests head" bash scripts/device_check.sh
+#   STEPS="packs trainer" BASELINE=.dev/base/src bash scripts/device_check.sh
 #
 # Steps (limit in seconds; the limits add up to BUDGET):
 #   build  20  the carried wheels (.whl/) installed with one pip call — the device machine has torch,
 #              triton, transformers and pytest but no pydantic (`pip download --no-deps --only-binary=:all:
 #              --python-version 3.12 -d .whl pydantic pydantic-core annotated-types typing-inspection
-#              openrlhf==0.11.2`); then `import offpolicy` — the script stops at once if it fails
+#              openrlhf==0.11.2`; for TRL in `trainer`: trl==1.16.0 datasets dill multiprocess); then
+#              `import offpolicy` — the script stops at once if it fails
+#   packs 100  tests/test_head_cuda.py (the head's out_dtype GEMM, the trainer's packs on CUDA: issue #57) and
+#              tests/test_train_device.py (its CUDA runs, and the rest under the machine's torch)
 #   tests 100  the last 9 tests of tests/test_triton.py on CUDA (CUDA-graph capture, no host sync through
 #              auto, low-precision gradients, ...), which the last lease's time limit left unrun
 #   head   50  the head's forward + backward at V = 151,936, H = 896, 16k tokens, fp32 and bf16, before and
@@ -19,7 +22,10 @@
 #   m2po   60  four optimizer steps of areal:m2po (data-chosen cut every step) on the embedded model: s/step
 #              and the number of Triton kernels compiled (a fresh TRITON_CACHE_DIR, counted afterwards)
 #   loss   80  benchmarks/bench_loss.py, fp32 and bf16, with the host-overhead row
-#   trainer 100 benchmarks/bench_trainer.py at Qwen2-0.5B's shapes, hf engine, 12 steps x 2 runs
+#   trainer 100 benchmarks/bench_trainer.py at Qwen2-0.5B's shapes, TRL (if carried) and offpolicy's defaults
+#              (hf engine: no vLLM there), 12 steps x 2 runs; BASELINE=DIR (another commit's src/, carried) adds
+#              the defaults from that tree, paired (before/after); TRAINER_LIMIT overrides the limit and
+#              TRAINER_OPTS adds options (later ones win: TRAINER_OPTS="--lengths 128 --steps 6")
 # Every log goes to $OUT (the device tool brings back what is there); $OUT/summary.txt has one line a step.
 set -u
 DRY=0
@@ -29,6 +35,7 @@ mkdir -p "$OUT"
 DEVICE=${DEVICE:-cuda}
 [ "$DRY" = 1 ] && DEVICE=cpu
 STEPS=${STEPS:-"tests head m2po loss trainer"}
+BASELINE=${BASELINE:-}
 BUDGET=420  # seconds: 7 minutes
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1 TOKENIZERS_PARALLELISM=false
@@ -40,12 +47,16 @@ mkdir -p "$RUN"
 say() { echo "$*" | tee -a "$SUMMARY"; }
 
 # ------------------------------------------------------------------ the steps' limits and the budget
-declare -A LIMIT=([build]=20 [tests]=100 [head]=50 [m2po]=60 [loss]=80 [trainer]=100)
-total=0
-for name in build tests head m2po loss trainer; do total=$((total + LIMIT[$name])); done
+declare -A LIMIT=([build]=20 [tests]=100 [packs]=100 [head]=50 [m2po]=60 [loss]=80 [trainer]=${TRAINER_LIMIT:-100})
+total=${LIMIT[build]}
+limits="build ${LIMIT[build]}"
+for name in $STEPS; do
+    [ -n "${LIMIT[$name]:-}" ] || { echo "device_check: no step '$name' (steps: ${!LIMIT[*]})"; exit 2; }
+    total=$((total + LIMIT[$name]))
+    limits="$limits $name ${LIMIT[$name]}"
+done
 say "device_check: $(date -u +%Y-%m-%dT%H:%M:%SZ) $(git rev-parse --short HEAD 2>/dev/null || echo no-git)" \
-    "dry_run=$DRY device=$DEVICE steps='$STEPS' limits: build ${LIMIT[build]} tests ${LIMIT[tests]}" \
-    "head ${LIMIT[head]} m2po ${LIMIT[m2po]} loss ${LIMIT[loss]} trainer ${LIMIT[trainer]} = ${total}s of ${BUDGET}s"
+    "dry_run=$DRY device=$DEVICE steps='$STEPS' limits: $limits = ${total}s of ${BUDGET}s"
 if [ "$total" -gt "$BUDGET" ]; then say "device_check: the steps' limits exceed the ${BUDGET}s budget"; exit 2; fi
 
 # ------------------------------------------------------------------ build what is carried, check the import
@@ -107,6 +118,10 @@ DRY_COMMAND="[ $n_sel = 9 ] && $PY -m pytest -q --collect-only -p no:cacheprovid
 # -o addopts= : no xdist flags (the machine's pytest-xdist may predate them), one process
 step tests "$PY" -m pytest -q -n 0 -p no:cacheprovider -o addopts= -ra --durations=10 $LAST9
 
+DRY_COMMAND="$PY -m pytest -q --collect-only -p no:cacheprovider -o addopts= tests/test_head_cuda.py tests/test_train_device.py"
+step packs "$PY" -m pytest -q -n 0 -p no:cacheprovider -o addopts= -ra --durations=10 tests/test_head_cuda.py \
+    tests/test_train_device.py
+
 DRY_COMMAND="$PY benchmarks/bench_head.py --help > /dev/null"
 step head "$PY" benchmarks/bench_head.py --device "$DEVICE" --vocab 151936 --hidden 896 --tokens 16384 --repeats 3
 
@@ -126,8 +141,15 @@ DRY_COMMAND="$PY benchmarks/bench_loss.py --help > /dev/null"
 step loss "$PY" benchmarks/bench_loss.py --device "$DEVICE" --dtypes fp32,bf16 --repeats 20
 
 DRY_COMMAND="$PY benchmarks/bench_trainer.py --help > /dev/null"
-step trainer "$PY" benchmarks/bench_trainer.py --device "$DEVICE" --models qwen2-0.5b --steps 12 --runs 2 \
-    --only "hf engine"
+# the defaults are what a user runs (engine auto: the hf engine where vLLM is not installed, as on that machine)
+TRAINER_ARGS=(--device "$DEVICE" --models qwen2-0.5b --steps 12 --runs 2 --only TRL defaults)
+if [ -n "$BASELINE" ]; then
+    [ -d "$BASELINE/offpolicy" ] || { say "trainer: BASELINE=$BASELINE holds no offpolicy package"; exit 2; }
+    TRAINER_ARGS+=(--baseline-src "$BASELINE")
+fi
+# shellcheck disable=SC2206 # word splitting of the options is meant
+TRAINER_ARGS+=(${TRAINER_OPTS:-})
+step trainer "$PY" benchmarks/bench_trainer.py "${TRAINER_ARGS[@]}"
 
 echo "=== summary"
 cat "$SUMMARY"
