@@ -363,9 +363,11 @@ def main() -> None:
                             failed.add(name)
                             continue
                         r = results[name][-1]
+                        stages = ", ".join(f"{s} {1e3 * r['stages'][s]:.0f}" for s in ("generate", "train")
+                                           if s in r["stages"])
                         print(f"  {model} threads={threads} length {length} run {run}: {name}: "
-                              f"{r['steps_per_s']:.2f} steps/s ({r['threads']} threads; load average "
-                              f"{os.getloadavg()[0]:.2f})", flush=True)
+                              f"{r['steps_per_s']:.2f} steps/s{f' (ms: {stages})' if stages else ''} "
+                              f"({r['threads']} threads; load average {os.getloadavg()[0]:.2f})", flush=True)
                 kept = [n for n in names if n not in failed]
                 if failed:
                     print(f"  left out of the table (failed): {', '.join(sorted(failed))}")
