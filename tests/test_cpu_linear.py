@@ -112,3 +112,64 @@ def test_where_onednn_s_linear_is_not_used(tiny_qwen2, monkeypatch):
     assert use_onednn_linear(model, "auto", cpu, "fp32") == "torch's F.linear (this torch has no oneDNN linear)"
     with pytest.raises(ValueError, match=r"cpu_linear=onednn: this torch has no oneDNN linear.*Fix: cpu_linear=auto"):
         use_onednn_linear(model, "onednn", cpu, "fp32")
+
+
+def test_without_a_gradient_few_rows_take_f_linear_but_a_vocabulary_wide_head_takes_onednn(monkeypatch):
+    """A decode step's rows (fewer than ``ONEDNN_MIN_ROWS``) go through ``F.linear`` for the decoder's layers, where
+    oneDNN is no faster, but through oneDNN for a layer as wide as a vocabulary (``ONEDNN_WIDE_OUT``), whose
+    weight streaming oneDNN does faster at any row count; the same values either way."""
+    calls = []
+    real = cpu_linear._gemm
+    monkeypatch.setattr(cpu_linear, "_gemm", lambda *a: calls.append(a[1].shape) or real(*a))
+    narrow, wide = torch.nn.Linear(16, 64), torch.nn.Linear(16, cpu_linear.ONEDNN_WIDE_OUT, bias=False)
+    for layer in (narrow, wide):
+        layer.__class__ = OneDNNLinear
+    x = torch.randn(4, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(narrow(x), F.linear(x, narrow.weight, narrow.bias), rtol=1e-5, atol=1e-5)
+        assert calls == []
+        torch.testing.assert_close(wide(x), F.linear(x, wide.weight), rtol=1e-5, atol=1e-5)
+        assert calls == [wide.weight.shape]
+        narrow(torch.randn(cpu_linear.ONEDNN_MIN_ROWS, 16))
+    assert len(calls) == 2
+
+
+def test_the_functional_linear_routes_like_the_layer(monkeypatch):
+    """``cpu_linear.linear`` (the trainer's head's GEMMs): oneDNN for fp32 CPU inputs, a transposed weight view
+    included (the head's d_lin · W), and ``F.linear`` under autocast or in another dtype."""
+    calls = []
+    real = cpu_linear._gemm
+    monkeypatch.setattr(cpu_linear, "_gemm", lambda *a: calls.append(1) or real(*a))
+    x, w, d = torch.randn(5, 24), torch.randn(40, 24), torch.randn(5, 40)
+    torch.testing.assert_close(cpu_linear.linear(x, w), x @ w.t(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(cpu_linear.linear(d, w.t()), d @ w, rtol=1e-5, atol=1e-5)
+    assert len(calls) == 2
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert cpu_linear.linear(x, w).dtype == torch.bfloat16
+    assert cpu_linear.linear(x.double(), w.double()).dtype == torch.float64
+    assert len(calls) == 2
+
+
+def test_the_head_goes_through_onednn_where_the_model_s_layers_do(tiny_qwen2):
+    """``linear_head`` marks a ``OneDNNLinear`` head, and the trainer's log-probs and gradients through oneDNN's
+    head GEMMs equal ``F.linear``'s to fp32 rounding (the same model, its layers swapped back)."""
+    from test_head import SAMPLINGS, ragged_batch, trainer_logprobs, value_and_grads
+
+    from offpolicy.policy.head import linear_head
+
+    plain = tiny_qwen2.train()
+    fast = copy.deepcopy(plain)
+    assert not linear_head(plain).onednn
+    use_onednn_linear(fast, "auto", torch.device("cpu"), "fp32")
+    assert linear_head(fast).onednn
+    batch = ragged_batch(plain, plain.config.vocab_size)
+    weights = torch.randn(batch.mask.shape, generator=torch.Generator().manual_seed(1))
+    for name in ("plain", "all"):
+        want, want_grads = value_and_grads(lambda: trainer_logprobs(plain, batch, SAMPLINGS[name]), plain, batch,
+                                           weights)
+        got, grads = value_and_grads(lambda: trainer_logprobs(fast, batch, SAMPLINGS[name]), fast, batch, weights)
+        assert torch.equal(torch.isneginf(got), torch.isneginf(want))
+        finite = torch.isfinite(want)
+        torch.testing.assert_close(got[finite], want[finite], rtol=1e-5, atol=1e-5)
+        for a, b in zip(grads, want_grads):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5 * (float(b.abs().max()) + 1e-30))

@@ -544,3 +544,63 @@ def test_the_rotary_probe_leaves_the_models_rope_as_it_was():
     before = (rotary.inv_freq.clone(), rotary.max_seq_len_cached)
     assert rope_refusal(model) is not None
     assert torch.equal(rotary.inv_freq, before[0]) and rotary.max_seq_len_cached == before[1]
+
+
+def test_micro_batches_of_whole_packs_by_hand():
+    """Where the forward packs, micro-batches hold whole packs (``shared_prompt.micro_batches``): split by whole
+    rows, shortest first, the groups mix and each micro-batch computes again the prompt of every group it touches.
+    Two prompts, [5, 6, 7] (rows 0, 2, 4: responses of 3, 1 and 2 tokens) and [8, 9] (rows 1, 3: 2 and 4 tokens):
+    pack tokens, prompt + responses but their last tokens, 3 + 2 + 0 + 1 = 6 and 2 + 1 + 3 = 6."""
+    from offpolicy.policy.score import micro_batches
+    from offpolicy.speed.shared_prompt import layout
+    from offpolicy.speed.shared_prompt import micro_batches as packed_micro_batches
+
+    rows = [[5, 6, 7, 11, 12, 13], [8, 9, 21, 22], [5, 6, 7, 14], [8, 9, 23, 24, 25, 26], [5, 6, 7, 15, 16]]
+    input_ids = torch.tensor([r + [0] * (6 - len(r)) for r in rows])
+    attention = (torch.arange(6) < torch.tensor([len(r) for r in rows])[:, None]).long()
+    prompt = torch.tensor([3, 2, 3, 2, 3])
+    found = layout(input_ids, attention, prompt)
+    assert found.pack_tokens().tolist() == [6, 6] and found.pack_of_rows().tolist() == [0, 1, 0, 1, 0]
+    split = lambda budget: [p.tolist() for p in packed_micro_batches(input_ids, attention, prompt, budget)]  # noqa: E731
+    assert split(12) == [[0, 1, 2, 3, 4]] and split(11) == [[0, 2, 4], [1, 3]] and split(3) == [[0, 2, 4], [1, 3]]
+    # with cap 4 the first group splits (b = 4 − 3 = 1): rows 0 and 2 (5 tokens), row 4 (4 tokens); the second
+    # stays one pack (b = 2: both responses start within 2 tokens), 6 tokens. Shortest first under a budget of 9:
+    # [row 4] then 2 · 5 > 9, so [0, 2], then [1, 3]; under 10, 2 · 5 fits
+    by_cap = lambda budget: [p.tolist() for p in packed_micro_batches(input_ids, attention, prompt, budget, cap=4)]  # noqa: E731
+    assert by_cap(9) == [[4], [0, 2], [1, 3]] and by_cap(10) == [[0, 2, 4], [1, 3]]
+    assert packed_micro_batches(input_ids[:2], attention[:2], prompt[:2], 12) is None  # no prompt repeats
+
+    class B:  # the fields micro_batches reads, as to_batch lays them out (positions[:, 0] = len(prompt) − 1)
+        pass
+    batch = B()
+    batch.input_ids, batch.attention_mask, batch.positions = input_ids, attention, (prompt - 1)[:, None]
+    subset = torch.tensor([4, 3, 2, 1])  # any rows of a batch: indices into the batch come back
+    assert [g.tolist() for g in micro_batches(batch, subset, 9, packed=True)] == [[4, 2], [3, 1]]
+    # the whole-row rule (a model that does not pack): shortest first, groups mixed
+    assert [g.tolist() for g in micro_batches(batch, subset, 9, packed=False)] == [[2, 1], [4], [3]]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_micro_batches_of_packs_cover_the_rows_within_the_budget(seed):
+    """Random groups and budgets: the micro-batches of whole packs hold every row once; each one's own plan (as
+    ``to_device`` makes it for the trimmed micro-batch) holds at most the budget's tokens unless it is one pack,
+    and all of them together compute no more prompts than the whole batch's plan does."""
+    from offpolicy.policy.score import micro_batches, to_device, trim
+
+    g = torch.Generator().manual_seed(seed)
+    groups_, size = int(torch.randint(2, 6, (1,), generator=g)), int(torch.randint(2, 9, (1,), generator=g))
+    batch = grouped_batch(97, groups=groups_, group_size=size, seed=seed, longest=int(torch.randint(1, 40, (1,),
+                                                                                                      generator=g)))
+    rows = torch.arange(len(batch.mask))
+    rows = rows[batch.mask.sum(dim=1) > 0]  # as the update takes them
+    whole = to_device(trim(batch.select(rows)), torch.device("cpu")).counted.shared
+    budget = int(torch.randint(8, 200, (1,), generator=g))
+    parts = micro_batches(batch, rows, budget, packed=True)
+    assert sorted(torch.cat(parts).tolist()) == rows.tolist()
+    prompts = 0
+    for part in parts:
+        shared = to_device(trim(batch.select(part)), torch.device("cpu")).counted.shared
+        n, width = (1, 0) if shared is None else shared.ids.shape  # a lone row: no plan, its whole row
+        assert n * width <= budget or n == 1
+        prompts += n
+    assert prompts <= whole.ids.shape[0]

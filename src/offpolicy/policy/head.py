@@ -67,7 +67,8 @@ from offpolicy.kept_set import FlatKept, KeptIds
 from offpolicy.metrics import Metrics
 from offpolicy.policy.batch import Batch
 from offpolicy.sampling import SamplingConfig, outside_mass_metrics, renormalize_logprobs
-from offpolicy.speed import shared_prompt
+from offpolicy.speed import cpu_linear, shared_prompt
+from offpolicy.speed.cpu_linear import OneDNNLinear
 from offpolicy.speed.shared_prompt import SharedPrompts
 
 # one fp32 [C, V] buffer (a chunk's peak holds a handful): on CUDA large enough that a chunk's kernels
@@ -91,6 +92,7 @@ class LinearHead:
     weight: torch.Tensor  # [V, H]
     bias: torch.Tensor | None  # [V]
     softcap: float | None
+    onednn: bool = False  # the model's head is a ``OneDNNLinear``: its GEMMs go through oneDNN too (``cpu_linear``)
 
 
 def chunk_tokens(vocab: int, device: torch.device | str = "cpu") -> int:
@@ -120,7 +122,7 @@ def linear_head(model) -> LinearHead:
         raise ConfigError(f"model: {name}'s output embedding is {type(out).__name__}, not a linear layer; "
                           "offpolicy's trainer head (offpolicy/policy/head.py) needs logits = W h + b")
     softcap = getattr(config, "final_logit_softcapping", None)
-    return LinearHead(weight, out.bias, float(softcap) if softcap else None)
+    return LinearHead(weight, out.bias, float(softcap) if softcap else None, isinstance(out, OneDNNLinear))
 
 
 def decoder_hidden(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -284,7 +286,8 @@ class _ChunkedHead(torch.autograd.Function):
     positions, or None): the engine's kept sets, made dense one chunk at a time."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, tokens, sampling, softcap, chunk, stats, kept=None, support=None):
+    def forward(ctx, hidden, weight, bias, tokens, sampling, softcap, chunk, stats, kept=None, support=None,
+                onednn=False):
         n = hidden.shape[0]
         dtype = torch.promote_types(weight.dtype, torch.float32)
         token_lp = torch.empty(n, dtype=dtype, device=hidden.device)
@@ -297,7 +300,7 @@ class _ChunkedHead(torch.autograd.Function):
             kept.check(weight.shape[0])
         for start in range(0, n, chunk):
             end = min(n, start + chunk)
-            lin = F.linear(hidden[start:end], weight, bias)  # [c, V] in the autocast dtype
+            lin = _linear(hidden[start:end], weight, bias, onednn)  # [c, V] in the autocast dtype
             keep = None if kept is None else kept.mask(start, end, lin.shape[-1])
             lp, entropy, outside, s_lp = _chunk_numbers(lin, tokens[start:end], sampling, softcap, stats, keep,
                                                         None if ids is None else ids[start:end])
@@ -313,7 +316,7 @@ class _ChunkedHead(torch.autograd.Function):
             _release_freed(hidden.device, n > chunk)
         device = hidden.device.type
         ctx.autocast = (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
-        ctx.sampling, ctx.softcap, ctx.chunk, ctx.kept = sampling, softcap, chunk, kept
+        ctx.sampling, ctx.softcap, ctx.chunk, ctx.kept, ctx.onednn = sampling, softcap, chunk, kept, onednn
         ctx.save_for_backward(hidden, weight, bias, tokens, token_lp, ids, present, support_lp)
         ctx.mark_non_differentiable(extra)
         return token_lp, extra, support_lp
@@ -340,21 +343,27 @@ class _ChunkedHead(torch.autograd.Function):
         for start in range(0, hidden.shape[0], ctx.chunk):
             end = min(hidden.shape[0], start + ctx.chunk)
             h = _compute_dtype(hidden[start:end], autocast, autocast_dtype)
-            lin = F.linear(h, weight_c, bias_c)  # the forward's [c, V], recomputed with the same casts
+            lin = _linear(h, weight_c, bias_c, ctx.onednn)  # the forward's [c, V], recomputed with the same casts
             keep = None if ctx.kept is None else ctx.kept.mask(start, end, lin.shape[-1])
             d_lin = _chunk_grad(lin, tokens[start:end], grad_lp[start:end], ctx.sampling, ctx.softcap, keep,
                                 *((None, None) if ids is None else (ids[start:end], grad_support[start:end])))
             del lin, keep
             # the linear layer's backward in the compute dtype, as autograd does under autocast
             if need_hidden:
-                d_hidden[start:end] = d_lin.mm(weight_c).to(hidden.dtype)
+                d_hidden[start:end] = _linear(d_lin, weight_c.t(), None, ctx.onednn).to(hidden.dtype)  # d_lin W
             if need_weight:
                 _add_weight_grad(d_weight, d_lin, h.to(d_lin.dtype))
             if need_bias:
                 d_bias.add_(d_lin.sum(dim=0))
             del d_lin  # before the next chunk's: one chunk's buffers at a time
             _release_freed(hidden.device, hidden.shape[0] > ctx.chunk)
-        return d_hidden, d_weight, d_bias, None, None, None, None, None, None, None
+        return d_hidden, d_weight, d_bias, None, None, None, None, None, None, None, None
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, onednn: bool) -> torch.Tensor:
+    """``x Wᵀ + b`` of a chunk: through oneDNN where the model's own layers are (``LinearHead.onednn``; there
+    1.3× torch's GEMM at SmolLM2's [170, 576]·[576, 49,152] on one thread), else ``F.linear``."""
+    return cpu_linear.linear(x, weight, bias) if onednn else F.linear(x, weight, bias)
 
 
 def _compute_dtype(x: torch.Tensor | None, autocast: bool, dtype: torch.dtype) -> torch.Tensor | None:
@@ -404,7 +413,7 @@ def token_logprobs(hidden: torch.Tensor, tokens: torch.Tensor, head: LinearHead,
     if isinstance(kept, KeptIds):
         kept = kept.flat()
     token_lp, extra, support_lp = _ChunkedHead.apply(hidden, head.weight, head.bias, tokens, sampling, head.softcap,
-                                                     chunk, stats, kept, support)
+                                                     chunk, stats, kept, support, head.onednn)
     if support_out is not None and support is not None:
         support_out.append(support_lp)
     if not stats:

@@ -6,8 +6,9 @@ A ``Scorer`` holds what travels together — the model, the engine's sampling su
 compute dtype and the token budget of a micro-batch — frozen, so every caller scores the same way:
 
     score(batch) = log π̃(y_t) ``[B, T]`` fp32, the rows split into micro-batches of ≤ ``budget``
-                   padded tokens (``micro_batches``), each trimmed of the padding no row uses (``trim``)
-                   and moved to the device with its counted positions (``to_device``).
+                   padded tokens (``micro_batches``; whole packs where the forward packs each group),
+                   each trimmed of the padding no row uses (``trim``) and moved to the device with its
+                   counted positions (``to_device``).
 
 A micro-batch's columns past its longest response are 0 (masked everywhere); a row's log-probs do not
 depend on the split beyond the last bit of the matmuls.
@@ -25,6 +26,7 @@ from offpolicy.metrics import Metrics
 from offpolicy.policy.batch import TENSORS, Batch, Counted, shared_prompts
 from offpolicy.policy.head import trainer_logprobs
 from offpolicy.sampling import SamplingConfig
+from offpolicy.speed import shared_prompt
 
 DTYPES = ("fp32", "bf16")
 
@@ -91,13 +93,23 @@ def precision(device: torch.device, trainer_dtype: str) -> contextlib.AbstractCo
     return contextlib.nullcontext()
 
 
-def micro_batches(batch: Batch, rows: torch.Tensor, budget: int | None) -> list[torch.Tensor]:
+def micro_batches(batch: Batch, rows: torch.Tensor, budget: int | None, packed: bool = False) -> list[torch.Tensor]:
     """``rows`` split into groups of at most ``budget`` padded tokens each (rows × the group's
     longest prompt + response); a row longer than the budget goes alone. Rows are taken
     shortest first, so rows of similar length share a group and little is padding. ``batch``
-    must be on the CPU (its lengths are read on the host). ``budget=None``: one group."""
+    must be on the CPU (its lengths are read on the host). ``budget=None``: one group.
+
+    ``packed`` (the model's forward takes the packs: ``offpolicy.speed.shared_prompt``) and some prompt repeats:
+    whole packs instead, each micro-batch at most ``budget`` tokens of packs padded to its longest
+    (``shared_prompt.micro_batches``), so a group's prompt is not computed again in every micro-batch its rows
+    land in, and the budget counts the tokens the packed forward holds."""
     if budget is None:
         return [rows]
+    if packed:
+        parts = shared_prompt.micro_batches(batch.input_ids[rows], batch.attention_mask[rows],
+                                            batch.positions[rows, 0] + 1, budget)  # positions[:, 0] = len(prompt) − 1
+        if parts is not None:
+            return [rows[part] for part in parts]
     lengths = batch.attention_mask[rows].sum(dim=1)  # [b] prompt + response tokens
     order = torch.argsort(lengths, stable=True)
     groups: list[list[int]] = []
@@ -178,8 +190,9 @@ class Scorer:
         return logprobs.to(torch.promote_types(logprobs.dtype, torch.float32))
 
     def micro_batches(self, batch: Batch, rows: torch.Tensor) -> list[torch.Tensor]:
-        """``rows`` of the CPU ``batch`` in groups of at most ``budget`` padded tokens."""
-        return micro_batches(batch, rows, self.budget)
+        """``rows`` of the CPU ``batch`` in groups of at most ``budget`` padded tokens (of packs, where the model
+        takes them)."""
+        return micro_batches(batch, rows, self.budget, packed=shared_prompt.refusal(self.model, "packed") is None)
 
     def to_device(self, batch: Batch, rows: torch.Tensor) -> Batch:
         """``rows`` of the CPU ``batch``, trimmed of unused padding, on the device."""

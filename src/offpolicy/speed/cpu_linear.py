@@ -27,8 +27,11 @@ import torch.nn.functional as F
 from offpolicy.speed.gates import ONEDNN_LINEAR, decide, installed_version
 
 
-# without a gradient, inputs of fewer rows than this go through F.linear (OneDNNLinear.forward)
+# without a gradient, inputs of fewer rows than this go through F.linear (OneDNNLinear.forward), unless the layer is
+# as wide as a vocabulary: a decode step's head streams its [V, H] weight, and there oneDNN is ahead at any row count
+# (SmolLM2's [32, 576]·[576, 49,152] at one thread: 73 against 54 GFLOP/s; 4 rows: 20 against 13)
 ONEDNN_MIN_ROWS = 128
+ONEDNN_WIDE_OUT = 8192
 
 
 def onednn_available() -> bool:
@@ -39,6 +42,23 @@ def onednn_available() -> bool:
 def _gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``x Wᵀ + b`` for a 2-D ``x`` [M, K] and ``weight`` [N, K] through oneDNN (no post-op)."""
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+def _takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether oneDNN's fp32 path takes ``x Wᵀ + b``: fp32 CPU tensors, some rows, no CPU autocast."""
+    fp32 = torch.float32
+    return (x.device.type == "cpu" and x.dtype == fp32 and weight.dtype == fp32 and x.numel() > 0
+            and (bias is None or bias.dtype == fp32) and not torch.is_autocast_enabled("cpu"))
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` of a 2-D ``x`` without autograd, through oneDNN where it takes the inputs
+    (``weight`` may be a transposed view: oneDNN reads the strides). For the trainer's head, which writes its own
+    backward and calls this only where the model's layers are ``OneDNNLinear`` (the gate passed, the config allows
+    it)."""
+    if _takes(x, weight, bias):
+        return _gemm(x, weight, bias)
+    return F.linear(x, weight, bias)
 
 
 class OneDNNLinearFunction(torch.autograd.Function):
@@ -72,17 +92,16 @@ class OneDNNLinear(torch.nn.Linear):
     state dict and ``isinstance``. ``use_onednn_linear`` turns a model's layers into it in place."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        fp32 = torch.float32
-        if (x.device.type != "cpu" or x.dtype != fp32 or self.weight.dtype != fp32 or x.numel() == 0
-                or (self.bias is not None and self.bias.dtype != fp32) or torch.is_autocast_enabled("cpu")):
+        if not _takes(x, self.weight, self.bias):
             return F.linear(x, self.weight, self.bias)
         if torch.is_grad_enabled():
             return OneDNNLinearFunction.apply(x, self.weight, self.bias)
         # no gradient (an engine's generate, a scoring forward): no autograd node, whose ~10 µs a call was a
         # tenth of a decode step; and few rows (a decode step's) through F.linear, where oneDNN's gain turns
-        # into a loss (64 rows of the embedded model: 0.6–1.4× by shape, docs/performance.md)
+        # into a loss (64 rows of the embedded model: 0.6–1.4× by shape, docs/performance.md), but for a
+        # vocabulary-wide head
         rows = x.reshape(-1, x.shape[-1])
-        if rows.shape[0] < ONEDNN_MIN_ROWS:
+        if rows.shape[0] < ONEDNN_MIN_ROWS and self.out_features < ONEDNN_WIDE_OUT:
             return F.linear(x, self.weight, self.bias)
         return _gemm(rows, self.weight, self.bias).reshape(*x.shape[:-1], self.weight.shape[0])
 

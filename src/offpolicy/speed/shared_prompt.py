@@ -231,12 +231,37 @@ class SharedPrompts(NamedTuple):
         return SharedPrompts(input_ids, *(t.to(device, non_blocking=True) for t in self[1:]))
 
 
-def plan(input_ids: torch.Tensor, attention: torch.Tensor, prompt: torch.Tensor,
-         cap: int = PACK_TOKENS) -> SharedPrompts | None:
-    """The trainer's plan for right-padded rows ``[B, L]`` whose prompts are ``prompt`` ``[B]`` tokens long, made
-    on the host (CPU tensors); None where it would save nothing (no prompt repeats). Rows whose prompts are equal
-    token for token share a prompt. A group's rows fill packs in batch order, each pack's responses starting
-    within ``cap`` − len(prompt) tokens of its first (so a pack ends at most one response past ``cap``)."""
+class PackLayout(NamedTuple):
+    """Which pack each row of a batch goes in (``layout``), before any tensor of the packs is made: rows in
+    group order (``order`` ``[B]``: each group's rows in batch order), each row's group (``group``, by ``order``),
+    response length but its last token (``length``, by ``order``), ``pack`` (by ``order``) and start column in
+    it (``column``, by ``order``); per pack its prompt's length (``prompt`` ``[n]``) and group (``group_of``
+    ``[n]``), and per distinct prompt its ids (``distinct`` ``[D, L]``)."""
+
+    order: torch.Tensor
+    group: torch.Tensor
+    length: torch.Tensor
+    pack: torch.Tensor
+    column: torch.Tensor
+    prompt: torch.Tensor
+    group_of: torch.Tensor
+    distinct: torch.Tensor
+
+    def pack_tokens(self) -> torch.Tensor:
+        """Each pack's tokens ``[n]``: its prompt and its rows' responses but their last tokens."""
+        return self.prompt + torch.zeros_like(self.prompt).scatter_add(0, self.pack, self.length)
+
+    def pack_of_rows(self) -> torch.Tensor:
+        """Each row's pack ``[B]``, in batch order."""
+        return torch.empty_like(self.pack).scatter_(0, self.order, self.pack)
+
+
+def layout(input_ids: torch.Tensor, attention: torch.Tensor, prompt: torch.Tensor,
+           cap: int = PACK_TOKENS) -> PackLayout | None:
+    """The packs of right-padded rows ``[B, L]`` whose prompts are ``prompt`` ``[B]`` tokens long (host tensors);
+    None where no prompt repeats. Rows whose prompts are equal token for token share a prompt. A group's rows fill
+    packs in batch order, each pack's responses starting within ``cap`` − len(prompt) tokens of its first (so a
+    pack ends at most one response past ``cap``)."""
     rows, width = input_ids.shape
     if rows < 2 or int(prompt.min()) < 1:
         return None
@@ -262,15 +287,30 @@ def plan(input_ids: torch.Tensor, attention: torch.Tensor, prompt: torch.Tensor,
     pack_prompt = prompt_len[pack_group]  # [n]
     column = offset - torch.full((packs,), rows * width).scatter_reduce(0, pack, offset, "amin")[pack]
     column = column + pack_prompt[pack]  # where each row's response starts in its pack
-    packed = int((pack_prompt + torch.zeros(packs, dtype=torch.long).scatter_add(0, pack, length)).max())
+    return PackLayout(order, group, length, pack, column, pack_prompt, pack_group, distinct)
+
+
+def plan(input_ids: torch.Tensor, attention: torch.Tensor, prompt: torch.Tensor,
+         cap: int = PACK_TOKENS) -> SharedPrompts | None:
+    """The trainer's plan for right-padded rows ``[B, L]`` whose prompts are ``prompt`` ``[B]`` tokens long, made
+    on the host (CPU tensors), with the packs of ``layout``; None where it would save nothing (no prompt
+    repeats)."""
+    found = layout(input_ids, attention, prompt, cap)
+    if found is None:
+        return None
+    order, length, pack, column, pack_prompt = found.order, found.length, found.pack, found.column, found.prompt
+    rows, width = input_ids.shape
+    packs = len(pack_prompt)
+    packed = int(found.pack_tokens().max())
     # the prompts
     cols = torch.arange(packed)
     in_prompt = cols[None, :] < pack_prompt[:, None]  # [n, W]
-    ids = torch.where(in_prompt, distinct[pack_group].gather(1, cols.clamp(max=width - 1).expand(packs, -1)), 0)
+    ids = torch.where(in_prompt, found.distinct[found.group_of].gather(1, cols.clamp(max=width - 1).expand(packs, -1)),
+                      0)
     positions = torch.where(in_prompt, cols, 0)
     segments = torch.where(in_prompt, 0, -1)
     # the responses (but their last tokens), each after its pack's prompt and the responses before it
-    width_s = int(suffix.max())
+    width_s = int(length.max())
     t = torch.arange(width_s)
     valid = t[None, :] < length[:, None]  # [B, S], rows in group order
     target = pack[:, None] * packed + column[:, None] + t  # flat index into [n·W]
@@ -282,6 +322,31 @@ def plan(input_ids: torch.Tensor, attention: torch.Tensor, prompt: torch.Tensor,
     gather = torch.empty((rows, width_s + 1), dtype=torch.long)
     gather[order] = torch.cat([last[:, None], torch.where(valid, target, last[:, None])], dim=1)
     return SharedPrompts(input_ids, ids, positions, segments, gather)
+
+
+def micro_batches(input_ids: torch.Tensor, attention: torch.Tensor, prompt: torch.Tensor, budget: int,
+                  cap: int = PACK_TOKENS) -> list[torch.Tensor] | None:
+    """Rows ``[B, L]`` (host tensors; prompts ``prompt`` ``[B]`` long) split into micro-batches of whole packs
+    (``layout``): the packs shortest first, each micro-batch at most ``budget`` tokens once its packs are padded to
+    its longest (a pack longer than the budget goes alone). Each micro-batch's row indices in batch order, so its
+    own plan makes the same packs; None where no prompt repeats. Splitting the rows by their whole length instead
+    mixes the groups, and each micro-batch computes again the prompts of all the groups it touches."""
+    found = layout(input_ids, attention, prompt, cap)
+    if found is None:
+        return None
+    tokens = found.pack_tokens()
+    of_row = found.pack_of_rows()
+    parts: list[list[int]] = []
+    widest = 0
+    for p in torch.argsort(tokens, stable=True).tolist():
+        width = int(tokens[p])
+        if parts and (len(parts[-1]) + 1) * max(widest, width) <= budget:
+            parts[-1].append(p)
+            widest = max(widest, width)
+        else:
+            parts.append([p])
+            widest = width
+    return [torch.isin(of_row, torch.tensor(part)).nonzero().squeeze(1) for part in parts]
 
 
 def serves(model, shared: SharedPrompts | None, input_ids: torch.Tensor) -> bool:
