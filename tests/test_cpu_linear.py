@@ -151,16 +151,20 @@ def test_the_functional_linear_routes_like_the_layer(monkeypatch):
 
 
 def test_the_head_goes_through_onednn_where_the_model_s_layers_do(tiny_qwen2):
-    """``linear_head`` marks a ``OneDNNLinear`` head, and the trainer's log-probs and gradients through oneDNN's
-    head GEMMs equal ``F.linear``'s to fp32 rounding (the same model, its layers swapped back)."""
-    from test_head import SAMPLINGS, ragged_batch, trainer_logprobs, value_and_grads
+    """``linear_head`` marks a vocabulary-wide ``OneDNNLinear`` head (the embedded model's 64-token head stays on
+    torch's GEMM, faster there), and the trainer's log-probs and gradients through oneDNN's head GEMMs equal
+    ``F.linear``'s to fp32 rounding (the same model, its layers not swapped)."""
+    from test_head import SAMPLINGS, ragged_batch, tiny_causal_lm, trainer_logprobs, value_and_grads
 
     from offpolicy.policy.head import linear_head
 
-    plain = tiny_qwen2.train()
+    cpu = torch.device("cpu")
+    use_onednn_linear(tiny_qwen2, "auto", cpu, "fp32")
+    assert type(tiny_qwen2.lm_head) is OneDNNLinear and not linear_head(tiny_qwen2).onednn
+    plain = tiny_causal_lm("qwen2", cpu_linear.ONEDNN_WIDE_OUT, hidden=32).train()
     fast = copy.deepcopy(plain)
     assert not linear_head(plain).onednn
-    use_onednn_linear(fast, "auto", torch.device("cpu"), "fp32")
+    use_onednn_linear(fast, "auto", cpu, "fp32")
     assert linear_head(fast).onednn
     batch = ragged_batch(plain, plain.config.vocab_size)
     weights = torch.randn(batch.mask.shape, generator=torch.Generator().manual_seed(1))

@@ -68,7 +68,7 @@ from offpolicy.metrics import Metrics
 from offpolicy.policy.batch import Batch
 from offpolicy.sampling import SamplingConfig, outside_mass_metrics, renormalize_logprobs
 from offpolicy.speed import cpu_linear, shared_prompt
-from offpolicy.speed.cpu_linear import OneDNNLinear
+from offpolicy.speed.cpu_linear import ONEDNN_WIDE_OUT, OneDNNLinear
 from offpolicy.speed.shared_prompt import SharedPrompts
 
 # one fp32 [C, V] buffer (a chunk's peak holds a handful): on CUDA large enough that a chunk's kernels
@@ -92,7 +92,7 @@ class LinearHead:
     weight: torch.Tensor  # [V, H]
     bias: torch.Tensor | None  # [V]
     softcap: float | None
-    onednn: bool = False  # the model's head is a ``OneDNNLinear``: its GEMMs go through oneDNN too (``cpu_linear``)
+    onednn: bool = False  # a vocabulary-wide ``OneDNNLinear`` head: its GEMMs go through oneDNN too (``cpu_linear``)
 
 
 def chunk_tokens(vocab: int, device: torch.device | str = "cpu") -> int:
@@ -122,7 +122,9 @@ def linear_head(model) -> LinearHead:
         raise ConfigError(f"model: {name}'s output embedding is {type(out).__name__}, not a linear layer; "
                           "offpolicy's trainer head (offpolicy/policy/head.py) needs logits = W h + b")
     softcap = getattr(config, "final_logit_softcapping", None)
-    return LinearHead(weight, out.bias, float(softcap) if softcap else None, isinstance(out, OneDNNLinear))
+    # oneDNN for a vocabulary-wide head only: at the embedded model's [·, 128]·[128, 64] torch's GEMM is ahead
+    onednn = isinstance(out, OneDNNLinear) and out.out_features >= ONEDNN_WIDE_OUT
+    return LinearHead(weight, out.bias, float(softcap) if softcap else None, onednn)
 
 
 def decoder_hidden(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:

@@ -143,7 +143,8 @@ class TrainConfig(_Strict):
                                          "about one more forward per update")
     micro_batch_tokens: int | None = Field(None, gt=0, description="split each optimizer step's rows into "
                                            "micro-batches of at most this many prompt + response tokens (a longer "
-                                           "row goes alone); exact: the loss is divided by the step's global count. "
+                                           "row goes alone; where the forward packs each prompt group, whole packs "
+                                           "and their tokens); exact: the loss is divided by the step's global count. "
                                            "a pretrained model (model=DIR): 2048 when unset (PRETRAINED_DEFAULTS); "
                                            "null = one batch")
     engine_gpu_memory_utilization: float = Field(0.3, gt=0, le=1, description="vLLM on CUDA: share of the GPU's "
