@@ -546,38 +546,38 @@ def test_the_rotary_probe_leaves_the_models_rope_as_it_was():
     assert torch.equal(rotary.inv_freq, before[0]) and rotary.max_seq_len_cached == before[1]
 
 
-def test_micro_batches_of_whole_packs_by_hand():
-    """Where the forward packs, micro-batches hold whole packs (``shared_prompt.micro_batches``): split by whole
+def test_micro_batches_of_whole_packs_by_hand(monkeypatch):
+    """Where the forward packs, micro-batches hold whole packs (``score.micro_batches``, ``packed``): split by whole
     rows, shortest first, the groups mix and each micro-batch computes again the prompt of every group it touches.
     Two prompts, [5, 6, 7] (rows 0, 2, 4: responses of 3, 1 and 2 tokens) and [8, 9] (rows 1, 3: 2 and 4 tokens):
     pack tokens, prompt + responses but their last tokens, 3 + 2 + 0 + 1 = 6 and 2 + 1 + 3 = 6."""
     from offpolicy.policy.score import micro_batches
-    from offpolicy.speed.shared_prompt import layout
-    from offpolicy.speed.shared_prompt import micro_batches as packed_micro_batches
+    from offpolicy.speed import shared_prompt
 
     rows = [[5, 6, 7, 11, 12, 13], [8, 9, 21, 22], [5, 6, 7, 14], [8, 9, 23, 24, 25, 26], [5, 6, 7, 15, 16]]
     input_ids = torch.tensor([r + [0] * (6 - len(r)) for r in rows])
     attention = (torch.arange(6) < torch.tensor([len(r) for r in rows])[:, None]).long()
     prompt = torch.tensor([3, 2, 3, 2, 3])
-    found = layout(input_ids, attention, prompt)
-    assert found.pack_tokens().tolist() == [6, 6] and found.pack_of_rows().tolist() == [0, 1, 0, 1, 0]
-    split = lambda budget: [p.tolist() for p in packed_micro_batches(input_ids, attention, prompt, budget)]  # noqa: E731
-    assert split(12) == [[0, 1, 2, 3, 4]] and split(11) == [[0, 2, 4], [1, 3]] and split(3) == [[0, 2, 4], [1, 3]]
-    # with cap 4 the first group splits (b = 4 − 3 = 1): rows 0 and 2 (5 tokens), row 4 (4 tokens); the second
-    # stays one pack (b = 2: both responses start within 2 tokens), 6 tokens. Shortest first under a budget of 9:
-    # [row 4] then 2 · 5 > 9, so [0, 2], then [1, 3]; under 10, 2 · 5 fits
-    by_cap = lambda budget: [p.tolist() for p in packed_micro_batches(input_ids, attention, prompt, budget, cap=4)]  # noqa: E731
-    assert by_cap(9) == [[4], [0, 2], [1, 3]] and by_cap(10) == [[0, 2, 4], [1, 3]]
-    assert packed_micro_batches(input_ids[:2], attention[:2], prompt[:2], 12) is None  # no prompt repeats
+    of_row, tokens = shared_prompt.pack_sizes(input_ids, attention, prompt)
+    assert tokens.tolist() == [6, 6] and of_row.tolist() == [0, 1, 0, 1, 0]
+    assert shared_prompt.pack_sizes(input_ids[:2], attention[:2], prompt[:2]) is None  # no prompt repeats
 
     class B:  # the fields micro_batches reads, as to_batch lays them out (positions[:, 0] = len(prompt) − 1)
         pass
     batch = B()
     batch.input_ids, batch.attention_mask, batch.positions = input_ids, attention, (prompt - 1)[:, None]
-    subset = torch.tensor([4, 3, 2, 1])  # any rows of a batch: indices into the batch come back
-    assert [g.tolist() for g in micro_batches(batch, subset, 9, packed=True)] == [[4, 2], [3, 1]]
+    split = lambda budget, rows=torch.arange(5): [p.tolist() for p in micro_batches(batch, rows, budget, packed=True)]  # noqa: E731
+    assert split(12) == [[0, 1, 2, 3, 4]] and split(11) == [[0, 2, 4], [1, 3]] and split(3) == [[0, 2, 4], [1, 3]]
+    subset = torch.tensor([4, 3, 2, 1])  # any rows of a batch: indices into the batch come back, in its order
+    assert split(9, subset) == [[4, 2], [3, 1]]
     # the whole-row rule (a model that does not pack): shortest first, groups mixed
     assert [g.tolist() for g in micro_batches(batch, subset, 9, packed=False)] == [[2, 1], [4], [3]]
+    # with cap 4 the first group splits (b = 4 − 3 = 1): rows 0 and 2 (5 tokens), row 4 (4 tokens); the second
+    # stays one pack (b = 2: both responses start within 2 tokens), 6 tokens. Shortest first under a budget of 9:
+    # [row 4] then 2 · 5 > 9, so [0, 2], then [1, 3]; under 10, 2 · 5 fits
+    real = shared_prompt.pack_sizes
+    monkeypatch.setattr(shared_prompt, "pack_sizes", lambda *args: real(*args, cap=4))
+    assert split(9) == [[4], [0, 2], [1, 3]] and split(10) == [[0, 2, 4], [1, 3]]
 
 
 @pytest.mark.parametrize("seed", range(6))

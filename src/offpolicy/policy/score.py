@@ -100,21 +100,29 @@ def micro_batches(batch: Batch, rows: torch.Tensor, budget: int | None, packed: 
     must be on the CPU (its lengths are read on the host). ``budget=None``: one group.
 
     ``packed`` (the model's forward takes the packs: ``offpolicy.speed.shared_prompt``) and some prompt repeats:
-    whole packs instead, each micro-batch at most ``budget`` tokens of packs padded to its longest
-    (``shared_prompt.micro_batches``), so a group's prompt is not computed again in every micro-batch its rows
-    land in, and the budget counts the tokens the packed forward holds."""
+    whole packs instead, shortest first, each micro-batch at most ``budget`` tokens of packs padded to its longest,
+    its rows in batch order (so its own plan makes the same packs). Split by whole rows, the groups mix and each
+    micro-batch computes again the prompt of every group it touches; and the budget then counts the tokens the
+    packed forward holds."""
     if budget is None:
         return [rows]
     if packed:
-        parts = shared_prompt.micro_batches(batch.input_ids[rows], batch.attention_mask[rows],
-                                            batch.positions[rows, 0] + 1, budget)  # positions[:, 0] = len(prompt) − 1
-        if parts is not None:
-            return [rows[part] for part in parts]
+        sizes = shared_prompt.pack_sizes(batch.input_ids[rows], batch.attention_mask[rows],
+                                         batch.positions[rows, 0] + 1)  # positions[:, 0] = len(prompt) − 1
+        if sizes is not None:
+            pack_of_row, tokens = sizes
+            return [rows[torch.isin(pack_of_row, torch.tensor(part)).nonzero().squeeze(1)]
+                    for part in fill(tokens, budget)]
     lengths = batch.attention_mask[rows].sum(dim=1)  # [b] prompt + response tokens
-    order = torch.argsort(lengths, stable=True)
+    return [rows[torch.tensor(part, dtype=torch.long)] for part in fill(lengths, budget)]
+
+
+def fill(lengths: torch.Tensor, budget: int) -> list[list[int]]:
+    """Indices of ``lengths`` (host) shortest first, in groups of at most ``budget`` once padded to the group's
+    longest (count × longest); one longer than the budget goes alone."""
     groups: list[list[int]] = []
     widest = 0
-    for i in order.tolist():
+    for i in torch.argsort(lengths, stable=True).tolist():
         width = int(lengths[i])
         if groups and (len(groups[-1]) + 1) * max(widest, width) <= budget:
             groups[-1].append(i)
@@ -122,7 +130,7 @@ def micro_batches(batch: Batch, rows: torch.Tensor, budget: int | None, packed: 
         else:
             groups.append([i])
             widest = width
-    return [rows[torch.tensor(g, dtype=torch.long)] for g in groups]
+    return groups
 
 
 def trim(batch: Batch) -> Batch:

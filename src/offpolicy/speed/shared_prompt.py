@@ -324,29 +324,12 @@ def plan(input_ids: torch.Tensor, attention: torch.Tensor, prompt: torch.Tensor,
     return SharedPrompts(input_ids, ids, positions, segments, gather)
 
 
-def micro_batches(input_ids: torch.Tensor, attention: torch.Tensor, prompt: torch.Tensor, budget: int,
-                  cap: int = PACK_TOKENS) -> list[torch.Tensor] | None:
-    """Rows ``[B, L]`` (host tensors; prompts ``prompt`` ``[B]`` long) split into micro-batches of whole packs
-    (``layout``): the packs shortest first, each micro-batch at most ``budget`` tokens once its packs are padded to
-    its longest (a pack longer than the budget goes alone). Each micro-batch's row indices in batch order, so its
-    own plan makes the same packs; None where no prompt repeats. Splitting the rows by their whole length instead
-    mixes the groups, and each micro-batch computes again the prompts of all the groups it touches."""
+def pack_sizes(input_ids: torch.Tensor, attention: torch.Tensor, prompt: torch.Tensor,
+               cap: int = PACK_TOKENS) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(each row's pack ``[B]``, each pack's tokens ``[n]``) of ``layout``'s packs, for micro-batches of whole packs
+    (``policy.score.micro_batches``); None where no prompt repeats."""
     found = layout(input_ids, attention, prompt, cap)
-    if found is None:
-        return None
-    tokens = found.pack_tokens()
-    of_row = found.pack_of_rows()
-    parts: list[list[int]] = []
-    widest = 0
-    for p in torch.argsort(tokens, stable=True).tolist():
-        width = int(tokens[p])
-        if parts and (len(parts[-1]) + 1) * max(widest, width) <= budget:
-            parts[-1].append(p)
-            widest = max(widest, width)
-        else:
-            parts.append([p])
-            widest = width
-    return [torch.isin(of_row, torch.tensor(part)).nonzero().squeeze(1) for part in parts]
+    return None if found is None else (found.pack_of_rows(), found.pack_tokens())
 
 
 def serves(model, shared: SharedPrompts | None, input_ids: torch.Tensor) -> bool:
