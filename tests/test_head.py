@@ -566,7 +566,9 @@ def test_micro_batches_of_whole_packs_by_hand(monkeypatch):
         pass
     batch = B()
     batch.input_ids, batch.attention_mask, batch.positions = input_ids, attention, (prompt - 1)[:, None]
-    split = lambda budget, rows=torch.arange(5): [p.tolist() for p in micro_batches(batch, rows, budget, packed=True)]  # noqa: E731
+
+    def split(budget, rows=torch.arange(5)):
+        return [p.tolist() for p in micro_batches(batch, rows, budget, packed=True)]
     assert split(12) == [[0, 1, 2, 3, 4]] and split(11) == [[0, 2, 4], [1, 3]] and split(3) == [[0, 2, 4], [1, 3]]
     subset = torch.tensor([4, 3, 2, 1])  # any rows of a batch: indices into the batch come back, in its order
     assert split(9, subset) == [[4, 2], [3, 1]]
