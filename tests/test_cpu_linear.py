@@ -143,11 +143,13 @@ def test_the_functional_linear_routes_like_the_layer(monkeypatch):
     x, w, d = torch.randn(5, 24), torch.randn(40, 24), torch.randn(5, 40)
     torch.testing.assert_close(cpu_linear.linear(x, w), x @ w.t(), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(cpu_linear.linear(d, w.t()), d @ w, rtol=1e-5, atol=1e-5)
-    assert len(calls) == 2
+    strided = torch.randn(80)[::2]  # oneDNN reads a bias as contiguous: a strided one is made so first
+    torch.testing.assert_close(cpu_linear.linear(x, w, strided), F.linear(x, w, strided), rtol=1e-5, atol=1e-5)
+    assert len(calls) == 3
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert cpu_linear.linear(x, w).dtype == torch.bfloat16
     assert cpu_linear.linear(x.double(), w.double()).dtype == torch.float64
-    assert len(calls) == 2
+    assert len(calls) == 3
 
 
 def test_the_head_goes_through_onednn_where_the_model_s_layers_do(tiny_qwen2):

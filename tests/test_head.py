@@ -558,8 +558,8 @@ def test_micro_batches_of_whole_packs_by_hand(monkeypatch):
     input_ids = torch.tensor([r + [0] * (6 - len(r)) for r in rows])
     attention = (torch.arange(6) < torch.tensor([len(r) for r in rows])[:, None]).long()
     prompt = torch.tensor([3, 2, 3, 2, 3])
-    of_row, tokens = shared_prompt.pack_sizes(input_ids, attention, prompt)
-    assert tokens.tolist() == [6, 6] and of_row.tolist() == [0, 1, 0, 1, 0]
+    of_row, tokens, group = shared_prompt.pack_sizes(input_ids, attention, prompt)
+    assert tokens.tolist() == [6, 6] and of_row.tolist() == [0, 1, 0, 1, 0] and group.tolist() == [0, 1]
     assert shared_prompt.pack_sizes(input_ids[:2], attention[:2], prompt[:2]) is None  # no prompt repeats
 
     class B:  # the fields micro_batches reads, as to_batch lays them out (positions[:, 0] = len(prompt) − 1)
@@ -575,34 +575,65 @@ def test_micro_batches_of_whole_packs_by_hand(monkeypatch):
     # the whole-row rule (a model that does not pack): shortest first, groups mixed
     assert [g.tolist() for g in micro_batches(batch, subset, 9, packed=False)] == [[2, 1], [4], [3]]
     # with cap 4 the first group splits (b = 4 − 3 = 1): rows 0 and 2 (5 tokens), row 4 (4 tokens); the second
-    # stays one pack (b = 2: both responses start within 2 tokens), 6 tokens. Shortest first under a budget of 9:
-    # [row 4] then 2 · 5 > 9, so [0, 2], then [1, 3]; under 10, 2 · 5 fits
+    # stays one pack (b = 2: both responses start within 2 tokens), 6 tokens. Two packs of a group never share a
+    # micro-batch (beside each other a micro-batch's own plan would pack them otherwise): [row 4], then [0, 2]
+    # though 2 · 5 ≤ 10, then [1, 3]; under 12 the second group's pack joins [0, 2] (2 · 6 ≤ 12)
     real = shared_prompt.pack_sizes
     monkeypatch.setattr(shared_prompt, "pack_sizes", lambda *args: real(*args, cap=4))
-    assert split(9) == [[4], [0, 2], [1, 3]] and split(10) == [[0, 2, 4], [1, 3]]
+    assert split(10) == [[4], [0, 2], [1, 3]] and split(12) == [[4], [0, 1, 2, 3]]
+    assert split(100) == [[4], [0, 1, 2, 3]]
 
 
-@pytest.mark.parametrize("seed", range(6))
-def test_micro_batches_of_packs_cover_the_rows_within_the_budget(seed):
-    """Random groups and budgets: the micro-batches of whole packs hold every row once; each one's own plan (as
-    ``to_device`` makes it for the trimmed micro-batch) holds at most the budget's tokens unless it is one pack,
-    and all of them together compute no more prompts than the whole batch's plan does."""
+@pytest.mark.parametrize("seed", range(8))
+def test_micro_batches_of_packs_cover_the_rows_within_the_budget(seed, monkeypatch):
+    """Random groups, caps (so a group spans several packs) and budgets: the micro-batches of whole packs hold every
+    row once, each one's own plan (as ``to_device`` makes it for the trimmed micro-batch) remakes exactly the packs
+    the whole batch's plan has for those rows — together the same packs, no prompt computed again — and holds at
+    most the budget's tokens unless it is one pack."""
     from offpolicy.policy.score import micro_batches, to_device, trim
+    from offpolicy.speed import shared_prompt
 
     g = torch.Generator().manual_seed(seed)
-    groups_, size = int(torch.randint(2, 6, (1,), generator=g)), int(torch.randint(2, 9, (1,), generator=g))
-    batch = grouped_batch(97, groups=groups_, group_size=size, seed=seed, longest=int(torch.randint(1, 40, (1,),
-                                                                                                      generator=g)))
+    draw = lambda lo, hi: int(torch.randint(lo, hi + 1, (1,), generator=g))  # noqa: E731
+    cap = draw(8, 60)
+    real_plan, real_sizes = shared_prompt.plan, shared_prompt.pack_sizes
+    monkeypatch.setattr("offpolicy.policy.batch.plan", lambda *args: real_plan(*args, cap=cap))
+    monkeypatch.setattr(shared_prompt, "pack_sizes", lambda *args: real_sizes(*args, cap=cap))
+    batch = grouped_batch(97, groups=draw(2, 5), group_size=draw(2, 8), seed=seed, longest=draw(1, 40))
     rows = torch.arange(len(batch.mask))
     rows = rows[batch.mask.sum(dim=1) > 0]  # as the update takes them
-    whole = to_device(trim(batch.select(rows)), torch.device("cpu")).counted.shared
-    budget = int(torch.randint(8, 200, (1,), generator=g))
-    parts = micro_batches(batch, rows, budget, packed=True)
-    assert sorted(torch.cat(parts).tolist()) == rows.tolist()
-    prompts = 0
-    for part in parts:
+    rows = rows[torch.randperm(len(rows), generator=g)] if seed % 2 else rows  # a PPO mini-batch's shuffled rows
+
+    def packs(part):
         shared = to_device(trim(batch.select(part)), torch.device("cpu")).counted.shared
-        n, width = (1, 0) if shared is None else shared.ids.shape  # a lone row: no plan, its whole row
+        return shared, [] if shared is None else sorted((shared.segments != -1).sum(dim=1).tolist())
+
+    whole, want = packs(rows)
+    budget = draw(8, 200)
+    parts = micro_batches(batch, rows, budget, packed=True)
+    assert sorted(torch.cat(parts).tolist()) == sorted(rows.tolist())
+    got = []
+    for part in parts:
+        shared, sizes = packs(part)
+        if shared is None:  # no prompt repeats in it (a lone row, or packs of one row each): its whole rows run,
+            # each the pack it would be plus its last token
+            sizes = sorted((batch.attention_mask[part].sum(dim=1) - 1).tolist())
+        n, width = len(sizes), max(sizes)
         assert n * width <= budget or n == 1
-        prompts += n
-    assert prompts <= whole.ids.shape[0]
+        got += sizes
+    assert sorted(got) == want
+
+def test_the_self_check_s_each_row_alone_is_rows_not_packs():
+    """``diagnose --self-check`` compares the configured micro-batches with each row scored alone
+    (``replace(scorer, budget=1, by_packs=False)``): by packs, a budget of 1 would leave each pack whole."""
+    from dataclasses import replace
+
+    from offpolicy.policy.score import Scorer
+
+    model = tiny_causal_lm("llama", 97)
+    batch = grouped_batch(97)
+    rows = torch.arange(len(batch.mask))
+    scorer = Scorer(model, SAMPLINGS["plain"], torch.device("cpu"), budget=1)
+    assert len(scorer.micro_batches(batch, rows)) == 3  # the 3 packs, each alone
+    alone = replace(scorer, by_packs=False).micro_batches(batch, rows)
+    assert len(alone) == len(rows) and sorted(torch.cat(alone).tolist()) == rows.tolist()

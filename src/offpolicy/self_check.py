@@ -85,7 +85,8 @@ def trainer_against_itself(scorer: Scorer, batch: Batch) -> dict[str, Any]:
     """The three comparisons of the module doc on ``batch`` (CPU), under ``scorer``'s configuration."""
     mask = batch.mask
     configured = scorer.score(batch).float().cpu()
-    one = replace(scorer, budget=1).score(batch).float().cpu()  # a row longer than the budget goes alone
+    # a row longer than the budget goes alone (whole rows: by packs, a budget of 1 would leave each pack whole)
+    one = replace(scorer, budget=1, by_packs=False).score(batch).float().cpu()
     out: dict[str, Any] = {"configured": {"dtype": scorer.dtype, "micro_batch_tokens": scorer.budget,
                                           "micro_batches": len(scorer.micro_batches(batch, torch.arange(len(mask))))},
                            "micro_batch": {"against": "micro-batch 1 (each row alone)", **compare(configured, one, mask)}}

@@ -100,36 +100,42 @@ def micro_batches(batch: Batch, rows: torch.Tensor, budget: int | None, packed: 
     must be on the CPU (its lengths are read on the host). ``budget=None``: one group.
 
     ``packed`` (the model's forward takes the packs: ``offpolicy.speed.shared_prompt``) and some prompt repeats:
-    whole packs instead, shortest first, each micro-batch at most ``budget`` tokens of packs padded to its longest,
-    its rows in batch order (so its own plan makes the same packs). Split by whole rows, the groups mix and each
-    micro-batch computes again the prompt of every group it touches; and the budget then counts the tokens the
-    packed forward holds."""
+    whole packs instead, shortest first, each micro-batch at most ``budget`` tokens of packs padded to its longest
+    and at most one pack of a group, its rows in the order ``rows`` gives them — so its own plan makes those very
+    packs (``shared_prompt.pack_sizes``). Split by whole rows, the groups mix and each micro-batch computes again the
+    prompt of every group it touches; and the budget then counts the tokens the packed forward holds."""
     if budget is None:
         return [rows]
     if packed:
         sizes = shared_prompt.pack_sizes(batch.input_ids[rows], batch.attention_mask[rows],
                                          batch.positions[rows, 0] + 1)  # positions[:, 0] = len(prompt) − 1
         if sizes is not None:
-            pack_of_row, tokens = sizes
+            pack_of_row, tokens, group = sizes
             return [rows[torch.isin(pack_of_row, torch.tensor(part)).nonzero().squeeze(1)]
-                    for part in fill(tokens, budget)]
+                    for part in fill(tokens, budget, apart=group)]
     lengths = batch.attention_mask[rows].sum(dim=1)  # [b] prompt + response tokens
     return [rows[torch.tensor(part, dtype=torch.long)] for part in fill(lengths, budget)]
 
 
-def fill(lengths: torch.Tensor, budget: int) -> list[list[int]]:
+def fill(lengths: torch.Tensor, budget: int, apart: torch.Tensor | None = None) -> list[list[int]]:
     """Indices of ``lengths`` (host) shortest first, in groups of at most ``budget`` once padded to the group's
-    longest (count × longest); one longer than the budget goes alone."""
+    longest (count × longest); one longer than the budget goes alone. ``apart`` (a key per index): two indices of
+    one key never share a group."""
     groups: list[list[int]] = []
     widest = 0
+    keys: set[int] = set()
     for i in torch.argsort(lengths, stable=True).tolist():
         width = int(lengths[i])
-        if groups and (len(groups[-1]) + 1) * max(widest, width) <= budget:
+        key = None if apart is None else int(apart[i])
+        if groups and (len(groups[-1]) + 1) * max(widest, width) <= budget and key not in keys:
             groups[-1].append(i)
             widest = max(widest, width)
         else:
             groups.append([i])
             widest = width
+            keys = set()
+        if key is not None:
+            keys.add(key)
     return groups
 
 
@@ -170,13 +176,15 @@ class Scorer:
     """The trained model as ``train`` and ``diagnose`` score it: ``model`` (fp32 master weights,
     ``load_policy``) on ``device``, the engine's ``sampling`` support, the compute ``dtype`` (``fp32``,
     or ``bf16`` autocast: ``precision``) and ``budget``, the padded tokens of one micro-batch
-    (``micro_batches``; None: the whole batch at once)."""
+    (``micro_batches``; None: the whole batch at once). ``by_packs``: micro-batches of whole packs where the model's
+    forward packs (False: of whole rows, e.g. each row alone for ``diagnose --self-check``)."""
 
     model: torch.nn.Module
     sampling: SamplingConfig
     device: torch.device
     dtype: str = "fp32"
     budget: int | None = None
+    by_packs: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -198,9 +206,10 @@ class Scorer:
         return logprobs.to(torch.promote_types(logprobs.dtype, torch.float32))
 
     def micro_batches(self, batch: Batch, rows: torch.Tensor) -> list[torch.Tensor]:
-        """``rows`` of the CPU ``batch`` in groups of at most ``budget`` padded tokens (of packs, where the model
-        takes them)."""
-        return micro_batches(batch, rows, self.budget, packed=shared_prompt.refusal(self.model, "packed") is None)
+        """``rows`` of the CPU ``batch`` in groups of at most ``budget`` padded tokens (whole packs, where the model
+        takes them and ``by_packs``)."""
+        packed = self.by_packs and shared_prompt.refusal(self.model, "packed") is None
+        return micro_batches(batch, rows, self.budget, packed=packed)
 
     def to_device(self, batch: Batch, rows: torch.Tensor) -> Batch:
         """``rows`` of the CPU ``batch``, trimmed of unused padding, on the device."""

@@ -27,9 +27,10 @@ import torch.nn.functional as F
 from offpolicy.speed.gates import ONEDNN_LINEAR, decide, installed_version
 
 
-# without a gradient, inputs of fewer rows than this go through F.linear (OneDNNLinear.forward), unless the layer is
-# as wide as a vocabulary: a decode step's head streams its [V, H] weight, and there oneDNN is ahead at any row count
-# (SmolLM2's [32, 576]·[576, 49,152] at one thread: 73 against 54 GFLOP/s; 4 rows: 20 against 13)
+# without a gradient, inputs of fewer rows than this go through F.linear (OneDNNLinear.forward), unless the layer has
+# ONEDNN_WIDE_OUT outputs or more (a head, a wide MLP projection): a decode step streams its weight, and there oneDNN
+# is ahead at any row count (SmolLM2's head [32, 576]·[576, 49,152] at one thread: 73 against 54 GFLOP/s; 4 rows: 20
+# against 13; [32, 1536]·[1536, 8,960]: 23 against 34 ms)
 ONEDNN_MIN_ROWS = 128
 ONEDNN_WIDE_OUT = 8192
 
@@ -41,7 +42,8 @@ def onednn_available() -> bool:
 
 def _gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``x Wᵀ + b`` for a 2-D ``x`` [M, K] and ``weight`` [N, K] through oneDNN (no post-op)."""
-    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    # the bias contiguous: oneDNN reads the strides of x and W, not of b (a strided b gave wrong sums)
+    return torch.ops.mkldnn._linear_pointwise(x, weight, None if bias is None else bias.contiguous(), "none", [], "")
 
 
 def _takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
@@ -98,8 +100,8 @@ class OneDNNLinear(torch.nn.Linear):
             return OneDNNLinearFunction.apply(x, self.weight, self.bias)
         # no gradient (an engine's generate, a scoring forward): no autograd node, whose ~10 µs a call was a
         # tenth of a decode step; and few rows (a decode step's) through F.linear, where oneDNN's gain turns
-        # into a loss (64 rows of the embedded model: 0.6–1.4× by shape, docs/performance.md), but for a
-        # vocabulary-wide head
+        # into a loss (64 rows of the embedded model: 0.6–1.4× by shape, docs/performance.md), but for a wide
+        # layer (ONEDNN_WIDE_OUT)
         rows = x.reshape(-1, x.shape[-1])
         if rows.shape[0] < ONEDNN_MIN_ROWS and self.out_features < ONEDNN_WIDE_OUT:
             return F.linear(x, self.weight, self.bias)

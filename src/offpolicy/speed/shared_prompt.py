@@ -325,11 +325,15 @@ def plan(input_ids: torch.Tensor, attention: torch.Tensor, prompt: torch.Tensor,
 
 
 def pack_sizes(input_ids: torch.Tensor, attention: torch.Tensor, prompt: torch.Tensor,
-               cap: int = PACK_TOKENS) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(each row's pack ``[B]``, each pack's tokens ``[n]``) of ``layout``'s packs, for micro-batches of whole packs
-    (``policy.score.micro_batches``); None where no prompt repeats."""
+               cap: int = PACK_TOKENS) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """(each row's pack ``[B]``, each pack's tokens ``[n]``, each pack's group ``[n]``) of ``layout``'s packs, for
+    micro-batches of whole packs (``policy.score.micro_batches``); None where no prompt repeats.
+
+    A micro-batch's own plan remakes a pack exactly when it holds that pack's rows in the same order and no other
+    pack of its group: a pack's responses all start within cap − len(prompt) of its first, so alone they are one
+    pack again; beside another pack of the group the offsets run on and the boundaries move."""
     found = layout(input_ids, attention, prompt, cap)
-    return None if found is None else (found.pack_of_rows(), found.pack_tokens())
+    return None if found is None else (found.pack_of_rows(), found.pack_tokens(), found.group_of)
 
 
 def serves(model, shared: SharedPrompts | None, input_ids: torch.Tensor) -> bool:
