@@ -233,13 +233,11 @@ class SharedPrompts(NamedTuple):
 
 class PackLayout(NamedTuple):
     """Which pack each row of a batch goes in (``layout``), before any tensor of the packs is made: rows in
-    group order (``order`` ``[B]``: each group's rows in batch order), each row's group (``group``, by ``order``),
-    response length but its last token (``length``, by ``order``), ``pack`` (by ``order``) and start column in
-    it (``column``, by ``order``); per pack its prompt's length (``prompt`` ``[n]``) and group (``group_of``
+    group order (``order`` ``[B]``: each group's rows in batch order), each row's response length but its last
+    token (``length``, by ``order``), ``pack`` (by ``order``) and start column in it (``column``, by ``order``); per pack its prompt's length (``prompt`` ``[n]``) and group (``group_of``
     ``[n]``), and per distinct prompt its ids (``distinct`` ``[D, L]``)."""
 
     order: torch.Tensor
-    group: torch.Tensor
     length: torch.Tensor
     pack: torch.Tensor
     column: torch.Tensor
@@ -287,7 +285,7 @@ def layout(input_ids: torch.Tensor, attention: torch.Tensor, prompt: torch.Tenso
     pack_prompt = prompt_len[pack_group]  # [n]
     column = offset - torch.full((packs,), rows * width).scatter_reduce(0, pack, offset, "amin")[pack]
     column = column + pack_prompt[pack]  # where each row's response starts in its pack
-    return PackLayout(order, group, length, pack, column, pack_prompt, pack_group, distinct)
+    return PackLayout(order, length, pack, column, pack_prompt, pack_group, distinct)
 
 
 def plan(input_ids: torch.Tensor, attention: torch.Tensor, prompt: torch.Tensor,
