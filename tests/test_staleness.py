@@ -186,5 +186,6 @@ def test_train_logs_staleness_and_drops_and_resumes_exactly(offpolicy_cache, tmp
         # timings, the process's memory, and where the staleness accrued (in flight or queued: thread timing)
         for key in {k for k in a if not k.startswith(("time/", "memory/"))
                     and k not in ("step_seconds", "generate/tokens_per_s", "staleness/in_flight",
-                                  "staleness/in_queue")}:
+                                  "staleness/in_queue", "nonfinite")}:
             assert (a[key] is None and b[key] is None) or math.isclose(a[key], b[key], rel_tol=1e-6, abs_tol=1e-9), key
+        assert a.get("nonfinite") == b.get("nonfinite")  # each null's reason (train/logger.py, encode_row)

@@ -44,6 +44,12 @@ COLLAPSE_TRUNCATED = 0.5  # share of greedy answers cut at max_new_tokens
 COLLAPSE_RULE = (f"the last eval's held-out reward {COLLAPSE_DROP} or more below the run's own best eval, more "
                  f"than {COLLAPSE_TRUNCATED:.0%} of the greedy held-out answers truncated at the last eval, or a "
                  "non-finite eval metric at any eval")
+# The training metrics whose non-finite value means the run failed (the science amendment, docs/science.md, from
+# each metric's definition): the loss, the gradient's norm, the reward and the response length — a NaN there is a
+# NaN loss, NaN weights or a broken reward. Every other training metric is a statistic over a set that can be empty
+# (the kept tokens, the masked ones, the rows with a reward spread, a micro-batch's support): NaN there says "no
+# such token this step" and does not sink a run. Every eval metric is a failure key (``collapsed``).
+FAILURE_KEYS = ("offpolicy/loss", "offpolicy/grad_norm", "reward", "response_length")
 EVAL_KEYS = ("eval/accuracy", "eval/truncated_share", "eval/response_length", "eval/answer_logprob",
              "eval/answer_logprob_token")
 
@@ -148,24 +154,47 @@ def answer_logprobs(policy, tokenizer, problems: list, trainer_dtype: str = "fp3
 
 
 def eval_points(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """A run's evals from its metrics rows: ``{"step", and every EVAL_KEYS metric it logged}``, in step order."""
-    return [{"step": r["step"], **{k: r[k] for k in EVAL_KEYS if k in r}} for r in rows if "eval/accuracy" in r]
+    """A run's evals from its metrics rows: ``{"step", and every EVAL_KEYS metric it logged}``, in step order. Rows
+    may be read straight from ``metrics.jsonl``: a ``null`` eval metric (a non-finite value, ``logger.encode_row``)
+    reads as NaN here, whatever its reason, so the rules below see it as the non-finite value it was."""
+    return [{"step": r["step"], **{k: _number(r[k]) for k in EVAL_KEYS if k in r}} for r in rows
+            if "eval/accuracy" in r]
+
+
+def failed_metrics(rows: list[dict[str, Any]]) -> list[str]:
+    """The non-finite failure metrics of a run's rows (``FAILURE_KEYS`` and every eval metric) as "step N: key"; a
+    ``null`` read straight from ``metrics.jsonl`` counts as non-finite. Empty: no metric says the run failed."""
+    keys = (*FAILURE_KEYS, *EVAL_KEYS)
+    return [f"step {r['step']}: {k}" for r in rows for k in keys if k in r and not math.isfinite(_number(r[k]))]
+
+
+def _number(value: Any) -> float:
+    """A metric's value as a float: ``null`` (JSON's only way to write NaN or ±inf) as NaN."""
+    return math.nan if value is None else float(value)
 
 
 def primary_metric(evals: list[dict[str, Any]]) -> float | None:
     """The pre-registered primary metric: the mean greedy held-out reward (``eval/accuracy``) of the run's
-    last two evals; None with fewer than two."""
+    last two evals; None with fewer than two. A non-finite (or null) reward counts as 0, the task's lowest
+    reward: an eval that produced no number is no better than one that earned nothing (the science amendment,
+    docs/science.md; such a run is collapsed too, by ``collapsed``)."""
     if len(evals) < 2:
         return None
-    return (evals[-1]["eval/accuracy"] + evals[-2]["eval/accuracy"]) / 2
+    return (_reward(evals[-1]) + _reward(evals[-2])) / 2
+
+
+def _reward(point: dict[str, Any]) -> float:
+    value = _number(point.get("eval/accuracy"))
+    return value if math.isfinite(value) else 0.0
 
 
 def collapsed(evals: list[dict[str, Any]]) -> bool:
     """The pre-registered collapse rule (``COLLAPSE_RULE``) on a run's evals: the last eval's reward at
     least ``COLLAPSE_DROP`` below the run's best (1e-9 of slack for the sums' rounding), more than
-    ``COLLAPSE_TRUNCATED`` of its greedy answers truncated, or any eval metric non-finite. No evals: False
-    (a run that never evaluated did not finish; the report counts that apart)."""
-    if any(not math.isfinite(v) for e in evals for k, v in e.items() if k != "step"):
+    ``COLLAPSE_TRUNCATED`` of its greedy answers truncated, or any eval metric non-finite (a ``null`` read back
+    from ``metrics.jsonl`` is one). No evals: False (a run that never evaluated did not finish; the report
+    counts that apart)."""
+    if any(not math.isfinite(_number(v)) for e in evals for k, v in e.items() if k != "step"):
         return True
     if not evals:
         return False

@@ -108,6 +108,54 @@ def read_jsonl(path: Path, torn: list[str] | None = None) -> list[dict[str, Any]
     return records
 
 
+def encode_row(step: int, values: dict[str, Any]) -> dict[str, Any]:
+    """One ``metrics.jsonl`` record: JSON has no NaN or infinity, so a non-finite value is written as ``null`` and
+    its reason goes to the row's ``nonfinite`` map (``{key: "nan" | "inf" | "-inf"}``); a ``None`` value is left
+    out (absent). So a ``null`` always says why, and NaN, ±inf and "not measured" stay three different things
+    (``decode_row`` reads them back)."""
+    record: dict[str, Any] = {"step": step}
+    reasons: dict[str, str] = {}
+    for key, value in values.items():
+        if value is None:
+            continue
+        if isinstance(value, float) and not math.isfinite(value):
+            reasons[key] = "nan" if math.isnan(value) else "inf" if value > 0 else "-inf"
+            value = None
+        record[key] = value
+    if reasons:
+        record[NONFINITE] = reasons
+    return record
+
+
+NONFINITE = "nonfinite"  # the metrics row's map of the keys written as null, and why
+_REASONS = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+
+
+def decode_row(row: dict[str, Any]) -> dict[str, Any]:
+    """A ``metrics.jsonl`` record as the trainer logged it: each ``null`` becomes the float it stood for. A row
+    with a ``nonfinite`` map (``encode_row``) says which value each null was; a row without one was written before
+    that map existed, when the logger wrote ``null`` for NaN and nothing else, so its nulls read as NaN. The
+    ``nonfinite`` key itself is dropped."""
+    reasons = row.get(NONFINITE) or {}
+    out = {}
+    for key, value in row.items():
+        if key == NONFINITE:
+            continue
+        if value is None:
+            value = _REASONS.get(reasons.get(key, "nan"), math.nan)
+        out[key] = value
+    return out
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    """A run's ``metrics.jsonl`` decoded (``decode_row``), one row per step in step order: a resumed run rewrote
+    the steps past its checkpoint (the last row of a step wins), and a torn last line is left out."""
+    rows = {}
+    for row in read_jsonl(run_dir / "metrics.jsonl"):
+        rows[row["step"]] = decode_row(row)
+    return [rows[k] for k in sorted(rows)]
+
+
 class RunLogger:
     def __init__(self, run_dir: Path, total_steps: int, start_step: int = 0, console: Console | None = None,
                  progress: bool = True, log_to: list[str] = ("tensorboard",), config: dict[str, Any] | None = None):
@@ -137,7 +185,7 @@ class RunLogger:
 
     def log(self, step: int, values: dict[str, float]) -> None:
         start = time.perf_counter()
-        record = {"step": step, **{k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in values.items()}}
+        record = encode_row(step, values)
         self.records.append(record)
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
