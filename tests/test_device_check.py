@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.mark.slow
 def test_the_device_check_dry_run_proves_its_steps(tmp_path):
-    env = {**os.environ, "OUT": str(tmp_path), "WHEELS": "none", "PYTHON": sys.executable,
+    env = {**os.environ, "PATH": "/usr/bin:/bin", "OUT": str(tmp_path), "WHEELS": "none", "PYTHON": sys.executable,
            "PYTHONPATH": str(ROOT / "src")}
     done = subprocess.run(["bash", "scripts/device_check.sh", "--dry-run"], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=900)
@@ -35,7 +35,7 @@ def test_the_device_check_dry_run_proves_its_steps(tmp_path):
 
 
 def test_the_device_check_stops_when_offpolicy_does_not_import(tmp_path):
-    env = {**os.environ, "OUT": str(tmp_path), "WHEELS": "none", "PYTHON": sys.executable,
+    env = {**os.environ, "PATH": "/usr/bin:/bin", "OUT": str(tmp_path), "WHEELS": "none", "PYTHON": sys.executable,
            "PYTHONPATH": str(tmp_path / "nothing")}
     broken = tmp_path / "src"
     broken.mkdir()
