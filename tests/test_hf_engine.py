@@ -103,6 +103,30 @@ def test_sampling_is_bit_for_bit_the_output_scores_path(tiny_dir, dtype, noise, 
             assert torch.equal(torch.tensor(lps), logprobs[i, : len(ids)])  # the same float32 numbers
 
 
+@pytest.mark.parametrize("own_loop", [True, False], ids=["own_loop", "generate"])
+def test_the_engine_draws_from_its_own_generator(tiny_dir, own_loop, monkeypatch):
+    """Issue #66: the engine samples in its own thread beside the trainer's, whose activation checkpointing forks
+    and resets torch's global generator. Reseeding the global generator before every forward of the engine's
+    model (what such a reset does, at the worst moment) changes no draw: the engine samples from its own."""
+    tok = build_char_tokenizer()
+    engine = HFEngine(str(tiny_dir), tok, dtype="fp32", logit_noise=0.3)
+    engine._own_loop = own_loop
+    prompts = [prompt_ids(tok, p) for p in problems(make_task("reverse"), 6, seed=4)]
+    sampling = SamplingConfig(max_tokens=10, temperature=1.2, top_p=0.95)
+    undisturbed = engine.generate(prompts, sampling, seed=7, version=0)
+    forward = engine.model.forward
+
+    @functools.wraps(forward)  # the same signature: generate() asks the forward what it takes
+    def reseeding(*args, **kwargs):
+        torch.manual_seed(1234)
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(engine.model, "forward", reseeding)
+    disturbed = engine.generate(prompts, sampling, seed=7, version=0)
+    assert disturbed.response_ids == undisturbed.response_ids and disturbed.logprobs == undisturbed.logprobs
+    assert engine.generate(prompts, sampling, seed=8, version=0).response_ids != undisturbed.response_ids  # seeded
+
+
 def test_the_own_loop_leaves_finished_rows_out_of_the_forward(tiny_dir, monkeypatch):
     """Each forward after the first runs only the rows that have not drawn a stop token: the batch shrinks as
     rows finish, never below the rows still running, and transformers' generate is not called."""

@@ -132,6 +132,20 @@ class _GatherDrawn(StoppingCriteria):
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
 
+class _Draw(LogitsProcessor):
+    """The draw of transformers' ``_sample`` made from the engine's own generator: ``multinomial(softmax(scores))``
+    with ``generator``, as ``_sample`` would draw from the global one, then scores that put all the mass on the
+    drawn token (0 there, −inf elsewhere), so ``generate``'s own multinomial can only return it. The last
+    processor: the recorder before it has kept the processed distribution the token was drawn from."""
+
+    def __init__(self, generator: torch.Generator):
+        self.generator = generator
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        tokens = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1, generator=self.generator)
+        return torch.full_like(scores, float("-inf")).scatter_(1, tokens, 0.0)
+
+
 class _TopP(TopPLogitsWarper):
     """Top-p on the trainer's definition (``offpolicy.sampling.top_p_keep``): the same nucleus as
     transformers' ``TopPLogitsWarper`` (min_tokens_to_keep = 1), with one tie rule for both sides —
@@ -200,7 +214,11 @@ class HFEngine:
         pad = self.tokenizer.pad_token_id
         input_ids, attention = (t.to(self.device) for t in left_pad(prompt_ids, pad))
         width = input_ids.shape[1]
-        torch.manual_seed(seed)  # generate() samples from the global generator (seeds CUDA's too)
+        # the engine's own generator, never torch's process-wide one: the engine samples in its own thread beside
+        # the trainer's (max_staleness > 0), and the trainer's activation checkpointing forks and resets the global
+        # generator, which made two runs of one seed draw differently (issue #66). On the CPU a generator seeded
+        # with `seed` gives the stream torch.manual_seed(seed) gives, so the draws are those of before.
+        generator = torch.Generator(device=self.device).manual_seed(seed)
         # without truncation the kept set is the whole vocabulary: nothing to record
         recorder = _SampledLogprobs(record_kept=sampling.truncates, record_head=sampling.head_logprobs)
         noise = [_LogitNoise(self.logit_noise, seed + 1)] if self.logit_noise > 0 else []
@@ -208,8 +226,11 @@ class HFEngine:
         processors = LogitsProcessorList([*noise, *warpers(sampling), recorder])
         if self._own_loop:
             sequences = hf_loop.sample(self.model, input_ids, attention, sampling.max_tokens, processors, recorder,
-                                       shared, self.tokenizer.pad_token_id, self.stop)
+                                       shared, self.tokenizer.pad_token_id, self.stop, generator=generator)
         else:
+            # generate() draws from the global generator: the draw is made here, from ours, and generate()'s
+            # multinomial is handed a distribution with all its mass on that token (_Draw)
+            processors.append(_Draw(generator))
             sequences = generate(self.model, input_ids, attention,
                                  explicit_config(do_sample=True, max_new_tokens=sampling.max_tokens, stop=self.stop,
                                                  pad=pad),
@@ -258,6 +279,18 @@ class HFEngine:
             params = self.model.state_dict()
             self._probes = {name: params[name] for name in probe_names(params)}
         return summarize({name: sample(tensor) for name, tensor in self._probes.items()})
+
+    def record(self) -> dict:
+        """The engine on record (``offpolicy.provenance``): transformers' version, the weights' dtype, the model's
+        attention implementation, the determinism switches (torch's deterministic algorithms, or "none"; the draws
+        come from the engine's own seeded generator either way) and the speed paths that ran."""
+        from offpolicy.provenance import version
+
+        attention = getattr(getattr(self.model, "config", None), "_attn_implementation", None)
+        return {"name": self.name, "version": f"transformers {version('transformers')}",
+                "dtype": str(self.dtype).removeprefix("torch."), "attention_backend": attention or "unknown",
+                "determinism": ["torch.use_deterministic_algorithms"] if torch.are_deterministic_algorithms_enabled()
+                else "none", "speed_paths": dict(self.speed_paths)}
 
     def close(self) -> None:
         self.model = None

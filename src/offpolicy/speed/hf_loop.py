@@ -47,11 +47,12 @@ def decision(model) -> Decision:
 
 
 def sample(model, input_ids: torch.Tensor, attention: torch.Tensor, max_new_tokens: int, processors, recorder,
-           shared, pad: int, stop: list[int]) -> torch.Tensor:
+           shared, pad: int, stop: list[int], generator: torch.Generator | None = None) -> torch.Tensor:
     """Sample up to ``max_new_tokens`` after the left-padded prompts ``[B, L]`` (module doc). ``processors``: the
     logits processors, the recorder last; ``recorder``: the engine's ``_SampledLogprobs``; ``shared``: the prefill
-    already done (``shared_prompt.prefill``: the cache and the first logits ``[B, V]``) or None. Returns the
-    sequences ``[B, L + steps]``."""
+    already done (``shared_prompt.prefill``: the cache and the first logits ``[B, V]``) or None; ``generator``: what
+    ``multinomial`` draws from (the engine's own; None: torch's global one). Returns the sequences
+    ``[B, L + steps]``."""
     from transformers import DynamicCache
 
     rows, _ = input_ids.shape
@@ -75,7 +76,7 @@ def sample(model, input_ids: torch.Tensor, attention: torch.Tensor, max_new_toke
                 torch.zeros((rows, vocab), dtype=logits.dtype, device=device).index_copy_(0, held, logits)
             recorder.live = unfinished
             scores = processors(sequences, full)
-            tokens = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
+            tokens = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1, generator=generator).squeeze(1)
             tokens = torch.where(unfinished, tokens, pad)
             sequences = torch.cat([sequences, tokens[:, None]], dim=-1)
             mask = torch.cat([mask, mask.new_ones((rows, 1))], dim=-1)
