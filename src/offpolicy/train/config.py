@@ -159,6 +159,8 @@ class TrainConfig(_Strict):
     eval_every: int = Field(15, gt=0)
     eval_problems: int = Field(128, gt=0)
     checkpoint_every: int = Field(20, gt=0)
+    checkpoint_keep: int = Field(2, ge=1, description="checkpoints kept in the run directory (the newest; each holds "
+                                 "the weights and the optimizer's state)")
     policy_kl_rows: int = Field(0, ge=0, description="rows of each step's batch on which the KL between the "
                                 "policy before and after the update is measured (policy/kl_k3_update: k3 of "
                                 "π_new/π_old on those rows' response tokens, two no-grad forwards of the rows); "

@@ -48,7 +48,7 @@ import yaml
 from rich.console import Console
 
 import offpolicy as op
-from offpolicy import ops
+from offpolicy import ops, provenance
 from offpolicy.config import ConfigError
 from offpolicy.engines import EngineError, make_engine, perturb
 from offpolicy.engines.choice import parameter_count
@@ -409,6 +409,7 @@ def train(cfg: TrainConfig, resume: Path | None = None, console: Console | None 
     except BaseException as err:
         failed = not isinstance(err, EngineError)  # an engine failure keeps the run directory and its engine.log
         raised = True
+        record_failure(run, err)
         raise
     finally:
         stop.close()
@@ -539,7 +540,20 @@ def start_engine(run: Run, engine_name: str, load_from: Path, linear: str) -> No
     for gate, reason in paths.items():
         run.console.print(f"  {gate}: {reason}")
     run.engine_bytes = torch.cuda.memory_allocated(device) - before if device.type == "cuda" else 0
+    record_provenance(run)
     verified_sync(run.engine, engine_weights(run.policy, cfg, run.version, snapshot=False))  # a no-op sync raises
+
+
+def record_provenance(run: Run) -> None:
+    """``provenance.json`` in the run directory: one provenance block (``offpolicy.provenance``) per session of the
+    run — its start and each resume — with every setting that differs from its default and the engine on record,
+    so a resumed run shows whether it went on with the same code, stack and machine."""
+    path = run.run_dir / "provenance.json"
+    sessions = json.loads(path.read_text())["sessions"] if path.is_file() and not run.created else []
+    settings = run.cfg.model_dump(mode="json", exclude_defaults=True)
+    sessions.append({"from_step": run.completed, **provenance.block(
+        settings, provenance.engine_record(run.engine, run.engine_dtype))})
+    path.write_text(json.dumps({"sessions": sessions}, indent=1) + "\n")
 
 
 # ---------------------------------------------------------------------------------------------------- step
@@ -661,12 +675,14 @@ def update(run: Run, step: int, s: Scored, old_of: Callable, metrics: Metrics, s
                          split_metrics=cfg.split_metrics, old_support=old_support)
         if skipped:  # the mismatch is still measured: one no-grad pass over the batch (module doc)
             optimizer_step(scorer, run.optimizer, batch, torch.arange(n_rows), s.adv_tokens, **step_args,
-                           update=False)
+                           update=False, step_start=True)
+        start = True  # the first optimizer step still sees the step's starting π_θ: offpolicy/kl_k3_start
         for _ in range(0 if skipped else cfg.ppo_epochs):
             for rows in torch.randperm(n_rows, generator=order).chunk(cfg.minibatches):
                 if batch.mask[rows].sum() == 0:  # the CPU batch: no device read
                     continue
-                optimizer_step(scorer, run.optimizer, batch, rows, s.adv_tokens, **step_args)
+                optimizer_step(scorer, run.optimizer, batch, rows, s.adv_tokens, **step_args, step_start=start)
+                start = False
     with timer("policy_kl"):
         return None if kl_rows is None else 0.0 if skipped else update_kl_k3(
             kl_before, scorer.whole().score(batch.select(kl_rows)), batch.mask[kl_rows].to(run.device))
@@ -711,7 +727,7 @@ def checkpoint(run: Run) -> None:
     """The run at ``run.completed`` steps: weights, optimizer, queued rollouts and the pipeline's counters."""
     save_checkpoint(run.run_dir, run.completed, run.policy, run.tokenizer, run.optimizer,
                     {"step": run.completed, "version": run.version, "pending": run.pipeline.state(),
-                     "pipeline": run.pipeline.counters()})
+                     "pipeline": run.pipeline.counters()}, keep=run.cfg.checkpoint_keep)
     run.saved = run.completed
 
 
@@ -739,8 +755,22 @@ def close(run: Run, raised: bool, failed: bool) -> None:
     run.engine.close()
     if run.threads_before is not None:
         set_threads(run.threads_before)
-    if failed and run.created and not (run.run_dir / "checkpoints").exists():
-        shutil.rmtree(run.run_dir, ignore_errors=True)  # a run that never checkpointed leaves nothing
+    if failed and run.created and not (run.run_dir / "checkpoints").exists() and not run.logger.records:
+        shutil.rmtree(run.run_dir, ignore_errors=True)  # a run that failed before its first step leaves nothing
+
+
+FAILURE_FILE = "failure.json"
+
+
+def record_failure(run: Run, err: BaseException) -> None:
+    """The trainer's failure record, ``failure.json`` in the run directory, where a run that logged a step raised:
+    the step it was on, the exception's type and message. What tells a run that failed by itself (this record, a
+    non-zero exit) from one stopped from outside (a signal: no record), e.g. for the science campaign's runner."""
+    if not run.logger.records:
+        return  # nothing of the run is kept (``close``)
+    with contextlib.suppress(OSError):
+        (run.run_dir / FAILURE_FILE).write_text(json.dumps(
+            {"step": run.completed, "type": type(err).__name__, "message": str(err)[:2000]}, indent=1) + "\n")
 
 
 def finish(run: Run, interrupted: bool, stop_signal: int) -> RunResult:

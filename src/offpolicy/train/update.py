@@ -36,6 +36,7 @@ from dataclasses import replace
 import torch
 
 import offpolicy as op
+from offpolicy import ops
 from offpolicy.config import M2Rule
 from offpolicy.kernels.common import row_aggregation
 from offpolicy.metrics import Metrics
@@ -171,7 +172,8 @@ def _part(mb: Batch, advantages: torch.Tensor, logprobs: torch.Tensor, old: torc
 def optimizer_step(scorer: Scorer, optimizer, batch: Batch, rows: torch.Tensor, advantages: torch.Tensor, *,
                    old_of: Callable[[torch.Tensor, Batch, torch.Tensor | None], torch.Tensor | None],
                    loss_cfg: op.LossConfig, max_grad_norm: float, metrics: Metrics,
-                   update: bool = True, split_metrics: bool = False, old_support: torch.Tensor | None = None) -> None:
+                   update: bool = True, split_metrics: bool = False, old_support: torch.Tensor | None = None,
+                   step_start: bool = False) -> None:
     """One optimizer step of ``scorer.model`` on ``rows`` of the CPU ``batch`` (``advantages`` ``[B, T]``
     CPU), in ``scorer``'s micro-batches, precision and sampling support.
 
@@ -196,24 +198,42 @@ def optimizer_step(scorer: Scorer, optimizer, batch: Batch, rows: torch.Tensor, 
     step — the step's full-batch loss, L = Σ_b Σ_{t∈b} ℓ_t / N_step — so the logged
     ``offpolicy/loss`` is the mean over the optimizer steps (mini-batches × PPO epochs) of each
     step's loss.
+
+    ``step_start``: the weights are still the step's starting π_θ (the first optimizer step of the batch, or a
+    measuring pass), so ``MISMATCH_KEY`` is recorded on these rows' tokens (``mismatch_k3``).
     """
     if not update:
         with torch.no_grad():
             _step(scorer, batch, rows, advantages, old_of, loss_cfg, metrics, backward=False, split=split_metrics,
-                  old_support=old_support)
+                  old_support=old_support, step_start=step_start)
         return
     optimizer.zero_grad(set_to_none=True)
     total = _step(scorer, batch, rows, advantages, old_of, loss_cfg, metrics, backward=True, split=split_metrics,
-                  old_support=old_support)
+                  old_support=old_support, step_start=step_start)
     if total is None:
         return
     metrics.mean("loss", total.reshape(1))
     apply(scorer.model, optimizer, max_grad_norm, metrics)
 
 
+MISMATCH_KEY = "kl_k3_start"  # logged as offpolicy/kl_k3_start
+
+
+def mismatch_k3(logprobs: torch.Tensor, view: Batch, metrics: Metrics) -> None:
+    """k3 of the trainer's π_θ at the start of the step against the engine's μ, on the sampled tokens of ``view``
+    (``[b, T]``, the loss's tokens): ρ = π_θ/μ, k3 = ρ − 1 − log ρ, the log-ratio clamped as every ratio is
+    (``ops.k3``). ``offpolicy/kl_k3`` is the correction's own statistic, taken on the ratio its anchor uses —
+    π_old/μ, or π_θ/μ averaged over the step's mini-batches under bypass — so it measures different things by
+    preset; this one is the same for every preset (the science amendment's mismatch column, docs/science.md),
+    recorded on the first mini-batch's rows (before any update of the step) or a measuring pass's."""
+    x = logprobs.detach().float() - view.rollout_logprobs.float()
+    mask = view.mask.bool()  # a NaN on a kept token stays in (a non-finite policy must show), padding does not
+    metrics.mean(MISMATCH_KEY, ops.k3(torch.where(mask, x, torch.zeros_like(x)), None), mask)
+
+
 def _step(scorer: Scorer, batch: Batch, rows: torch.Tensor, advantages: torch.Tensor, old_of,
           loss_cfg: op.LossConfig, metrics: Metrics, backward: bool, split: bool = False,
-          old_support: torch.Tensor | None = None) -> torch.Tensor | None:
+          old_support: torch.Tensor | None = None, step_start: bool = False) -> torch.Tensor | None:
     """The forwards, the correction and (``backward``) the backward passes of one optimizer step
     (``optimizer_step``'s docstring); records the step's metrics but ``loss`` in ``metrics`` and
     returns the step's loss (float64, detached), or None for rows without a response token."""
@@ -253,6 +273,8 @@ def _step(scorer: Scorer, batch: Batch, rows: torch.Tensor, advantages: torch.Te
         support_out: list[torch.Tensor] = []
         view, logprobs, old = loss_inputs(g, mb, scorer.forward(mb, metrics, support_out=support_out),
                                           metrics if truncated else None)
+        if step_start:
+            mismatch_k3(logprobs, view, metrics)
         if counts(view):
             parts = [{"mask": view.mask}] if loss_cfg.correction is None else [_part(view, adv, logprobs.detach(), old)]
             total = accumulate(logprobs, old, adv, view, step_config(loss_cfg, parts, step), step, backward, split,
@@ -285,6 +307,8 @@ def _step(scorer: Scorer, batch: Batch, rows: torch.Tensor, advantages: torch.Te
             support_out = []
             view, logprobs, old = loss_inputs(g, mb, scorer.forward(mb, None if first_pass else metrics,
                                                                     support_out=support_out))
+            if step_start:
+                mismatch_k3(logprobs, view, metrics)
             total = total + accumulate(logprobs, old, adv, view, cfg, step, backward, split,
                                        centring(g, mb, support_out))
     metrics.update(step.renamed(rule_names(loss_cfg)))
