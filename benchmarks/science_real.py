@@ -50,14 +50,17 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
-from offpolicy.train.evaluate import COLLAPSE_RULE, EVAL_KEYS, collapsed, eval_points, primary_metric
+from offpolicy.train.evaluate import (COLLAPSE_RULE, EVAL_KEYS, FAILURE_KEYS, collapsed, eval_points, failed_metrics,
+                                      primary_metric)
 
 # the registered settings (docs/science.md, "The long-answer experiment"); lr: the pilot's choice
+# (the amendment, docs/science.md: policy_kl_rows 0 — two no-grad forwards a step that change no weight;
+# checkpoints every 5 steps, the newest kept; gradient checkpointing off, as registered)
 RUN = {"task": "count", "prompts_per_step": 4, "group_size": 8, "minibatches": 4, "lr": 3e-5, "steps": 40,
-       "temperature": 0.7, "eval_every": 10, "eval_problems": 128, "micro_batch_tokens": 4096, "policy_kl_rows": 8,
-       "checkpoint_every": 10, "samples_per_step": 0}
+       "temperature": 0.7, "eval_every": 10, "eval_problems": 128, "micro_batch_tokens": 4096, "policy_kl_rows": 0,
+       "checkpoint_every": 5, "checkpoint_keep": 1, "gradient_checkpointing": False, "samples_per_step": 0}
 STALENESS = 4
 ALPHA, POWER, LEVEL = 0.05, 0.8, 0.90  # one-sided test level, power for the detectable effect, CI level
 GATE, RESCUE, EQUIVALENCE = 0.10, 0.05, 0.05  # R − N ≥ GATE; C − N ≥ RESCUE; C − N's CI inside ±EQUIVALENCE
@@ -82,8 +85,11 @@ CELLS = {c.name: c for c in (
     Cell("icepop", "bf16", STALENESS, "verl:decoupled_token_icepop"),
     Cell("none_1mb", "bf16", STALENESS, "none", minibatches=1),
     Cell("centered", "bf16", STALENESS, "none", extra=("loss.score_centering=head",)),
+    # the amendment's exploratory cells, outside the rule: C's confounds taken apart
+    Cell("bypass_02", "bf16", STALENESS, "verl:bypass_ppo_clip"),  # bypass at N's clip ε 0.2 (C: bypass AND ε 0.4)
+    Cell("fp32_s4", "fp32", STALENESS, "none"),  # staleness without the bf16 engine (N: dtype AND staleness)
 )}
-TIERS = {"1": ("R", "N", "C"), "2": ("token_is", "icepop", "none_1mb"), "x": ("centered",)}
+TIERS = {"1": ("R", "N", "C"), "2": ("token_is", "icepop", "none_1mb"), "x": ("centered", "bypass_02", "fp32_s4")}
 TIERS["all"] = TIERS["1"] + TIERS["2"]
 # (name, a, b, alternative): a − b; tier 2's four are one Holm family
 GATE_CONTRAST = ("R − N", "R", "N", "greater")
@@ -135,11 +141,15 @@ def permutation_p(a: list[float], b: list[float], alternative: str = "greater") 
     return hits / count
 
 
-def holm(pvalues: dict[str, float]) -> dict[str, float]:
+def holm(pvalues: dict[str, float | None], family: int | None = None) -> dict[str, float]:
     """Holm's step-down adjustment: sorted p_(1) ≤ … ≤ p_(m), adjusted p_(i) = max over j ≤ i of
-    min(1, (m − j + 1)·p_(j)). A test is rejected at family-wise α when its adjusted p < α."""
+    min(1, (m − j + 1)·p_(j)). A test is rejected at family-wise α when its adjusted p < α. ``family``: the size
+    registered for the family (m), whatever ran: a test that could not run (p None: a cell without runs) is a
+    missing test, kept in the family at p = 1, so a missing cell never makes the others' adjustment smaller."""
+    pvalues = {name: 1.0 if p is None else p for name, p in pvalues.items()}
+    m = max(family or 0, len(pvalues))
     order = sorted(pvalues, key=pvalues.get)
-    m, running, out = len(order), 0.0, {}
+    running, out = 0.0, {}
     for j, name in enumerate(order):
         running = max(running, min(1.0, (m - j) * pvalues[name]))
         out[name] = running
@@ -192,22 +202,118 @@ def detectable(sd: float, n_a: int, n_b: int, alpha: float = ALPHA, power: float
     return (z(1 - (alpha if one_sided else alpha / 2)) + z(power)) * sd * math.sqrt(1 / n_a + 1 / n_b)
 
 
-def seeds_needed(effect: float, sd: float, alpha: float = ALPHA, power: float = POWER) -> int:
-    """Seeds per cell for ``detectable(sd, n, n) ≤ effect`` (one-sided)."""
+def smallest_p(n: int, one_sided: bool = True) -> float:
+    """The smallest p the exact permutation test of n against n seeds can give: one split of C(2n, n) is the
+    observed one (two-sided: it and its mirror)."""
+    return (1 if one_sided else 2) / math.comb(2 * n, n)
+
+
+def min_seeds(alpha: float = ALPHA, one_sided: bool = True) -> int:
+    """The fewest seeds a cell for which the exact test can pass at level ``alpha`` at all (smallest p < α): 4 at a
+    one-sided 0.05 (1/70); 5 for a test at Holm's first step of a family of 4 (0.05/4: 1/252 at 5, 1/70 at 4)."""
+    n = 1
+    while smallest_p(n, one_sided) >= alpha:
+        n += 1
+    return n
+
+
+def seeds_needed(effect: float, sd: float, alpha: float = ALPHA, power: float = POWER, one_sided: bool = True) -> int:
+    """Seeds per cell for ``detectable(sd, n, n, alpha) ≤ effect``, and never fewer than the exact test needs to be
+    able to pass at ``alpha`` (``min_seeds``): the normal approximation alone can ask for 2 or 3 seeds, where no
+    permutation p is small enough."""
     z = statistics.NormalDist().inv_cdf
-    return math.ceil(2 * ((z(1 - alpha) + z(power)) * sd / effect) ** 2)
+    normal = math.ceil(2 * ((z(1 - (alpha if one_sided else alpha / 2)) + z(power)) * sd / effect) ** 2)
+    return max(normal, min_seeds(alpha, one_sided))
 
 
-def contrast(name: str, a: list[float], b: list[float], alternative: str, seed: int = 0) -> dict[str, Any]:
+TIER2_ALPHA = ALPHA / len(TIER2_CONTRASTS)  # the level of Holm's first (strictest) step in tier 2's family
+
+
+def _splits(n: int):
+    """Every way to choose n of 2n seeds as group a: a ``[C(2n, n), 2n]`` 0/1 matrix (numpy)."""
+    import numpy as np
+
+    rows = list(itertools.combinations(range(2 * n), n))
+    out = np.zeros((len(rows), 2 * n))
+    for i, chosen in enumerate(rows):
+        out[i, list(chosen)] = 1.0
+    return out
+
+
+def exact_p_many(a, b, splits=None):
+    """``permutation_p(a, b, "greater")`` for many simulated experiments at once: ``a``, ``b`` ``[sims, n]`` (numpy),
+    every split of the pooled 2n values at once (the same 1e-9 slack)."""
+    import numpy as np
+
+    n = a.shape[1]
+    splits = _splits(n) if splits is None else splits
+    pooled = np.concatenate([a, b], axis=1)  # [sims, 2n]
+    total = pooled.sum(1, keepdims=True)
+    sums = pooled @ splits.T  # [sims, C(2n, n)]: group a's sum under each split
+    diffs = sums / n - (total - sums) / n
+    observed = (a.sum(1) / n - b.sum(1) / n)[:, None]
+    return (diffs >= observed - 1e-9).mean(1)
+
+
+def simulated_power(draw, n: int, sims: int = 2000, seed: int = 0) -> dict[str, float]:
+    """The registered rule's power at ``n`` seeds a cell, by simulation: ``draw(rng, cell, shape)`` gives a cell's
+    primary metrics; each experiment runs the exact one-sided tests of the gate (R − N ≥ 0.10, p < 0.05) and of
+    C − N (≥ 0.05, p < 0.05). Returns the share of experiments where the gate passes, where C − N passes, and where
+    both do (the "correction matters" path: C − N is tested only after the gate)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    r, nn, c = (np.clip(draw(rng, cell, (sims, n)), 0.0, 1.0) for cell in ("R", "N", "C"))
+    splits = _splits(n)
+    gate = (r.mean(1) - nn.mean(1) >= GATE) & (exact_p_many(r, nn, splits) < ALPHA)
+    rescue = (c.mean(1) - nn.mean(1) >= RESCUE) & (exact_p_many(c, nn, splits) < ALPHA)
+    return {"gate": float(gate.mean()), "c_minus_n": float(rescue.mean()), "path": float((gate & rescue).mean())}
+
+
+# the CPU pilot's primary metrics at one seed a cell (docs/science.md, the pilot): the effect sizes the seed count
+# of the amendment was chosen for
+PILOT = {"R": 1.000, "N": 0.266, "C": 0.727}
+
+
+def power_table(ns=(4, 5, 6, 8, 10), sims: int = 2000) -> str:
+    """The amendment's power table (``--power``): two models of the cells' spread over seeds, at each seed count.
+
+    * shift: each cell normal around the pilot's value with one SD (0.204, the prior; 0.35, the pilot's N − C
+      spread as a guess at a collapse-prone cell), clipped to [0, 1];
+    * collapse mixture: a run collapses (primary ~ U(0.2, 0.35), the pilot's N) with probability 0.8 in N and 0.2
+      in C, else it lands near the ceiling (U(0.85, 1.0)); R near the ceiling always."""
+    lines = ["| model | " + " | ".join(f"n = {n}: gate / C − N / both" for n in ns) + " |",
+             "|---|" + "---:|" * len(ns)]
+    models = {f"shift, SD {sd}": (lambda sd: lambda rng, cell, shape: rng.normal(PILOT[cell], sd, shape))(sd)
+              for sd in (0.204, 0.35)}
+
+    def mixture(rng, cell, shape):
+        collapse = {"R": 0.0, "N": 0.8, "C": 0.2}[cell]
+        low, high = rng.uniform(0.2, 0.35, shape), rng.uniform(0.85, 1.0, shape)
+        return np.where(rng.random(shape) < collapse, low, high)
+
+    import numpy as np
+
+    models["collapse mixture (N 80 %, C 20 %)"] = mixture
+    for name, draw in models.items():
+        cells = [simulated_power(draw, n, sims) for n in ns]
+        lines.append(f"| {name} | " + " | ".join(f"{c['gate']:.2f} / {c['c_minus_n']:.2f} / {c['path']:.2f}"
+                                               for c in cells) + " |")
+    return "\n".join(lines)
+
+
+def contrast(name: str, a: list[float], b: list[float], alternative: str, seed: int = 0,
+             alpha: float = ALPHA) -> dict[str, Any]:
     """One contrast's numbers: a − b of the means, its bootstrap CI (``LEVEL``), the exact permutation p,
-    the pooled SD and the smallest effect these seeds could detect with it."""
-    out: dict[str, Any] = {"contrast": name, "alternative": alternative, "n": [len(a), len(b)], "diff": None,
-                           "ci": None, "p": None, "sd": None, "detectable": None}
+    the pooled SD and the smallest effect these seeds could detect with it at the level ``alpha`` the test runs
+    at (tier 2: Holm's first step, α/4) and its sidedness."""
+    out: dict[str, Any] = {"contrast": name, "alternative": alternative, "n": [len(a), len(b)], "alpha": alpha,
+                           "diff": None, "ci": None, "p": None, "sd": None, "detectable": None}
     if not a or not b:
         return out
     sd = pooled_sd(a, b)
     out.update(diff=mean_diff(a, b), ci=bootstrap_ci(mean_diff, [a, b], seed=seed), p=permutation_p(a, b, alternative),
-               sd=sd, detectable=None if sd is None else detectable(sd, len(a), len(b),
+               sd=sd, detectable=None if sd is None else detectable(sd, len(a), len(b), alpha=alpha,
                                                                    one_sided=alternative == "greater"))
     return out
 
@@ -222,11 +328,37 @@ def analyse(primary: dict[str, list[float]]) -> dict[str, Any]:
                                  if get("C") and get("N") and get("R") else None)
     rescue["recovered_ci"] = (bootstrap_ci(recovered_share, [get("C"), get("N"), get("R")])
                               if get("C") and get("N") and get("R") else None)
-    tier2 = [contrast(name, get(a), get(b), alt) for name, a, b, alt in TIER2_CONTRASTS]
-    adjusted = holm({t["contrast"]: t["p"] for t in tier2 if t["p"] is not None})
+    tier2 = [contrast(name, get(a), get(b), alt, alpha=TIER2_ALPHA) for name, a, b, alt in TIER2_CONTRASTS]
+    if any(t["p"] is not None for t in tier2):  # the family is the registered four, a missing test at p = 1
+        adjusted = holm({t["contrast"]: t["p"] for t in tier2}, family=len(TIER2_CONTRASTS))
+    else:
+        adjusted = {}
     for t in tier2:
-        t["p_holm"] = adjusted.get(t["contrast"])
+        t["p_holm"] = adjusted.get(t["contrast"]) if t["p"] is not None else None
     return {"gate": gate, "rescue": rescue, "tier2": tier2, "verdict": verdict(gate, rescue, tier2)}
+
+
+# the secondary family (the amendment): (metric, a, b) tested one-sided a > b — fewer collapses in R and C than in N,
+# a larger AUC in R and C than in N; Holm at 0.05 over the four; beside the verdict, never changing it
+SECONDARY_CONTRASTS = (("ever collapsed: N − R", "ever_collapsed", "N", "R"),
+                       ("ever collapsed: N − C", "ever_collapsed", "N", "C"),
+                       ("AUC: R − N", "auc", "R", "N"), ("AUC: C − N", "auc", "C", "N"))
+
+
+def secondary(runs: dict[str, dict[str, dict[str, Any]]]) -> list[dict[str, Any]]:
+    """The secondary family's four tests on the runs' per-seed values (``ever_collapsed``, ``auc``), Holm-adjusted
+    as one family of four."""
+    def values(cell: str, key: str) -> list[float]:
+        seeds = runs.get(cell, {})
+        return [seeds[s][key] for s in sorted(seeds, key=int) if seeds[s].get(key) is not None]
+
+    tests = [contrast(name, values(a, key), values(b, key), "greater", alpha=ALPHA / len(SECONDARY_CONTRASTS))
+             for name, key, a, b in SECONDARY_CONTRASTS]
+    adjusted = holm({t["contrast"]: t["p"] for t in tests}, family=len(tests)) if any(
+        t["p"] is not None for t in tests) else {}
+    for t in tests:
+        t["p_holm"] = adjusted.get(t["contrast"]) if t["p"] is not None else None
+    return tests
 
 
 def verdict(gate: dict[str, Any], rescue: dict[str, Any], tier2: list[dict[str, Any]]) -> list[str]:
@@ -278,13 +410,11 @@ def run_overrides(cell: Cell, seed: int, args: argparse.Namespace, run_dir: Path
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
-    from offpolicy.train.logger import read_jsonl
+    """The run's metrics rows, one per step, each null read back as the non-finite value it was
+    (``offpolicy.train.logger.read_metrics``: a torn last line left out, a resumed step's last row kept)."""
+    from offpolicy.train.logger import read_metrics as read
 
-    rows = {}
-    path = run_dir / "metrics.jsonl"
-    for row in (read_jsonl(path) if path.is_file() else []):  # a run cut mid-write leaves a torn last line
-        rows[row["step"]] = row  # a resumed run rewrites the steps past its checkpoint: the last wins
-    return [rows[k] for k in sorted(rows)]
+    return read(run_dir)
 
 
 def finished(run_dir: Path, steps: int) -> bool:
@@ -319,22 +449,29 @@ def schedule(cells: list[Cell], seeds: list[int]) -> list[tuple[Cell, int]]:
     return [(c, s) for group in (first, rest) for s in seeds for c in group]
 
 
-def run_grid(cells: list[Cell], seeds: list[int], args: argparse.Namespace) -> list[str]:
-    """Run every (cell, seed) not yet finished, ``args.jobs`` at a time; returns the runs that failed."""
-    todo = [(c, s) for c, s in schedule(cells, seeds) if not finished(args.out / c.name / f"seed{s}", args.steps)]
-    print(f"{len(cells) * len(seeds) - len(todo)} runs finished already, {len(todo)} to run, {args.jobs} at once",
-          flush=True)
+def run_grid(cells: list[Cell], seeds: list[int], args: argparse.Namespace, on_end=None,
+             stop: Callable[[], bool] | None = None, env: dict[str, str] | None = None,
+             pairs: list[tuple[Cell, int]] | None = None) -> list[str]:
+    """Run every (cell, seed) not yet finished (nor failed by itself), ``args.jobs`` at a time; returns the runs
+    that did not finish. ``on_end(name, run_dir, outcome, seconds)`` is told of each run's end (outcome: done,
+    failed, stopped); ``stop()`` true: start no more runs; ``env``: the runs' environment (``run_env``'s);
+    ``pairs``: exactly these (cell, seed) in this order, in place of ``schedule(cells, seeds)``."""
+    todo = [(c, s) for c, s in (pairs if pairs is not None else schedule(cells, seeds))
+            if not finished(args.out / c.name / f"seed{s}", args.steps)
+            and failure_record(args.out / c.name / f"seed{s}") is None]
+    total = len(pairs) if pairs is not None else len(cells) * len(seeds)
+    print(f"{total - len(todo)} runs finished already, {len(todo)} to run, {args.jobs} at once", flush=True)
     running: list[tuple[subprocess.Popen, str, float, Any, Path]] = []
     failed = []
-    while todo or running:
-        while todo and len(running) < args.jobs:
+    while running or (todo and not (stop and stop())):
+        while todo and len(running) < args.jobs and not (stop and stop()):
             cell, seed = todo.pop(0)
             run_dir = args.out / cell.name / f"seed{seed}"
             cmd = command(cell, seed, args, run_dir)
             run_dir.parent.mkdir(parents=True, exist_ok=True)
             log = open(args.out / cell.name / f"seed{seed}.log", "a")
             print(f"start {cell.name} seed {seed}{' (resume)' if '--resume' in cmd else ''}", flush=True)
-            running.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=run_env()),
+            running.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env or run_env()),
                             f"{cell.name}/seed{seed}", time.time(), log, run_dir))
         time.sleep(1.0)
         for item in list(running):
@@ -347,37 +484,117 @@ def run_grid(cells: list[Cell], seeds: list[int], args: argparse.Namespace) -> l
             rows = read_metrics(run_dir)
             seconds = [r["step_seconds"] for r in rows if "step_seconds" in r]
             timing = f", steps {', '.join(f'{s:.1f}' for s in seconds[:3])} s" if seconds else ""
-            print(f"{'done' if ok else 'FAILED'} {name} in {time.time() - start:.0f} s (exit {proc.returncode}"
-                  f"{timing})", flush=True)
+            outcome = "done" if ok else end_of(proc.returncode, run_dir)
+            print(f"{outcome} {name} in {time.time() - start:.0f} s (exit {proc.returncode}{timing})", flush=True)
             if ok and not args.keep_checkpoints:
                 shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # finished: nothing to resume
+            if outcome == "failed":  # by itself: decided now, from the exit status and the trainer's record
+                (run_dir.parent / f"{run_dir.name}.failure.json").write_text(json.dumps(
+                    {"exit": proc.returncode, "trainer": failure_record(run_dir),
+                     "decided": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}, indent=1) + "\n")
+                shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # never resumed
             if not ok:
                 failed.append(name)
+            if on_end is not None:
+                on_end(name, run_dir, outcome, time.time() - start)
     return failed
+
+
+OUTSIDE = (130, 137, 143)  # SIGINT, SIGKILL, SIGTERM as a shell reports them (128 + n)
+
+
+def end_of(returncode: int, run_dir: Path) -> str:
+    """How a run that did not finish ended: ``failed`` — by itself: a non-zero exit with the trainer's failure
+    record (``failure.json``: the training code raised after logging a step); ``stopped`` — from outside: a
+    signal (a negative status, or 128 + n), a memory kill, or an exit without the trainer's record (a crash before
+    its first step, a machine not kept). A stopped run is never scored: it resumes from its checkpoint or reruns
+    from step 0 at the same seed."""
+    if returncode < 0 or returncode in OUTSIDE:
+        return "stopped"
+    return "failed" if (run_dir / "failure.json").is_file() else "stopped"
 
 
 # ---------------------------------------------------------------- the report
 
-def run_stats(rows: list[dict[str, Any]], steps: int) -> dict[str, Any]:
-    """One run's numbers from its metrics rows: its evals, the primary metric, whether it finished and
-    whether it collapsed (``evaluate.collapsed``, or not finished, or a non-finite training metric), and
-    the curves the plots draw."""
+def run_stats(rows: list[dict[str, Any]], steps: int, failure: dict[str, Any] | None = None,
+              start: float | None = None) -> dict[str, Any]:
+    """One run's numbers from its metrics rows (as ``read_metrics`` gives them): its evals, the primary metric,
+    whether it finished, whether it failed by itself, whether it collapsed, and the curves the plots draw.
+
+    The rules (docs/science.md, the amendment): a run collapsed by ``evaluate.collapsed``, or where a failure metric
+    was non-finite at any step (``evaluate.failed_metrics``: the loss, the gradient norm, the reward, the length,
+    any eval metric), or where it ended by its own failure (``failure``: the trainer's failure record, or the
+    runner's) — then its primary metric is the mean of its last two evals (its last if one; ``start``, the untrained
+    model's held-out reward, if none). A run that did not finish and did not fail was stopped from outside: it is
+    not scored (``done`` False, no primary), it resumes."""
     evals = eval_points(rows)
     done = bool(rows) and rows[-1]["step"] >= steps - 1 and bool(evals) and evals[-1]["step"] == rows[-1]["step"]
-    finite = all(math.isfinite(v) for r in rows for v in r.values() if isinstance(v, (int, float)))
+    bad = failed_metrics(rows)
+    failed = failure is not None
+    primary = primary_metric(evals) if done else None
+    if failed and not done:
+        primary = (primary_metric(evals) if len(evals) >= 2 else primary_metric(evals * 2) if evals else start)
 
     def curve(key: str) -> list[float | None]:
-        return [r.get(key) for r in rows]
+        return [_finite(r.get(key)) for r in rows]
 
-    seconds = [r["step_seconds"] for r in rows if "step_seconds" in r]
-    kl = [r["offpolicy/kl_k3"] for r in rows if "offpolicy/kl_k3" in r and math.isfinite(r["offpolicy/kl_k3"])]
-    return {"done": done, "steps": len(rows), "primary": primary_metric(evals) if done else None,
-            "collapsed": not done or not finite or collapsed(evals), "evals": evals,
+    seconds = [r["step_seconds"] for r in rows if isinstance(r.get("step_seconds"), (int, float))]
+    kl = [r[MISMATCH] for r in rows if isinstance(r.get(MISMATCH), (int, float)) and math.isfinite(r[MISMATCH])]
+    return {"done": done, "failed": failed, "failure": failure, "nonfinite": bad[:20], "steps": len(rows),
+            "ever_collapsed": ever_collapsed(evals, steps) if done or failed else None,
+            "auc": auc(evals, steps) if done else None,
+            "primary": primary, "collapsed": failed or bool(bad) or (done and collapsed(evals)), "evals": evals,
             "mismatch_k3": statistics.fmean(kl) if kl else None,
             "step_seconds_first": seconds[0] if seconds else None,
             "step_seconds_median": statistics.median(seconds) if seconds else None,
             "reward_curve": curve("reward"), "length_curve": curve("response_length"),
-            "truncated_curve": curve("truncated_share"), "mismatch_curve": curve("offpolicy/kl_k3")}
+            "truncated_curve": curve("truncated_share"), "mismatch_curve": curve(MISMATCH)}
+
+
+def secondary_steps(steps: int) -> list[int]:
+    """The evals the secondary metrics read: every ``eval_every``-th step after step 0, and the last (10, 20, 30, 39
+    of 40)."""
+    return [*range(RUN["eval_every"], steps - 1, RUN["eval_every"]), steps - 1]
+
+
+def ever_collapsed(evals: list[dict[str, Any]], steps: int) -> float:
+    """The amendment's "ever collapsed", 0 or 1: at some eval of ``secondary_steps`` the held-out reward is ≥ 0.2
+    below the maximum of the run's evals up to and including it, or more than half of its greedy answers are
+    truncated, or an eval metric is non-finite. A run that failed by itself counts 1."""
+    from offpolicy.train.evaluate import COLLAPSE_DROP, COLLAPSE_TRUNCATED
+
+    best = -math.inf
+    marks = set(secondary_steps(steps))
+    for e in evals:
+        reward = e.get("eval/accuracy", math.nan)
+        if not all(math.isfinite(v) for k, v in e.items() if k != "step"):
+            return 1.0
+        best = max(best, reward)
+        if e["step"] in marks and (reward <= best - COLLAPSE_DROP + 1e-9
+                                   or e.get("eval/truncated_share", 0.0) > COLLAPSE_TRUNCATED):
+            return 1.0
+    return 0.0
+
+
+def auc(evals: list[dict[str, Any]], steps: int) -> float | None:
+    """The amendment's AUC: the trapezoid of the held-out reward over the evals of ``secondary_steps``, divided by
+    their span (29 for 40 steps): a mean reward that weighs the whole run, not its end. None where an eval is
+    missing; a non-finite reward counts 0, as in the primary metric."""
+    at = {e["step"]: e.get("eval/accuracy", math.nan) for e in evals}
+    marks = secondary_steps(steps)
+    if any(m not in at for m in marks) or len(marks) < 2:
+        return None
+    ys = [at[m] if math.isfinite(at[m]) else 0.0 for m in marks]
+    area = sum((ys[i] + ys[i + 1]) / 2 * (marks[i + 1] - marks[i]) for i in range(len(marks) - 1))
+    return area / (marks[-1] - marks[0])
+
+
+MISMATCH = "offpolicy/kl_k3_start"  # k3 of π_θ at the step's start against μ, whatever the anchor (the amendment)
+
+
+def _finite(value: Any) -> float | None:
+    """A curve's point: None where the metric is absent or non-finite (a gap in the plot, null in the JSON)."""
+    return value if isinstance(value, (int, float)) and math.isfinite(value) else None
 
 
 def summarize(runs: dict[str, dict[str, dict[str, Any]]]) -> list[dict[str, Any]]:
@@ -385,9 +602,9 @@ def summarize(runs: dict[str, dict[str, dict[str, Any]]]) -> list[dict[str, Any]
     truncated share and length, the mean mismatch k3, the median step time."""
     table = []
     for cell, seeds in runs.items():
-        done = [r for r in seeds.values() if r["done"]]
+        done = [r for r in seeds.values() if (r["done"] or r.get("failed")) and r["primary"] is not None]
         primary = [r["primary"] for r in done]
-        last = [r["evals"][-1] for r in done]
+        last = [r["evals"][-1] for r in done if r["evals"]]
 
         def mean(values):
             values = [v for v in values if v is not None]
@@ -396,6 +613,7 @@ def summarize(runs: dict[str, dict[str, dict[str, Any]]]) -> list[dict[str, Any]
         table.append({"cell": cell, "runs": len(seeds), "finished": len(done),
                       "primary": mean(primary), "primary_sd": statistics.stdev(primary) if len(primary) > 1 else None,
                       "collapsed": sum(r["collapsed"] for r in seeds.values()),
+                      "failed": sum(bool(r.get("failed")) for r in seeds.values()),
                       "truncated": mean([e.get("eval/truncated_share") for e in last]),
                       "length": mean([e.get("eval/response_length") for e in last]),
                       "answer_logprob": mean([e.get("eval/answer_logprob") for e in last]),
@@ -404,9 +622,13 @@ def summarize(runs: dict[str, dict[str, dict[str, Any]]]) -> list[dict[str, Any]
     return table
 
 
-def primaries(runs: dict[str, dict[str, dict[str, Any]]]) -> dict[str, list[float]]:
-    """Each cell's primary metric over its finished seeds, in seed order."""
-    return {cell: [seeds[s]["primary"] for s in sorted(seeds, key=int) if seeds[s]["done"]]
+def primaries(runs: dict[str, dict[str, dict[str, Any]]], failed_at: float | None = None) -> dict[str, list[float]]:
+    """Each cell's primary metric over its scored seeds (finished, or failed by themselves), in seed order;
+    ``failed_at``: a failed run's value replaced by this (the report's row with failures at 0)."""
+    def value(run: dict[str, Any]) -> float:
+        return failed_at if failed_at is not None and run.get("failed") else run["primary"]
+    return {cell: [value(seeds[s]) for s in sorted(seeds, key=int)
+                   if (seeds[s]["done"] or seeds[s].get("failed")) and seeds[s]["primary"] is not None]
             for cell, seeds in runs.items()}
 
 
@@ -419,29 +641,40 @@ def _ci(ci) -> str:
 
 
 def markdown(table: list[dict[str, Any]], analysis: dict[str, Any]) -> str:
-    lines = ["| cell | seeds done | primary (mean ± SD) | collapsed | last eval: truncated | length | answer log-prob "
-             "| mismatch k3 | s/step |", "|---|---:|---|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| cell | seeds scored | primary (mean ± SD) | collapsed (failed) | last eval: truncated | length | "
+             "answer log-prob | mismatch k3 (π_θ vs μ) | s/step |", "|---|---:|---|---:|---:|---:|---:|---:|---:|"]
     for row in table:
         lines.append(f"| {row['cell']} | {row['finished']}/{row['runs']} | {_fmt(row['primary'], '.3f')} ± "
-                     f"{_fmt(row['primary_sd'], '.3f')} | {row['collapsed']}/{row['runs']} | "
+                     f"{_fmt(row['primary_sd'], '.3f')} | {row['collapsed']}/{row['runs']} ({row.get('failed', 0)}) | "
                      f"{_fmt(row['truncated'], '.2f')} | {_fmt(row['length'], '.1f')} | "
                      f"{_fmt(row['answer_logprob'], '.1f')} | {_fmt(row['mismatch_k3'], '.1e')} | "
                      f"{_fmt(row['step_seconds'], '.1f')} |")
-    lines += ["", "| contrast | seeds | difference | 90 % bootstrap CI | exact p | Holm p | SD | detectable |",
+    lines += ["", "| contrast | seeds | difference | 90 % bootstrap CI | exact p | Holm p | SD | detectable (at α) |",
               "|---|---|---:|---|---:|---:|---:|---:|"]
     for c in [analysis["gate"], analysis["rescue"], *analysis["tier2"]]:
         side = "≥" if c["alternative"] == "greater" else "two-sided"
         lines.append(f"| {c['contrast']} ({side}) | {c['n'][0]} v {c['n'][1]} | {_fmt(c['diff'], '+.3f')} | "
                      f"{_ci(c['ci'])} | {_fmt(c['p'], '.4f')} | {_fmt(c.get('p_holm'), '.4f')} | "
-                     f"{_fmt(c['sd'], '.3f')} | {_fmt(c['detectable'], '.3f')} |")
+                     f"{_fmt(c['sd'], '.3f')} | {_fmt(c['detectable'], '.3f')} ({c.get('alpha', ALPHA):.4g}) |")
     share = analysis["rescue"].get("recovered_share")
     lines += ["", f"recovered share (C − N)/(R − N): {_fmt(share, '.2f')} (90 % CI "
                   f"{_ci(analysis['rescue'].get('recovered_ci'))})", *analysis["verdict"]]
     return "\n".join(lines)
 
 
-def collect(out: Path, cells: list[str], seeds: list[int] | None, steps: int) -> dict[str, dict[str, dict[str, Any]]]:
-    """Every run directory under ``out`` of the named cells (and seeds, when given), seeds as strings (JSON's keys)."""
+def failure_record(run_dir: Path) -> dict[str, Any] | None:
+    """A run's own failure, as recorded when it ended: the runner's ``RUN.failure.json`` beside the run directory
+    (exit status and the trainer's record), else the trainer's ``failure.json`` inside it; None: it did not fail."""
+    for path in (run_dir.parent / f"{run_dir.name}.failure.json", run_dir / "failure.json"):
+        if path.is_file():
+            return json.loads(path.read_text())
+    return None
+
+
+def collect(out: Path, cells: list[str], seeds: list[int] | None, steps: int,
+            start: float | None = None) -> dict[str, dict[str, dict[str, Any]]]:
+    """Every run directory under ``out`` of the named cells (and seeds, when given), seeds as strings (JSON's keys);
+    ``start``: the untrained model's held-out reward (a failed run's primary metric where it never evaluated)."""
     runs: dict[str, dict[str, dict[str, Any]]] = {}
     for cell in cells:
         for run_dir in sorted((out / cell).glob("seed*")):
@@ -449,7 +682,10 @@ def collect(out: Path, cells: list[str], seeds: list[int] | None, steps: int) ->
                 continue
             seed = int(run_dir.name[4:])
             if seeds is None or seed in seeds:
-                runs.setdefault(cell, {})[str(seed)] = run_stats(read_metrics(run_dir), steps)
+                stats = run_stats(read_metrics(run_dir), steps, failure_record(run_dir), start)
+                record = run_dir / "provenance.json"  # the trainer's blocks, one a session (offpolicy.provenance)
+                stats["provenance"] = json.loads(record.read_text())["sessions"] if record.is_file() else None
+                runs.setdefault(cell, {})[str(seed)] = stats
     return runs
 
 
@@ -494,10 +730,230 @@ def plot(runs: dict[str, dict[str, dict[str, Any]]], path: Path, start: dict[str
 
 
 def report(runs: dict[str, dict[str, dict[str, Any]]]) -> tuple[list[dict[str, Any]], dict[str, Any], str]:
-    """The table, the registered analysis and their markdown, from per-run stats (run directories or a JSON)."""
+    """The table, the registered analysis and their markdown, from per-run stats (run directories or a JSON). Where
+    a run failed by itself, the analysis is repeated with those runs at 0 (the amendment's extra row), beside the
+    registered one, which keeps their last evals."""
     table = summarize(runs)
     analysis = analyse(primaries(runs))
-    return table, analysis, markdown(table, analysis)
+    text = markdown(table, analysis)
+    analysis["secondary"] = secondary(runs)
+    text += "\n\nsecondary family (Holm over four; beside the verdict, never changing it):\n" + "\n".join(
+        f"{t['contrast']}: {_fmt(t['diff'], '+.3f')}, exact p {_fmt(t['p'], '.4f')}, Holm p {_fmt(t['p_holm'], '.4f')}"
+        for t in analysis["secondary"])
+    if any(r.get("failed") for seeds in runs.values() for r in seeds.values()):
+        at_zero = analyse(primaries(runs, failed_at=0.0))
+        analysis["failed_at_zero"] = at_zero
+        text += "\n\nwith the runs that failed by themselves at 0:\n" + "\n".join(
+            f"{c['contrast']}: {_fmt(c['diff'], '+.3f')}, exact p {_fmt(c['p'], '.4f')}"
+            for c in (at_zero["gate"], at_zero["rescue"])) + "\n" + "\n".join(at_zero["verdict"])
+    return table, analysis, text
+
+
+# ---------------------------------------------------------------- the confirmatory campaign (the amendment)
+#
+# Tier 1 at seeds 1-8 on the CPU, from one pinned commit (docs/science.md, "The amendment"). The campaign's
+# directory in the repository (``docs/science_long``) holds PINNED (the commit), LOCK.json (the stack it runs on),
+# DEVIATIONS.md, and ``runs/CELL/seedN/``: each finished (or failed) run's record, committed at once. The runs
+# themselves (checkpoints, logs) live under the cache directory, outside the work tree. Blinded: nothing here
+# prints, plots or summarises an outcome of a confirmatory run until all of tier 1's records are in.
+
+CAMPAIGN_CELLS = TIERS["1"]
+CAMPAIGN_SEEDS = tuple(range(1, 9))  # seed 0 is the pilot's: its runs are deterministic, so it would replay them
+CAMPAIGN_RUNS = len(CAMPAIGN_CELLS) * len(CAMPAIGN_SEEDS)
+RECORD_FILES = ("metrics.jsonl", "config.yaml", "provenance.json", "failure.json")  # what a run's record keeps
+OUTCOME_KEYS = ("reward", "eval/", "response_length", "truncated", "kl_", "offpolicy/", "policy/", "primary")
+
+
+class CampaignError(RuntimeError):
+    """The campaign cannot go on as pinned (another commit, another stack, a record that differs): say why."""
+
+
+def cache_root() -> Path:
+    """offpolicy's cache directory (``$OFFPOLICY_CACHE``, else ``~/.cache/offpolicy``) / science_long."""
+    return Path(os.environ.get("OFFPOLICY_CACHE") or Path.home() / ".cache" / "offpolicy") / "science_long"
+
+
+def pinned(campaign: Path) -> tuple[str, dict[str, str]]:
+    """The pinned commit and the lock (the versions of torch, transformers and vLLM the runs use)."""
+    commit = (campaign / "PINNED").read_text().split()[0]
+    return commit, json.loads((campaign / "LOCK.json").read_text())
+
+
+def check_provenance(block: dict[str, Any], commit: str, lock: dict[str, str], tree: str | None = None) -> list[str]:
+    """What differs between a provenance block (``offpolicy.provenance.block``) and the pin: the commit, the code
+    tree's hash (``tree``: the export's), the module root (an export's ``src/offpolicy``), the locked versions."""
+    code, versions = block["code"], block["versions"]
+    problems = []
+    if code.get("commit") != commit or code.get("source") != "export":
+        problems.append(f"code from {code.get('source')} commit {code.get('commit')}, not the export of {commit}")
+    if tree is not None and code.get("tree_hash") != tree:
+        problems.append(f"code tree {code.get('tree_hash')} is not the pinned export's {tree}")
+    if not str(code.get("module_root", "")).endswith(f"export-{commit[:12]}/src/offpolicy"):
+        problems.append(f"offpolicy imported from {code.get('module_root')}, not the pinned export")
+    for name, want in lock.items():
+        if versions.get(name) != want:
+            problems.append(f"{name} {versions.get(name)}, locked at {want}")
+    return problems
+
+
+def campaign_records(campaign: Path) -> dict[tuple[str, int], Path]:
+    """The committed records: (cell, seed) → its directory (``runs/CELL/seedN`` with a ``record.json``)."""
+    return {(d.parent.name, int(d.name[4:])): d for d in sorted((campaign / "runs").glob("*/seed*"))
+            if (d / "record.json").is_file()}
+
+
+def commit_record(repo: Path, path: Path, message: str) -> None:
+    """``git add`` and ``git commit`` of ``path`` alone (other staged work stays staged), retried while another
+    git command holds the index."""
+    for attempt in range(30):
+        add = subprocess.run(["git", "-C", str(repo), "add", "--", str(path)], capture_output=True, text=True)
+        done = add.returncode == 0 and subprocess.run(
+            ["git", "-C", str(repo), "commit", "-q", "--no-verify", "-m", message, "--", str(path)],
+            capture_output=True, text=True).returncode == 0
+        if done:
+            return
+        time.sleep(2 + attempt)
+    raise CampaignError(f"could not commit {path} (git's index stayed locked?)")
+
+
+def keep_record(campaign: Path, cell: str, seed: int, run_dir: Path, outcome: str, seconds: float, commit: str,
+                lock: dict[str, str], tree: str, overrides: list[str]) -> Path:
+    """Copy a run that ended (finished, or failed by itself) into ``runs/CELL/seedN`` with its ``record.json``
+    (cell, seed, outcome, wall time, the overrides it ran with, the failure record), after checking every session
+    of its provenance against the pin (``CampaignError`` where one differs: the record is not kept)."""
+    sessions = json.loads((run_dir / "provenance.json").read_text())["sessions"]
+    problems = [f"session from step {s['from_step']}: {p}" for s in sessions for p in check_provenance(s, commit, lock,
+                                                                                                    tree)]
+    if problems:
+        raise CampaignError(f"{cell}/seed{seed} ran off the pin: " + "; ".join(problems))
+    dest = campaign / "runs" / cell / f"seed{seed}"
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in RECORD_FILES:
+        if (run_dir / name).is_file():
+            shutil.copy2(run_dir / name, dest / name)
+    (dest / "record.json").write_text(json.dumps({
+        "cell": cell, "seed": seed, "outcome": outcome, "wall_seconds": round(seconds, 1), "pinned": commit,
+        "overrides": overrides, "failure": failure_record(run_dir),
+        "recorded": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}, indent=1) + "\n")
+    return dest
+
+
+def campaign_args(args: argparse.Namespace) -> argparse.Namespace:
+    """The registered settings for every confirmatory run (RUN, the hf engine, the CPU), whatever else was typed."""
+    fixed = argparse.Namespace(**vars(args))
+    fixed.steps, fixed.lr = RUN["steps"], RUN["lr"]
+    fixed.prompts_per_step, fixed.group_size = RUN["prompts_per_step"], RUN["group_size"]
+    fixed.eval_problems, fixed.eval_every, fixed.max_new_tokens = RUN["eval_problems"], RUN["eval_every"], None
+    fixed.engine, fixed.device, fixed.set, fixed.keep_checkpoints = "hf", "cpu", [], False
+    fixed.out = cache_root() / "runs"
+    return fixed
+
+
+def run_campaign(args: argparse.Namespace) -> int:
+    """Run the campaign's missing runs from this pinned export, ``--jobs`` at once, seed-major, each finished run's
+    record committed at once (``--commit``). Refuses unless this script is the export of PINNED (its module root,
+    tree hash and the locked versions). Stops starting runs once ``CAMPAIGN_STOP`` exists in the cache directory
+    (or ``--until`` passes); the runs going on are stopped from outside (SIGTERM: each checkpoints and resumes)."""
+    from offpolicy import provenance
+
+    campaign = args.campaign.resolve()
+    commit, lock = pinned(campaign)
+    block = provenance.block()
+    tree = block["code"]["tree_hash"]
+    problems = check_provenance(block, commit, lock, tree)
+    if problems:
+        raise CampaignError("this runner is not the pinned export (scripts/science_campaign.sh start runs it): "
+                            + "; ".join(problems))
+    fixed = campaign_args(args)
+    fixed.model = fixed.model or default_model()
+    records = campaign_records(campaign)
+    todo = [(c, s) for s in CAMPAIGN_SEEDS for c in CAMPAIGN_CELLS if (c, s) not in records]
+    print(f"campaign at {commit[:12]}: {len(records)} of {CAMPAIGN_RUNS} records in, {len(todo)} left, "
+          f"{fixed.jobs} at once", flush=True)
+    stop_file = cache_root() / "CAMPAIGN_STOP"
+    deadline = time.time() + args.until * 3600 if args.until else None
+
+    def stop() -> bool:
+        return stop_file.exists() or (deadline is not None and time.time() > deadline)
+
+    problem: list[str] = []
+
+    def on_end(name: str, run_dir: Path, outcome: str, seconds: float) -> None:
+        if outcome == "stopped":
+            return  # resumes from its checkpoint (or reruns from step 0) next time
+        cell, seed = name.split("/")[0], int(name.split("/seed")[1])
+        overrides = run_overrides(CELLS[cell], seed, fixed, run_dir)
+        try:
+            dest = keep_record(campaign, cell, seed, run_dir, outcome, seconds, commit, lock, tree, overrides)
+        except CampaignError as err:  # no more runs: the pin is not what ran
+            problem.append(str(err))
+            return
+        if args.commit:
+            commit_record(Path(args.commit), dest, f"science campaign: the record of {cell} seed {seed} "
+                          f"({len(campaign_records(campaign))} of {CAMPAIGN_RUNS}; pinned {commit[:12]})")
+        print(f"recorded {name} ({len(campaign_records(campaign))} of {CAMPAIGN_RUNS})", flush=True)
+
+    def halt() -> bool:
+        return bool(problem) or stop()
+
+    env = run_env()
+    env["PYTHONPATH"] = str(provenance.module_root().parent)  # the runs import the export, as this runner does
+    for cell, seed in todo:  # ended before its record was kept (the runner was stopped in between): keep it now
+        run_dir = fixed.out / cell / f"seed{seed}"
+        if finished(run_dir, fixed.steps) or failure_record(run_dir) is not None:
+            on_end(f"{cell}/seed{seed}", run_dir, "done" if failure_record(run_dir) is None else "failed", 0.0)
+    todo = [(c, s) for c, s in todo if (c, s) not in campaign_records(campaign)]
+    failed = run_grid([], [], fixed, on_end, halt, env, pairs=[(CELLS[c], s) for c, s in todo])  # seed-major
+    print(f"campaign: {len(campaign_records(campaign))} of {CAMPAIGN_RUNS} records in"
+          f"{'; not finished: ' + ', '.join(failed) if failed else ''}", flush=True)
+    if problem:
+        raise CampaignError("; ".join(problem))
+    return 0
+
+
+def campaign_status(campaign: Path) -> dict[str, Any]:
+    """Done / running / left, seconds a step and the time left — never an outcome (the runs' metrics are read for
+    their step count and ``step_seconds`` alone)."""
+    records = campaign_records(campaign)
+    out_dir = cache_root() / "runs"
+    running, seconds, steps_left = [], [], 0
+    for seed in CAMPAIGN_SEEDS:
+        for cell in CAMPAIGN_CELLS:
+            if (cell, seed) in records:
+                continue
+            rows = read_metrics(out_dir / cell / f"seed{seed}") if (out_dir / cell / f"seed{seed}").is_dir() else []
+            if rows:
+                running.append(f"{cell}/seed{seed} at step {len(rows)} of {RUN['steps']}")
+            seconds += [r["step_seconds"] for r in rows if isinstance(r.get("step_seconds"), (int, float))]
+            steps_left += RUN["steps"] - len(rows)
+    for d in records.values():
+        rows = read_metrics(d)
+        seconds += [r["step_seconds"] for r in rows if isinstance(r.get("step_seconds"), (int, float))]
+    per_step = statistics.median(seconds) if seconds else None
+    return {"done": len(records), "of": CAMPAIGN_RUNS, "started": running,
+            "left": CAMPAIGN_RUNS - len(records) - len(running), "seconds_a_step": per_step,
+            "hours_left_at_2_lanes": None if per_step is None else round(steps_left * per_step / 2 / 3600, 1)}
+
+
+def campaign_report(campaign: Path, json_path: Path | None) -> int:
+    """The registered report from the committed records, once all of tier 1's are in; exit 2 while blinded."""
+    records = campaign_records(campaign)
+    if len(records) < CAMPAIGN_RUNS:
+        print(f"blinded: {len(records)} of {CAMPAIGN_RUNS} tier-1 records are in; the report waits for all of them",
+              file=sys.stderr)
+        return 2
+    untrained_path = campaign / "untrained.json"
+    start = json.loads(untrained_path.read_text()).get("eval/accuracy") if untrained_path.is_file() else None
+    runs = collect(campaign / "runs", list(CAMPAIGN_CELLS), list(CAMPAIGN_SEEDS), RUN["steps"], start)
+    table, analysis, text = report(runs)
+    print(text)
+    print(f"collapse: {COLLAPSE_RULE}")
+    if json_path:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps({"settings": RUN, "cells": {n: CELLS[n].__dict__ for n in CAMPAIGN_CELLS},
+                                         "pinned": pinned(campaign)[0], "collapse_rule": COLLAPSE_RULE,
+                                         "table": table, "analysis": analysis, "runs": runs}, indent=1))
+    return 0
 
 
 # ---------------------------------------------------------------- the untrained model
@@ -564,7 +1020,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=Path("runs/science_long"))
     p.add_argument("--tier", default=None, choices=tuple(TIERS), help="1: R, N, C; 2: token_is, icepop, none_1mb; "
-                   "all: both; x: the exploratory cell (score centering, where offpolicy has it)")
+                   "all: both; x: the exploratory cells (score centering where offpolicy has it; bypass at ε 0.2; an fp32 "
+                   "engine at staleness 4)")
     p.add_argument("--cells", default=None, help=f"comma-separated cell names ({', '.join(CELLS)}), or 'all' (tiers 1 "
                    "and 2); default: tier 1")
     p.add_argument("--pilot", action="store_true", help="the pilot's cells: tier 1 (R, N, C)")
@@ -594,6 +1051,15 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--from-json", type=Path, default=None, help="recompute the table and tests from a JSON this "
                    "script wrote (no runs, no model)")
     p.add_argument("--json", type=Path, default=None, help="write the table, tests and per-run numbers here")
+    p.add_argument("--power", action="store_true", help="only the amendment's power simulation (no runs, no model)")
+    p.add_argument("--campaign", type=Path, default=None, metavar="DIR", help="the confirmatory campaign's directory "
+                   "(docs/science_long): with --run, --status or --report (blinded until all its records are in)")
+    p.add_argument("--run", action="store_true", help="--campaign: run its missing runs (from the pinned export only)")
+    p.add_argument("--status", action="store_true", help="--campaign: done / running / left, s a step, hours left")
+    p.add_argument("--commit", default=None, metavar="REPO", help="--campaign --run: commit each record in this "
+                   "checkout at once")
+    p.add_argument("--until", type=float, default=None, metavar="HOURS", help="--campaign --run: start no run after "
+                   "this many hours (the calendar, never the results, may stop a campaign)")
     p.add_argument("--plot", type=Path, default=None, help="write the plots here (default OUT/science_long.png)")
     args = p.parse_args(argv)
     if sum(map(bool, (args.tier, args.cells, args.pilot))) > 1:
@@ -607,15 +1073,36 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--cells: unknown {', '.join(unknown)}; cells are {', '.join(CELLS)}")
     args.cell_names = names
     args.seed_list = [int(s) for s in args.seeds.split(",")]
-    if args.model is None and args.from_json is None:
-        script = Path(__file__).resolve().parents[1] / "scripts" / "smollm2.py"
-        args.model = subprocess.run([sys.executable, str(script), "--print-path"], check=True, capture_output=True,
-                                    text=True).stdout.strip()
+    if args.campaign is not None and sum(map(bool, (args.run, args.status, args.report))) != 1:
+        p.error("--campaign: one of --run, --status and --report")
+    if args.model is None and args.from_json is None and args.campaign is None and not args.power:
+        args.model = default_model()
     return args
+
+
+def default_model() -> str:
+    """SmolLM2-135M-Instruct's directory as scripts/smollm2.py builds it (once, in offpolicy's cache)."""
+    script = Path(__file__).resolve().parents[1] / "scripts" / "smollm2.py"
+    return subprocess.run([sys.executable, str(script), "--print-path"], check=True, capture_output=True,
+                          text=True).stdout.strip()
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
+    if args.power:
+        print(power_table())
+        return 0
+    if args.campaign is not None:
+        if args.status:
+            print(json.dumps(campaign_status(args.campaign), indent=1))
+            return 0
+        if args.report:
+            return campaign_report(args.campaign, args.json)
+        try:
+            return run_campaign(args)
+        except CampaignError as err:
+            print(f"science campaign: {err}", file=sys.stderr)
+            return 3
     if args.from_json:
         data = json.loads(args.from_json.read_text())
         print(report(data["runs"])[2])
@@ -630,7 +1117,7 @@ def main(argv: list[str] | None = None) -> int:
     start = None if args.no_start else untrained_held_out(args)
     if start:
         print("untrained model, held-out eval: " + ", ".join(f"{k} {v:.3f}" for k, v in start.items()))
-    runs = collect(args.out, names, args.seed_list, args.steps)
+    runs = collect(args.out, names, args.seed_list, args.steps, start and start.get("eval/accuracy"))
     table, analysis, text = report(runs)
     print(text)
     print(f"collapse: {COLLAPSE_RULE}")
@@ -639,7 +1126,8 @@ def main(argv: list[str] | None = None) -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         settings = {**RUN, "steps": args.steps, "lr": args.lr, "prompts_per_step": args.prompts_per_step,
                     "group_size": args.group_size, "engine": args.engine, "eval_problems": args.eval_problems,
-                    "eval_every": args.eval_every, "task": args.task, "device": args.device}
+                    "eval_every": args.eval_every, "task": args.task, "device": args.device,
+                    "set": list(args.set)}  # every --set override, as typed (the runs' own: provenance.json)
         args.json.write_text(json.dumps({"settings": settings, "cells": {n: CELLS[n].__dict__ for n in names},
                                          "untrained": start, "collapse_rule": COLLAPSE_RULE, "eval_keys": EVAL_KEYS,
                                          "table": table, "analysis": analysis, "runs": runs}, indent=1))

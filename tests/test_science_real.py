@@ -206,7 +206,7 @@ def _run_rows(evals: dict[int, float], steps: int, kl=1e-3, truncated=0.1) -> li
         return {"eval/accuracy": evals[s], "eval/truncated_share": truncated, "eval/response_length": 50.0,
                 "eval/answer_logprob": -20.0} if s in evals else {}
 
-    return [{"step": s, "reward": 0.1, "response_length": 40.0, "truncated_share": truncated, "offpolicy/kl_k3": kl,
+    return [{"step": s, "reward": 0.1, "response_length": 40.0, "truncated_share": truncated, "offpolicy/kl_k3_start": kl,
              "step_seconds": 2.0, **evaluated(s)} for s in range(steps)]
 
 
@@ -238,7 +238,7 @@ def test_report_and_the_registered_rule(science, tmp_path):
     # icepop equals N seed by seed: every split is mirrored by its swap, and the ties count for both
     assert tier2["icepop − N"]["diff"] == pytest.approx(0) and 0.5 < tier2["icepop − N"]["p"] < 1
     assert tier2["C − token_is"]["alternative"] == "two-sided"
-    assert "| R | 5/5 | 0.520 ± 0.016 | 0/5 | 0.10 | 50.0 | -20.0 | 1.0e-03 | 2.0 |" in text
+    assert "| R | 5/5 | 0.520 ± 0.016 | 0/5 (0) | 0.10 | 50.0 | -20.0 | 1.0e-03 | 2.0 |" in text
     # the report recomputed from the JSON the script writes, as a user types it
     path = tmp_path / "science.json"
     path.write_text(json.dumps({"runs": runs}))
@@ -251,8 +251,13 @@ def test_report_and_the_registered_rule(science, tmp_path):
     assert any(line.startswith("gate FAILS") for line in flat["verdict"])
     low = science.run_stats(_run_rows({0: 0.6, 10: 0.3, 19: 0.3}, 20), 20)
     assert low["collapsed"] and low["primary"] == pytest.approx(0.3)
-    assert science.run_stats(_run_rows({0: 0.1}, 5), 20)["collapsed"]  # cut: not finished
-    assert science.run_stats(_run_rows({0: 0.1, 19: 0.1}, 20, kl=float("nan")), 20)["collapsed"]
+    cut = science.run_stats(_run_rows({0: 0.1}, 5), 20)  # stopped from outside: not scored, it resumes
+    assert not cut["done"] and cut["primary"] is None and not cut["collapsed"]
+    # a statistic over no kept token is a harmless NaN; a NaN loss is a failure (the amendment)
+    assert not science.run_stats(_run_rows({0: 0.1, 19: 0.1}, 20, kl=float("nan")), 20)["collapsed"]
+    rows = _run_rows({0: 0.1, 19: 0.1}, 20)
+    rows[7]["offpolicy/loss"] = float("nan")
+    assert science.run_stats(rows, 20)["collapsed"]
 
 
 def test_cells_commands_and_order(science, tmp_path):
@@ -323,7 +328,8 @@ def test_device_script_dry_run_resumes(tiny_qwen2_dir, tmp_path):
     import os
 
     runs = tmp_path / "m1" / "science_long"
-    env = {**os.environ, "MODEL": str(tiny_qwen2_dir), "OUT": str(tmp_path / "out"), "RUNS": str(runs),
+    # from any shell: the virtualenv's python by its path, PATH without it (issue #67: the script called python3)
+    env = {**os.environ, "PATH": "/usr/bin:/bin", "PYTHON": sys.executable, "MODEL": str(tiny_qwen2_dir), "OUT": str(tmp_path / "out"), "RUNS": str(runs),
            "SEEDS": "0", "JOBS": "2", "CELLS": "none_1mb,R", "RESUME_FROM": str(tmp_path / "none.tgz")}
     first = subprocess.run(["bash", "scripts/device_science.sh", "--dry-run"], cwd=ROOT, env=env,
                            capture_output=True, text=True, timeout=400)

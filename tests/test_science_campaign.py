@@ -1,0 +1,363 @@
+"""The machinery that judges the pre-registered long-answer experiment (issues #66, #67): non-finite metrics
+written as the trainer writes them and read back by the rules, the report's statistics (Holm's fixed family, the
+exact test's minimum seeds, the level each test runs at), how a run ends (its own failure against a stop from
+outside), the provenance block, the campaign's pin and its blinding, and the committed records' schema. No test
+here prints or asserts an outcome of a confirmatory run."""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from hf_fixtures import benchmark_module
+
+ROOT = Path(__file__).resolve().parents[1]
+CAMPAIGN = ROOT / "docs" / "science_long"
+
+
+@pytest.fixture(scope="module")
+def science():
+    return benchmark_module("science_real")
+
+
+def write_run(run_dir: Path, rows: list[dict]) -> None:
+    """metrics.jsonl as ``offpolicy train`` writes it: each row through the trainer's own logger."""
+    from offpolicy.train.logger import RunLogger
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    logger = RunLogger(run_dir, len(rows), console=Console(file=io.StringIO()), progress=False, log_to=[])
+    for row in rows:
+        logger.log(row["step"], {k: v for k, v in row.items() if k != "step"})
+    logger.close()
+
+
+def rows_of(steps: int = 20, evals=(0, 10, 19), **at_step) -> list[dict]:
+    """A finished run's rows: finite everywhere, evals at ``evals``; ``at_step={"7": {key: value}}`` overrides."""
+    rows = []
+    for s in range(steps):
+        row = {"step": s, "reward": 0.3, "response_length": 40.0, "offpolicy/loss": 0.1, "offpolicy/grad_norm": 0.5,
+               "offpolicy/kl_k3": 1e-3, "offpolicy/kl_k3_start": 1e-3, "step_seconds": 2.0}
+        if s in evals:
+            row.update({"eval/accuracy": 0.5, "eval/truncated_share": 0.1, "eval/response_length": 50.0,
+                        "eval/answer_logprob": -20.0, "eval/answer_logprob_token": -0.4})
+        row.update(at_step.get(str(s), {}))
+        rows.append(row)
+    return rows
+
+
+# ------------------------------------------------------------------ issue #67: NaN metrics read back from the file
+
+def test_the_logger_keeps_why_a_value_is_null(tmp_path):
+    from offpolicy.train.logger import decode_row, read_jsonl, read_metrics
+
+    write_run(tmp_path / "r", [{"step": 0, "a": math.nan, "b": math.inf, "c": -math.inf, "d": 1.5, "e": None}])
+    (raw,) = read_jsonl(tmp_path / "r" / "metrics.jsonl")
+    assert raw["a"] is None and raw["b"] is None and raw["c"] is None and "e" not in raw  # None: absent
+    assert raw["nonfinite"] == {"a": "nan", "b": "inf", "c": "-inf"}
+    (row,) = read_metrics(tmp_path / "r")
+    assert math.isnan(row["a"]) and row["b"] == math.inf and row["c"] == -math.inf and row["d"] == 1.5
+    assert "nonfinite" not in row and "e" not in row
+    # a row written before the map existed: the old logger wrote null for NaN and nothing else
+    assert math.isnan(decode_row({"step": 3, "x": None})["x"])
+
+
+def test_a_harmless_nan_statistic_neither_crashes_the_report_nor_sinks_the_run(science, tmp_path):
+    write_run(tmp_path / "N" / "seed0", rows_of(**{"5": {"offpolicy/kl_k3": math.nan,
+                                                         "offpolicy/kl_k3_start": math.nan}}))
+    runs = science.collect(tmp_path, ["N"], None, 20)  # today's code: TypeError in math.isfinite(None)
+    stats = runs["N"]["0"]
+    assert stats["done"] and not stats["collapsed"] and stats["primary"] == pytest.approx(0.5)
+    science.report(runs)
+
+
+@pytest.mark.parametrize("key", ["offpolicy/loss", "offpolicy/grad_norm", "reward"])
+def test_a_non_finite_failure_metric_read_back_is_a_collapse(science, tmp_path, key):
+    write_run(tmp_path / "N" / "seed0", rows_of(**{"12": {key: math.nan}}))
+    stats = science.collect(tmp_path, ["N"], None, 20)["N"]["0"]
+    assert stats["collapsed"] and stats["nonfinite"] == [f"step 12: {key}"]
+    assert stats["primary"] == pytest.approx(0.5)  # a collapse is a low score, not a missing one
+
+
+def test_a_nan_eval_metric_read_back_collapses_and_scores(science, tmp_path):
+    from offpolicy.train.evaluate import collapsed, eval_points, primary_metric
+    from offpolicy.train.logger import read_jsonl
+
+    write_run(tmp_path / "C" / "seed0", rows_of(**{"19": {"eval/answer_logprob": math.nan,
+                                                          "eval/accuracy": math.nan}}))
+    raw = read_jsonl(tmp_path / "C" / "seed0" / "metrics.jsonl")  # nulls, as a reader of the file sees them
+    evals = eval_points(raw)
+    assert collapsed(evals)  # today's code: TypeError
+    assert primary_metric(evals) == pytest.approx(0.25)  # the NaN reward counts as 0: (0.5 + 0) / 2
+    stats = science.collect(tmp_path, ["C"], None, 20)["C"]["0"]
+    assert stats["collapsed"] and stats["primary"] == pytest.approx(0.25)
+
+
+# ------------------------------------------------------------------ issue #66: the report's statistics
+
+def test_holm_keeps_the_registered_family_when_a_test_is_missing(science):
+    # two of four ran: m stays 4 (a missing test is p = 1), so 0.01 → 0.04, not 0.02
+    assert science.holm({"a": 0.01, "b": 0.02, "c": None, "d": None}, family=4) == pytest.approx(
+        {"a": 0.04, "b": 0.06, "c": 1.0, "d": 1.0})
+    runs = {cell: {str(s): science.run_stats(
+        rows_of(evals=(0, 10, 19), **{"10": {"eval/accuracy": v + s / 100}, "19": {"eval/accuracy": v + s / 100}}), 20)
+        for s in range(5)} for cell, v in (("R", 0.8), ("N", 0.2), ("C", 0.6), ("token_is", 0.7))}
+    tier2 = {t["contrast"]: t for t in science.analyse(science.primaries(runs))["tier2"]}
+    assert tier2["token_is − N"]["p"] == pytest.approx(1 / 252)
+    assert tier2["token_is − N"]["p_holm"] == pytest.approx(4 / 252)  # × 4: icepop and none_1mb have no runs
+    assert tier2["icepop − N"]["p_holm"] is None
+
+
+def test_the_exact_test_sets_a_floor_on_the_seeds(science):
+    assert science.smallest_p(4) == pytest.approx(1 / 70) and science.smallest_p(5, one_sided=False) == 2 / 252
+    assert science.min_seeds() == 4  # 1/70 < 0.05 ≤ 1/20
+    assert science.min_seeds(0.05 / 4) == 5  # tier 2's first Holm step: 4/70 = 0.057 at 4 seeds
+    assert science.seeds_needed(1.0, 0.1) == 4  # the normal approximation alone says 1
+    assert science.seeds_needed(0.10, 0.204) == 52  # unchanged where the floor does not bind
+    assert science.TIER2_ALPHA == pytest.approx(0.0125)
+    c = science.contrast("x", [0.5, 0.6, 0.7], [0.1, 0.2, 0.3], "greater", alpha=0.0125)
+    assert c["detectable"] == pytest.approx(science.detectable(c["sd"], 3, 3, alpha=0.0125))
+    assert c["detectable"] > science.detectable(c["sd"], 3, 3)  # a stricter level detects less
+
+
+# ------------------------------------------------------------------ how a run ends
+
+def test_own_failure_against_a_stop_from_outside(science, tmp_path):
+    run_dir = tmp_path / "N" / "seed3"
+    run_dir.mkdir(parents=True)
+    assert science.end_of(-9, run_dir) == "stopped"  # a memory kill
+    assert science.end_of(143, run_dir) == "stopped" and science.end_of(130, run_dir) == "stopped"
+    assert science.end_of(1, run_dir) == "stopped"  # no trainer record: a crash before its first step
+    (run_dir / "failure.json").write_text(json.dumps({"step": 7, "type": "RuntimeError", "message": "x"}))
+    assert science.end_of(1, run_dir) == "failed"
+    # a failed run that never evaluated scores the untrained model's reward, and counts as collapsed
+    write_run(run_dir, rows_of(steps=8, evals=()))
+    stats = science.collect(tmp_path, ["N"], None, 20, start=0.29)["N"]["3"]
+    assert stats["failed"] and stats["collapsed"] and not stats["done"] and stats["primary"] == pytest.approx(0.29)
+    write_run(run_dir, rows_of(steps=15, evals=(0, 10)))  # one eval: its reward
+    assert science.collect(tmp_path, ["N"], None, 20)["N"]["3"]["primary"] == pytest.approx(0.5)
+
+
+def test_the_trainer_records_its_own_failure(offpolicy_cache, tmp_path, monkeypatch):
+    from offpolicy.train import loop as train_loop
+    from offpolicy.train.config import load_train_config
+
+    calls = {"n": 0}
+    real = train_loop.step_values
+
+    def failing(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("broken on purpose")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(train_loop, "step_values", failing)
+    cfg = load_train_config(None, ["steps=6", "group_size=4", "prompts_per_step=4", "max_new_tokens=6",
+                                   f"out_dir={tmp_path / 'run'}", "log_to=[]", "checkpoint_every=100"])
+    with pytest.raises(RuntimeError, match="broken on purpose"):
+        train_loop.train(cfg, progress=False)
+    record = json.loads((tmp_path / "run" / "failure.json").read_text())  # kept: it logged two steps
+    assert record == {"step": 2, "type": "RuntimeError", "message": "broken on purpose"}
+    blocks = json.loads((tmp_path / "run" / "provenance.json").read_text())["sessions"]
+    (block,) = blocks
+    assert block["from_step"] == 0 and block["code"]["module_root"].endswith("offpolicy")
+    assert len(block["code"]["tree_hash"]) == 64 and block["versions"]["torch"]
+    assert block["settings"]["steps"] == 6 and block["engine"]["name"] == "hf" and block["engine"]["determinism"]
+    assert set(block["cpu"]) >= {"model", "avx512_bf16", "cores", "torch_threads"}
+
+
+# ------------------------------------------------------------------ the pin, the blinding, the records
+
+def _block(commit: str, lock: dict, root: str, source: str = "export", tree: str = "t" * 64) -> dict:
+    return {"code": {"module_root": root, "tree_hash": tree, "commit": commit, "source": source},
+            "versions": {"python": "3.11.7", **lock}}
+
+
+def test_a_run_off_the_pin_is_refused(science):
+    commit, lock = "a" * 40, {"torch": "2.13.0+cpu", "transformers": "5.19.0", "vllm": "0.32.0"}
+    root = f"/c/science_long/export-{'a' * 12}/src/offpolicy"
+    assert science.check_provenance(_block(commit, lock, root), commit, lock, "t" * 64) == []
+    assert len(science.check_provenance(_block(commit, {**lock, "torch": "2.14.1"}, root), commit, lock)) == 1
+    assert len(science.check_provenance(_block(commit, lock, "/work/main/src/offpolicy", "git"), commit, lock)) == 2
+    assert len(science.check_provenance(_block(commit, lock, root, tree="u" * 64), commit, lock, "t" * 64)) == 1
+
+
+def _partial_campaign(tmp_path: Path) -> Path:
+    campaign = tmp_path / "science_long"
+    (campaign / "runs" / "R" / "seed1").mkdir(parents=True)
+    (campaign / "PINNED").write_text("a" * 40 + "\n")
+    (campaign / "LOCK.json").write_text("{}")
+    write_run(campaign / "runs" / "R" / "seed1", rows_of(steps=40, evals=(0, 10, 20, 30, 39)))
+    (campaign / "runs" / "R" / "seed1" / "record.json").write_text(json.dumps({"cell": "R", "seed": 1}))
+    return campaign
+
+
+def test_the_report_refuses_while_blinded_and_status_shows_no_outcome(tmp_path):
+    campaign = _partial_campaign(tmp_path)
+    env_cache = {"OFFPOLICY_CACHE": str(tmp_path / "cache")}
+    script = str(ROOT / "benchmarks" / "science_real.py")
+    import os
+
+    report = subprocess.run([sys.executable, script, "--campaign", str(campaign), "--report"], capture_output=True,
+                            text=True, timeout=120, env={**os.environ, **env_cache})
+    assert report.returncode == 2 and "blinded: 1 of 24" in report.stderr and report.stdout == ""
+    status = subprocess.run([sys.executable, script, "--campaign", str(campaign), "--status"], capture_output=True,
+                            text=True, timeout=120, env={**os.environ, **env_cache})
+    assert status.returncode == 0, status.stderr
+    shown = json.loads(status.stdout)
+    assert shown["done"] == 1 and shown["of"] == 24 and shown["seconds_a_step"] == 2.0
+    assert set(shown) == {"done", "of", "started", "left", "seconds_a_step", "hours_left_at_2_lanes"}
+    for word in ("reward", "eval", "accuracy", "primary", "kl", "0.5"):
+        assert word not in status.stdout
+
+
+def test_the_runner_refuses_outside_the_pinned_export(tmp_path):
+    campaign = _partial_campaign(tmp_path)
+    (campaign / "LOCK.json").write_text(json.dumps({"torch": "0.0"}))
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "science_real.py"), "--campaign", str(campaign),
+                           "--run"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 3 and "not the pinned export" in done.stderr and "torch" in done.stderr
+
+
+def test_committed_records_match_the_pin():
+    """Every record committed under docs/science_long/runs: its files, the runner's record, and each session of its
+    provenance at the pin (the export of PINNED, the locked versions). Checks the schema only: prints no value."""
+    if not (CAMPAIGN / "PINNED").is_file():
+        pytest.skip("no campaign pinned")
+    science = benchmark_module("science_real")
+    commit, lock = science.pinned(CAMPAIGN)
+    records = science.campaign_records(CAMPAIGN)
+    assert set(c for c, _ in records) <= set(science.CAMPAIGN_CELLS)
+    assert set(s for _, s in records) <= set(science.CAMPAIGN_SEEDS)
+    for (cell, seed), d in records.items():
+        record = json.loads((d / "record.json").read_text())
+        assert (record["cell"], record["seed"], record["pinned"]) == (cell, seed, commit)
+        assert record["outcome"] in ("done", "failed")
+        assert (d / "metrics.jsonl").is_file() and (d / "config.yaml").is_file()
+        assert not (d / "checkpoints").exists()
+        for session in json.loads((d / "provenance.json").read_text())["sessions"]:
+            assert science.check_provenance(session, commit, lock) == [], (cell, seed)
+
+
+@pytest.mark.slow
+def test_the_campaign_runs_records_and_commits_at_toy_scale(science, tiny_qwen2_dir, tmp_path, monkeypatch):
+    """``run_campaign`` end to end on the tiny model (2 steps, one seed, the pin check stubbed: the work tree is no
+    export): each run's record lands in the campaign's directory and is committed alone; a second call has nothing
+    left to run."""
+    repo = tmp_path / "repo"
+    campaign = repo / "docs" / "science_long"
+    campaign.mkdir(parents=True)
+    (campaign / "PINNED").write_text("b" * 40 + "\n")
+    (campaign / "LOCK.json").write_text("{}")
+    (repo / "other.txt").write_text("staged, not part of a record\n")
+    for cmd in (["init", "-q"], ["config", "user.email", "t@t"], ["config", "user.name", "t"], ["add", "."],
+                ["commit", "-q", "-m", "pin"]):
+        subprocess.run(["git", "-C", str(repo), *cmd], check=True)
+    (repo / "other.txt").write_text("changed and staged\n")
+    subprocess.run(["git", "-C", str(repo), "add", "other.txt"], check=True)
+    monkeypatch.setenv("OFFPOLICY_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(science, "check_provenance", lambda *a, **k: [])
+    monkeypatch.setattr(science, "CAMPAIGN_SEEDS", (1,))
+    monkeypatch.setattr(science, "CAMPAIGN_RUNS", 3)
+    monkeypatch.setitem(science.RUN, "steps", 2)
+    monkeypatch.setitem(science.RUN, "eval_every", 1)
+    monkeypatch.setitem(science.RUN, "eval_problems", 3)
+    monkeypatch.setitem(science.RUN, "prompts_per_step", 2)
+    monkeypatch.setitem(science.RUN, "group_size", 2)
+    monkeypatch.setitem(science.RUN, "minibatches", 2)
+    for cell in ("R", "N", "C"):
+        monkeypatch.setitem(science.CELLS, cell, science.Cell(cell, science.CELLS[cell].engine_dtype,
+                                                              min(science.CELLS[cell].staleness, 1),
+                                                              science.CELLS[cell].preset, minibatches=2))
+    args = science.parse(["--campaign", str(campaign), "--run", "--jobs", "2", "--commit", str(repo),
+                          "--model", str(tiny_qwen2_dir), "--set", "max_new_tokens=6"])
+    monkeypatch.setattr(science, "campaign_args", lambda a: _toy(science, a, tmp_path))
+    assert science.run_campaign(args) == 0
+    records = science.campaign_records(campaign)
+    assert sorted(records) == [("C", 1), ("N", 1), ("R", 1)]
+    for d in records.values():
+        assert {p.name for p in d.iterdir()} >= {"metrics.jsonl", "config.yaml", "provenance.json", "record.json"}
+    log = subprocess.run(["git", "-C", str(repo), "log", "--format=%s"], capture_output=True, text=True).stdout
+    assert log.count("science campaign: the record of") == 3
+    staged = subprocess.run(["git", "-C", str(repo), "diff", "--cached", "--name-only"], capture_output=True,
+                            text=True).stdout.split()
+    assert staged == ["other.txt"]  # a record's commit takes its own files alone
+    assert science.run_campaign(args) == 0  # nothing left
+
+
+def _toy(science, args, tmp_path):
+    fixed = science.argparse.Namespace(**vars(args))
+    fixed.steps, fixed.lr, fixed.prompts_per_step, fixed.group_size = 2, 3e-5, 2, 2
+    fixed.eval_problems, fixed.eval_every, fixed.max_new_tokens = 3, 1, 6
+    fixed.engine, fixed.device, fixed.keep_checkpoints = "hf", "cpu", False
+    fixed.out = tmp_path / "cache" / "science_long" / "runs"
+    return fixed
+
+
+# ------------------------------------------------------------------ the trainer's side of the amendment
+
+def _train(tmp_path: Path, name: str, *overrides: str) -> list[dict]:
+    from offpolicy.train.config import load_train_config
+    from offpolicy.train.logger import read_metrics
+    from offpolicy.train.loop import train
+
+    cfg = load_train_config(None, ["group_size=4", "prompts_per_step=4", "max_new_tokens=8", "log_to=[]",
+                                   "eval_every=100", f"out_dir={tmp_path / name}", *overrides])
+    train(cfg, progress=False)
+    return read_metrics(tmp_path / name)
+
+
+def test_one_mismatch_statistic_whatever_the_anchor(offpolicy_cache, tmp_path):
+    """offpolicy/kl_k3_start is k3 of π_θ at the step's start against μ: at step 0 (the same samples, the same
+    weights, the same first mini-batch) `none` and bypass (`recommended`) log the same value, where their own
+    offpolicy/kl_k3 measure different ratios (π_old/μ over the batch; π_θ/μ over the step's mini-batches)."""
+    common = ("steps=1", "minibatches=2", "engine_dtype=bf16")
+    (none,) = _train(tmp_path, "none", *common, "preset=none", "loss.correction={}")
+    (bypass,) = _train(tmp_path, "bypass", *common, "preset=recommended")
+    assert none["offpolicy/kl_k3_start"] == pytest.approx(bypass["offpolicy/kl_k3_start"], rel=1e-6)
+    assert 0 < none["offpolicy/kl_k3_start"] < 1
+
+
+@pytest.mark.slow
+def test_two_runs_of_one_seed_sample_alike_under_checkpointing_and_staleness(offpolicy_cache, tmp_path):
+    """Issue #66: the engine's thread samples while the trainer's activation checkpointing forks and resets torch's
+    global generator; with the engine's own generator two runs of one seed draw the same batches."""
+    common = ("steps=5", "max_staleness=2", "gradient_checkpointing=true", "minibatches=2")
+    first, second = (_train(tmp_path, name, *common) for name in ("a", "b"))
+    keys = ("reward", "response_length", "offpolicy/kl_k3_start", "offpolicy/loss")
+    assert [[r[k] for k in keys] for r in first] == [[r[k] for k in keys] for r in second]
+
+
+def test_the_secondary_metrics_by_hand(science):
+    def ev(**rewards):  # step → reward (as s10=0.5)
+        return [{"step": int(k[1:]), "eval/accuracy": v, "eval/truncated_share": 0.0} for k, v in rewards.items()]
+
+    # trapezoid over 10, 20, 30, 39: (0.5+0.7)/2·10 + (0.7+0.9)/2·10 + (0.9+0.9)/2·9 = 6 + 8 + 8.1 = 22.1; / 29
+    assert science.auc(ev(s0=0.1, s10=0.5, s20=0.7, s30=0.9, s39=0.9), 40) == pytest.approx(22.1 / 29)
+    assert science.auc(ev(s0=0.1, s10=0.5, s39=0.9), 40) is None  # an eval missing
+    assert science.ever_collapsed(ev(s0=0.9, s10=0.95, s20=0.7, s30=0.9, s39=0.95), 40) == 1.0  # a dip at 20
+    assert science.ever_collapsed(ev(s0=0.9, s10=0.95, s20=0.8, s30=0.9, s39=0.95), 40) == 0.0
+    assert science.ever_collapsed(ev(s0=0.9, s10=0.5, s20=0.6, s30=0.7, s39=0.8), 40) == 1.0  # step 0 counts as a max
+    truncated = ev(s0=0.1, s10=0.5, s20=0.6, s30=0.7, s39=0.8)
+    truncated[2]["eval/truncated_share"] = 0.6
+    assert science.ever_collapsed(truncated, 40) == 1.0
+
+
+def test_the_vectorised_exact_test_matches_the_readable_one(science):
+    import numpy as np
+
+    rng = np.random.default_rng(3)
+    a, b = rng.random((20, 4)).round(2), rng.random((20, 4)).round(2)  # rounded: ties happen
+    many = science.exact_p_many(a, b)
+    assert many == pytest.approx([science.permutation_p(list(x), list(y)) for x, y in zip(a, b)])
+    always = science.simulated_power(lambda rng, cell, shape: np.full(shape, {"R": 1.0, "N": 0.2, "C": 0.8}[cell])
+                                     + rng.normal(0, 1e-3, shape), 4, sims=50)
+    assert always == {"gate": 1.0, "c_minus_n": 1.0, "path": 1.0}
+    never = science.simulated_power(lambda rng, cell, shape: rng.normal(0.5, 1e-3, shape), 4, sims=50)
+    assert never["path"] == 0.0
