@@ -81,7 +81,7 @@ def test_no_import_circle():
 
 # docs/development.md's table of rooms, bottom up: a module may import its own floor and the floors below
 FLOORS = {
-    0: {"errors", "metrics", "ops", "kl", "proximal", "kept_set", "trackers"},
+    0: {"errors", "metrics", "ops", "kl", "proximal", "kept_set", "trackers", "provenance"},
     1: {"config", "sampling", "preset_data", "presets", "thresholds", "speed"},
     2: {"correction", "centering", "kernels", "losses", "step", ""},  # "": the package's facade, offpolicy/__init__.py
     3: {"engines", "tasks", "integrations", "viewer"},
