@@ -268,7 +268,7 @@ def host_overhead_us(device: str, calls: int = 300, b: int = 8, t: int = 64,
     ``torch.empty(100)``, and ``x.sum().backward()`` of a fresh [b, t] leaf — one autograd node and
     the engine's round trip, the least any loss's forward + backward can cost. Returns (forward,
     forward + backward, forward with a new config, empty, floor)."""
-    from offpolicy.kernels import triton as tk
+    from offpolicy.core.kernels import triton as tk
 
     if not tk.available():
         return math.nan, math.nan, math.nan, math.nan, math.nan

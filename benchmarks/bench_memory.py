@@ -48,7 +48,7 @@ def old_trainer_logprobs(model, batch, sampling, metrics=None, **_):
     """train/batch.py's ``trainer_logprobs`` at 4efb1a7: logits at every position, then [B, T, V]."""
     import torch
 
-    from offpolicy.sampling import outside_mass_metrics, renormalize_logprobs
+    from offpolicy.core.sampling import outside_mass_metrics, renormalize_logprobs
     from offpolicy.policy.head import token_entropy
 
     logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits  # [B, L, V]
@@ -124,7 +124,7 @@ def worker(what: str, path: str, length: int, rows: int, model_dir: str, device_
 
     import offpolicy as op  # noqa: F401
     from offpolicy.engines import Rollouts, SamplingConfig
-    from offpolicy.metrics import Metrics
+    from offpolicy.core.metrics import Metrics
     from offpolicy.tasks.tokenizer import load_tokenizer
     from offpolicy.policy import score
     from offpolicy.policy.batch import to_batch

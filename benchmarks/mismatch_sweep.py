@@ -54,8 +54,8 @@ CONDITIONS: dict[str, dict] = {
 
 
 def run_one(method: str, condition: str, seed: int, steps: int, out: Path) -> dict:
-    from offpolicy import presets
-    from offpolicy.config import CorrectionConfig
+    from offpolicy.core import presets
+    from offpolicy.core.config import CorrectionConfig
     from offpolicy.train.loop import train  # here, not at the top: --help and argument errors answer at once
 
     preset, loss_extra = METHODS[method]

@@ -8,7 +8,7 @@ tokens three ways, from one decoder pass (the trainer's head, ``offpolicy.policy
 * full vocabulary: log π over the whole vocabulary against the engine's truncated μ (TRL #7269's
   baseline; the ratio carries the factor S, the trainer's mass inside the set);
 * recomputed: the trainer's own top-k/top-p set on its logits (offpolicy before issue #46; vLLM today);
-* replayed: the engine's recorded kept set (``offpolicy.kept_set``; the hf engine).
+* replayed: the engine's recorded kept set (``offpolicy.core.kept_set``; the hf engine).
 
 It prints one Markdown table: per setting, the share of engine tokens outside the trainer's set and the
 share of tokens with ρ outside [0.9, 1.1] each way, and the size of the recorded sets (mean and max ids

@@ -102,7 +102,7 @@ def centering_available() -> bool:
     """Whether the installed offpolicy trains with score centering (issue #56: ``loss.score_centering``): the
     option exists in the library, and ``offpolicy train`` accepts it (it refuses it while its head does not
     compute the support the term reads)."""
-    from offpolicy.config import ConfigError, LossConfig
+    from offpolicy.core.config import ConfigError, LossConfig
     from offpolicy.train.config import load_train_config
 
     if "score_centering" not in LossConfig.model_fields:
@@ -683,7 +683,7 @@ def collect(out: Path, cells: list[str], seeds: list[int] | None, steps: int,
             seed = int(run_dir.name[4:])
             if seeds is None or seed in seeds:
                 stats = run_stats(read_metrics(run_dir), steps, failure_record(run_dir), start)
-                record = run_dir / "provenance.json"  # the trainer's blocks, one a session (offpolicy.provenance)
+                record = run_dir / "provenance.json"  # the trainer's blocks, one a session (offpolicy.measure.provenance)
                 stats["provenance"] = json.loads(record.read_text())["sessions"] if record.is_file() else None
                 runs.setdefault(cell, {})[str(seed)] = stats
     return runs
@@ -780,7 +780,7 @@ def pinned(campaign: Path) -> tuple[str, dict[str, str]]:
 
 
 def check_provenance(block: dict[str, Any], commit: str, lock: dict[str, str], tree: str | None = None) -> list[str]:
-    """What differs between a provenance block (``offpolicy.provenance.block``) and the pin: the commit, the code
+    """What differs between a provenance block (``offpolicy.measure.provenance.block``) and the pin: the commit, the code
     tree's hash (``tree``: the export's), the module root (an export's ``src/offpolicy``), the locked versions."""
     code, versions = block["code"], block["versions"]
     problems = []
@@ -854,8 +854,7 @@ def run_campaign(args: argparse.Namespace) -> int:
     record committed at once (``--commit``). Refuses unless this script is the export of PINNED (its module root,
     tree hash and the locked versions). Stops starting runs once ``CAMPAIGN_STOP`` exists in the cache directory
     (or ``--until`` passes); the runs going on are stopped from outside (SIGTERM: each checkpoints and resumes)."""
-    from offpolicy import provenance
-
+    from offpolicy.measure import provenance
     campaign = args.campaign.resolve()
     commit, lock = pinned(campaign)
     block = provenance.block()

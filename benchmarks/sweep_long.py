@@ -214,8 +214,7 @@ def train_config(job: Job, out: Path, steps: int | None = None, overrides: dict 
 
     method = METHODS[job.method]
     if isinstance(method.correction, str):
-        from offpolicy import presets
-
+        from offpolicy.core import presets
         correction = presets.correction(method.correction).model_dump()
     else:
         correction = method.correction or {}  # {} = CorrectionConfig(): measure only

@@ -35,7 +35,7 @@ def dry_run(user_overrides: list[str]) -> dict:
     """Compose and validate the launch with verl's own schema; check the loss registration (module docstring).
 
     Raises:
-        offpolicy.config.ConfigError: the worker's OFFPOLICY_VERL_LOSS is not a loss verl can run.
+        offpolicy.core.config.ConfigError: the worker's OFFPOLICY_VERL_LOSS is not a loss verl can run.
         AssertionError: loss_mode 'offpolicy' is not offpolicy's loss after ``import verl``.
     """
     import verl  # loads the verl.plugins entry points: offpolicy.integrations.verl registers its loss

@@ -128,7 +128,7 @@ step head "$PY" benchmarks/bench_head.py --device "$DEVICE" --vocab 151936 --hid
 # four areal:m2po steps: s/step from the run's log, Triton's compiles from a fresh cache directory
 export TRITON_CACHE_DIR="$RUN/triton-cache"
 rm -rf "$TRITON_CACHE_DIR" "$RUN/m2po"
-DRY_COMMAND="$PY -c \"import offpolicy as op; from offpolicy.step import resolve_thresholds; from offpolicy.kernels import triton; op.LossConfig.from_preset('areal:m2po')\" && $PY -m offpolicy train --help > /dev/null"
+DRY_COMMAND="$PY -c \"import offpolicy as op; from offpolicy.core.step import resolve_thresholds; from offpolicy.core.kernels import triton; op.LossConfig.from_preset('areal:m2po')\" && $PY -m offpolicy train --help > /dev/null"
 step m2po "$PY" -m offpolicy train device="$DEVICE" engine=hf steps=4 eval_every=100 eval_problems=16 \
     preset=areal:m2po out_dir="$RUN/m2po"
 if [ "$DRY" = 0 ] && [ -d "$TRITON_CACHE_DIR" ]; then

@@ -25,7 +25,7 @@ make_export() {
   [ -f "$export_dir/COMMIT" ] && return 0
   rm -rf "$export_dir.tmp" && mkdir -p "$export_dir.tmp"
   git archive "$commit" | tar -x -C "$export_dir.tmp"
-  echo "$commit" >"$export_dir.tmp/COMMIT"  # offpolicy.provenance reads an export's commit here
+  echo "$commit" >"$export_dir.tmp/COMMIT"  # offpolicy.measure.provenance reads an export's commit here
   mv "$export_dir.tmp" "$export_dir"
 }
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from offpolicy.config import LossConfig
+from offpolicy.core.config import LossConfig
 
 FP32_LOG_LIMIT = 60.0
 RATIO_CLAMP = 20.0  # PPO's own ratio r = exp(clamp(log π_θ − log π_old, ±20)) (docs/specification.md §5)

@@ -16,8 +16,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import offpolicy as op
-from offpolicy import kernels, ops
-from offpolicy.config import ConfigError
+from offpolicy.core import kernels, ops
+from offpolicy.core.config import ConfigError
 
 
 def _bkl64(p: float, q: float) -> float:

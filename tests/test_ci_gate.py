@@ -13,10 +13,10 @@ import pytest
 import torch
 
 import offpolicy as op
-from offpolicy.diagnose import gate, parse_bounds
-from offpolicy.config import ConfigError
+from offpolicy.measure.diagnose import gate, parse_bounds
+from offpolicy.core.config import ConfigError
 from offpolicy.integrations.dump import BatchDumper
-from offpolicy.kernels import IMPLEMENTATIONS
+from offpolicy.core.kernels import IMPLEMENTATIONS
 from offpolicy.policy.head import token_entropy
 from offpolicy.train.loop import with_kl_over_entropy
 

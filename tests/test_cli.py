@@ -123,7 +123,7 @@ def test_diagnose_help_lists_the_flags_of_65ba3dd_and_each_new_config_field():
     """Issue #57 item 4: the flags are generated from DiagnoseConfig. ``diagnose --help``, as typed, lists
     exactly 65ba3dd's options (with -h) plus one flag per field added since (another issue's new option is
     a new field, and a new flag without a line here)."""
-    from offpolicy.diagnose_config import DiagnoseConfig
+    from offpolicy.measure.diagnose_config import DiagnoseConfig
 
     old_fields = {dest for dest, *_ in DIAGNOSE_FLAGS_65BA3DD.values()}
     new = {"--" + f.replace("_", "-") for f in DiagnoseConfig.model_fields if f not in old_fields}
@@ -142,7 +142,7 @@ def test_diagnose_help_lists_the_flags_of_65ba3dd_and_each_new_config_field():
 def test_diagnose_flags_keep_65ba3dd_types_choices_and_defaults():
     """Each old flag parses as before: the same destination, type, choices and kind of action, and the
     default of 65ba3dd's parser, which is now DiagnoseConfig's (the only copy of each default)."""
-    from offpolicy.diagnose_config import DiagnoseConfig
+    from offpolicy.measure.diagnose_config import DiagnoseConfig
 
     actions = _diagnose_parser()._option_string_actions
     for flag, (dest, default, kind, choices, action) in DIAGNOSE_FLAGS_65BA3DD.items():
@@ -156,7 +156,7 @@ def test_diagnose_generated_flags_parse_as_typed():
     """A command line through the generated parser: types converted, repeatable flags collected, switches
     set, the prompt sources exclusive as before."""
     from offpolicy.cli import build_parser
-    from offpolicy.diagnose_config import DiagnoseConfig
+    from offpolicy.measure.diagnose_config import DiagnoseConfig
 
     args = vars(build_parser().parse_args(
         ["diagnose", "--top-p", "0.9", "--top-k", "5", "--n", "8", "--fail-above", "kl_k3=1e-3", "--fail-above",
@@ -175,7 +175,7 @@ def test_diagnose_generated_flags_parse_as_typed():
 def test_diagnose_flag_errors_echo_a_sampling_value_and_nothing_else():
     """A sampling value's refusal names the flag and the value (the rule is sampling.RULES'); no other refusal
     repeats its value — a server URL's password or a key must never be printed."""
-    from offpolicy.diagnose_config import DiagnoseConfig
+    from offpolicy.measure.diagnose_config import DiagnoseConfig
 
     with pytest.raises(op.ConfigError) as err:
         DiagnoseConfig(top_p=2.0)

@@ -9,7 +9,7 @@ import torch
 import yaml
 
 import offpolicy as op
-from offpolicy.config import ConfigError
+from offpolicy.core.config import ConfigError
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
@@ -194,7 +194,7 @@ def test_one_reader_of_a_loss_config_for_the_library_and_the_hosts(tmp_path):
     forms through one function: a preset, a dict, a CorrectionConfig, its JSON (a Ray worker's
     runtime_env), a YAML file by path whatever its name; only the host refuses an unset option."""
     from offpolicy.integrations.host import loss_config_of
-    from offpolicy.losses import as_loss_config
+    from offpolicy.core.losses import as_loss_config
 
     want = op.LossConfig.from_preset("recommended")
     path = tmp_path / "loss.conf"  # no .yaml suffix: read because it is a file

@@ -10,8 +10,8 @@ import torch
 
 import offpolicy as op
 from conftest import random_batch
-from offpolicy import kernels
-from offpolicy.errors import ConfigError
+from offpolicy.core import kernels
+from offpolicy.core.errors import ConfigError
 
 RUNGS = [n for n in ("reference", "eager", "compiled") if n in kernels.IMPLEMENTATIONS]
 DEVICE_CONFIGS = [
@@ -49,8 +49,7 @@ def test_every_tensor_takes_the_inputs_device(rung, cfg):
 def test_the_device_check_fails_on_one_device_less_tensor(monkeypatch):
     """The check above can fail: re-introduce one ``torch.zeros(())`` (here inside the masked
     sum every rung's correction uses) and the same call raises."""
-    from offpolicy import ops
-
+    from offpolicy.core import ops
     real = ops.masked_sum
     monkeypatch.setattr(ops, "masked_sum", lambda *a, **k: real(*a, **k) + torch.zeros(()))
     b = random_batch(1)
@@ -187,7 +186,7 @@ def test_more_than_eight_configurations_stay_compiled():
     raises the limit to the number of configurations it caches."""
     import torch._dynamo.config as dynamo_config
 
-    from offpolicy.kernels import compiled
+    from offpolicy.core.kernels import compiled
 
     old = dynamo_config.recompile_limit
     try:

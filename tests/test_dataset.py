@@ -14,7 +14,7 @@ import pytest
 pytest.importorskip("datasets", reason="task=dataset reads files through `datasets` (install.sh installs it)")
 
 from hf_fixtures import DATA, EVAL_DATA, REPO  # noqa: E402
-from offpolicy.config import ConfigError  # noqa: E402
+from offpolicy.core.config import ConfigError  # noqa: E402
 from offpolicy.engines.base import stop_token_ids  # noqa: E402
 from offpolicy.tasks.dataset import load_dataset_task, load_rows, render_prompts  # noqa: E402
 from offpolicy.tasks.rewards import number_reward  # noqa: E402

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import offpolicy as op
-from offpolicy import diagnose
+from offpolicy.measure import diagnose
 from offpolicy.engines import SamplingConfig
 from offpolicy.tasks import make_task, problems
 from offpolicy.tasks.tokenizer import build_char_tokenizer, prompt_ids
@@ -231,7 +231,7 @@ def test_diagnose_scores_as_train_does_in_token_budget_micro_batches(tiny_model,
 def test_diagnose_config_refuses_in_the_flags_words(flags, message):
     """``DiagnoseConfig`` is the command line's one set of rules (issue #47): a refused value is one
     ConfigError that names the flag, as ``offpolicy diagnose`` prints it."""
-    from offpolicy.diagnose_config import DiagnoseConfig
+    from offpolicy.measure.diagnose_config import DiagnoseConfig
 
     with pytest.raises(op.ConfigError) as err:
         DiagnoseConfig(**flags)
@@ -321,8 +321,7 @@ def test_sequence_precheck_warns_as_typed(tmp_path):
 
 
 def test_self_check_comparisons_by_hand():
-    from offpolicy import self_check
-
+    from offpolicy.measure import self_check
     a = torch.tensor([[-1.0, -2.0, -3.0, -4.0]])
     b = a + torch.tensor([[0.0, 0.05, -0.2, 0.0]])
     b[0, 3] = float("-inf")  # not finite on one side: counted apart
@@ -333,7 +332,7 @@ def test_self_check_comparisons_by_hand():
 
 
 def test_self_check_refuses_a_dump():
-    from offpolicy.diagnose_config import DiagnoseConfig
+    from offpolicy.measure.diagnose_config import DiagnoseConfig
 
     with pytest.raises(op.ConfigError, match="--self-check scores the engine's tokens again"):
         DiagnoseConfig(batch="d", self_check=True)
@@ -359,7 +358,7 @@ def test_cli_self_check(tiny_model, tmp_path):
     assert layers["head"]["tokens"] > 0 and layers["head"]["abs_log_diff_max"] > 0
     assert "self-check: the trainer against itself" in result.stdout and "where bf16 diverges from fp32" in result.stdout
 
-    from offpolicy import self_check
+    from offpolicy.measure import self_check
     from offpolicy.policy.score import Scorer, load_policy
 
     # the fp32 head's baseline is the configured scoring: in fp32 both columns are Scorer.score's numbers

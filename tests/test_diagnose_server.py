@@ -33,7 +33,7 @@ import torch
 
 from cli_inprocess import offpolicy
 from hf_fixtures import DATA, save_tiny_qwen2, train_bpe
-from offpolicy import diagnose as diagnose_module
+from offpolicy.measure import diagnose as diagnose_module
 from offpolicy.cli import main
 from offpolicy.engines import SamplingConfig
 from offpolicy.engines.server import ServerError, completion_body

@@ -16,8 +16,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import offpolicy as op
-from offpolicy import kernels, thresholds
-from offpolicy.errors import ConfigError
+from offpolicy.core import kernels, thresholds
+from offpolicy.core.errors import ConfigError
 
 LN2, LN4 = math.log(2), math.log(4)
 
@@ -244,7 +244,7 @@ def test_single_segment_equals_geometric():
 
 # =========================================================================== loglinear proximal policy
 def test_loglinear_alpha_and_values_by_hand():
-    from offpolicy.proximal import loglinear_alpha
+    from offpolicy.core.proximal import loglinear_alpha
 
     # v_θ = 6 (prox 5): v_μ = 5 → (5−5)/(6−5) = 0; 4 → 1/2; 3 → 2/3; 6 → gap 0 → 0; 7 → gap < 0 → 0; −1 → not generated → 0
     alpha = loglinear_alpha(torch.tensor([5, 4, 3, 6, 7, -1]), 6)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import typing
 from pathlib import Path
 
-from offpolicy.config import LossConfig
+from offpolicy.core.config import LossConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 SPEC = ROOT / "docs" / "specification.md"

@@ -15,7 +15,7 @@ import torch
 
 import offpolicy as op
 from conftest import FAST
-from offpolicy.errors import ConfigError
+from offpolicy.core.errors import ConfigError
 from offpolicy.train.config import load_train_config
 
 

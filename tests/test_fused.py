@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import offpolicy as op
-from offpolicy.kernels import compiled, eager
+from offpolicy.core.kernels import compiled, eager
 from test_properties import batches
 
 AGGS = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]

@@ -1,5 +1,5 @@
 """Differential fuzz (issue #9): random valid configurations and hostile inputs through every
-rung of ``offpolicy.kernels.IMPLEMENTATIONS``, against the float64 oracle in ``tests/oracle.py``
+rung of ``offpolicy.core.kernels.IMPLEMENTATIONS``, against the float64 oracle in ``tests/oracle.py``
 (written from docs/specification.md, not from our code).
 
 What is generated: every kind, anchor (or no correction), weight level (segment included)/mode/
@@ -40,8 +40,8 @@ from hypothesis import strategies as st
 
 import offpolicy as op
 import oracle
-from offpolicy import kernels
-from offpolicy.errors import ConfigError
+from offpolicy.core import kernels
+from offpolicy.core.errors import ConfigError
 
 EXAMPLES = int(os.environ.get("OFFPOLICY_FUZZ_EXAMPLES", "300"))
 # Inductor compiles once per configuration (~1.5 s each): by default the compiled rung's core runs

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 import offpolicy as op
-from offpolicy.errors import ConfigError
+from offpolicy.core.errors import ConfigError
 
 sys.path.insert(0, str(Path(__file__).parent))
 from conftest import on_gloo_ranks, random_batch  # noqa: E402

@@ -12,10 +12,10 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from offpolicy.config import ConfigError
+from offpolicy.core.config import ConfigError
 from offpolicy.engines import SamplingConfig
-from offpolicy.metrics import Metrics
-from offpolicy.sampling import renormalize_logprobs
+from offpolicy.core.metrics import Metrics
+from offpolicy.core.sampling import renormalize_logprobs
 from offpolicy.policy.batch import Batch
 from offpolicy.policy.head import chunk_tokens, token_entropy, trainer_logprobs
 

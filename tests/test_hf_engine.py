@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
-from offpolicy import diagnose
+from offpolicy.measure import diagnose
 from offpolicy.engines import SamplingConfig, perturb
 from offpolicy.engines.base import left_pad
 from offpolicy.engines.generation import generate, explicit_config, without_model_defaults
@@ -318,9 +318,9 @@ def test_diagnose_scores_with_trains_loader_and_forward(tiny_dir):
 def test_engine_and_trainer_keep_the_same_tokens_under_exact_ties(temperature, top_k, top_p):
     """Issue #43: with exactly tied probabilities at the top-p cut, the hf engine's warpers (transformers'
     sort, ascending) and the trainer's renormalize_logprobs (descending) kept different tokens at 3be706e.
-    Both now take one tie rule (offpolicy.sampling.top_p_keep): the kept sets agree, row by row."""
+    Both now take one tie rule (offpolicy.core.sampling.top_p_keep): the kept sets agree, row by row."""
     from offpolicy.engines.hf import warpers
-    from offpolicy.sampling import renormalize_logprobs
+    from offpolicy.core.sampling import renormalize_logprobs
 
     g = torch.Generator().manual_seed(0)
     logits = torch.randint(0, 4, (256, 12), generator=g).float()  # few distinct values: ties everywhere
@@ -440,7 +440,7 @@ def test_a_finished_row_records_no_kept_set(sampling, tmp_path, monkeypatch):
     16 rows, top_k 5: 1,311,040 ids against 1,120 through generate). Now a finished row records nothing: each
     step records the running rows' sets alone, at most what generate's path records (it runs every row to
     the end), and the tokens, log-probs and assembled kept sets are generate's."""
-    from offpolicy.kept_set import StepRecorder
+    from offpolicy.core.kept_set import StepRecorder
 
     tok = build_char_tokenizer()
     engine = HFEngine(str(llama_dir(tmp_path, tok, 8192, eos_scale=8.0)), tok)

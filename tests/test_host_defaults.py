@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 import offpolicy as op
 from host_packages import import_openrlhf_loss, import_skyrl_module
-from offpolicy.config import ConfigError
+from offpolicy.core.config import ConfigError
 
 C = 6  # completion length (= max_completion_length)
 NAN = float("nan")

@@ -22,7 +22,7 @@ from conftest import fixed_denominator, host_batch, previous_recommended  # noqa
 from host_packages import import_openrlhf_loss  # noqa: E402
 
 import offpolicy as op  # noqa: E402
-from offpolicy.config import ConfigError  # noqa: E402
+from offpolicy.core.config import ConfigError  # noqa: E402
 
 
 try:

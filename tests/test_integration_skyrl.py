@@ -31,7 +31,7 @@ from skyrl.train.config.config import AlgorithmConfig, OffPolicyCorrectionConfig
 from conftest import fixed_denominator, host_batch, previous_recommended  # noqa: E402
 
 import offpolicy as op  # noqa: E402
-from offpolicy.config import ConfigError  # noqa: E402
+from offpolicy.core.config import ConfigError  # noqa: E402
 from offpolicy.integrations import skyrl as adapter  # noqa: E402
 
 CONFIGS = {

@@ -23,7 +23,7 @@ if importlib.util.find_spec("trl") is None or importlib.util.find_spec("datasets
 import torch  # noqa: E402
 
 import offpolicy as op  # noqa: E402
-from offpolicy.config import ConfigError  # noqa: E402
+from offpolicy.core.config import ConfigError  # noqa: E402
 from hf_fixtures import HOST_SHAPE, char_model  # noqa: E402
 from offpolicy.tasks.tokenizer import build_char_tokenizer  # noqa: E402
 

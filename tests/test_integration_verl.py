@@ -20,7 +20,7 @@ from verl.workers.config.actor import PolicyLossConfig  # noqa: E402
 from verl.workers.utils.losses import ppo_loss  # noqa: E402
 
 import offpolicy as op  # noqa: E402
-from offpolicy.config import ConfigError  # noqa: E402
+from offpolicy.core.config import ConfigError  # noqa: E402
 from offpolicy.integrations import verl as adapter  # noqa: E402
 
 B, P, T = 6, 3, 7

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import offpolicy as op
-from offpolicy import diagnose
-from offpolicy.diagnose import Sample
+from offpolicy.measure import diagnose
+from offpolicy.measure.diagnose import Sample
 from offpolicy.policy.batch import Batch
 
 X = 2.0**-13

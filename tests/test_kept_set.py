@@ -1,4 +1,4 @@
-"""Replay of the engine's kept set (issue #46 item 1): the ragged representation (``offpolicy.kept_set``),
+"""Replay of the engine's kept set (issue #46 item 1): the ragged representation (``offpolicy.core.kept_set``),
 the hf engine's record of the set it sampled from, the head renormalising over it (values and gradients
 against a float64 full-logits reference, on sets that differ from the trainer's own), the train path
 carrying it, and diagnose's shares with and without replay."""
@@ -11,12 +11,12 @@ from dataclasses import replace
 import pytest
 import torch
 
-from offpolicy import diagnose
+from offpolicy.measure import diagnose
 from offpolicy.engines import SamplingConfig
 from offpolicy.engines.hf import HFEngine
-from offpolicy.kept_set import KeptIds, StepRecorder
-from offpolicy.metrics import Metrics
-from offpolicy.sampling import renormalize_logprobs
+from offpolicy.core.kept_set import KeptIds, StepRecorder
+from offpolicy.core.metrics import Metrics
+from offpolicy.core.sampling import renormalize_logprobs
 from offpolicy.tasks import make_task, problems
 from offpolicy.tasks.model import build_tiny_qwen2
 from offpolicy.tasks.tokenizer import build_char_tokenizer

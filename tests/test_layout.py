@@ -21,7 +21,7 @@ def module_name(path: Path) -> str:
 def imported(path: Path, modules: set[str] = frozenset()) -> set[str]:
     """Every module ``path`` names in an import, at any depth (functions, ``if TYPE_CHECKING:``). ``from a
     import b`` names ``a.b`` — and ``a`` itself only where ``b`` is not one of ``modules`` (the package's
-    own: ``from offpolicy import ops`` imports ``offpolicy.ops``, not the package's facade)."""
+    own: ``from offpolicy.core import ops`` imports ``offpolicy.core.ops``, not the package's facade)."""
     names = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
@@ -33,8 +33,8 @@ def imported(path: Path, modules: set[str] = frozenset()) -> set[str]:
 
 
 BELOW_TRAIN = [*sorted((SRC / "policy").glob("*.py")), *sorted((SRC / "tasks").glob("*.py")),
-               *sorted((SRC / "engines").glob("*.py")), *sorted((SRC / "speed").glob("*.py")), SRC / "diagnose.py",
-               SRC / "diagnose_config.py"]
+               *sorted((SRC / "engines").glob("*.py")), *sorted((SRC / "speed").glob("*.py")),
+               *sorted((SRC / "measure").glob("*.py")), *sorted((SRC / "core").rglob("*.py"))]
 
 
 @pytest.mark.parametrize("path", BELOW_TRAIN, ids=lambda p: str(p.relative_to(SRC)))
@@ -57,9 +57,9 @@ def graph() -> dict[str, set[str]]:
 
 
 def test_diagnose_reaches_no_train_module():
-    """Whatever ``offpolicy.diagnose`` and its config import, and what those import in turn (the package's
+    """Whatever ``offpolicy.measure.diagnose`` and its config import, and what those import in turn (the package's
     facade ``offpolicy`` included), none is a module of ``train/``."""
-    edges, seen, todo = graph(), set(), ["offpolicy.diagnose", "offpolicy.diagnose_config"]
+    edges, seen, todo = graph(), set(), ["offpolicy.measure.diagnose", "offpolicy.measure.diagnose_config"]
     while todo:
         name = todo.pop()
         if name not in seen:
@@ -81,20 +81,48 @@ def test_no_import_circle():
 
 # docs/development.md's table of rooms, bottom up: a module may import its own floor and the floors below
 FLOORS = {
-    0: {"errors", "metrics", "ops", "kl", "proximal", "kept_set", "trackers", "provenance"},
-    1: {"config", "sampling", "preset_data", "presets", "thresholds", "speed"},
-    2: {"correction", "centering", "kernels", "losses", "step", ""},  # "": the package's facade, offpolicy/__init__.py
-    3: {"engines", "tasks", "integrations", "viewer"},
+    0: {"core.errors", "core.metrics", "core.ops", "core.kl", "core.proximal", "core.kept_set", "trackers",
+        "measure.provenance"},
+    1: {"core.config", "core.sampling", "core.preset_data", "core.presets", "core.thresholds", "speed"},
+    2: {"core.correction", "core.centering", "core.kernels", "core.losses", "core.step", "core.sequence_weight",
+        "core", "measure", ""},  # "": the package's facade, offpolicy/__init__.py; core, measure: their __init__
+    3: {"engines", "tasks", "integrations", "measure.viewer"},
     4: {"policy"},
-    5: {"train", "diagnose", "diagnose_config", "sync_check", "self_check", "sequence_weight"},
+    5: {"train", "measure.diagnose", "measure.diagnose_config", "measure.sync_check", "measure.self_check"},
     6: {"cli", "__main__"},
 }
+FOLDERS = ("core", "measure")  # folders whose modules are rooms of their own (a room is a folder elsewhere)
 
 
 def room(module: str) -> str:
-    """``offpolicy.engines.hf`` → ``engines``; ``offpolicy`` → "" (the facade)."""
+    """``offpolicy.engines.hf`` → ``engines``; ``offpolicy.core.ops`` → ``core.ops`` (the core's and the measuring
+    folder's modules are rooms each); ``offpolicy`` → "" (the facade)."""
+    parts = module.split(".")
+    if len(parts) > 2 and parts[1] in FOLDERS:
+        return f"{parts[1]}.{parts[2]}"
+    return parts[1] if len(parts) > 1 else ""
+
+
+def folder(module: str) -> str:
+    """The top-level folder (or file) a module lives in: ``offpolicy.core.kernels.triton`` → ``core``; ``offpolicy``
+    → "" (the facade, a file of the package's top)."""
     parts = module.split(".")
     return parts[1] if len(parts) > 1 else ""
+
+
+def test_no_loop_between_folders_and_files():
+    """Collapse each top-level folder (and each top-level file) into one node: no loop. On 78b0e05
+    ``kernels/reference.py`` imported ``centering.py``, which imported ``kernels/common.py`` — a loop between the
+    folder and the file that no module-level circle showed (issue #68)."""
+    import graphlib
+
+    edges: dict[str, set[str]] = {}
+    for a, targets in graph().items():
+        edges.setdefault(folder(a), set()).update(folder(b) for b in targets if folder(b) != folder(a))
+    try:
+        tuple(graphlib.TopologicalSorter(edges).static_order())
+    except graphlib.CycleError as err:
+        pytest.fail(f"a loop between folders and files: {' → '.join(err.args[1])}")
 
 
 def floor(module: str) -> int:

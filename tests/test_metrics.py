@@ -9,7 +9,7 @@ import torch
 
 import offpolicy as op
 from conftest import random_batch
-from offpolicy.metrics import Metrics
+from offpolicy.core.metrics import Metrics
 
 FULL_CORRECTION = op.CorrectionConfig(
     weight={"level": "token", "mode": "truncate", "low": 0.5, "high": 2.0},

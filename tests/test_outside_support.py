@@ -14,9 +14,9 @@ import torch
 import offpolicy as op
 from conftest import FAST
 from hf_fixtures import TRAINER_SHAPE, char_model, char_model_dir
-from offpolicy import diagnose
+from offpolicy.measure import diagnose
 from offpolicy.engines import Rollouts, SamplingConfig
-from offpolicy.metrics import Metrics
+from offpolicy.core.metrics import Metrics
 from offpolicy.policy.batch import to_batch
 from offpolicy.policy.score import Scorer
 from offpolicy.tasks import make_task, problems

@@ -9,7 +9,7 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 
 import offpolicy as op
-from offpolicy.config import LossConfig
+from offpolicy.core.config import LossConfig
 
 LOSS_KINDS = ["ppo", "gspo", "cispo", "sapo", "reinforce"]
 AGGS = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]

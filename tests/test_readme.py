@@ -26,9 +26,9 @@ from pathlib import Path
 import pytest
 
 import offpolicy as op
-from offpolicy import presets
+from offpolicy.core import presets
 from offpolicy.cli import build_parser
-from offpolicy.config import ConfigError, CorrectionConfig, LossConfig
+from offpolicy.core.config import ConfigError, CorrectionConfig, LossConfig
 from offpolicy.train.config import load_train_config
 
 ROOT = Path(__file__).resolve().parents[1]

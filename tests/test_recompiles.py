@@ -18,13 +18,13 @@ import pytest
 import torch
 
 import offpolicy as op
-from offpolicy.step import resolve_thresholds
+from offpolicy.core.step import resolve_thresholds
 
 pytest.importorskip("triton", reason="Triton is not installed")
 from triton.backends.compiler import BaseBackend  # noqa: E402
 from triton.runtime.jit import JITFunction, create_function_from_signature  # noqa: E402
 
-from offpolicy.kernels import triton as tk  # noqa: E402
+from offpolicy.core.kernels import triton as tk  # noqa: E402
 
 KERNELS = ("_row_stats", "_tokens", "_finish")
 
@@ -152,7 +152,7 @@ def test_the_per_config_cache_holds_its_key_and_starts_afresh_past_its_size():
     """``kernels.common.per_config``, the one invalidation rule of the rungs' per-config caches: a hit is
     the very object (its id cannot be reused while the cache holds it), other arguments are part of the
     key, and past ``maxsize`` entries the cache is emptied rather than grown."""
-    from offpolicy.kernels.common import per_config
+    from offpolicy.core.kernels.common import per_config
 
     made = []
 
@@ -210,7 +210,7 @@ def test_the_compiled_rung_does_not_recompile_for_a_new_threshold(monkeypatch):
     and one torch.compile (dynamo's frame count), and each step's result is the reference's."""
     from torch._dynamo.utils import counters
 
-    from offpolicy.kernels import compiled
+    from offpolicy.core.kernels import compiled
 
     monkeypatch.setenv("OFFPOLICY_COMPILE", "1")
     quantile = {"rule": "quantile", "q": 0.9}
@@ -241,7 +241,7 @@ def test_the_compiled_rung_reads_each_configs_own_bounds(monkeypatch):
     core runs uncompiled here: the graph is the same function of the same vector, compiled or not."""
     import functools
 
-    from offpolicy.kernels import compiled
+    from offpolicy.core.kernels import compiled
 
     monkeypatch.setattr(compiled, "_compiled", lambda spec: functools.partial(compiled._core, spec=spec))
     monkeypatch.setenv("OFFPOLICY_COMPILE", "1")

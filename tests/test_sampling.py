@@ -119,8 +119,8 @@ GOOD = [("temperature", 0.1), ("temperature", 1.7), ("top_p", 1e-3), ("top_p", 1
 def _every_place(key: str, value):
     """Each place that takes a sampling value: the contract itself, train's key=value, diagnose's flags and
     the trainer-side renormalisation. Returns the errors, one per place (None where it accepted)."""
-    from offpolicy.diagnose_config import DiagnoseConfig
-    from offpolicy.sampling import SamplingConfig
+    from offpolicy.measure.diagnose_config import DiagnoseConfig
+    from offpolicy.core.sampling import SamplingConfig
     from offpolicy.train.config import load_train_config
 
     errors = []
@@ -141,7 +141,7 @@ def test_every_place_refuses_a_value_against_its_rule_with_the_rule(key, value):
     """One rule a key (sampling.RULES), checked the same way wherever a value enters: on 65ba3dd train took
     top_k=0 (its field allowed ≥ -1) and failed only in the first step's renormalisation, after the model
     loaded, while diagnose refused it up front."""
-    from offpolicy.sampling import RULES
+    from offpolicy.core.sampling import RULES
 
     errors = _every_place(key, value)
     assert all(errors), errors
@@ -158,8 +158,8 @@ def test_every_place_takes_a_value_its_rule_allows(key, value):
 
 
 def test_train_and_diagnose_sampling_is_the_contract():
-    from offpolicy.diagnose_config import DiagnoseConfig
-    from offpolicy.sampling import SamplingConfig
+    from offpolicy.measure.diagnose_config import DiagnoseConfig
+    from offpolicy.core.sampling import SamplingConfig
     from offpolicy.train.config import load_train_config
 
     cfg = load_train_config(None, ["temperature=0.7", "top_p=0.9", "top_k=5", "max_new_tokens=12"])
@@ -175,7 +175,7 @@ def test_truncates_is_top_k_on_or_top_p_below_one(top_k, top_p, truncates):
     """The one answer to "is the support truncated?" (head.py said top_k != -1, hf.py top_k > 0 on 65ba3dd:
     the same only because 0 is refused). Where it says no, the trainer's renormalised log-probs are the
     plain log-softmax and nothing lies outside the support."""
-    from offpolicy.sampling import SamplingConfig
+    from offpolicy.core.sampling import SamplingConfig
 
     sampling = SamplingConfig(top_k=top_k, top_p=top_p, temperature=0.8)
     assert sampling.truncates is truncates

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from offpolicy.config import ConfigError
+from offpolicy.core.config import ConfigError
 from offpolicy.tasks import Larger, larger_reward, make_task
 from offpolicy.train.advantages import grpo_advantages
 from offpolicy.train.config import load_train_config

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import offpolicy as op
-from offpolicy.errors import ConfigError
+from offpolicy.core.errors import ConfigError
 
 TOL = dict(rtol=2e-5, atol=2e-6)  # the answers are float64; the library computes in fp32
 F64 = torch.float64
@@ -293,8 +293,8 @@ def test_only_the_reference_computes_it_and_the_config_is_checked():
 
 
 def test_support_logprobs_from_logits_match_the_replayed_and_full_distributions():
-    from offpolicy.centering import support_logprobs
-    from offpolicy.sampling import renormalize_logprobs
+    from offpolicy.core.centering import support_logprobs
+    from offpolicy.core.sampling import renormalize_logprobs
 
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(2, 3, 7, generator=g)

@@ -19,15 +19,15 @@ import pytest
 import torch
 
 import offpolicy as op
-from offpolicy import centering
+from offpolicy.core import centering
 from offpolicy.cli import main
 from offpolicy.engines import SamplingConfig
 from offpolicy.engines.hf import HFEngine
-from offpolicy.metrics import Metrics
+from offpolicy.core.metrics import Metrics
 from offpolicy.policy import head
 from offpolicy.policy.batch import to_batch
 from offpolicy.policy.score import Scorer
-from offpolicy.sampling import renormalize_logprobs
+from offpolicy.core.sampling import renormalize_logprobs
 from offpolicy.tasks import make_task, problems
 from offpolicy.tasks.tokenizer import build_char_tokenizer, prompt_ids
 from offpolicy.train import update
@@ -255,7 +255,7 @@ def test_at_a_real_vocabulary_with_long_responses_the_trainer_still_equals_the_r
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from offpolicy.engines import Rollouts
-    from offpolicy.kept_set import KeptIds
+    from offpolicy.core.kept_set import KeptIds
 
     torch.manual_seed(0)
     config = Qwen2Config(vocab_size=49_152, hidden_size=32, intermediate_size=64, num_hidden_layers=1,

@@ -9,9 +9,8 @@ import pytest
 import torch
 
 import offpolicy as op
-from offpolicy import sequence_weight as sw
-
-
+from offpolicy.core import sequence_weight as sw
+from offpolicy.train.sequence_weight import StepSequenceWeights
 def batch(per_token: list[float], lengths: list[int], width: int = 40) -> tuple[torch.Tensor, torch.Tensor]:
     """log ρ ``[B, width]``: row i holds ``per_token[i]`` on its first ``lengths[i]`` tokens (mask 1 there)."""
     lr = torch.zeros(len(lengths), width)
@@ -102,8 +101,8 @@ def test_step_collector_over_micro_batches_equals_the_whole_batch():
     rollout = rollout.clamp(max=0.0)
     mask = (torch.rand(6, 12, generator=g) > 0.2).float()
     cfg = op.presets.correction("skyrl:product_mask")
-    collector = sw.StepSequenceWeights.for_loss(cfg, 6, torch.device("cpu"))
-    assert sw.StepSequenceWeights.for_loss(op.presets.correction("recommended"), 6, torch.device("cpu")) is None
+    collector = StepSequenceWeights.for_loss(cfg, 6, torch.device("cpu"))
+    assert StepSequenceWeights.for_loss(op.presets.correction("recommended"), 6, torch.device("cpu")) is None
 
     class MB:  # the micro-batch fields old_of reads
         def __init__(self, rows):

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import offpolicy as op
-from offpolicy.metrics import Metrics
+from offpolicy.core.metrics import Metrics
 from offpolicy.train.update import drift_and_split_metrics
 
 K3 = {r: r - 1 - math.log(r) for r in (0.5, 2.0, 4.0)}  # 0.193147, 0.306853, 1.613706

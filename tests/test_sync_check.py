@@ -10,7 +10,7 @@ import torch
 
 from conftest import FAST
 from hf_fixtures import char_model_dir
-from offpolicy import sync_check
+from offpolicy.measure import sync_check
 from offpolicy.engines import Rollouts, SamplingConfig
 from offpolicy.engines.hf import HFEngine
 from offpolicy.policy.batch import to_batch

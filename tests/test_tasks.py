@@ -140,7 +140,7 @@ def test_count_prompts_answers_and_splits():
 
 
 def test_count_needs_a_model_directory_and_takes_its_limit():
-    from offpolicy.config import ConfigError
+    from offpolicy.core.config import ConfigError
     from offpolicy.train.config import load_train_config
 
     with pytest.raises(ConfigError, match="task=count renders its prompts with a model's chat template"):

@@ -108,8 +108,7 @@ def check_view(out: Path, tmp_path: Path) -> None:
     """samples.jsonl keeps each sample's tokens with log π_old and log μ; ``offpolicy view`` pages the run,
     and a copy cut off mid-line (a killed run) too."""
     from cli_inprocess import run_cli
-    from offpolicy import viewer
-
+    from offpolicy.measure import viewer
     samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
     for r in samples:
         assert len(r["token_text"]) == len(r["log_pi"]) == len(r["log_mu"]) == r["tokens"]

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import offpolicy as op
-from offpolicy.config import ConfigError, WeightConfig
+from offpolicy.core.config import ConfigError, WeightConfig
 from offpolicy.train.config import TrainConfig, load_train_config
 
 README = Path(__file__).resolve().parents[1] / "README.md"

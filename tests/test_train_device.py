@@ -17,10 +17,10 @@ import yaml
 import offpolicy as op
 from conftest import FAST
 from hf_fixtures import TRAINER_SHAPE, char_model
-from offpolicy.config import ConfigError
+from offpolicy.core.config import ConfigError
 from offpolicy.engines import Rollouts, SamplingConfig
-from offpolicy.kept_set import KeptIds
-from offpolicy.metrics import Metrics
+from offpolicy.core.kept_set import KeptIds
+from offpolicy.core.metrics import Metrics
 from offpolicy.policy import score
 from offpolicy.policy.batch import to_batch
 from offpolicy.policy.score import Scorer
@@ -426,7 +426,7 @@ def test_triton_launches_run_under_their_tensors_device(monkeypatch):
     device (issue #33 item 1), and the guard makes that device current (torch.cuda.device)."""
     pytest.importorskip("triton", reason="Triton is not installed (pip install triton)")
     from conftest import random_batch
-    from offpolicy.kernels import triton as tk
+    from offpolicy.core.kernels import triton as tk
 
     if not (torch.cuda.is_available() or tk._interpreted()):
         pytest.skip("no GPU and TRITON_INTERPRET unset: the triton rung does not run")
@@ -526,7 +526,7 @@ def test_micro_batched_run_matches_the_plain_run(offpolicy_cache, tmp_path, sett
 def test_cuda_run(engine, offpolicy_cache, tmp_path, monkeypatch):
     """Two steps on the GPU. With vllm (colocated, sleep mode): generate → sleep(1) → train → wake the
     weights → reload through the worker → wake the KV cache, and the engine's memory reported apart."""
-    from offpolicy.kernels import get
+    from offpolicy.core.kernels import get
 
     triton = get("triton")
     calls = []

@@ -19,7 +19,7 @@ import offpolicy as op
 from conftest import random_batch
 
 pytest.importorskip("triton", reason="Triton is not installed (pip install triton); the triton rung is untested")
-from offpolicy.kernels import triton as tk  # noqa: E402
+from offpolicy.core.kernels import triton as tk  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEVICES = ["cuda"] if CUDA else ["cpu"]  # on the CPU: the interpreter (conftest sets TRITON_INTERPRET=1)

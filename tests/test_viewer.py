@@ -15,8 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from offpolicy import viewer
-
+from offpolicy.measure import viewer
 CHROMIUM = os.environ.get("OFFPOLICY_CHROMIUM", "/usr/bin/chromium")
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
          "--disable-background-networking", "--disable-component-update", "--disable-sync"]

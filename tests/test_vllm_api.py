@@ -184,7 +184,7 @@ def test_diagnose_vllm_flags_reach_the_engine(monkeypatch, tiny_qwen2_dir, tmp_p
 
 
 def test_train_config_vllm_options():
-    from offpolicy.config import ConfigError
+    from offpolicy.core.config import ConfigError
     from offpolicy.train.config import load_train_config
 
     cfg = load_train_config(None, ["vllm.max_num_batched_tokens=8192", "vllm.enforce_eager=false"])

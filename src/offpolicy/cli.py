@@ -20,9 +20,9 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from offpolicy import presets
-from offpolicy.config import ConfigError
-from offpolicy.diagnose_config import GROUPS, DiagnoseConfig
+from offpolicy.core import presets
+from offpolicy.core.config import ConfigError
+from offpolicy.measure.diagnose_config import GROUPS, DiagnoseConfig
 
 
 def _cmd_presets(args: argparse.Namespace, console: Console) -> int:
@@ -84,11 +84,10 @@ def _cmd_train(args: argparse.Namespace, console: Console) -> int:
 
 
 def _cmd_view(args: argparse.Namespace, console: Console) -> int:
-    """``offpolicy view RUN_DIR``: the per-token viewer of a training run's saved samples (``offpolicy.viewer``)."""
+    """``offpolicy view RUN_DIR``: the per-token viewer of a training run's saved samples (``offpolicy.measure.viewer``)."""
     from pathlib import Path
 
-    from offpolicy import viewer
-
+    from offpolicy.measure import viewer
     run_dir = Path(args.run_dir)
     view, notes = viewer.run_view(run_dir)
     for note in notes:
@@ -108,7 +107,7 @@ def _cmd_diagnose(args: argparse.Namespace, console: Console) -> int:
     """``offpolicy diagnose``: the flags as a ``DiagnoseConfig`` (every check before transformers and the
     engines import, ~5 s), ``diagnose.run``, then the tables, where the files went, and the gate's verdict."""
     config = DiagnoseConfig(**{k: v for k, v in vars(args).items() if k not in ("func", "command")})
-    from offpolicy import diagnose  # after the config: a wrong flag is refused before torch's models load
+    from offpolicy.measure import diagnose  # after the config: a wrong flag is refused before torch's models load
 
     _quiet_libraries()
     done = diagnose.run(config, console)
@@ -130,7 +129,7 @@ def _cmd_diagnose(args: argparse.Namespace, console: Console) -> int:
 
 
 def _print_diagnosis(console: Console, reports: list[dict]) -> None:
-    from offpolicy.diagnose import RATIO_BANDS
+    from offpolicy.measure.diagnose import RATIO_BANDS
 
     table = Table(title="mismatch: trainer π vs engine μ on the engine's samples")
     table.add_column("metric")
@@ -180,7 +179,7 @@ def _print_diagnosis(console: Console, reports: list[dict]) -> None:
 def _add_replay_rows(table: Table, reports: list[dict]) -> None:
     """The rows the engine's kept set changes, without replay (the trainer's own top-k/top-p set): the
     rows above are with replay wherever the engine recorded its set (issue #46)."""
-    from offpolicy.diagnose import RATIO_BANDS
+    from offpolicy.measure.diagnose import RATIO_BANDS
 
     def without(r: dict) -> dict | None:
         kept = r.get("kept_set") or {}

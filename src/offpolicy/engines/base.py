@@ -13,8 +13,8 @@ from typing import Protocol
 
 import torch
 
-from offpolicy.kept_set import KeptIds
-from offpolicy.sampling import SamplingConfig  # noqa: F401 — the sampling contract, as the engines take it
+from offpolicy.core.kept_set import KeptIds
+from offpolicy.core.sampling import SamplingConfig  # noqa: F401 — the sampling contract, as the engines take it
 
 
 class EngineError(RuntimeError):
@@ -29,7 +29,7 @@ class Rollouts:
     ``logprobs[i][t]`` is log μ(response_ids[i][t]); ``response_ids`` include the EOS token when
     the engine stopped on it (``finished[i]``). ``version`` is the policy version of the
     weights that sampled them. ``kept`` ``[rows, steps]``: under top-k/top-p, the set each token was
-    drawn from (``offpolicy.kept_set``; the hf engine records it, a server asked for its sampling masks
+    drawn from (``offpolicy.core.kept_set``; the hf engine records it, a server asked for its sampling masks
     returns it, vLLM does where its build can: ``engines/vllm.py``), for the trainer to renormalise over;
     None where the engine records none, and the trainer recomputes the set. ``kept.logprobs`` ``[nnz]``
     fp32: log μ of each kept id, where the engine records them (the hf engine; SGLang's

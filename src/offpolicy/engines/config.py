@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pydantic import Field, model_validator
 
-from offpolicy.config import _Strict
+from offpolicy.core.config import _Strict
 
 
 class VLLMConfig(_Strict):

@@ -1,4 +1,4 @@
-"""A few of an engine's weights summed in float64: what ``offpolicy.sync_check`` compares around a weight sync
+"""A few of an engine's weights summed in float64: what ``offpolicy.measure.sync_check`` compares around a weight sync
 to tell a sync that changed nothing (an engine's ``weight_fingerprint`` returns ``fingerprints`` of its own
 weights)."""
 

@@ -23,7 +23,7 @@ order with the same arguments — noise, ``TemperatureLogitsWarper``, ``TopKLogi
 log-softmax ``[B, V]`` and, as a stopping criterion (called once the token is appended), gathers
 it at the token just drawn and drops it. Through ``generate`` the draws are the same as with transformers'
 own warpers, bit for bit (``tests/test_hf_engine.py``); top-p is transformers' nucleus computed by the
-trainer's own function (``offpolicy.sampling.top_p_keep``), so that exactly tied probabilities at
+trainer's own function (``offpolicy.core.sampling.top_p_keep``), so that exactly tied probabilities at
 the cut keep the same tokens on both sides.
 
 The loop itself is ``offpolicy.speed.hf_loop.sample``: transformers' ``_sample`` above with the rows that have
@@ -43,7 +43,7 @@ prompt token are shared: ``generate`` runs that one itself).
 
 Under top-k/top-p, ``_SampledLogprobs`` also records each step's kept set — the tokens whose processed
 score is not −inf, exactly the support ``multinomial`` draws from — as kept ids
-(``offpolicy.kept_set.StepRecorder``: only the ids, the step's ``[B, V]`` mask is dropped at once), and
+(``offpolicy.core.kept_set.StepRecorder``: only the ids, the step's ``[B, V]`` mask is dropped at once), and
 ``Rollouts.kept`` carries them to the trainer, which renormalises over them (replay, issue #46). A row the own
 loop has finished records an empty set (issue #55: its zero logits tied every token, and the whole vocabulary
 was recorded for it at every step). Each kept id carries its log q_v (exact score centering's support). Asked
@@ -64,11 +64,11 @@ from transformers import (AutoModelForCausalLM, DynamicCache, LogitsProcessor, L
 
 from offpolicy.engines.base import Rollouts, SamplingConfig, left_pad, stop_token_ids
 from offpolicy.engines.generation import explicit_config, generate, ignored_line
-from offpolicy.kept_set import StepRecorder
+from offpolicy.core.kept_set import StepRecorder
 from offpolicy.speed import hf_loop, shared_prompt
 from offpolicy.speed.cpu_linear import use_onednn_linear
 from offpolicy.speed.shared_prompt import cache_argument
-from offpolicy.sampling import top_p_keep
+from offpolicy.core.sampling import top_p_keep
 
 log = logging.getLogger(__name__)
 
@@ -147,7 +147,7 @@ class _Draw(LogitsProcessor):
 
 
 class _TopP(TopPLogitsWarper):
-    """Top-p on the trainer's definition (``offpolicy.sampling.top_p_keep``): the same nucleus as
+    """Top-p on the trainer's definition (``offpolicy.core.sampling.top_p_keep``): the same nucleus as
     transformers' ``TopPLogitsWarper`` (min_tokens_to_keep = 1), with one tie rule for both sides —
     equal probabilities at the cut ordered by token id, the larger first. transformers' own warper
     sorts with an unstable sort, ascending, while the trainer sorted descending: with exactly tied
@@ -270,7 +270,7 @@ class HFEngine:
             params[name].copy_(tensor.to(self.dtype))
 
     def weight_fingerprint(self) -> dict[str, tuple[float, float, float]]:
-        """Float64 sums of a few of the largest weights (``engines.fingerprint``; ``offpolicy.sync_check``: the
+        """Float64 sums of a few of the largest weights (``engines.fingerprint``; ``offpolicy.measure.sync_check``: the
         trainer checks that a sync of changed weights changed them here). The probed tensors are found once: a
         sync writes them in place (``sync_weights``), so the same tensors hold the engine's weights after it."""
         from offpolicy.engines.fingerprint import probe_names, sample, summarize
@@ -281,10 +281,10 @@ class HFEngine:
         return summarize({name: sample(tensor) for name, tensor in self._probes.items()})
 
     def record(self) -> dict:
-        """The engine on record (``offpolicy.provenance``): transformers' version, the weights' dtype, the model's
+        """The engine on record (``offpolicy.measure.provenance``): transformers' version, the weights' dtype, the model's
         attention implementation, the determinism switches (torch's deterministic algorithms, or "none"; the draws
         come from the engine's own seeded generator either way) and the speed paths that ran."""
-        from offpolicy.provenance import version
+        from importlib.metadata import version
 
         attention = getattr(getattr(self.model, "config", None), "_attn_implementation", None)
         return {"name": self.name, "version": f"transformers {version('transformers')}",

@@ -63,8 +63,8 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 from offpolicy.engines.base import Rollouts, SamplingConfig
-from offpolicy.errors import ConfigError
-from offpolicy.kept_set import KeptIds
+from offpolicy.core.errors import ConfigError
+from offpolicy.core.kept_set import KeptIds
 
 # the sampling fields vLLM (ModelConfig.get_diff_sampling_param) takes from generation_config.json
 # for a request that leaves them unset

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 
 from offpolicy.engines.base import EngineError, Rollouts, SamplingConfig
-from offpolicy.kept_set import KeptIds
+from offpolicy.core.kept_set import KeptIds
 from offpolicy.speed.gates import VLLM_DIRECT_SYNC, decide, model_family
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}

@@ -35,8 +35,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from offpolicy.config import LossConfig
-from offpolicy.errors import ConfigError
+from offpolicy.core.config import LossConfig
+from offpolicy.core.errors import ConfigError
 
 _RS_DEFAULTS = {"level": "token", "action": "mask", "metric": "ratio", "agg": "mean", "upper": 5.0, "lower": None}
 

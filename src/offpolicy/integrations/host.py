@@ -37,9 +37,9 @@ from typing import Any
 import torch
 
 import offpolicy as op
-from offpolicy.config import ConfigError, CorrectionConfig, LossConfig
-from offpolicy.kernels.common import per_config
-from offpolicy.losses import as_loss_config
+from offpolicy.core.config import ConfigError, CorrectionConfig, LossConfig
+from offpolicy.core.kernels.common import per_config
+from offpolicy.core.losses import as_loss_config
 
 logger = logging.getLogger(__name__)
 

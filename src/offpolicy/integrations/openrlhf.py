@@ -63,7 +63,7 @@ from typing import Any, ClassVar
 import torch
 
 import offpolicy as op
-from offpolicy.config import ConfigError, CorrectionConfig, LossConfig
+from offpolicy.core.config import ConfigError, CorrectionConfig, LossConfig
 from offpolicy.integrations import host
 from offpolicy.integrations.dump import BatchDumper
 

@@ -48,7 +48,7 @@ from typing import Any
 import torch
 
 import offpolicy as op
-from offpolicy.config import ConfigError, CorrectionConfig, LossConfig
+from offpolicy.core.config import ConfigError, CorrectionConfig, LossConfig
 from offpolicy.integrations import host
 from offpolicy.integrations.dump import BatchDumper
 

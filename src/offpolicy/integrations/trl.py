@@ -67,7 +67,7 @@ import trl
 from trl import GRPOTrainer
 
 import offpolicy as op
-from offpolicy.config import ConfigError
+from offpolicy.core.config import ConfigError
 from offpolicy.integrations import host
 from offpolicy.integrations.dump import BatchDumper
 

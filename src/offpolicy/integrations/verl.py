@@ -62,7 +62,7 @@ import verl
 from verl.trainer.ppo import core_algos
 
 import offpolicy as op
-from offpolicy.config import ConfigError
+from offpolicy.core.config import ConfigError
 from offpolicy.integrations import host
 from offpolicy.integrations.dump import BatchDumper
 

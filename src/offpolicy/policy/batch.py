@@ -14,7 +14,7 @@ from typing import NamedTuple
 import torch
 
 from offpolicy.engines import Rollouts
-from offpolicy.kept_set import FlatKept, KeptIds
+from offpolicy.core.kept_set import FlatKept, KeptIds
 from offpolicy.speed.shared_prompt import SharedPrompts, plan
 
 __all__ = ["Batch", "Counted", "SharedPrompts", "Support", "TENSORS", "shared_prompts", "to_batch"]
@@ -47,7 +47,7 @@ class Counted(NamedTuple):
 
 
 class Support(NamedTuple):
-    """Score centering's support of each response token (``offpolicy.centering``; docs/estimators.md#score-centering):
+    """Score centering's support of each response token (``offpolicy.core.centering``; docs/estimators.md#score-centering):
     K token ids and the sampler's log q_v of each, dense ``[B, T, K]`` (K: the batch's largest set), padded with id 0
     and log q = −inf. ``form`` says which support and how the trainer normalises p over it: ``exact``, the engine's
     kept set (p renormalised over it), or ``head``, the sampler's top-k head (p over the full vocabulary)."""
@@ -92,7 +92,7 @@ class Batch:
     # the positions where ``mask`` is 1 (and their kept sets), worked out on the host before the batch went
     # to the device (``score.to_device``), valid while ``mask`` and ``kept`` are those very objects
     counted: Counted | None = field(default=None, repr=False, compare=False)
-    # [B, T] the engine's kept set of each response token (``offpolicy.kept_set``), replayed by the trainer's
+    # [B, T] the engine's kept set of each response token (``offpolicy.core.kept_set``), replayed by the trainer's
     # head; None: the engine recorded none and the trainer recomputes top-k/top-p on its own logits
     kept: KeptIds | None = field(default=None, repr=False, compare=False)
     # score centering's support of each response token (``Support``); None where centering is off

@@ -37,7 +37,7 @@ backward, not once per chunk. Hidden states of padding and prompt positions neve
 the response tokens that count are gathered first, at positions the trainer works out on the host
 when it moves a micro-batch to the device (``Batch.counted``), so the forward reads nothing back
 from the device (a batch without them pays one ``nonzero`` of its mask). With the engine's kept sets
-replayed (``Batch.kept``, ``offpolicy.kept_set``) each chunk makes its sets dense, ``[C, V]`` bool, in the
+replayed (``Batch.kept``, ``offpolicy.core.kept_set``) each chunk makes its sets dense, ``[C, V]`` bool, in the
 forward and again in the backward, from slices of the sets expanded id by id (``FlatKept``) whose
 bounds the trainer also worked out on the host when it moved the micro-batch (``Batch.counted``): no
 host read there either.
@@ -62,11 +62,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from offpolicy.config import ConfigError
-from offpolicy.kept_set import FlatKept, KeptIds
-from offpolicy.metrics import Metrics
+from offpolicy.core.config import ConfigError
+from offpolicy.core.kept_set import FlatKept, KeptIds
+from offpolicy.core.metrics import Metrics
 from offpolicy.policy.batch import Batch
-from offpolicy.sampling import SamplingConfig, outside_mass_metrics, renormalize_logprobs
+from offpolicy.core.sampling import SamplingConfig, outside_mass_metrics, renormalize_logprobs
 from offpolicy.speed import cpu_linear, shared_prompt
 from offpolicy.speed.cpu_linear import ONEDNN_WIDE_OUT, OneDNNLinear
 from offpolicy.speed.shared_prompt import SharedPrompts
@@ -200,7 +200,7 @@ def _chunk_numbers(lin: torch.Tensor, tokens: torch.Tensor, sampling: SamplingCo
                    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """One chunk: head output ``lin`` ``[C, V]`` → log π̃(y) ``[C]`` and, with ``stats``, the token
     entropy ``[C]`` and (truncated sampling) the outside mass ``[C]``. ``keep`` ``[C, V]``: the engine's
-    kept set, replayed instead of the trainer's own top-k/top-p set (``offpolicy.kept_set``). ``support``
+    kept set, replayed instead of the trainer's own top-k/top-p set (``offpolicy.core.kept_set``). ``support``
     ``[C, K]`` ids: also log π̃ of each (score centering's support, ``centring_support``)."""
     logits = capped(lin, softcap)
     want_outside = stats and sampling.truncates
@@ -401,7 +401,7 @@ def token_logprobs(hidden: torch.Tensor, tokens: torch.Tensor, head: LinearHead,
     (detached; else None). A token outside the kept support gets exactly −inf; NaN marks any other
     non-finite value. ``chunk`` tokens per chunk (default ``chunk_tokens(V, device)``). ``kept``
     (``KeptIds`` ``[N]``, or its ``FlatKept``): the engine's kept set of each token, the support instead of
-    the trainer's own top-k/top-p set (``offpolicy.kept_set``); None recomputes it from the trainer's
+    the trainer's own top-k/top-p set (``offpolicy.core.kept_set``); None recomputes it from the trainer's
     logits. ``KeptIds`` are expanded here (two host reads: a wait on CUDA); the trainer passes the
     ``FlatKept`` it made on the host (``Batch.counted``). ``support`` ``[N, K]`` ids (−1: padding), with
     ``support_out``: log π̃ of each support id ``[N, K]`` (with grad, 0 at padding) is appended to it, taken from
@@ -440,7 +440,7 @@ def trainer_logprobs(model, batch: Batch, sampling: SamplingConfig, metrics: Met
     lies outside the trainer's top-k/top-p support (the caller masks those, see
     ``train.update.within_support``). Where the batch carries the engine's kept sets (``Batch.kept``: the hf
     engine records them) and sampling truncates, the support is the engine's set, replayed
-    (``offpolicy.kept_set``); otherwise the trainer recomputes top-k/top-p on its own logits. With
+    (``offpolicy.core.kept_set``); otherwise the trainer recomputes top-k/top-p on its own logits. With
     ``metrics``, ``kept_set_replayed`` says which (1: replayed, 0: recomputed).
 
     With ``metrics`` given, the mean token entropy of the sampling distribution is recorded as

@@ -21,11 +21,11 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from offpolicy.config import ConfigError
-from offpolicy.metrics import Metrics
+from offpolicy.core.config import ConfigError
+from offpolicy.core.metrics import Metrics
 from offpolicy.policy.batch import TENSORS, Batch, Counted, shared_prompts
 from offpolicy.policy.head import trainer_logprobs
-from offpolicy.sampling import SamplingConfig
+from offpolicy.core.sampling import SamplingConfig
 from offpolicy.speed import shared_prompt
 
 DTYPES = ("fp32", "bf16")

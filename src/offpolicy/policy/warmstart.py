@@ -23,7 +23,7 @@ import torch
 from filelock import FileLock  # a dependency of torch
 from transformers import PreTrainedTokenizerBase
 
-from offpolicy.config import ConfigError
+from offpolicy.core.config import ConfigError
 from offpolicy.engines.base import left_pad, stop_token_ids
 from offpolicy.engines.generation import explicit_config, generate
 from offpolicy.tasks import Problem, Task, make_task, problems

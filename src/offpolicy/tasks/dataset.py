@@ -43,8 +43,8 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from offpolicy.config import _Strict
-from offpolicy.errors import ConfigError
+from offpolicy.core.config import _Strict
+from offpolicy.core.errors import ConfigError
 from offpolicy.tasks.rewards import RewardFn, checked_value, resolve_reward
 from offpolicy.tasks.tasks import Problem
 

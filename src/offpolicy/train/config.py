@@ -12,10 +12,10 @@ from typing import Any, Literal
 import yaml
 from pydantic import Field, field_validator, model_validator
 
-from offpolicy.config import ConfigError, LossConfig, _read_yaml, _Strict
+from offpolicy.core.config import ConfigError, LossConfig, _read_yaml, _Strict
 from offpolicy.engines.config import VLLMConfig
 from offpolicy.policy.warmstart_config import WarmStartConfig, task_warm_start
-from offpolicy.sampling import MaxTokens, SamplingConfig, Temperature, TopK, TopP
+from offpolicy.core.sampling import MaxTokens, SamplingConfig, Temperature, TopK, TopP
 from offpolicy.tasks import make_task
 from offpolicy.tasks.dataset import DataConfig
 
@@ -84,7 +84,7 @@ class TrainConfig(_Strict):
         "to study the mismatch they bring")
     engine_weight_noise: float = Field(0.0, ge=0, description="relative N(0, σ·std(w)) on the engine's weight copy")
     engine_logit_noise: float = Field(0.0, ge=0, description="additive N(0, σ²) on the engine's logits (hf engine)")
-    # the sampling: each key's rule is offpolicy.sampling.RULES (SamplingConfig's), the run's ``sampling``
+    # the sampling: each key's rule is offpolicy.core.sampling.RULES (SamplingConfig's), the run's ``sampling``
     temperature: Temperature = Field(1.0, description="τ, > 0: the engine's logits are divided by it")
     top_p: TopP = Field(1.0, description="nucleus mass in (0, 1]; 1 keeps everything")
     top_k: TopK = Field(-1, description="tokens kept by top-k; -1 = no top-k (0 is refused: one spelling of off)")
@@ -168,7 +168,7 @@ class TrainConfig(_Strict):
     initial_kl_rows: int = Field(0, ge=0, description="rows of each step's batch on which the initial policy "
                                  "(kept frozen) scores the engine's tokens: sync/engine_kl_to_initial, the k3 "
                                  "estimate of KL(μ ‖ π_0), tells an engine that never moved from a stale one "
-                                 "(offpolicy.sync_check); a model copy and one no-grad forward of the rows; 0 = off")
+                                 "(offpolicy.measure.sync_check); a model copy and one no-grad forward of the rows; 0 = off")
     split_metrics: bool = Field(False, description="also log op.split_metrics each micro-batch (kl_k3 on the kept "
                                 "and the masked tokens, the masked tokens' advantage signs, the rows' raw-weight "
                                 "fractions; docs/estimators.md): one more reference `correct` per micro-batch, "

@@ -48,19 +48,21 @@ import yaml
 from rich.console import Console
 
 import offpolicy as op
-from offpolicy import ops, provenance
-from offpolicy.config import ConfigError
+from offpolicy.core import ops
+from offpolicy.measure import provenance
+from offpolicy.core.config import ConfigError
 from offpolicy.engines import EngineError, make_engine, perturb
 from offpolicy.engines.choice import parameter_count
-from offpolicy.metrics import Metrics
+from offpolicy.core.metrics import Metrics
 from offpolicy.policy.batch import to_batch
 from offpolicy.speed import run_paths
 from offpolicy.speed.cpu_linear import use_onednn_linear
 from offpolicy.policy.score import Scorer, checkpoint_activations, device_index, load_policy
 from offpolicy.policy.warmstart import model_dir, warm_start_progress
-from offpolicy.sampling import SamplingConfig
-from offpolicy.sequence_weight import StepSequenceWeights, warn_once
-from offpolicy.sync_check import InitialPolicy, verified_sync
+from offpolicy.core.sampling import SamplingConfig
+from offpolicy.core.sequence_weight import warn_once
+from offpolicy.train.sequence_weight import StepSequenceWeights
+from offpolicy.measure.sync_check import InitialPolicy, verified_sync
 from offpolicy.tasks import ChatRendered, make_task, problems
 from offpolicy.tasks.dataset import load_dataset_task
 from offpolicy.tasks.tokenizer import ensure_pad_token, load_tokenizer
@@ -545,7 +547,7 @@ def start_engine(run: Run, engine_name: str, load_from: Path, linear: str) -> No
 
 
 def record_provenance(run: Run) -> None:
-    """``provenance.json`` in the run directory: one provenance block (``offpolicy.provenance``) per session of the
+    """``provenance.json`` in the run directory: one provenance block (``offpolicy.measure.provenance``) per session of the
     run — its start and each resume — with every setting that differs from its default and the engine on record,
     so a resumed run shows whether it went on with the same code, stack and machine."""
     path = run.run_dir / "provenance.json"

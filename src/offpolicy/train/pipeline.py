@@ -53,7 +53,7 @@ from dataclasses import dataclass
 import torch
 
 from offpolicy.engines import RolloutEngine, Rollouts, SamplingConfig
-from offpolicy.sync_check import verified_sync
+from offpolicy.measure.sync_check import verified_sync
 from offpolicy.tasks import Problem, Task, problems
 from offpolicy.tasks.tokenizer import prompt_ids
 
@@ -112,7 +112,7 @@ class RolloutPipeline:
                        version_span=self._syncs_done - syncs)
 
     def _sync_job(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        verified_sync(self.engine, weights)  # a sync that changed nothing is an error (offpolicy.sync_check)
+        verified_sync(self.engine, weights)  # a sync that changed nothing is an error (offpolicy.measure.sync_check)
         self._syncs_done += 1
 
     def _submit(self, fn: Callable, *args) -> Future:

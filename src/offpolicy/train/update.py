@@ -36,10 +36,10 @@ from dataclasses import replace
 import torch
 
 import offpolicy as op
-from offpolicy import ops
-from offpolicy.config import M2Rule
-from offpolicy.kernels.common import row_aggregation
-from offpolicy.metrics import Metrics
+from offpolicy.core import ops
+from offpolicy.core.config import M2Rule
+from offpolicy.core.kernels.common import row_aggregation
+from offpolicy.core.metrics import Metrics
 from offpolicy.policy.batch import Batch
 from offpolicy.policy.score import Scorer, device_index, widen
 

@@ -3,7 +3,7 @@
 A preset is ``framework:mode`` (``recommended`` is ours and has no prefix). Each carries a
 ``CorrectionConfig``, the loss settings that go with the framework, a one-line summary and a
 note on the framework behaviour it reproduces, quirks included (docs/specification.md §9). The YAML is read by
-``offpolicy.preset_data``; this module adds the typed views.
+``offpolicy.core.preset_data``; this module adds the typed views.
 
     >>> import offpolicy as op
     >>> "verl:decoupled_token_is" in op.presets.names()
@@ -17,9 +17,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from offpolicy import preset_data
-from offpolicy.config import CorrectionConfig, LossConfig
-from offpolicy.preset_data import OWN_FRAMEWORK, names
+from offpolicy.core import preset_data
+from offpolicy.core.config import CorrectionConfig, LossConfig
+from offpolicy.core.preset_data import OWN_FRAMEWORK, names
 
 __all__ = ["OWN_FRAMEWORK", "Preset", "correction", "get", "loss", "names"]
 

@@ -14,7 +14,7 @@ The log-ratio compares the trainer with the sampler μ; ``anchor`` picks the tra
 and is clamped to [−L, L] (``log_clamp``) before any ``exp``.
 
 A bound chosen from the data (``{rule: ess | quantile}``, the ``m2`` rule) is read off the units
-the stage sees in this call (``offpolicy.thresholds``) and then applied as a fixed number, so
+the stage sees in this call (``offpolicy.core.thresholds``) and then applied as a fixed number, so
 it is per call (one micro-batch, one rank) unless ``resolve_thresholds`` fixed it for a step.
 """
 
@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 
-from offpolicy import ops
-from offpolicy.config import (
+from offpolicy.core import ops
+from offpolicy.core.config import (
     BinaryKLRule,
     CorrectionConfig,
     DivergenceRule,
@@ -40,8 +40,8 @@ from offpolicy.config import (
     is_adaptive,
     rule_name,
 )
-from offpolicy.metrics import Metrics
-from offpolicy.thresholds import bound_value, m2_cut
+from offpolicy.core.metrics import Metrics
+from offpolicy.core.thresholds import bound_value, m2_cut
 
 _MAX_LOGPROB = 1e-6
 
@@ -365,7 +365,7 @@ def rule_units(rule: RatioRule | M2Rule, log_ratio: torch.Tensor, seen: torch.Te
 
 def resolve_rule(rule: Any, b: RuleInputs, seen: torch.Tensor, log_clamp: float | None, name: str, metrics: Metrics):
     """A rule with data-chosen bounds → the same rule with the numbers read off this call's
-    tokens (``offpolicy.thresholds``), recording them: ``<name>/low`` and ``<name>/high`` (the
+    tokens (``offpolicy.core.thresholds``), recording them: ``<name>/low`` and ``<name>/high`` (the
     chosen ratio bounds), or for m2 ``<name>/m2_before`` (mean (log ρ)² over the seen tokens).
     An m2 rule becomes ``{k2, token, high: h/2}`` (keep (log ρ)² ≤ h). Other rules pass through."""
     if isinstance(rule, M2Rule):

@@ -13,9 +13,9 @@ engine's top-k/top-p support, docs/specification.md §6), and reports:
 * PNG plots (histogram of log ρ, log ρ against token probability, mismatch KL per position)
   and ``report.json``;
 * per token (``sequences``, ``token_verdicts``): each response's tokens with log π, log μ, the trainer's
-  entropy, and what each preset does to each token — the data of ``report.html`` (``offpolicy.viewer``);
+  entropy, and what each preset does to each token — the data of ``report.html`` (``offpolicy.measure.viewer``);
 * under top-k/top-p, which kept set the trainer scored on (``kept_set``): the engine's, replayed
-  (the hf engine records it, ``offpolicy.kept_set``) or the trainer's own, recomputed (vLLM, a server,
+  (the hf engine records it, ``offpolicy.core.kept_set``) or the trainer's own, recomputed (vLLM, a server,
   a dump) — with replay, the share of engine tokens outside the trainer's own set and the ρ band
   shares both with and without replay (issue #46);
 * from a server asked with ``--head-logprobs K``, each token's top-K ids with their log μ, checked, and the
@@ -23,12 +23,12 @@ engine's top-k/top-p support, docs/specification.md §6), and reports:
 * a flat ``summary`` of the numbers a CI gate reads (``--fail-above STAT=V``, ``--fail-below
   STAT=V``; ``gate``): exit 3 when a bound fails (issue #25, docs/ci-gate.md);
 * the sequence weight Π ρ before truncation and the pre-check of every Π-ρ preset (``sequence_weight``:
-  warns when one would clamp or mask most rows, ``offpolicy.sequence_weight``; issue #56);
+  warns when one would clamp or mask most rows, ``offpolicy.core.sequence_weight``; issue #56);
 * whether every log-ratio is exactly 0, and the first token where one is not (``exact``; ``--require-exact``
   fails the run on it);
 * with ``--self-check``, the trainer against itself — micro-batch 1 against the configured micro-batches,
   an fp32 head against the configured precision — and, layer by layer, where the engine's precision first
-  diverges from fp32 (``self_check``, ``offpolicy.self_check``).
+  diverges from fp32 (``self_check``, ``offpolicy.measure.self_check``).
 """
 
 from __future__ import annotations
@@ -42,12 +42,13 @@ from typing import Any
 import torch
 
 import offpolicy as op
-from offpolicy import ops, presets, sequence_weight, viewer
-from offpolicy.config import ConfigError
-from offpolicy.diagnose_config import MICRO_BATCH_TOKENS, DiagnoseConfig
+from offpolicy.core import ops, presets, sequence_weight
+from offpolicy.measure import viewer
+from offpolicy.core.config import ConfigError
+from offpolicy.measure.diagnose_config import MICRO_BATCH_TOKENS, DiagnoseConfig
 from offpolicy.engines import Rollouts, SamplingConfig, make_engine
 from offpolicy.integrations.dump import load_batch
-from offpolicy.metrics import Metrics
+from offpolicy.core.metrics import Metrics
 from offpolicy.policy.batch import Batch, to_batch
 from offpolicy.policy.score import Scorer, load_policy
 from offpolicy.tasks.tokenizer import plain_text_ids
@@ -703,7 +704,7 @@ def report(s: Sample, setting: dict[str, Any], out_dir: Path, plots: bool = True
     if plots:
         label = setting.get("label") or f"{setting['engine']} {setting['engine_dtype']} vs trainer {setting['trainer_dtype']}"
         result["plots"] = [str(p) for p in plot(s, out_dir, label)]
-    # per token, for report.html (offpolicy.viewer): each response's tokens with log π, log μ, the trainer's
+    # per token, for report.html (offpolicy.measure.viewer): each response's tokens with log π, log μ, the trainer's
     # entropy, and what each preset does to each token (presets that agree share one group)
     result["sequences"] = viewer.sequences(s.trainer, s.batch.rollout_logprobs, s.batch.mask, s.token_text,
                                            s.token_entropy, s.prompt_text)
@@ -884,11 +885,10 @@ def _server_report(config: DiagnoseConfig, console, server, trainer: TrainerSide
 
 def _self_check(config: DiagnoseConfig, console, s: Sample, trainer: TrainerSide, engine_dtype: str
                 ) -> dict[str, Any] | None:
-    """``--self-check`` on the sample's tokens (``offpolicy.self_check``); None without the flag."""
+    """``--self-check`` on the sample's tokens (``offpolicy.measure.self_check``); None without the flag."""
     if not getattr(config, "self_check", False):
         return None
-    from offpolicy import self_check
-
+    from offpolicy.measure import self_check
     layers = "no per-layer attribution (the engine's precision is fp32)" if engine_dtype == "fp32" else \
         f"{engine_dtype} against fp32 layer by layer"
     console.print(f"diagnose: --self-check: the trainer ({trainer.dtype}) against itself, and {layers} ...")

@@ -26,9 +26,9 @@ from __future__ import annotations
 
 import torch
 
-from offpolicy import ops
-from offpolicy.config import CorrectionConfig, LossConfig
-from offpolicy.correction import (
+from offpolicy.core import ops
+from offpolicy.core.config import CorrectionConfig, LossConfig
+from offpolicy.core.correction import (
     RuleInputs,
     apply_rejection,
     normalize_weights,
@@ -36,8 +36,8 @@ from offpolicy.correction import (
     validate_inputs,
     weight_fn,
 )
-from offpolicy.kernels.common import RATIO_LOG_CLAMP, CoefLoss, CoefTokens, attach, row_aggregation
-from offpolicy.metrics import Metrics
+from offpolicy.core.kernels.common import RATIO_LOG_CLAMP, CoefLoss, CoefTokens, attach, row_aggregation
+from offpolicy.core.metrics import Metrics
 
 NAME = "eager"
 KINDS = ("ppo", "cispo", "reinforce")

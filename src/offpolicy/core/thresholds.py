@@ -10,7 +10,7 @@ bound is exactly "a fixed bound whose value was read off the batch":
     m2        with s sorted descending and k = min{i : mean(s_{i+1..n}) < τ}: keep m2 < s_k
 
 Per call by default: the bound needs the whole set of units, and a call sees one micro-batch on
-one rank. ``offpolicy.step.resolve_thresholds`` computes them once over every micro-batch of an
+one rank. ``offpolicy.core.step.resolve_thresholds`` computes them once over every micro-batch of an
 optimizer step and every rank of a process group (an all-gather of the unit values) and returns
 the config with the numbers filled in, which then gives every micro-batch the same bound.
 
@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from offpolicy.config import EssBound, QuantileBound
+from offpolicy.core.config import EssBound, QuantileBound
 
 _EPS = 1e-9  # q·n = 9.000000000000002 must give index 9, not 10
 

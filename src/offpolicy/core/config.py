@@ -18,8 +18,8 @@ from typing import Annotated, Any, ClassVar, Literal, Union
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from offpolicy import preset_data
-from offpolicy.errors import ConfigError
+from offpolicy.core import preset_data
+from offpolicy.core.errors import ConfigError
 
 
 _NESTING: contextvars.ContextVar[int] = contextvars.ContextVar("offpolicy_config_nesting", default=0)
@@ -519,7 +519,7 @@ class CorrectionConfig(_Loadable):
 
     @classmethod
     def from_preset(cls, name: str) -> CorrectionConfig:
-        """The correction of a preset, e.g. ``verl:decoupled_token_is`` (see ``offpolicy.presets``)."""
+        """The correction of a preset, e.g. ``verl:decoupled_token_is`` (see ``offpolicy.core.presets``)."""
         preset = preset_data.get(name)
         try:
             return cls.from_dict(dict(preset.correction))

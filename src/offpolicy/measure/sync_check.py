@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from offpolicy import ops
+from offpolicy.core import ops
 from offpolicy.engines.base import EngineError
 from offpolicy.engines.fingerprint import (PROBES, Fingerprint, fingerprint, fingerprints, probe_names,  # noqa: F401
                                          sample, summarize)

@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from offpolicy.config import LossConfig
+from offpolicy.core.config import LossConfig
 
 RATIO_LOG_CLAMP = 20.0  # PPO's own ratio π_θ/π_old: exp(clamp(log r, ±20)) in every implementation
 

@@ -45,10 +45,10 @@ from typing import NamedTuple
 
 import torch
 
-from offpolicy import ops
-from offpolicy.config import DivergenceRule, LossConfig, RatioRule, rule_name
-from offpolicy.correction import validate_inputs
-from offpolicy.kernels.common import (
+from offpolicy.core import ops
+from offpolicy.core.config import DivergenceRule, LossConfig, RatioRule, rule_name
+from offpolicy.core.correction import validate_inputs
+from offpolicy.core.kernels.common import (
     RATIO_LOG_CLAMP,
     CoefLoss,
     CoefTokens,
@@ -57,7 +57,7 @@ from offpolicy.kernels.common import (
     bounds_tensor,
     per_config,
 )
-from offpolicy.metrics import FlatLayout, Metrics
+from offpolicy.core.metrics import FlatLayout, Metrics
 
 NAME = "triton"
 KINDS = ("ppo", "cispo", "reinforce")

@@ -28,8 +28,7 @@ from typing import Any
 import torch
 
 import offpolicy as op
-from offpolicy import presets
-
+from offpolicy.core import presets
 WORST_PER_STEP = 16  # a run's view: at most this many samples per step, the worst first
 
 

@@ -26,10 +26,10 @@ from typing import NamedTuple
 
 import torch
 
-from offpolicy import ops
-from offpolicy.config import LossConfig, rule_name
-from offpolicy.correction import validate_inputs
-from offpolicy.kernels.common import (
+from offpolicy.core import ops
+from offpolicy.core.config import LossConfig, rule_name
+from offpolicy.core.correction import validate_inputs
+from offpolicy.core.kernels.common import (
     RATIO_LOG_CLAMP,
     CoefLoss,
     CoefTokens,
@@ -39,8 +39,8 @@ from offpolicy.kernels.common import (
     per_config,
     row_aggregation,
 )
-from offpolicy.kernels.eager import KINDS
-from offpolicy.metrics import FlatLayout, Metrics
+from offpolicy.core.kernels.eager import KINDS
+from offpolicy.core.metrics import FlatLayout, Metrics
 
 log = logging.getLogger(__name__)
 

@@ -31,8 +31,8 @@ from typing import Annotated, Any
 import torch
 from pydantic import AfterValidator, Field, model_validator
 
-from offpolicy.config import _Strict
-from offpolicy.metrics import Metrics
+from offpolicy.core.config import _Strict
+from offpolicy.core.metrics import Metrics
 
 # field → (the rule, what a value must be): the one statement of each rule
 RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
@@ -119,7 +119,7 @@ def renormalize_logprobs(
         return_outside_mass: also return ``[...]`` mass of the untruncated distribution that
             lies outside the kept support.
         keep: bool ``[..., V]``, the kept set to use instead of recomputing top-k/top-p on these
-            logits — the engine's own set, replayed (``offpolicy.kept_set``). The formula is the same:
+            logits — the engine's own set, replayed (``offpolicy.core.kept_set``). The formula is the same:
             log π̃(v) = z_v − logsumexp_{keep} z on kept tokens, −inf elsewhere.
 
     Raises:

@@ -25,7 +25,7 @@ COMMIT_FILE = "COMMIT"  # an export's commit (git archive has no .git): one line
 
 def module_root() -> Path:
     """The directory ``offpolicy`` was imported from (``src/offpolicy`` of a checkout or of an export)."""
-    return Path(__file__).resolve().parent  # this module sits at the package's top
+    return Path(__file__).resolve().parents[1]  # this module sits in the package's measure/ folder
 
 
 def tree_hash(root: Path | None = None) -> str:

@@ -15,9 +15,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, ValidationError, model_validator
 
-from offpolicy.config import ConfigError, _Strict
+from offpolicy.core.config import ConfigError, _Strict
 from offpolicy.engines.config import VLLMConfig
-from offpolicy.sampling import RULES, MaxTokens, SamplingConfig, Temperature, TopK, TopP
+from offpolicy.core.sampling import RULES, MaxTokens, SamplingConfig, Temperature, TopK, TopP
 from offpolicy.tasks.dataset import DataConfig
 
 COMPARED = ("engine", "engine_dtype", "trainer_dtype", "logit_noise")  # what --compare may vary
@@ -94,7 +94,7 @@ class DiagnoseConfig(_Strict):
     system_prompt: str | None = Field(None, description="--data: a system message (train's data.system_prompt)")
     chat_template: Literal["auto", "none"] = Field("auto", description="--data: train's data.chat_template")
     max_prompt_tokens: int = Field(512, description="--data: longer prompts are refused")
-    # the sampling (rules: offpolicy.sampling.RULES, as train's keys and the engines' SamplingConfig)
+    # the sampling (rules: offpolicy.core.sampling.RULES, as train's keys and the engines' SamplingConfig)
     n: int = Field(512, description="number of samples")
     max_tokens: MaxTokens = Field(64, description="response limit, in tokens")
     temperature: Temperature = Field(1.0, description="τ, > 0")
@@ -164,7 +164,7 @@ class DiagnoseConfig(_Strict):
     self_check: bool = Field(False, description="also score the engine's tokens with the trainer at micro-batch 1 "
                              "and with an fp32 head, against the configured micro-batches and precision (the share "
                              "of tokens with a ratio outside [0.9, 1.1], max |Δ log π|), and attribute the engine "
-                             "precision's gap to fp32 layer by layer (report.json self_check; offpolicy.self_check)")
+                             "precision's gap to fp32 layer by layer (report.json self_check; offpolicy.measure.self_check)")
     require_exact: bool = Field(False, description="fail (exit 3) unless every log-ratio is exactly 0, naming the "
                                 "first token whose log-probs differ: row, position, log π_train and log μ")
 

@@ -34,8 +34,8 @@ from types import ModuleType
 
 import torch
 
-from offpolicy.config import LossConfig
-from offpolicy.kernels.common import per_config
+from offpolicy.core.config import LossConfig
+from offpolicy.core.kernels.common import per_config
 
 # readable → fastest; ``auto`` walks it from the end
 IMPLEMENTATIONS: tuple[str, ...] = ("reference", "eager", "compiled", "triton")
@@ -48,7 +48,7 @@ def get(name: str) -> ModuleType:
     name = _ALIASES.get(name, name)
     if name not in IMPLEMENTATIONS:
         raise ValueError(f"implementation must be 'auto' or one of {', '.join(IMPLEMENTATIONS)}; got {name!r}")
-    return importlib.import_module(f"offpolicy.kernels.{name}")
+    return importlib.import_module(f"offpolicy.core.kernels.{name}")
 
 
 # stands for a KL term's log-probs in ``supports``, which reads only whether they are given

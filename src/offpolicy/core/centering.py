@@ -29,11 +29,11 @@ from __future__ import annotations
 
 import torch
 
-from offpolicy import ops
-from offpolicy.config import LossConfig
-from offpolicy.correction import Correction, RuleInputs, _RULES, is_token_rule, weight_fn
-from offpolicy.kernels.common import RATIO_LOG_CLAMP, UpcastSaturating
-from offpolicy.metrics import Metrics
+from offpolicy.core import ops
+from offpolicy.core.config import LossConfig
+from offpolicy.core.correction import Correction, RuleInputs, _RULES, is_token_rule, weight_fn
+from offpolicy.core.kernels.common import RATIO_LOG_CLAMP, UpcastSaturating
+from offpolicy.core.metrics import Metrics
 
 
 def _check(name: str, tensor: torch.Tensor | None, like: torch.Tensor) -> None:

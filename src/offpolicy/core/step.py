@@ -3,7 +3,7 @@ the first micro-batch's forward, so that a step split into calls behaves like on
 
 ``resolve_thresholds`` turns every data-chosen bound (issue #12: ``{rule: quantile, q}``,
 ``{rule: ess, target}``; issue #14: the ``m2`` rule) into the plain number it takes over the
-whole step — the same formulas as ``offpolicy.thresholds``, applied to the union of the step's
+whole step — the same formulas as ``offpolicy.core.thresholds``, applied to the union of the step's
 units — and fixes ``weight.normalize``'s mean weight for the step (issue #32):
 
     quantile  upper: v_(⌈q·n⌉)      lower: v_(⌊q·n⌋+1)        (v sorted ascending, indices in [1, n])
@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
-from offpolicy.config import CorrectionConfig, DivergenceRule, LossConfig, M2Rule, rule_name
-from offpolicy.correction import (
+from offpolicy.core.config import CorrectionConfig, DivergenceRule, LossConfig, M2Rule, rule_name
+from offpolicy.core.correction import (
     chosen_band,
     correct,
     normalizer,
@@ -34,9 +34,9 @@ from offpolicy.correction import (
     weight_sum_and_count,
     weight_units,
 )
-from offpolicy.losses import as_loss_config
-from offpolicy.metrics import Metrics
-from offpolicy.thresholds import m2_cut
+from offpolicy.core.losses import as_loss_config
+from offpolicy.core.metrics import Metrics
+from offpolicy.core.thresholds import m2_cut
 
 
 def _gather(values: torch.Tensor, group: Any) -> torch.Tensor:

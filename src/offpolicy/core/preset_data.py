@@ -16,7 +16,7 @@ from typing import Any
 
 import yaml
 
-from offpolicy.errors import ConfigError
+from offpolicy.core.errors import ConfigError
 
 OWN_FRAMEWORK = "offpolicy"
 PRESET_DIR = Path(__file__).parent / "presets"

@@ -1,6 +1,6 @@
 """``policy_loss``: the corrected policy loss (docs/specification.md §5), with the correction applied (docs/specification.md §3).
 
-This module checks the call and picks an implementation from ``offpolicy.kernels`` (the
+This module checks the call and picks an implementation from ``offpolicy.core.kernels`` (the
 ladder reference → eager → compiled → triton; all compute the same numbers).
 
 The formulas — each ``kind``'s per-token loss ℓ, the IS weight, the KL term on the ``kl_mask``
@@ -20,11 +20,11 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from offpolicy import centering, kernels
-from offpolicy.config import CorrectionConfig, LossConfig
-from offpolicy.correction import correct
-from offpolicy.errors import ConfigError
-from offpolicy.metrics import Metrics
+from offpolicy.core import centering, kernels
+from offpolicy.core.config import CorrectionConfig, LossConfig
+from offpolicy.core.correction import correct
+from offpolicy.core.errors import ConfigError
+from offpolicy.core.metrics import Metrics
 
 
 def as_loss_config(config: LossConfig | CorrectionConfig | dict[str, Any] | str | Path | None,
@@ -84,7 +84,7 @@ def policy_loss(
                           unless ``kl_to`` is 'rollout': then the KL is to μ and this must be None;
                           when given, ``kl_ref`` is reported either way).
         reduce:           False returns the unreduced ``[B, T]`` loss for host frameworks.
-        implementation:   "auto" (the fastest rung of ``offpolicy.kernels`` that covers the
+        implementation:   "auto" (the fastest rung of ``offpolicy.core.kernels`` that covers the
                           configuration and suits the batch), or a rung by name: "reference"
                           (the readable oracle), "eager", "compiled", "triton" (raise if it does
                           not cover the configuration; non-finite inputs go to the reference).

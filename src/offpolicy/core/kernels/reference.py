@@ -12,12 +12,12 @@ import math
 
 import torch
 
-from offpolicy import centering, ops
-from offpolicy.config import LossConfig
-from offpolicy.correction import correct, sanitize, validate_inputs
-from offpolicy.kernels.common import RATIO_LOG_CLAMP, UpcastSaturating
-from offpolicy.kl import kl_penalty
-from offpolicy.metrics import Metrics
+from offpolicy.core import centering, ops
+from offpolicy.core.config import LossConfig
+from offpolicy.core.correction import correct, sanitize, validate_inputs
+from offpolicy.core.kernels.common import RATIO_LOG_CLAMP, UpcastSaturating
+from offpolicy.core.kl import kl_penalty
+from offpolicy.core.metrics import Metrics
 
 NAME = "reference"
 
@@ -233,7 +233,7 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, rollout_logprobs, conf
             term = cfg.kl_coef * (kl if kl_weights is None else kl * kl_weights)
             per_token = per_token + torch.where(kl_mask, term, zero)
     if cfg.score_centering is not None:
-        # sg(A_t)·Σ_v sg(q_v c_v)·log p_v on every valid token of a kept row (offpolicy.centering); without a
+        # sg(A_t)·Σ_v sg(q_v c_v)·log p_v on every valid token of a kept row (offpolicy.core.centering); without a
         # recorded support, none (as prime-rl), and the metric says so
         applied = support is not None and support[0] is not None
         metrics.mean("score_centering/applied", torch.full_like(valid, applied), valid)
