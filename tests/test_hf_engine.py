@@ -334,6 +334,48 @@ def test_engine_and_trainer_keep_the_same_tokens_under_exact_ties(temperature, t
     assert torch.equal(engine_kept, trainer_kept)
 
 
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize(("top_k", "top_p"), [(-1, 1.0), (3, 1.0), (-1, 0.8), (5, 0.6)])
+@pytest.mark.parametrize("min_p", [0.05, 0.3])
+def test_engine_and_trainer_keep_the_same_tokens_under_min_p(temperature, top_k, top_p, min_p):
+    """Issue #69: min-p in the sampling contract. The hf engine's warpers (transformers' order: top-k → top-p →
+    min-p) and the trainer's renormalisation in that order (min_p_last, the hf engine's) keep the same tokens."""
+    from offpolicy.engines.hf import HFEngine, warpers
+    from offpolicy.core.sampling import renormalize_logprobs
+
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn((256, 40), generator=g) * 2
+    sampling = SamplingConfig(max_tokens=1, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+    scores = logits.clone()
+    for warper in warpers(sampling):
+        scores = warper(None, scores)
+    engine_kept = torch.isfinite(scores)
+    trainer = renormalize_logprobs(logits, **sampling.model_copy(update={"min_p_order": HFEngine.min_p_order}).support())
+    assert (engine_kept.sum(-1) < 40).any()  # min-p cuts somewhere
+    assert torch.equal(engine_kept, torch.isfinite(trainer))
+
+
+def test_the_hf_engine_samples_and_the_trainer_scores_on_the_min_p_support(tiny_dir):
+    """fp32 engine and trainer, min-p with top-p: every sampled token lies in the trainer's own kept set (computed
+    in the engine's order, no replay), and its log-prob there equals the engine's to fp32 rounding."""
+    from offpolicy.core.sampling import renormalize_logprobs
+
+    tok = build_char_tokenizer()
+    engine = HFEngine(str(tiny_dir), tok, dtype="fp32")
+    prompts = [prompt_ids(tok, p) for p in problems(make_task("reverse"), 6, seed=4)]
+    sampling = SamplingConfig(max_tokens=8, temperature=1.3, top_p=0.9, min_p=0.15)
+    rollouts = engine.generate(prompts, sampling, seed=3, version=0)
+    support = sampling.model_copy(update={"min_p_order": engine.min_p_order}).support()
+    for prompt, ids, lps in zip(prompts, rollouts.response_ids, rollouts.logprobs):
+        full = torch.tensor([prompt + ids])
+        with torch.no_grad():
+            logits = engine.model(input_ids=full).logits[0, len(prompt) - 1: -1].float()
+        mine = renormalize_logprobs(logits, **support).gather(-1, torch.tensor(ids)[:, None]).squeeze(-1)
+        assert torch.isfinite(mine).all()
+        torch.testing.assert_close(mine, torch.tensor(lps), atol=1e-5, rtol=0)
+    assert rollouts.kept is not None  # min-p truncates: the engine records its kept sets for replay
+
+
 @pytest.mark.parametrize("own_loop", [True, False], ids=["own_loop", "generate"])
 @pytest.mark.parametrize("sampling", [SamplingConfig(max_tokens=10), SamplingConfig(max_tokens=8, top_p=0.8),
                                       SamplingConfig(max_tokens=10, temperature=0.7, top_k=10, top_p=0.9)])

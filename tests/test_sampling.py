@@ -111,9 +111,10 @@ def test_tied_probabilities_at_the_top_p_cut_keep_the_larger_token_id():
 
 # ---------------------------------------------------------------- the sampling contract (issue #57 item 3)
 BAD = [("temperature", 0.0), ("temperature", -1.0), ("temperature", float("nan")), ("temperature", float("inf")),
-       ("top_p", 0.0), ("top_p", 1.5), ("top_p", float("nan")), ("top_k", 0), ("top_k", -2)]
+       ("top_p", 0.0), ("top_p", 1.5), ("top_p", float("nan")), ("top_k", 0), ("top_k", -2), ("min_p", -0.1),
+       ("min_p", 1.0), ("min_p", float("nan"))]
 GOOD = [("temperature", 0.1), ("temperature", 1.7), ("top_p", 1e-3), ("top_p", 1.0), ("top_k", -1), ("top_k", 1),
-        ("top_k", 50)]
+        ("top_k", 50), ("min_p", 0.0), ("min_p", 0.05), ("min_p", 0.99)]
 
 
 def _every_place(key: str, value):
@@ -186,3 +187,93 @@ def test_truncates_is_top_k_on_or_top_p_below_one(top_k, top_p, truncates):
         assert torch.equal(outside, torch.zeros(4))
     else:
         assert torch.isinf(lp).any() and (outside > 0).all()
+
+
+
+# ---------------------------------------------------------------- min-p (issue #69 item 5)
+def brute_force_min_p(logits: list[float], top_p: float, top_k: int, temperature: float, min_p: float, order: str
+                      ) -> list[float]:
+    """One row, plain Python, each engine's order: vLLM (min_p_first) applies min-p to the whole distribution,
+    then top-k and top-p over what is left; transformers (min_p_last) top-k, top-p, then min-p."""
+    z = (torch.tensor(logits).float() / temperature).double().tolist()
+
+    def probs(kept):
+        norm = sum(math.exp(z[i]) for i in kept)
+        return {i: math.exp(z[i]) / norm for i in kept}
+
+    def min_p_cut(kept):
+        p = probs(kept)
+        top = max(p.values())
+        return {i for i in kept if p[i] >= min_p * top}
+
+    def top_k_cut(kept):
+        if not 0 < top_k < len(z):
+            return kept
+        kth = sorted((z[i] for i in kept), reverse=True)[min(top_k, len(kept)) - 1]
+        return {i for i in kept if z[i] >= kth}
+
+    def top_p_cut(kept):
+        if top_p >= 1.0:
+            return kept
+        p, mass, nucleus = probs(kept), 0.0, set()
+        for i in sorted(kept, key=lambda i: -z[i]):
+            if mass >= top_p and nucleus:
+                break
+            nucleus.add(i)
+            mass += p[i]
+        return nucleus
+
+    kept = set(range(len(z)))
+    steps = [min_p_cut, top_k_cut, top_p_cut] if order == "min_p_first" else [top_k_cut, top_p_cut, min_p_cut]
+    for step in steps:
+        kept = step(kept)
+    log_norm = math.log(sum(math.exp(z[i]) for i in kept))
+    return [z[i] - log_norm if i in kept else -math.inf for i in range(len(z))]
+
+
+@given(st.lists(st.integers(-600, 600).map(lambda i: i / 100), min_size=2, max_size=12, unique=True),
+       st.sampled_from([1.0, 0.95, 0.7, 0.3]), st.sampled_from([-1, 2, 5]), st.sampled_from([0.5, 1.0, 1.7]),
+       st.sampled_from([0.0, 0.01, 0.1, 0.4, 0.9]), st.sampled_from(["min_p_first", "min_p_last"]))
+def test_min_p_matches_brute_force_in_each_order(logits, top_p, top_k, temperature, min_p, order):
+    expected = brute_force_min_p(logits, top_p, top_k, temperature, min_p, order)
+    got = op.renormalize_logprobs(torch.tensor([logits]), top_p=top_p, top_k=top_k, temperature=temperature,
+                                  min_p=min_p, min_p_order=order)[0].tolist()
+    for g, e in zip(got, expected):
+        assert (g == -math.inf) if e == -math.inf else g == pytest.approx(e, abs=1e-5)
+
+
+def test_min_p_hand_case_where_the_orders_differ():
+    # probs [0.5, 0.3, 0.15, 0.05], min_p 0.2 (cut at 0.1: drops 0.05), top_p 0.83:
+    # vLLM (first): min-p leaves [.5, .3, .15]/.95 = [.526, .316, .158]; mass above the third = .842 ≥ .83 → {0, 1}
+    # transformers (last): top-p on the whole: mass above the third = .8 < .83 → {0, 1, 2}; min-p keeps all three
+    logits = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log()
+    first = op.renormalize_logprobs(logits, top_p=0.83, min_p=0.2, min_p_order="min_p_first")[0]
+    last = op.renormalize_logprobs(logits, top_p=0.83, min_p=0.2, min_p_order="min_p_last")[0]
+    torch.testing.assert_close(first[:2].exp(), torch.tensor([0.5 / 0.8, 0.3 / 0.8]))
+    assert torch.isinf(first[2:]).all()
+    torch.testing.assert_close(last[:3].exp(), torch.tensor([0.5 / 0.95, 0.3 / 0.95, 0.15 / 0.95]))
+    assert torch.isinf(last[3])
+    # min-p alone: either order, the 0.05 token goes and the rest renormalise by 0.95
+    alone = op.renormalize_logprobs(logits, min_p=0.2, return_outside_mass=True)
+    torch.testing.assert_close(alone[0][0, :3].exp(), torch.tensor([0.5, 0.3, 0.15]) / 0.95)
+    assert alone[1].item() == pytest.approx(0.05)
+    with pytest.raises(ValueError, match="min_p_order"):
+        op.renormalize_logprobs(logits, min_p=0.2, min_p_order="sideways")
+
+
+def test_min_p_truncates_and_reaches_each_engines_request():
+    from offpolicy.core.sampling import SamplingConfig
+    from offpolicy.engines import min_p_order
+    from offpolicy.engines.server import completion_body, sglang_generate_body
+    from offpolicy.measure.diagnose_config import DiagnoseConfig
+    from offpolicy.train.config import load_train_config
+
+    sampling = SamplingConfig(min_p=0.1)
+    assert sampling.truncates and not SamplingConfig().truncates
+    assert completion_body("m", [1, 2], sampling, seed=0)["min_p"] == 0.1
+    assert sglang_generate_body([1, 2], sampling, seed=0)["sampling_params"]["min_p"] == 0.1
+    assert (min_p_order("vllm"), min_p_order("hf"), min_p_order("sglang")) == ("min_p_first", "min_p_last",
+                                                                                "min_p_last")
+    assert load_train_config(None, ["min_p=0.05"]).sampling.min_p == 0.05
+    assert DiagnoseConfig(min_p=0.05).sampling.min_p_order == "min_p_first"  # diagnose's default engine: vLLM
+    assert DiagnoseConfig(min_p=0.05, engine="hf").sampling.min_p_order == "min_p_last"

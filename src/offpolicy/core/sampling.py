@@ -10,7 +10,15 @@ For the ratio π/μ to compare like with like, the trainer must compute π the s
     top-p:  sort the top-k-renormalised probabilities descending; keep the smallest prefix
             whose mass reaches p (the token that crosses p is kept; at least one token). Equal
             probabilities are ordered by token id, the larger id first (``top_p_keep``)
+    min-p:  keep tokens whose probability is at least min_p × the most likely token's
     log π̃(v) = z_v − logsumexp_{kept} z   on kept tokens, −inf elsewhere
+
+min-p's place in that order differs by engine, and with top_p < 1 and min_p > 0 the kept sets differ:
+vLLM applies min-p to the whole distribution first, then top-k/top-p over what is left (``min_p_first``);
+transformers' warpers, and with them the hf engine, apply top-k → top-p → min-p (``min_p_last``). min-p and
+top-k commute (both cut at a logit relative to the largest), top-p does not: after min-p it takes its nucleus of
+the renormalised remainder. The kept set follows the engine that sampled: ``SamplingConfig.min_p_order``, set
+from the engine (``offpolicy.engines.min_p_order``) and carried with the rollouts' sampling config.
 
 ``outside_mass`` = 1 − Σ_{kept} softmax(z): how much of the untruncated distribution the
 sampler could never produce — large values mean the ratio is being taken on a small support.
@@ -26,7 +34,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import torch
 from pydantic import AfterValidator, Field, model_validator
@@ -43,7 +51,10 @@ RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "top_p": (lambda p: 0 < p <= 1, "in (0, 1]; 1 keeps the whole distribution"),  # NaN fails too
     "top_k": (lambda k: k == -1 or k >= 1,
               "-1 (no top-k; vLLM also reads 0 as off, offpolicy takes -1 only) or a number of tokens ≥ 1"),
+    "min_p": (lambda p: 0 <= p < 1, "in [0, 1); 0 is off (min-p keeps the tokens with at least min_p × the most "
+              "likely token's probability)"),  # NaN fails too
 }
+MIN_P_ORDERS = ("min_p_first", "min_p_last")  # vLLM's order; transformers' (and the hf engine's)
 
 
 def broken_rule(**values: Any) -> tuple[str, str] | None:
@@ -69,6 +80,7 @@ MaxTokens = Annotated[int, _rule("max_tokens")]
 Temperature = Annotated[float, _rule("temperature")]
 TopP = Annotated[float, _rule("top_p")]
 TopK = Annotated[int, _rule("top_k")]
+MinP = Annotated[float, _rule("min_p")]
 
 
 class SamplingConfig(_Strict):
@@ -79,6 +91,12 @@ class SamplingConfig(_Strict):
     temperature: Temperature = Field(1.0, description="τ: the logits are divided by it before top-k/top-p")
     top_p: TopP = Field(1.0, description="nucleus mass in (0, 1]; 1 keeps everything")
     top_k: TopK = Field(-1, description="tokens kept by top-k; -1 = no top-k")
+    min_p: MinP = Field(0.0, description="min-p in [0, 1): keep the tokens with at least min_p × the most likely "
+                        "token's probability; 0 = off")
+    min_p_order: Literal["min_p_first", "min_p_last"] = Field(
+        "min_p_last", description="where min-p sits among the truncations, as the engine that sampled applies it: "
+        "min_p_first (vLLM: min-p, then top-k/top-p over what is left), min_p_last (transformers and the hf "
+        "engine: top-k → top-p → min-p); matters only with min_p > 0 and top_p < 1")
     head_logprobs: int = Field(0, ge=0, le=1024, description="k > 0: the engine also returns the k most likely ids "
                                "of each token's sampling distribution with their log μ (``Rollouts.head``: score "
                                "centering's head support); changes nothing the engine samples")
@@ -95,7 +113,12 @@ class SamplingConfig(_Strict):
         kept set (``Rollouts.kept``) is worth recording and replaying and the outside-mass metrics apply. A top-k
         of at least the vocabulary counts as on (the config does not know the vocabulary); it keeps every token,
         as ``renormalize_logprobs`` computes it, and leaves no mass outside."""
-        return self.top_k > 0 or self.top_p < 1.0
+        return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
+
+    def support(self) -> dict[str, Any]:
+        """The arguments ``renormalize_logprobs`` takes from this config: the sampler's support, as one bundle."""
+        return {"top_p": self.top_p, "top_k": self.top_k, "temperature": self.temperature, "min_p": self.min_p,
+                "min_p_order": self.min_p_order}
 
 
 def renormalize_logprobs(
@@ -104,6 +127,8 @@ def renormalize_logprobs(
     top_k: int = -1,
     temperature: float = 1.0,
     *,
+    min_p: float = 0.0,
+    min_p_order: str = "min_p_last",
     return_outside_mass: bool = False,
     keep: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -116,6 +141,9 @@ def renormalize_logprobs(
         top_p: nucleus mass in (0, 1]; 1 keeps everything.
         top_k: number of tokens to keep; -1 (or ≥ V) keeps everything.
         temperature: > 0.
+        min_p: in [0, 1); 0 keeps everything (module doc).
+        min_p_order: ``min_p_last`` (transformers, the hf engine) or ``min_p_first`` (vLLM): where min-p sits among
+            the truncations (module doc).
         return_outside_mass: also return ``[...]`` mass of the untruncated distribution that
             lies outside the kept support.
         keep: bool ``[..., V]``, the kept set to use instead of recomputing top-k/top-p on these
@@ -126,11 +154,13 @@ def renormalize_logprobs(
         ValueError: a value against its rule (``RULES``): temperature ≤ 0 or not finite, top_p outside (0, 1],
             or top_k = 0 / below -1.
     """
-    values = {"temperature": temperature, "top_p": top_p, "top_k": top_k}
+    values = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "min_p": min_p}
     broken = broken_rule(**values)
     if broken is not None:
         name, must = broken
         raise ValueError(f"{name} must be {must}; got {values[name]}")
+    if min_p_order not in MIN_P_ORDERS:
+        raise ValueError(f"min_p_order must be one of {', '.join(MIN_P_ORDERS)}; got {min_p_order!r}")
     # at least fp32 (bf16/fp16 logits are cast up; float64 stays float64, for exactness tests)
     z = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature  # [..., V]
     vocab = z.shape[-1]
@@ -139,18 +169,31 @@ def renormalize_logprobs(
             raise ValueError(f"keep must be a bool mask of the logits' shape {tuple(z.shape)}; got {keep.dtype} "
                              f"{tuple(keep.shape)}")
         return _masked_logprobs(z, keep, return_outside_mass)
-    if (top_k == -1 or top_k >= vocab) and top_p == 1.0:
+    if (top_k == -1 or top_k >= vocab) and top_p == 1.0 and min_p == 0.0:
         # nothing truncated: the plain log-softmax (the same numbers as the masked path below, which
         # would subtract the same log-sum-exp from an unmasked copy of z), nothing outside the support
         logprobs = z - torch.logsumexp(z, dim=-1, keepdim=True)
         return (logprobs, torch.zeros_like(logprobs[..., 0])) if return_outside_mass else logprobs
     keep = torch.ones_like(z, dtype=torch.bool)
+    first = min_p > 0.0 and min_p_order == "min_p_first"
+    if first:  # vLLM: on the whole distribution, before top-k/top-p
+        keep &= min_p_keep(torch.softmax(z, dim=-1), min_p)
     if 0 < top_k < vocab:
-        kth = torch.topk(z, top_k, dim=-1).values[..., -1:]  # [..., 1]
+        ranked = z.masked_fill(~keep, float("-inf")) if first else z
+        kth = torch.topk(ranked, top_k, dim=-1).values[..., -1:]  # [..., 1]
         keep &= z >= kth
     if top_p < 1.0:
         keep &= top_p_keep(torch.softmax(z.masked_fill(~keep, float("-inf")), dim=-1), top_p)
+    if min_p > 0.0 and min_p_order == "min_p_last":  # transformers: after top-k and top-p, on their remainder
+        keep &= min_p_keep(torch.softmax(z.masked_fill(~keep, float("-inf")), dim=-1), min_p)
     return _masked_logprobs(z, keep, return_outside_mass)
+
+
+def min_p_keep(probs: torch.Tensor, min_p: float) -> torch.Tensor:
+    """min-p's kept set of ``probs`` ``[..., V]``: the tokens with probability ≥ min_p × the largest, as vLLM
+    (``apply_min_p``) and transformers (``MinPLogitsWarper``) compare them, on probabilities; the most likely token
+    is always kept."""
+    return probs >= min_p * probs.amax(dim=-1, keepdim=True)
 
 
 def _masked_logprobs(z: torch.Tensor, keep: torch.Tensor, return_outside_mass: bool

@@ -44,6 +44,15 @@ def output_to(path: Path | None) -> Iterator[None]:
         os.close(saved[1])
 
 
+MIN_P_ORDER = {"hf": "min_p_last", "vllm": "min_p_first", "sglang": "min_p_last"}  # core/sampling.py's module doc
+
+
+def min_p_order(engine: str) -> str:
+    """Where ``engine`` (hf, vllm, or a server's kind: vllm, sglang) applies min-p among the truncations: vLLM on
+    the whole distribution first, transformers and SGLang after top-k and top-p (``SamplingConfig.min_p_order``)."""
+    return MIN_P_ORDER.get(engine, "min_p_last")
+
+
 def make_engine(name: str, model_path: str, tokenizer, dtype: str, seed: int = 0, logit_noise: float = 0.0,
                 max_model_len: int = 1024, log_path: Path | None = None, device=None,
                 gpu_memory_utilization: float = 0.3, sleep: bool = False,

@@ -80,7 +80,7 @@ def ignored_line(model, used: dict[str, object] | None = None) -> str | None:
         return None
     asked = ", ".join(f"{k}={v}" for k, v in fields.items())
     return (f"the model's generation_config.json asks for {asked}: ignored, offpolicy samples only from its "
-            "logged sampling config (temperature, top_k, top_p, max_new_tokens), the distribution it scores")
+            "logged sampling config (temperature, top_k, top_p, min_p, max_new_tokens), the distribution it scores")
 
 
 @contextlib.contextmanager

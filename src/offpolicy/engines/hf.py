@@ -58,7 +58,7 @@ from collections.abc import Iterable
 from typing import Literal
 
 import torch
-from transformers import (AutoModelForCausalLM, DynamicCache, LogitsProcessor, LogitsProcessorList,
+from transformers import (AutoModelForCausalLM, DynamicCache, LogitsProcessor, LogitsProcessorList, MinPLogitsWarper,
                           PreTrainedTokenizerBase, StoppingCriteria, StoppingCriteriaList, TemperatureLogitsWarper,
                           TopKLogitsWarper, TopPLogitsWarper)
 
@@ -161,7 +161,7 @@ class _TopP(TopPLogitsWarper):
 def warpers(sampling: SamplingConfig) -> list[LogitsProcessor]:
     """transformers' warpers for ``sampling``, as ``_get_logits_processor`` builds them for
     ``do_sample`` with one beam (min_tokens_to_keep = 1): temperature if τ ≠ 1, top-k if on, top-p if
-    < 1 (``_TopP``: transformers' warper with the trainer's tie rule)."""
+    < 1 (``_TopP``: transformers' warper with the trainer's tie rule), min-p if > 0, in that order."""
     out: list[LogitsProcessor] = []
     if sampling.temperature != 1.0:
         out.append(TemperatureLogitsWarper(sampling.temperature))
@@ -169,6 +169,8 @@ def warpers(sampling: SamplingConfig) -> list[LogitsProcessor]:
         out.append(TopKLogitsWarper(top_k=sampling.top_k, min_tokens_to_keep=1))
     if sampling.top_p < 1.0:
         out.append(_TopP(top_p=sampling.top_p, min_tokens_to_keep=1))
+    if sampling.min_p > 0.0:  # transformers' order: after top-k and top-p (min_p_last)
+        out.append(MinPLogitsWarper(min_p=sampling.min_p, min_tokens_to_keep=1))
     return out
 
 
@@ -181,6 +183,7 @@ def own_loop_fits(model) -> bool:
 
 class HFEngine:
     name = "hf"
+    min_p_order = "min_p_last"  # transformers' warpers: top-k → top-p → min-p
 
     def __init__(self, model_path: str, tokenizer: PreTrainedTokenizerBase, dtype: str = "fp32",
                  logit_noise: float = 0.0, device: torch.device | str | None = None,
@@ -208,7 +211,7 @@ class HFEngine:
         if not self._warned:  # once per engine, on the console (the constructor's output goes to engine.log)
             self._warned = True
             line = ignored_line(self.model, {"temperature": sampling.temperature, "top_p": sampling.top_p,
-                                             "top_k": max(sampling.top_k, 0)})
+                                             "top_k": max(sampling.top_k, 0), "min_p": sampling.min_p or None})
             if line:
                 log.warning("hf engine: %s", line)
         pad = self.tokenizer.pad_token_id

@@ -366,14 +366,14 @@ def run_cache_salt() -> str:
 def completion_body(model: str, prompt_ids: list[int], sampling: SamplingConfig, seed: int,
                     salt: str | None = None) -> dict[str, Any]:
     """The ``/v1/completions`` request for one prompt: token ids in, every sampling field explicit
-    (neutral penalties, ``min_p`` 0, no stop strings, ``min_tokens`` 0), the sampled tokens'
+    (neutral penalties, the run's ``min_p``, no stop strings, ``min_tokens`` 0), the sampled tokens'
     log-probs and ids out; ``salt``: vLLM's ``cache_salt`` (module doc). With ``sampling.head_logprobs`` = k,
     ``logprobs: k``: vLLM 0.32 then sends, per token, the k most likely ids and the sampled one in
     ``logprobs.top_logprobs``, keyed ``token_id:N`` (``return_tokens_as_token_ids``; read by ``read_head``)."""
     return {**({"cache_salt": salt} if salt is not None else {}),
         "model": model, "prompt": list(prompt_ids), "n": 1, "stream": False, "echo": False,
         "max_tokens": sampling.max_tokens, "temperature": sampling.temperature, "top_p": sampling.top_p,
-        "top_k": sampling.top_k, "min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0,
+        "top_k": sampling.top_k, "min_p": sampling.min_p, "repetition_penalty": 1.0, "presence_penalty": 0.0,
         "frequency_penalty": 0.0, "min_tokens": 0, "ignore_eos": False, "stop": [], "seed": seed,
         # logprobs=1, not 0: a server that reads 0 as "off" would answer without them
         "logprobs": max(1, sampling.head_logprobs), "return_tokens_as_token_ids": True, "return_token_ids": True,
@@ -763,7 +763,7 @@ def vllm_generate_body(model: str, prompt_ids: list[int], sampling: SamplingConf
             "output_mode": "tokens" if head else "text", "return_token_ids": True,
             "sampling_params": {
                 "n": 1, "max_tokens": sampling.max_tokens, "temperature": sampling.temperature,
-                "top_p": sampling.top_p, "top_k": sampling.top_k, "min_p": 0.0, "repetition_penalty": 1.0,
+                "top_p": sampling.top_p, "top_k": sampling.top_k, "min_p": sampling.min_p, "repetition_penalty": 1.0,
                 "presence_penalty": 0.0, "frequency_penalty": 0.0, "min_tokens": 0, "ignore_eos": False, "stop": [],
                 "seed": seed, "logprobs": head_asked("vllm", head) if head else 0, "skip_special_tokens": False,
                 "detokenize": True}}
@@ -778,7 +778,7 @@ def sglang_generate_body(prompt_ids: list[int], sampling: SamplingConfig, seed: 
     return {"input_ids": list(prompt_ids), "stream": False,
             "sampling_params": {
                 "max_new_tokens": sampling.max_tokens, "temperature": sampling.temperature, "top_p": sampling.top_p,
-                "top_k": sampling.top_k, "min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0,
+                "top_k": sampling.top_k, "min_p": sampling.min_p, "repetition_penalty": 1.0, "presence_penalty": 0.0,
                 "frequency_penalty": 0.0, "min_new_tokens": 0, "ignore_eos": False, "stop": [],
                 "skip_special_tokens": False, "sampling_seed": seed},
             "return_sampling_mask": True, **({"return_sampling_mask_logprobs": True} if mask_logprobs else {})}

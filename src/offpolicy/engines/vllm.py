@@ -410,8 +410,8 @@ def sampling_mask_blocker(sampling: SamplingConfig | None) -> str | None:
     (``v1/engine/input_processor.py``). Checked before the engine starts, so no start is wasted on it."""
     if sampling is None:
         return "the sampling was not known when the engine started (masks are switched on for the whole engine)"
-    if sampling.top_k == -1 and sampling.top_p >= 1.0:
-        return "the sampling does not truncate (top_k -1, top_p 1): there is no kept set to replay"
+    if not sampling.truncates:
+        return "the sampling does not truncate (top_k -1, top_p 1, min_p 0): there is no kept set to replay"
     if sampling.top_k < 1 or not sampling.temperature > 0:
         return (f"vLLM returns masks only for requests with top_k > 0 and temperature > 0 (it bounds each mask by "
                 f"top_k); here top_k is {sampling.top_k}, temperature {sampling.temperature:g}")
@@ -457,6 +457,7 @@ def partly_sent(fused: dict[str, list[str]], sent: set[str]) -> list[str]:
 
 class VLLMEngine:
     name = "vllm"
+    min_p_order = "min_p_first"  # vLLM's sampler: min-p on the whole distribution, then top-k/top-p
 
     def __init__(self, model_path: str, dtype: str = "bf16", seed: int = 0, max_model_len: int = 1024,
                  gpu_memory_utilization: float = 0.3, sleep: bool = False, log_path: Path | None = None,
@@ -576,6 +577,7 @@ class VLLMEngine:
                 temperature=sampling.temperature,
                 top_p=sampling.top_p,
                 top_k=sampling.top_k,
+                min_p=sampling.min_p,  # vLLM applies it first, then top-k/top-p (min_p_order min_p_first)
                 max_tokens=sampling.max_tokens,
                 # the sampled token's own log-prob, and with a head asked for, the k most likely ids' too
                 logprobs=sampling.head_logprobs,

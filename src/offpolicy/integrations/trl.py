@@ -65,6 +65,7 @@ from typing import Any
 import torch
 import trl
 from trl import GRPOTrainer
+from packaging.version import Version
 
 import offpolicy as op
 from offpolicy.core.config import ConfigError
@@ -164,6 +165,12 @@ class OffpolicyGRPOTrainer(GRPOTrainer):
                               "offpolicy adapter; set entropy_coef=0")
         self.offpolicy_trl_kl = _check_kl(config, float(self.beta), a.use_bias_correction_kl)
         config = host.host_nonfinite_default(config, "trl")
+        if Version(trl.__version__) >= Version("1.17") and not hasattr(a, "vllm_importance_sampling_correction"):
+            # TRL 1.17 applies its own importance sampling under top-k/top-p/min-p (its release notes); the adapter
+            # is checked against 1.16.0, where that flag is the one switch of TRL's own correction
+            raise ConfigError(f"trl {trl.__version__}: GRPOConfig has no vllm_importance_sampling_correction, the switch "
+                              f"offpolicy turns off so that the mismatch is not corrected twice; the adapter is checked "
+                              f"against trl {TESTED_VERSION} only. Fix: pip install trl=={TESTED_VERSION}")
         if self.vllm_importance_sampling_correction:
             if self.use_vllm:
                 logger.warning("offpolicy: GRPOConfig.vllm_importance_sampling_correction=True is switched off; "

@@ -17,7 +17,7 @@ from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from offpolicy.core.config import ConfigError, _Strict
 from offpolicy.engines.config import VLLMConfig
-from offpolicy.core.sampling import RULES, MaxTokens, SamplingConfig, Temperature, TopK, TopP
+from offpolicy.core.sampling import RULES, MaxTokens, MinP, SamplingConfig, Temperature, TopK, TopP
 from offpolicy.tasks.dataset import DataConfig
 
 COMPARED = ("engine", "engine_dtype", "trainer_dtype", "logit_noise")  # what --compare may vary
@@ -100,6 +100,9 @@ class DiagnoseConfig(_Strict):
     temperature: Temperature = Field(1.0, description="τ, > 0")
     top_p: TopP = Field(1.0, description="nucleus mass in (0, 1]; 1 keeps everything")
     top_k: TopK = Field(-1, description="tokens kept by top-k; -1 = no top-k")
+    min_p: MinP = Field(0.0, description="min-p in [0, 1); 0 = off. Its place among the truncations follows the "
+                        "engine: vLLM (in-process or a server) first, the hf engine and SGLang (--sampling-mask "
+                        "sglang) after top-k and top-p")
     logit_noise: float = Field(0.0, description="additive engine logit noise σ (hf engine)")
     micro_batch_tokens: int | None = Field(
         MICRO_BATCH_TOKENS, gt=0, description="the trainer's micro-batches, in padded tokens, as train's "
@@ -218,8 +221,12 @@ class DiagnoseConfig(_Strict):
     def sampling(self) -> SamplingConfig:
         """What the engine samples with and the trainer renormalises over (``--max-tokens``, ``--temperature``,
         ``--top-p``, ``--top-k``), and the head the server is asked for (``--head-logprobs``)."""
+        from offpolicy.engines import min_p_order
+
         return SamplingConfig(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
-                              top_k=self.top_k, head_logprobs=self.head_logprobs)
+                              top_k=self.top_k, min_p=self.min_p, head_logprobs=self.head_logprobs,
+                              min_p_order=min_p_order("sglang" if self.sampling_mask == "sglang" else self.engine)
+                              if self.min_p > 0 else "min_p_last")  # without min-p the order is moot
 
     def settings(self) -> list[dict[str, Any]]:
         """The engine settings to sample in: this config's, or one per value of ``--compare KEY=V1,V2``."""

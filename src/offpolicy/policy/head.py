@@ -6,7 +6,7 @@
     h_n = h[row_n, position_n]                             [N, H]      N = response tokens with mask = 1
     for each chunk c of C tokens (C · V · 4 bytes ≤ CHUNK_BYTES: 128 MiB on CUDA, 32 MiB on the CPU):
         z_c = W h_c + b   (Gemma: cap · tanh(z / cap)), cast to ≥ fp32        [C, V]
-        log π̃(y_n) = renormalize_logprobs(z_c; τ, top-k, top-p)[y_n]           (docs/specification.md §6)
+        log π̃(y_n) = renormalize_logprobs(z_c; τ, top-k, top-p, min-p)[y_n]    (docs/specification.md §6)
         H_n = −Σ_v π̃_v log π̃_v,   outside mass_n = 1 − Σ_{kept} softmax(z_c / τ)
     backward: each chunk is recomputed, so memory is O(C · V) whatever B·T.
 
@@ -204,8 +204,7 @@ def _chunk_numbers(lin: torch.Tensor, tokens: torch.Tensor, sampling: SamplingCo
     ``[C, K]`` ids: also log π̃ of each (score centering's support, ``centring_support``)."""
     logits = capped(lin, softcap)
     want_outside = stats and sampling.truncates
-    result = renormalize_logprobs(logits, top_p=sampling.top_p, top_k=sampling.top_k,
-                                  temperature=sampling.temperature, return_outside_mass=want_outside, keep=keep)
+    result = renormalize_logprobs(logits, **sampling.support(), return_outside_mass=want_outside, keep=keep)
     logprobs, outside = result if want_outside else (result, None)
     token_lp = logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
     support_lp = None if support is None else logprobs.gather(-1, support)
@@ -232,8 +231,7 @@ def _chunk_grad(lin: torch.Tensor, tokens: torch.Tensor, grad: torch.Tensor, sam
     if softcap is not None:
         squash = torch.tanh(logits / softcap)
         logits = softcap * squash
-    d = renormalize_logprobs(logits, top_p=sampling.top_p, top_k=sampling.top_k, temperature=sampling.temperature,
-                             keep=keep)
+    d = renormalize_logprobs(logits, **sampling.support(), keep=keep)
     del logits
     g = grad.to(d.dtype).unsqueeze(-1)  # [c, 1]
     gs = None if support is None else support_grad.to(d.dtype)  # [c, K]

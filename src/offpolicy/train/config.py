@@ -15,7 +15,7 @@ from pydantic import Field, field_validator, model_validator
 from offpolicy.core.config import ConfigError, LossConfig, _read_yaml, _Strict
 from offpolicy.engines.config import VLLMConfig
 from offpolicy.policy.warmstart_config import WarmStartConfig, task_warm_start
-from offpolicy.core.sampling import MaxTokens, SamplingConfig, Temperature, TopK, TopP
+from offpolicy.core.sampling import MaxTokens, MinP, SamplingConfig, Temperature, TopK, TopP
 from offpolicy.tasks import make_task
 from offpolicy.tasks.dataset import DataConfig
 
@@ -88,6 +88,9 @@ class TrainConfig(_Strict):
     temperature: Temperature = Field(1.0, description="τ, > 0: the engine's logits are divided by it")
     top_p: TopP = Field(1.0, description="nucleus mass in (0, 1]; 1 keeps everything")
     top_k: TopK = Field(-1, description="tokens kept by top-k; -1 = no top-k (0 is refused: one spelling of off)")
+    min_p: MinP = Field(0.0, description="min-p in [0, 1): keep the tokens with at least min_p × the most likely "
+                        "token's probability; 0 = off. Where it sits among the truncations follows the engine "
+                        "(vLLM: first; hf: after top-k and top-p)")
     max_new_tokens: MaxTokens | None = Field(None, description="response limit; unset = the task's own "
                                              "(10 for reverse/addition, max_len + 10 = 160 for walk)")
     # the RL algorithm
@@ -381,10 +384,11 @@ class TrainConfig(_Strict):
     @property
     def sampling(self) -> SamplingConfig:
         """What the engine samples with and the trainer renormalises over: ``max_new_tokens``, ``temperature``,
-        ``top_p``, ``top_k`` (checked by the same rules when the config loaded); under score centering's head form,
+        ``top_p``, ``top_k``, ``min_p`` (min-p's place among them is the engine's: the trainer sets it once the engine
+        is chosen, ``train/loop.py``; checked by the same rules when the config loaded); under score centering's head form,
         also the head the engine returns (``head_logprobs``)."""
         return SamplingConfig(max_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p,
-                              top_k=self.top_k, head_logprobs=self.score_centering_head
+                              top_k=self.top_k, min_p=self.min_p, head_logprobs=self.score_centering_head
                               if self.loss_config().score_centering == "head" else 0)
 
     def loss_config(self) -> LossConfig:

@@ -51,7 +51,7 @@ import offpolicy as op
 from offpolicy.core import ops
 from offpolicy.measure import provenance
 from offpolicy.core.config import ConfigError
-from offpolicy.engines import EngineError, make_engine, perturb
+from offpolicy.engines import EngineError, make_engine, min_p_order, perturb
 from offpolicy.engines.choice import parameter_count
 from offpolicy.core.metrics import Metrics
 from offpolicy.policy.batch import to_batch
@@ -472,6 +472,9 @@ def load(run: Run, checkpoint: Path | None, progress: bool) -> None:
     if run.loss_cfg.score_centering == "exact" and engine_name != "hf":  # engine=vllm is refused when the config loads
         raise ConfigError(f"loss.score_centering=exact needs each kept id's log q_v, which only the hf engine records; "
                           f"engine=auto chose {engine_name} ({engine_reason}). Fix: engine=hf")
+    # min-p's place among the truncations is the engine's (offpolicy.core.sampling): the trainer's kept set follows it
+    if run.sampling.min_p > 0:
+        run.sampling = run.sampling.model_copy(update={"min_p_order": min_p_order(engine_name)})
     if run.created:  # beside the engine dtype's choice, in the run's config.yaml
         add_resolved(run.run_dir, {"engine": engine_name, "engine_reason": engine_reason})
     if cfg.gradient_checkpointing:
