@@ -49,6 +49,7 @@ def test_weight_sync_fp32_engine_matches_trainer():
     # processed log-probs: the engine reports log-probs renormalised over top-k/top-p at
     # temperature 0.7, and renormalize_logprobs reproduces them on the trainer side
     assert r["after_sync_top_p_top_k_temperature"]["max"] < 1e-4
+    assert r["after_sync_min_p"]["max"] < 1e-4  # and with min-p, in vLLM's order (min-p first)
     assert r["sync_ms"] < 5_000
     # a batch over the CPU engine's 4,096-token step budget (issue #30 item 1): it ran (chunked prefill split
     # seeded prompts and crashed vLLM before), its log-probs are the trainer's, and per-request seeds sample

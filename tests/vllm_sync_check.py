@@ -83,6 +83,9 @@ if __name__ == "__main__":
         out["partial_shard_error"] = str(err)
     engine.sync_weights(trainer.state_dict().items())
     out["after_sync_top_p_top_k_temperature"] = gap(truncated, 3)
+    # min-p (issue #69): vLLM applies it to the whole distribution, then top-k/top-p (min_p_first)
+    out["after_sync_min_p"] = gap(SamplingConfig(max_tokens=8, temperature=0.9, top_p=0.7, top_k=8, min_p=0.15,
+                                                 min_p_order="min_p_first"), 6)
     # One batch over vLLM's CPU token budget (4,096 tokens an engine step): 48 prompts of 100 tokens (the
     # model has 128 positions). With chunked prefill on, vLLM split a seeded prompt here and rewound its
     # CPU generator: "CPU Generator does not use offset" (issue #30 item 1). Seeded per request, its first
