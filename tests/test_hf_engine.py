@@ -550,3 +550,16 @@ def test_length_dependent_rotary_samples_through_generate_without_sharing(rope, 
     assert engine._shared_prompts(prompts, input_ids, attention, whole=False) is None
     rollouts = engine.generate(prompts, SamplingConfig(max_tokens=6), seed=0, version=0)
     assert len(rollouts.response_ids) == 6
+
+
+def test_neutral_covers_every_field_of_the_installed_generation_config():
+    """engines/generation.py's NEUTRAL is written by hand (issue #68): every field of the installed transformers'
+    GenerationConfig() is either neutralised there or listed as one that cannot change the sampled distribution."""
+    from transformers import GenerationConfig
+
+    from offpolicy.engines.generation import NEUTRAL, NOT_SAMPLING
+
+    unreviewed = sorted(set(GenerationConfig().to_dict()) - set(NEUTRAL) - NOT_SAMPLING)
+    assert not unreviewed, (f"GenerationConfig fields neither neutralised (NEUTRAL) nor listed as not sampling "
+                            f"(NOT_SAMPLING): {unreviewed}")
+    assert not set(NEUTRAL) & NOT_SAMPLING

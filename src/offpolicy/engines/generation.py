@@ -37,7 +37,23 @@ NEUTRAL: dict[str, object] = {
     "forced_eos_token_id": None, "exponential_decay_length_penalty": None, "min_length": 0,
     "min_new_tokens": None, "guidance_scale": None, "watermarking_config": None, "renormalize_logits": False,
     "remove_invalid_values": False, "num_beams": 1, "penalty_alpha": None, "dola_layers": None,
+    "token_healing": False, "stop_strings": None,
 }
+# GenerationConfig's other fields, none of which changes the distribution a token is drawn from at num_beams = 1:
+# lengths and ids, what generate returns, caching and compilation, beam search's own knobs (off at one beam), and
+# assisted or speculative decoding (which keeps the sampled distribution). tests/test_hf_engine.py checks that every
+# field of the installed transformers' GenerationConfig() is here or in NEUTRAL: a new one is reviewed, not missed.
+NOT_SAMPLING = frozenset({
+    "_from_model_config", "transformers_version", "do_sample", "max_length", "max_new_tokens", "max_time",
+    "bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id", "num_return_sequences",
+    "output_attentions", "output_hidden_states", "output_logits", "output_scores", "return_dict_in_generate",
+    "use_cache", "cache_implementation", "cache_config", "max_cache_len", "low_memory", "compile_config",
+    "disable_compile", "prefill_chunk_size", "continuous_batching_config",
+    "num_beam_groups", "diversity_penalty", "length_penalty", "early_stopping", "constraints", "force_words_ids",
+    "assistant_confidence_threshold", "assistant_early_exit", "assistant_ensemble_weight", "assistant_lookbehind",
+    "is_assistant", "max_matching_ngram_size", "num_assistant_tokens", "num_assistant_tokens_schedule",
+    "prompt_lookup_num_tokens", "speculation_type", "target_lookbehind", "use_mtp",
+})
 
 WARPERS = {"temperature", "top_k", "top_p", "min_p", "top_h", "typical_p", "epsilon_cutoff", "eta_cutoff"}
 
