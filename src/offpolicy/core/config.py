@@ -104,7 +104,8 @@ class EssBound(_Strict):
     weights already reach the target, c = max w (nothing is cut). Only for ``weight.high`` with
     mode ``truncate``."""
 
-    rule: Literal["ess"]
+    rule: Literal["ess"] = Field(description="ess: the largest cap whose truncated weights keep the normalised "
+                                 "effective sample size ≥ target")
     target: float = Field(gt=0, le=1, description="normalised ESS the truncated weights must keep, in (0, 1]")
 
 
@@ -115,7 +116,7 @@ class QuantileBound(_Strict):
     and a lower band at most q·n (fewer only on ties). No interpolation: the bound is one of
     the ratios, so the comparison with it is exact in fp32."""
 
-    rule: Literal["quantile"]
+    rule: Literal["quantile"] = Field(description="quantile: the bound is an order statistic of the call's ratios")
     q: float = Field(ge=0, le=1, description="quantile level in [0, 1]")
 
 
@@ -240,8 +241,11 @@ class WeightConfig(_Strict):
 class RatioRule(_Strict):
     """Drop tokens/rows whose ratio leaves [low, high] (IcePop-as-mask, Seq-MIS, Geo-RS, veto)."""
 
-    stat: Literal["ratio"]
-    level: Literal["token", "sequence", "geometric", "any_token"]
+    stat: Literal["ratio"] = Field(description="ratio: a band on the importance ratio ρ = π_train/μ")
+    level: Literal["token", "sequence", "geometric", "any_token"] = Field(
+        description="token: drop a token whose ρ_t leaves the band (IcePop as a mask); sequence: drop a row by "
+        "Π_t ρ_t (Seq-MIS); geometric: by exp(mean_t log ρ_t) (Geo-RS); any_token: drop a row if any of its "
+        "tokens' ρ_t leaves the band (the veto)")
     low: LowBound = Field(None, description="a number, {rule: quantile, q} (of the token ratios for token/any_token, "
                           "of the row ratios for sequence/geometric), or None = open")
     high: HighBound = Field(None, description="as low")
@@ -286,10 +290,15 @@ class DivergenceRule(_Strict):
     KL(π ‖ μ)'s estimators written as if y ~ π. k2 is the same in both directions.
     """
 
-    stat: Literal["k1", "k2", "k3"]
-    level: Literal["token", "seq_sum", "seq_mean", "seq_max"]
-    low: float | None = None
-    high: float | None = None
+    stat: Literal["k1", "k2", "k3"] = Field(
+        description="the KL estimator bounded, per token: k1 = −log ρ, k2 = ½(log ρ)², k3 = ρ − 1 − log ρ "
+        "(direction mu_pi)")
+    level: Literal["token", "seq_sum", "seq_mean", "seq_max"] = Field(
+        description="token: each token's value; seq_sum / seq_mean / seq_max: the row's sum / mean / max over its "
+        "valid tokens, the row dropped whole (seq_max: not for k1)")
+    low: float | None = Field(None, description="k1 only: drop below this; None = open")
+    high: float | None = Field(None, description="drop above this (required for k2 and k3, which are ≥ 0); "
+                               "None = open (k1 only)")
     direction: Literal["mu_pi", "pi_mu"] = Field(
         "mu_pi", description="mu_pi: estimators of KL(μ‖π_train), k1 = −log ρ, k3 = ρ − 1 − log ρ (verl); pi_mu: "
         "of KL(π_train‖μ), k1 = log ρ, k3 = 1/ρ − 1 + log ρ (AReaL)")
@@ -328,8 +337,8 @@ class OPSMRule(_Strict):
     """DeepSeek-V3.2 off-policy sequence mask: drop a row if mean_t A < 0 and
     mean_t(log μ − sg(log π_θ)) > delta."""
 
-    stat: Literal["opsm"]
-    level: Literal["sequence"] = "sequence"
+    stat: Literal["opsm"] = Field(description="opsm: DeepSeek-V3.2's off-policy sequence mask")
+    level: Literal["sequence"] = Field("sequence", description="sequence, the only level: a row is dropped whole")
     delta: float = Field(description="threshold on the row's mean log μ − log π_θ")
 
 
@@ -358,8 +367,11 @@ class BinaryKLRule(_Strict):
     both directions are below ``kpop_phi``; AReaL's test is strict, ours ≤ like every bound).
     """
 
-    stat: Literal["binary_kl"]
-    level: Literal["seq_mean", "token"] = "seq_mean"
+    stat: Literal["binary_kl"] = Field(description="binary_kl: the Bernoulli KL between μ and π_train of the "
+                                       "sampled token")
+    level: Literal["seq_mean", "token"] = Field(
+        "seq_mean", description="seq_mean: drop a row unless its mean bkl ≤ high (OpenRLHF); token: drop a token "
+        "whose bkl > high")
     high: float = Field(ge=0, description="bound on bkl (token) or on its row mean (seq_mean)")
     by_advantage: bool = Field(False, description="token level: drop only A>0 tokens whose probability rose and "
                                "A<0 tokens whose probability fell (SkyRL DPPO Binary-KL; needs advantages)")
@@ -394,8 +406,9 @@ class M2Rule(_Strict):
     least one token (the smallest m2) survives. A batch statistic: computed per call (one
     micro-batch) like AReaL, or over a whole step with ``offpolicy.resolve_thresholds``."""
 
-    stat: Literal["m2"]
-    level: Literal["token"] = "token"
+    stat: Literal["m2"] = Field(description="m2: M2PO, drop the tokens of largest (log ρ)² until the rest's mean "
+                                "is below high")
+    level: Literal["token"] = Field("token", description="token, the only level")
     high: float = Field(gt=0, description="bound on the kept tokens' mean (log ρ)² (AReaL m2_threshold)")
 
 
@@ -405,8 +418,9 @@ class MultErrorRule(_Strict):
     row, mean_t exp(|log ρ_t|) = mean_t max(ρ_t, 1/ρ_t) ≥ 1 over its valid tokens; drop the row
     unless it is ≤ ``high``."""
 
-    stat: Literal["mult_error"]
-    level: Literal["seq_mean"] = "seq_mean"
+    stat: Literal["mult_error"] = Field(description="mult_error: a row's multiplicative probability error "
+                                        "mean_t exp(|log ρ_t|) (NeMo-RL)")
+    level: Literal["seq_mean"] = Field("seq_mean", description="seq_mean, the only level: a row is dropped whole")
     high: float = Field(ge=1, description="bound on mean_t exp(|log ρ_t|) (≥ 1; NeMo-RL recipes use 2)")
 
 
@@ -418,8 +432,9 @@ class ProbDiffRule(_Strict):
     (prime-rl's default loss: a token whose probability already rose too far is not pushed up
     further, one that fell too far is not pushed down)."""
 
-    stat: Literal["prob_diff"]
-    level: Literal["token"] = "token"
+    stat: Literal["prob_diff"] = Field(description="prob_diff: a trust region on d_t = π_train(y_t) − μ(y_t) "
+                                       "(prime-rl)")
+    level: Literal["token"] = Field("token", description="token, the only level")
     low: float | None = Field(None, ge=0, description="drop d_t < −low; None = open")
     high: float | None = Field(None, ge=0, description="drop d_t > high; None = open")
     by_advantage: bool = Field(False, description="high only where A > 0, low only where A ≤ 0 (needs advantages)")
@@ -575,18 +590,34 @@ class LossConfig(_Loadable):
     """The policy loss and its aggregation (docs/specification.md §5). Clip defaults depend on ``kind``:
     ppo 0.2/0.2, gspo 3e-4/4e-4, cispo none/0.2; sapo and reinforce take no clip."""
 
-    kind: Literal["ppo", "gspo", "cispo", "sapo", "reinforce"] = "ppo"
+    kind: Literal["ppo", "gspo", "cispo", "sapo", "reinforce"] = Field(
+        "ppo", description="the policy loss (docs/specification.md §5): ppo = PPO's clipped ratio; gspo = GSPO's "
+        "clipped sequence ratio; cispo = the clipped ratio, detached, × A × log π_θ (MiniMax-M1); sapo = soft "
+        "sigmoid gates in place of the clip; reinforce = −A·log π_θ. The clip defaults follow it: ppo 0.2/0.2, "
+        "gspo 3e-4/4e-4, cispo open/0.2, none for sapo and reinforce")
     clip_low: float | None = Field(None, ge=0, description="ε_low: lower clip 1 − ε_low; None = open")
     clip_high: float | None = Field(None, ge=0, description="ε_high: upper clip 1 + ε_high; None = open")
     dual_clip: float | None = Field(None, gt=1, description="PPO dual clip c > 1 for A < 0")
-    agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = "token-mean"
+    agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = Field(
+        "token-mean", description="how the per-token losses become one number: token-mean = Σ ℓ / N_tokens; "
+        "seq-mean-token-mean = the mean over rows of Σ_t ℓ / n_row; seq-mean-token-sum = the mean over rows of "
+        "Σ_t ℓ; seq-mean-token-sum-norm = the mean over rows of Σ_t ℓ / max_len (the counts: "
+        "correction.denominator)")
     max_len: int | None = Field(None, gt=0, description="seq-mean-token-sum-norm divisor; None = T")
     # a count: >= 1 (a fraction was silently clamped to 1 by the division guard, issue #9 item 9)
-    global_tokens: float | None = Field(None, ge=1, description="token count over all micro-batches and ranks (>= 1)")
-    global_seqs: float | None = Field(None, ge=1, description="sequence count over all micro-batches and ranks (>= 1)")
-    correction: CorrectionConfig | None = None
-    sapo_tau_pos: float = Field(1.0, gt=0)
-    sapo_tau_neg: float = Field(1.05, gt=0)
+    global_tokens: float | None = Field(
+        None, ge=1, description="agg token-mean: the token count to divide by, over every micro-batch and rank of "
+        "the step (≥ 1), as offpolicy.with_global_normalizer fills it in (offpolicy train does, for its "
+        "micro-batches); None = the call's own count")
+    global_seqs: float | None = Field(
+        None, ge=1, description="the seq-mean-* aggregations: the row count to divide by, over every micro-batch "
+        "and rank of the step (≥ 1), as with_global_normalizer fills it in; None = the call's own count")
+    correction: CorrectionConfig | None = Field(
+        None, description="how the sampler–trainer mismatch is corrected: the anchor, soft weights and hard reject "
+        "rules (docs/specification.md §2–§4); None = no correction")
+    sapo_tau_pos: float = Field(1.0, gt=0, description="kind sapo: the gate's temperature τ where A > 0, "
+                                "ℓ = −(4/τ)·σ(τ(r − 1))·A")
+    sapo_tau_neg: float = Field(1.05, gt=0, description="kind sapo: the gate's temperature τ where A ≤ 0")
     gspo_form: Literal["token", "sequence"] = Field(
         "token", description="kind gspo: token = GSPO-token, s_t = sg(s)·π_θ/sg(π_θ) with A_t; sequence = GSPO, s with "
         "its gradient through the row mean and the row-mean advantage Ā (AReaL importance_sampling_level sequence)")

@@ -72,8 +72,10 @@ class DiagnoseConfig(_Strict):
     scores them, and where the report goes (``out``) and what it gates (``fail_above``, ``fail_below``)."""
 
     model: str = Field("default", description="local HF model path, or 'default' (embedded tiny model)")
-    engine: Literal["vllm", "hf"] = "vllm"
-    engine_dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
+    engine: Literal["vllm", "hf"] = Field("vllm", description="the engine that samples: vllm (in-process vLLM) or "
+                                          "hf (the transformers model)")
+    engine_dtype: Literal["bf16", "fp16", "fp32"] = Field("bf16", description="the precision the engine "
+                                                          "samples in")
     trainer_dtype: str = Field("auto", description="as train's trainer_dtype: fp32 master weights, bf16 = autocast; "
                                "auto = bf16 on CUDA with bf16", json_schema_extra={"choices": list(TRAINER_DTYPES)})
     device: str = Field("auto", description="auto | cpu | cuda | cuda:N: where the trainer (and the hf engine) run; "

@@ -15,11 +15,13 @@ class WarmStartConfig(_Strict):
     seed: int = Field(0, description="initialisation and data order of the warm start; every RL seed "
                       "starts from the same warm-started policy, so seeds vary only the RL")
     target_accuracy: float = Field(0.2, gt=0, lt=1, description="stop SFT once sampled accuracy reaches this")
-    max_steps: int = Field(400, gt=0)
-    batch_size: int = Field(128, gt=0)
-    lr: float = Field(3e-3, gt=0)
-    eval_every: int = Field(5, gt=0)
-    eval_problems: int = Field(128, gt=0)
+    max_steps: int = Field(400, gt=0, description="SFT steps at most, if target_accuracy is not reached first")
+    batch_size: int = Field(128, gt=0, description="problems per SFT step (task=walk: 64 unless set)")
+    lr: float = Field(3e-3, gt=0, description="AdamW's learning rate for the SFT")
+    eval_every: int = Field(5, gt=0, description="SFT steps between checks of the sampled accuracy "
+                            "(task=walk: 10 unless set)")
+    eval_problems: int = Field(128, gt=0, description="problems the sampled accuracy is measured on "
+                               "(task=walk: 64 unless set)")
 
 
 def task_warm_start(task: str, warm_start: WarmStartConfig | None = None) -> WarmStartConfig:

