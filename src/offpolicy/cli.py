@@ -23,6 +23,7 @@ from rich.text import Text
 from offpolicy.core import presets
 from offpolicy.core.config import ConfigError
 from offpolicy.measure.diagnose_config import GROUPS, DiagnoseConfig
+from offpolicy.train.config import HELP_SECTIONS
 
 
 def _cmd_presets(args: argparse.Namespace, console: Console) -> int:
@@ -61,6 +62,11 @@ def _cmd_train(args: argparse.Namespace, console: Console) -> int:
 
     from offpolicy.train.config import load_train_config
 
+    if args.help is not None:  # --help [SECTION]: every key, generated from TrainConfig (train/help.py)
+        from offpolicy.train.help import print_help
+
+        print_help(console, args.help or None, usage=None if args.help else args.train_parser.format_help())
+        return 0
     items = list(args.items)
     config_path = None
     if items and "=" not in items[0]:
@@ -246,12 +252,16 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     t = sub.add_parser("train", help="GRPO/PPO with a real rollout engine (default: the embedded tiny model)",
                        description="Train with RL from verifiable rewards. With no config: the embedded default "
-                       "(tiny Qwen2 on digit reversal, vLLM rollouts, the `recommended` correction).")
+                       "(tiny Qwen2 on digit reversal, vLLM rollouts, the `recommended` correction).",
+                       add_help=False)
     t.add_argument("items", nargs="*", metavar="[CONFIG.yaml] [key=value ...]",
                    help="a YAML config and/or dotted overrides, e.g. steps=100 loss.kind=cispo preset=trl:token_mask")
+    t.add_argument("-h", "--help", nargs="?", const="", metavar="SECTION",
+                   help="show this help and every key with its type, default and meaning; with SECTION only that "
+                   f"section's keys ({', '.join(HELP_SECTIONS)})")
     t.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its latest checkpoint")
     t.add_argument("--no-progress", action="store_true", help="no progress bar (logs and summary only)")
-    t.set_defaults(func=_cmd_train)
+    t.set_defaults(func=_cmd_train, train_parser=t)
     d = sub.add_parser("diagnose", help="measure an engine's mismatch against the trainer, with a what-if table",
                        description="Sample with an engine, recompute the same tokens with the trainer, and report "
                        "the mismatch, where it lives, and what every preset would do to this batch.")

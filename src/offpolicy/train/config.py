@@ -60,6 +60,30 @@ def preset_loss(preset: str | None, user: dict[str, Any]) -> dict[str, Any]:
     return LossConfig.preset_fields(preset, user)
 
 
+# ``offpolicy train --help [SECTION]`` (train/help.py): the sections, in order — name → (title, TrainConfig's fields).
+# A field that is a config of its own (vllm, loss, warm_start, data) stands for its dotted keys; every field is in
+# exactly one section (tests/test_train_help.py)
+HELP_SECTIONS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "model": ("what is trained, on what", ("model", "task", "task_params")),
+    "engine": ("the rollout engine and the mismatch it brings",
+               ("engine", "engine_dtype", "engine_weight_noise", "engine_logit_noise")),
+    "sampling": ("what the engine samples with (the trainer renormalises over the same support)",
+                 ("temperature", "top_p", "top_k", "max_new_tokens")),
+    "algorithm": ("the RL algorithm: steps, batches, optimizer, staleness",
+                  ("steps", "prompts_per_step", "group_size", "ppo_epochs", "minibatches", "lr", "max_grad_norm",
+                   "max_staleness", "staleness_policy", "recompute_old", "prox_logp", "seed")),
+    "loss": ("the loss: a preset, with the loss.* keys you set on top", ("preset", "loss", "score_centering_head")),
+    "trainer": ("where and how the trainer runs: device, precision, memory",
+                ("device", "trainer_dtype", "threads", "cpu_linear", "gradient_checkpointing", "micro_batch_tokens")),
+    "vllm": ("engine=vllm: vLLM's options", ("engine_gpu_memory_utilization", "engine_sleep", "vllm")),
+    "logging": ("what a run records: evaluations, metrics, samples, checkpoints, trackers",
+                ("eval_every", "eval_problems", "checkpoint_every", "checkpoint_keep", "policy_kl_rows",
+                 "initial_kl_rows", "split_metrics", "samples_per_step", "out_dir", "log_to")),
+    "warm_start": ("the embedded model's warm start (model=default)", ("warm_start",)),
+    "data": ("task=dataset: a data file and its verifiable reward", ("data", "reward", "max_prompt_tokens")),
+}
+
+
 class TrainConfig(_Strict):
     """GRPO/PPO from verifiable rewards with a real rollout engine and a corrected loss."""
 
@@ -134,7 +158,8 @@ class TrainConfig(_Strict):
     # where and how the trainer runs (issue #21): device, precision, memory
     device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$", description="auto = cuda when CUDA is "
                         "available, else cpu; policy, optimizer state, batches and the loss live there (so does the "
-                        "hf engine; vLLM picks its GPU itself)")
+                        "hf engine; vLLM picks its GPU itself)",
+                        json_schema_extra={"metavar": "auto | cpu | cuda | cuda:N"})  # the type in train's --help
     trainer_dtype: Literal["auto", "fp32", "bf16"] = Field(
         "auto", description="auto = bf16 on a CUDA device with bf16, else fp32. bf16 = fp32 master weights and "
         "optimizer state with bf16 autocast compute (FSDP MixedPrecision's and verl's practice); log-probs and "
