@@ -29,7 +29,7 @@ import offpolicy as op
 from offpolicy.core import presets
 from offpolicy.cli import build_parser
 from offpolicy.core.config import ConfigError, CorrectionConfig, LossConfig
-from offpolicy.train.config import load_train_config
+from offpolicy.train.config import HELP_SECTIONS, load_train_config
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -99,6 +99,8 @@ def test_offpolicy_command_parses_and_its_config_loads(page, cmd):
         pytest.fail(f"{page}: `{' '.join(cmd)}` is rejected by the CLI's parser (exit {err.code})")
     if args.command == "presets" and args.name is not None:
         presets.get(args.name)
+    if args.command == "train" and args.help:
+        assert args.help in HELP_SECTIONS, f"{page}: `{' '.join(cmd)}`: train has no help section {args.help!r}"
     if args.command == "train":
         items = list(args.items)
         path = None
@@ -125,9 +127,11 @@ def test_inline_offpolicy_mentions_name_real_options(page, span):
     subparsers = build_parser()._subparsers._group_actions[0].choices
     assert tokens[1] in subparsers, f"{page}: `{span}`: no subcommand {tokens[1]!r}"
     options = subparsers[tokens[1]]._option_string_actions
-    for tok in tokens[2:]:
+    for before, tok in zip(tokens[1:], tokens[2:]):
         if tok.startswith("--"):
             assert tok.split("=")[0] in options, f"{page}: `{span}`: {tokens[1]} has no option {tok}"
+        elif tokens[1] == "train" and before in ("-h", "--help"):
+            assert tok in HELP_SECTIONS or tok == "SECTION", f"{page}: `{span}`: train has no help section {tok!r}"
         elif tokens[1] == "train" and "=" in tok:
             load_train_config(None, [tok, "steps=1"])
 
