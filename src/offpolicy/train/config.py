@@ -68,7 +68,7 @@ HELP_SECTIONS: dict[str, tuple[str, tuple[str, ...]]] = {
     "engine": ("the rollout engine and the mismatch it brings",
                ("engine", "engine_dtype", "engine_weight_noise", "engine_logit_noise")),
     "sampling": ("what the engine samples with (the trainer renormalises over the same support)",
-                 ("temperature", "top_p", "top_k", "max_new_tokens")),
+                 ("temperature", "top_p", "top_k", "min_p", "max_new_tokens")),
     "algorithm": ("the RL algorithm: steps, batches, optimizer, staleness",
                   ("steps", "prompts_per_step", "group_size", "ppo_epochs", "minibatches", "lr", "max_grad_norm",
                    "max_staleness", "staleness_policy", "recompute_old", "prox_logp", "seed")),
