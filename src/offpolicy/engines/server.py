@@ -559,7 +559,7 @@ def checked_response(where: str, ids: list[int], values: list, sent: list[int], 
                               "tokenizer is not --model's")
         checked = "checked"
     return {"ids": ids, "logprobs": [float(v) for v in values], "finished": stopped, "prompt": prompt,
-            "text": checked, "text_form": form}
+            "text": checked, "text_form": form, "returned_text": text if isinstance(text, str) else None}
 
 
 # ---------------------------------------------------------------------------------------------------- the head
@@ -1173,5 +1173,7 @@ def generate(config: ServerConfig, tokenizer, prompts: list[list[int]], sampling
                           engine, "return_token_ids / return_tokens_as_token_ids") + ")",
                       "text": text_check, "text_forms": forms},
         "notes": notes,
+        # each response's text as the server sent it, and its form (diagnose's retokenisation check; not reported)
+        "returned_text": [{"text": r["returned_text"], "form": list(r["text_form"])} for r in rows],
     }
     return rollouts, info
