@@ -4,6 +4,7 @@ report schema, what-if numbers equal to `correct` on the same tensors, breakdown
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 from pathlib import Path
@@ -379,3 +380,273 @@ def bf16_batch(tiny_model):
     prompts = [prompt_ids(tok, p) for p in problems(make_task("reverse"), 6, seed=3)]
     rollouts = HFEngine(str(tiny_model), tok, "bf16").generate(prompts, SamplingConfig(max_tokens=8), seed=0, version=0)
     return to_batch(rollouts, tok.pad_token_id)
+
+
+# ============================================================ issue #69: what the engine returned, and the engine on record
+def sample_of(trainer: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor | None = None, **fields):
+    mask = torch.ones_like(rollout) if mask is None else mask
+    zeros = torch.zeros(rollout.shape, dtype=torch.long)
+    batch = diagnose.Batch(input_ids=zeros, attention_mask=zeros, positions=zeros, response_ids=zeros, mask=mask,
+                           rollout_logprobs=rollout, versions=torch.zeros(len(rollout), dtype=torch.long))
+    return diagnose.Sample(batch, trainer, None, **fields)
+
+
+SIDES = {"engine": {"backend": "vllm", "dtype": "bf16", "device": "cuda:0"},
+         "trainer": {"backend": "transformers", "dtype": "fp32", "device": "cuda:0"}}
+
+
+def test_recomputed_log_probs_are_flagged_only_where_the_sides_differ(tmp_path):
+    """tinker-cloud #66: a hosted trainer returned its own log-probs as the sampler's — identical to the bit while
+    the engine ran in bf16 on another backend: flagged, and the gate fails on it. The same identical numbers from an
+    engine with the trainer's backend, dtype and device, or from too few tokens, are not."""
+    lp = -torch.rand(4, 64, generator=torch.Generator().manual_seed(0)) - 0.02
+    r = diagnose.report(sample_of(lp.clone(), lp, sides=SIDES), {"name": "x", "label": "x"}, tmp_path, plots=False)
+    rec = r["engine_checks"]["recomputed"]
+    assert rec["flagged"] and rec["differs_in"] == ["backend", "dtype"] and rec["tokens"] == 256
+    assert rec["verdict"].startswith("FLAGGED: identical to the bit on all 256 tokens")
+    assert r["summary"]["recomputed_logprobs"] == 1.0
+    failed = diagnose.gate(r["summary"], diagnose.parse_bounds(["recomputed_logprobs=0"], "--fail-above"), [])
+    assert failed == ["FAIL recomputed_logprobs = 1 is above the bound 0 (--fail-above recomputed_logprobs=0)"]
+
+    same = {"engine": SIDES["trainer"], "trainer": SIDES["trainer"]}
+    r = diagnose.report(sample_of(lp.clone(), lp, sides=same), {"name": "x", "label": "x"}, tmp_path, plots=False)
+    assert not r["engine_checks"]["recomputed"]["flagged"] and r["summary"]["recomputed_logprobs"] == 0.0
+    short = diagnose.report(sample_of(lp[:, :60].clone(), lp[:, :60], sides=SIDES), {"name": "x", "label": "x"},
+                            tmp_path, plots=False)
+    assert not short["engine_checks"]["recomputed"]["measured"] and "recomputed_logprobs" not in short["summary"]
+    assert any(n.startswith("recomputed_logprobs: left out, not decided: identical on all 240 tokens")
+               for n in short["summary_notes"])
+    unknown = diagnose.report(sample_of(lp.clone(), lp), {"name": "x", "label": "x"}, tmp_path, plots=False)
+    assert "neither side's backend, dtype or device is on record" in unknown["engine_checks"]["recomputed"]["verdict"]
+    moved = lp.clone()
+    moved[3, 63] += 1e-3  # one token apart decides it: sampled, whatever the sides
+    r = diagnose.report(sample_of(moved, lp, sides=SIDES), {"name": "x", "label": "x"}, tmp_path, plots=False)
+    assert r["engine_checks"]["recomputed"]["verdict"].startswith("no: the engine's log-probs differ from the "
+                                                                 "trainer's on 1 of 256 tokens")
+    assert r["summary"]["recomputed_logprobs"] == 0.0
+
+
+def test_engine_log_probs_of_zero_are_counted_where_the_trainer_says_otherwise():
+    """tinker-cookbook #396: a sampler sent 0 for log-probs it did not compute. Counted: μ = 0 exactly, log π < −0.01
+    and a kept set of more than one token. Not counted: a recorded one-token kept set (an honest 0), log π ≥ −0.01
+    (p ≥ 0.99: bf16 may round log p to 0), padding."""
+    from offpolicy.measure import engine_checks
+
+    trainer = torch.tensor([[-0.5, -0.005, -2.0, -0.3, -0.7]])
+    rollout = torch.tensor([[0.0, 0.0, 0.0, -0.29, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 1.0, 0.0]])
+    out = engine_checks.zero_logprobs(trainer, rollout, mask)
+    assert (out["suspect_tokens"], out["engine_zero_tokens"], out["tokens"]) == (2, 3, 4)
+    assert out["fraction"] == 0.5 and out["first"] == {"row": 0, "position": 0, "trainer_logprob": -0.5,
+                                                       "engine_logprob": 0.0}
+    kept = torch.tensor([[3, 5, 1, 4, 1]], dtype=torch.int32)  # token 2's recorded set held one id
+    assert engine_checks.zero_logprobs(trainer, rollout, mask, kept)["suspect_tokens"] == 1
+
+
+@pytest.fixture(scope="module")
+def top_k_rollouts(tiny_model):
+    """The tiny model's hf engine in bf16 under top-k 5: it records each token's kept set with log q_v."""
+    from offpolicy.engines.hf import HFEngine
+
+    tok = build_char_tokenizer()
+    prompts = [prompt_ids(tok, p) for p in problems(make_task("reverse"), 8, seed=4)]
+    sampling = SamplingConfig(max_tokens=8, top_k=5)
+    rollouts = HFEngine(str(tiny_model), tok, "bf16").generate(prompts, sampling, seed=0, version=0)
+    return tok, sampling, rollouts
+
+
+def test_a_fake_engine_that_zeroes_log_probs_and_sharpens_its_kept_set_fires_both_checks(tiny_model, top_k_rollouts,
+                                                                                         tmp_path):
+    """A fake engine: the hf engine's bf16 rollouts with every third log μ set to 0 and its kept sets' log q_v those
+    of temperature 0.25. The honest rollouts: no zero, an entropy gap of bf16's rounding. The fake: the zeros counted
+    exactly, and an entropy gap far above it, which --fail-above entropy_gap gates."""
+    import copy
+
+    from offpolicy.core.kept_set import KeptIds
+
+    tok, sampling, honest = top_k_rollouts
+    trainer = diagnose.TrainerSide(tiny_model, sampling)
+    scorer = trainer.scorer()
+    r = diagnose.report(diagnose.score(honest, trainer, tok, scorer=scorer), {"name": "h", "label": "h"}, tmp_path,
+                        plots=False)
+    checks = r["engine_checks"]
+    assert checks["zero_logprobs"]["suspect_tokens"] == 0
+    assert checks["entropy_gap"]["reported"] and checks["entropy_gap"]["covered_share"] == 1.0
+    assert checks["entropy_gap"]["source"] == "the engine's kept-set log-probs"
+    assert 0 < r["summary"]["entropy_gap"] < 0.01
+
+    fake = copy.deepcopy(honest)
+    zeroed = 0
+    for row, values in enumerate(fake.logprobs):
+        for t in range(0, len(values), 3):
+            zeroed += values[t] < -0.011  # the trainer's is then below −0.01 too (bf16 is ~1e-3 off here)
+            values[t] = 0.0
+    kept = fake.kept
+    sharp = torch.empty_like(kept.logprobs)
+    position, index, _ = kept._flat()
+    logits = kept.logprobs[index] / 0.25
+    norm = torch.zeros(kept.start.numel()).index_add_(0, position, logits.exp())
+    sharp[index] = logits - norm.log()[position]
+    fake.kept = KeptIds(kept.start, kept.count, kept.ids, sharp)
+    r = diagnose.report(diagnose.score(fake, trainer, tok, scorer=scorer), {"name": "f", "label": "f"}, tmp_path,
+                        plots=False)
+    zero = r["engine_checks"]["zero_logprobs"]
+    assert zero["suspect_tokens"] == zeroed > 0 and zero["kept_set"].startswith("the engine's recorded kept set")
+    assert r["summary"]["fraction_engine_logprob_zero"] == pytest.approx(zeroed / r["tokens"])
+    gap = r["engine_checks"]["entropy_gap"]
+    assert gap["engine_entropy_mean"] < gap["trainer_entropy_mean"] - 0.3  # the sharper set: lower entropy
+    bounds = diagnose.parse_bounds(["entropy_gap=0.05", "fraction_engine_logprob_zero=0"], "--fail-above")
+    assert [line.split(" = ")[0] for line in diagnose.gate(r["summary"], bounds, [])] == [
+        "FAIL entropy_gap", "FAIL fraction_engine_logprob_zero"]
+
+
+def test_the_entropy_gap_needs_log_probs_covering_the_engines_mass(tmp_path):
+    """A top-2 head covering 0.9 of μ's mass: "not reported", and the gate on it is a config error naming why."""
+    from offpolicy.core.kept_set import KeptIds
+    from offpolicy.measure import engine_checks
+
+    head = KeptIds.from_rows([[[3, 4], [1, 2]]], [[[-0.2, -2.0], [-0.5, -1.2]]])
+    triple = engine_checks.engine_entropy(None, head, 2)
+    assert triple[1][0].tolist() == pytest.approx([math.exp(-0.2) + math.exp(-2.0), math.exp(-0.5) + math.exp(-1.2)])
+    out = engine_checks.entropy_gap(torch.ones(1, 2), triple, torch.ones(1, 2))
+    assert not out["reported"] and "cover less than 0.99" in out["why"]
+    s = sample_of(torch.full((1, 2), -0.5), torch.full((1, 2), -0.4), token_entropy=torch.ones(1, 2),
+                  engine_entropy=triple)
+    r = diagnose.report(s, {"name": "x", "label": "x"}, tmp_path, plots=False)
+    assert "entropy_gap" not in r["summary"]
+    with pytest.raises(op.ConfigError, match="--fail-above entropy_gap: entropy_gap: left out, the engine's top-k log-probs "
+                       r"\(head\) cover less than 0.99"):
+        diagnose.gate(r["summary"], diagnose.parse_bounds(["entropy_gap=0.1"], "--fail-above"), [],
+                      r["summary_notes"])
+
+
+def test_engine_on_record_and_speed_paths_in_the_report(bf16_sample, tmp_path):
+    """The hf engine's record (name, version, dtype, attention backend, determinism) is the provenance block's
+    engine, and the speed paths that ran (the trainer's and the engine's) are in the report."""
+    r = diagnose.report(bf16_sample, {"name": "x", "label": "x"}, tmp_path, plots=False, settings={"n": 48})
+    engine = r["provenance"]["engine"]
+    assert engine["name"] == "hf" and engine["dtype"] == "bfloat16" and engine["determinism"] == "none"
+    assert engine["version"].startswith("transformers ") and engine["attention_backend"]
+    assert r["provenance"]["settings"] == {"n": 48} and r["provenance"]["code"]["tree_hash"]
+    assert {"trainer_linear", "trainer_shared_prompt", "hf_own_loop", "hf_linear"} <= set(r["speed_paths"])
+    assert r["engine_checks"]["recomputed"]["engine"] == {"backend": "transformers", "dtype": "bf16", "device": "cpu"}
+
+
+def test_require_exact_names_the_engine_on_record_of_a_dump(tmp_path):
+    """A host that writes its engine into the dump's meta: --require-exact's verdict line names it, and identical
+    log-probs from a bf16 vLLM against an fp32 trainer are flagged as recomputed (the console says so)."""
+    from offpolicy.integrations.dump import BatchDumper
+
+    engine = {"name": "vllm", "version": "0.32.0", "dtype": "bf16", "attention_backend": "FLASH_ATTN",
+              "determinism": ["VLLM_BATCH_INVARIANT=1"], "backend": "vllm", "device": "cuda:0"}
+    rollout = -torch.rand(4, 70, generator=torch.Generator().manual_seed(2)) - 0.02
+    old = rollout.clone()
+    BatchDumper(tmp_path / "d", every=1, host="test").maybe_dump(
+        0, old_logprobs=old, rollout_logprobs=rollout, mask=torch.ones(4, 70),
+        meta={"engine": engine, "trainer": SIDES["trainer"]})
+    result = diag("--batch", str(tmp_path / "d"), "--out", str(tmp_path / "o"), "--require-exact")
+    assert result.returncode == 0, result.stderr[-2000:]
+    named = "engine: vllm (0.32.0), dtype bf16, attention FLASH_ATTN, determinism: VLLM_BATCH_INVARIANT=1"
+    assert f"--require-exact: every log-ratio is 0 on {named.removeprefix('engine: ')}" in result.stderr
+    out = " ".join(result.stdout.split())  # rich wraps long lines
+    assert f"exact: every log-ratio is 0 (280 tokens); {named}" in out
+    assert "recomputed log-probs: FLAGGED: identical to the bit on all 280 tokens" in out
+    report = json.loads((tmp_path / "o" / "report.json").read_text())
+    assert report["provenance"]["engine"] == engine and report["speed_paths"] is None
+
+    old[1, 5] -= 0.25
+    (tmp_path / "d" / "step000000-rank0.pt").unlink()
+    BatchDumper(tmp_path / "d", every=1, host="test").maybe_dump(
+        0, old_logprobs=old, rollout_logprobs=rollout, mask=torch.ones(4, 70), meta={"engine": engine})
+    result = diag("--batch", str(tmp_path / "d"), "--out", str(tmp_path / "o2"), "--require-exact")
+    assert result.returncode == 3
+    (line,) = [x for x in result.stderr.splitlines() if "FAIL" in x]
+    assert line.startswith("offpolicy diagnose: FAIL --require-exact: 1 of 280 tokens") and line.endswith(named)
+
+
+# SmolLM2's ids that decode to a text whose re-encoding is other ids: a sampler may draw a non-canonical split
+PROMPT_2_PLUS_2 = [1780, 314, 216, 34, 8055, 216, 34, 47]  # "What is 2 plus 2?"
+RETOKENIZED = [
+    ([657, 314, 216, 36, 30], None),  # " It is 4.": canonical, re-encodes to itself
+    ([216, 216], [256]),  # two 'Ġ' → "  " → one 'ĠĠ' (merged whitespace)
+    ([198, 198], [1116]),  # two 'Ċ' → "\n\n" → 'ĊĊ'
+    ([216, 40533, 226], [21004, 226]),  # 'Ġ' 'âī' 'Ī' → " ≈" → 'Ġâī' 'Ī' (a multi-byte character split elsewhere)
+    ([21004], [216, 24211]),  # 'Ġâī' alone: two of ≈'s three bytes → " \ufffd" → 'Ġ' and U+FFFD's own token
+]
+
+
+def test_retokenization_drift_on_smollm2s_tokenizer(smollm2_dir):
+    """Agent Lightning v1.0.3 (#646): text re-encoded is not always the ids sampled. SmolLM2's tokenizer: merged
+    whitespace and a multi-byte character split across tokens differ at the first response token; a canonical
+    response does not, nor one whose stop token a server left out of its text."""
+    from offpolicy.measure import engine_checks
+    from offpolicy.tasks.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(smollm2_dir)
+    assert tok.encode("What is 2 plus 2?", add_special_tokens=False) == PROMPT_2_PLUS_2
+    responses = [ids for ids, _ in RETOKENIZED] + [[657, 314, 216, 36, 30, tok.eos_token_id]]
+    texts = [tok.decode(ids, skip_special_tokens=False) for ids, _ in RETOKENIZED] + [" It is 4."]
+    assert texts[1:5] == ["  ", "\n\n", " ≈", " \ufffd"]
+    for (ids, again), text in zip(RETOKENIZED, texts):
+        assert tok.encode(tok.decode(PROMPT_2_PLUS_2) + text, add_special_tokens=False)[8:] == (again or ids)
+    out = engine_checks.retokenization(tok, [PROMPT_2_PLUS_2] * 6, responses, texts, "the server's text",
+                                       forms=[[]] * 5 + [["stop_token_left_out"]])
+    assert (out["rows"], out["rows_differing"], out["share"]) == (6, 4, 4 / 6)
+    assert out["first_positions"] == [None, 0, 0, 0, 0, None] and out["stop_token_left_out_rows"] == 1
+    assert out["first"] == {"row": 1, "position": 8, "response_position": 0, "in": "response", "sampled": [216, 216],
+                            "reencoded": [256], "sampled_tokens": ["Ġ", "Ġ"], "reencoded_tokens": ["ĠĠ"],
+                            "sampled_length": 10, "reencoded_length": 9}
+
+
+def test_a_dump_with_text_is_re_encoded_and_gated(smollm2_dir, tmp_path):
+    """A host's dump with the sampled ids and the engine's text: ``diagnose --batch DIR --model M`` reports the drift
+    with M's tokenizer, prints the first difference, and --fail-above retokenization_drift gates it; without --model
+    the drift is not reported, and the gate on it says why."""
+    from offpolicy.integrations.dump import BatchDumper
+    from offpolicy.tasks.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(smollm2_dir)
+    rows = len(RETOKENIZED)
+    rollout = torch.full((rows, 5), -0.5)
+    text = {"prompt_ids": [PROMPT_2_PLUS_2] * rows, "response_ids": [ids for ids, _ in RETOKENIZED],
+            "response_text": [tok.decode(ids) for ids, _ in RETOKENIZED]}
+    BatchDumper(tmp_path / "d", every=1, host="test").maybe_dump(
+        0, old_logprobs=rollout - 0.01, rollout_logprobs=rollout, mask=torch.ones(rows, 5), text=text)
+    result = diag("--batch", str(tmp_path / "d"), "--model", str(smollm2_dir), "--out", str(tmp_path / "o"),
+                  "--fail-above", "retokenization_drift=0.5")
+    assert result.returncode == 3, result.stderr[-2000:]
+    assert "FAIL retokenization_drift = 0.8 is above the bound 0.5" in result.stderr
+    out = " ".join(result.stdout.split())
+    assert ("retokenisation drift (the dump's text): 4 of 5 rows re-encode to other ids (80.0%); the first is row 1, "
+            "response position 0: sampled [216, 216] ['Ġ', 'Ġ'], re-encoded [256] ['ĠĠ']") in out
+    report = json.loads((tmp_path / "o" / "report.json").read_text())
+    assert report["engine_checks"]["retokenization"]["first_positions"] == [None, 0, 0, 0, 0]
+    result = diag("--batch", str(tmp_path / "d"), "--out", str(tmp_path / "o2"), "--fail-above",
+                  "retokenization_drift=0.5")
+    assert result.returncode == 2 and "needs the trainer's tokenizer: pass --model DIR with --batch" in result.stderr
+
+
+@pytest.mark.xdist_group("real-model")  # one SmolLM2-sized run at a time
+def test_smollm2_hf_engine_is_honest(smollm2_dir, tmp_path):
+    """The real model, sampled by the hf engine in bf16 and scored by the fp32 trainer under top-k 20: none of the
+    checks fires — its log-probs differ from the trainer's (not recomputed, decided on ≥ 256 tokens), none is 0 where
+    the trainer's is not, and the entropy over the kept set agrees to bf16's rounding. The report names the engine."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in (
+        "The capital of France is", "Water boils at", "A list of prime numbers: 2, 3,", "Once upon a time"))
+        + "\n")
+    result = diag("--model", str(smollm2_dir), "--engine", "hf", "--engine-dtype", "bf16", "--trainer-dtype", "fp32",
+                  "--prompts", str(prompts), "--n", "8", "--max-tokens", "40", "--top-k", "20", "--out",
+                  str(tmp_path / "o"), "--fail-above", "recomputed_logprobs=0", "--fail-above",
+                  "fraction_engine_logprob_zero=0", "--fail-above", "entropy_gap=0.05")
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads((tmp_path / "o" / "report.json").read_text())
+    checks = report["engine_checks"]
+    print(json.dumps({k: v for k, v in checks.items() if k != "retokenization"}, indent=1))
+    assert report["tokens"] >= 256 and checks["recomputed"]["measured"] and not checks["recomputed"]["flagged"]
+    assert checks["recomputed"]["differs_in"] == ["dtype"]
+    assert checks["zero_logprobs"]["suspect_tokens"] == 0
+    assert checks["entropy_gap"]["covered_share"] == 1.0 and checks["entropy_gap"]["abs_gap_mean"] < 0.05
+    assert not checks["retokenization"]["reported"]
+    assert report["provenance"]["engine"]["name"] == "hf" and report["provenance"]["engine"]["dtype"] == "bfloat16"
+    assert "engine: hf (transformers" in result.stdout and "trainer_linear:" in result.stdout

@@ -88,7 +88,8 @@ FLOORS = {
         "core", "measure", ""},  # "": the package's facade, offpolicy/__init__.py; core, measure: their __init__
     3: {"engines", "tasks", "integrations", "measure.viewer"},
     4: {"policy"},
-    5: {"train", "measure.diagnose", "measure.diagnose_config", "measure.sync_check", "measure.self_check"},
+    5: {"train", "measure.diagnose", "measure.diagnose_config", "measure.sync_check", "measure.self_check",
+        "measure.engine_checks"},
     6: {"cli", "__main__"},
 }
 FOLDERS = ("core", "measure")  # folders whose modules are rooms of their own (a room is a folder elsewhere)

@@ -129,8 +129,10 @@ def _cmd_diagnose(args: argparse.Namespace, console: Console) -> int:
     for line in failed:
         print(f"offpolicy diagnose: {line}", file=sys.stderr)
     if not failed:
+        exact = "" if not config.require_exact else "; --require-exact: every log-ratio is 0 on " + ", ".join(
+            diagnose.engine_checks.describe((r.get("provenance") or {}).get("engine")) for r in done.reports)
         print(f"offpolicy diagnose: gate passed ({len(config.fail_above or []) + len(config.fail_below or [])} "
-              "bound(s))", file=sys.stderr)
+              f"bound(s)){exact}", file=sys.stderr)
     return 3 if failed else 0
 
 

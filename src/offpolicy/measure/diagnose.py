@@ -26,6 +26,12 @@ engine's top-k/top-p support, docs/specification.md §6), and reports:
   warns when one would clamp or mask most rows, ``offpolicy.core.sequence_weight``; issue #56);
 * whether every log-ratio is exactly 0, and the first token where one is not (``exact``; ``--require-exact``
   fails the run on it);
+* what the engine returned, checked for what the mismatch cannot show (``engine_checks``,
+  ``offpolicy.measure.engine_checks``; issue #69): log-probs identical to the trainer's while the engine's dtype,
+  device or backend differs (recomputed, not sampled), engine log-probs exactly 0 where the trainer's are not, the
+  entropy gap over the kept set, and, where the engine returned text, the retokenisation drift;
+* the engine on record (``provenance``: ``offpolicy.measure.provenance.block``, the engine's name, version, dtype,
+  attention backend and determinism switches) and the gated speed paths that ran (``speed_paths``);
 * with ``--self-check``, the trainer against itself — micro-batch 1 against the configured micro-batches,
   an fp32 head against the configured precision — and, layer by layer, where the engine's precision first
   diverges from fp32 (``self_check``, ``offpolicy.measure.self_check``).
@@ -43,7 +49,7 @@ import torch
 
 import offpolicy as op
 from offpolicy.core import ops, presets, sequence_weight
-from offpolicy.measure import viewer
+from offpolicy.measure import engine_checks, provenance, viewer
 from offpolicy.core.config import ConfigError
 from offpolicy.measure.diagnose_config import MICRO_BATCH_TOKENS, DiagnoseConfig
 from offpolicy.engines import Rollouts, SamplingConfig, make_engine
@@ -81,6 +87,17 @@ class Sample:
     # [B, T] bool: the tokens ``score_batch`` took out as outside the trainer's support (log π = −inf), by
     # position, for ``exactness``; None where none were taken out or the sample comes from a dump
     outside: torch.Tensor | None = None
+    # where the numbers came from (issue #69): the engine on record (``provenance.engine_record``, a server's
+    # ``engine_checks.server_record``, a dump's meta), the gated speed paths that ran (``speed.run_paths``), and each
+    # side's backend, dtype and device ({"engine": …, "trainer": …}: ``engine_checks.recomputed``); None: unknown
+    engine: dict[str, Any] | None = None
+    speed_paths: dict[str, str] | None = None
+    sides: dict[str, dict[str, Any]] | None = None
+    # the engine's entropy, the mass its log-probs cover, and their source ([B, T], [B, T], str:
+    # ``engine_checks.engine_entropy``); None where it sent no log-probs beyond the sampled token's
+    engine_entropy: tuple[torch.Tensor, torch.Tensor, str] | None = None
+    # ``engine_checks.retokenization``'s section where the engine returned text; None: it returned ids only
+    retokenization: dict[str, Any] | None = None
 
 
 def read_prompts(path: Path, tokenizer) -> list[list[int]]:
@@ -148,16 +165,32 @@ def sample(trainer: TrainerSide, tokenizer, prompts: list[list[int]], engine: st
         rollouts = eng.generate(prompts, trainer.sampling, seed=seed, version=0)
         seconds = time.perf_counter() - start
         rollouts.validate(eng.name)
+        record = provenance.engine_record(eng, engine_dtype)  # while the engine is up (the hf engine reads its model)
     finally:
         eng.close()
-    return score(rollouts, trainer, tokenizer, seconds=seconds)
+    s = score(rollouts, trainer, tokenizer, seconds=seconds, engine=eng)
+    device = str(trainer.device)
+    return replace(s, engine=record, sides={
+        "engine": {"backend": BACKENDS.get(engine, engine), "dtype": engine_dtype, "device": device},
+        "trainer": trainer_side(trainer)})
+
+
+BACKENDS = {"hf": "transformers", "vllm": "vllm"}  # an in-process engine's backend, as the sides compare it
+# the trainer's linear layers in diagnose: load_policy's model as loaded (train's cpu_linear is not applied)
+DIAGNOSE_LINEAR = "torch's F.linear (diagnose's trainer scores with the model as loaded; cpu_linear is train's)"
+
+
+def trainer_side(trainer: TrainerSide) -> dict[str, Any]:
+    """The trainer's backend, dtype and device, as ``engine_checks.recomputed`` compares them with the engine's."""
+    return {"backend": "transformers", "dtype": trainer.dtype, "device": str(trainer.device)}
 
 
 def score(rollouts: Rollouts, trainer: TrainerSide, tokenizer, seconds: float | None = None,
-          scorer: Scorer | None = None) -> Sample:
+          scorer: Scorer | None = None, engine=None) -> Sample:
     """The trainer half: log π_train(y_t) of every sampled token, on the engine's sampling support, as
     ``trainer`` scores them; ``seconds`` is the engine's time, kept for the report. The sample comes back on
-    the CPU.
+    the CPU, with the gated speed paths that ran (``speed.run_paths``: the trainer's, and ``engine``'s where it
+    has any) and the engine's entropy where it sent the log-probs to compute it (``engine_checks.engine_entropy``).
 
     Raises:
         RuntimeError: every response is empty (nothing to compare).
@@ -174,9 +207,13 @@ def score(rollouts: Rollouts, trainer: TrainerSide, tokenizer, seconds: float | 
     s = score_batch(trainer, batch, seconds, scorer)
     if replays(batch, trainer.sampling):  # and without replay: the trainer's own set, for the with/without shares
         s = replace(s, without_replay=score_batch(trainer, replace(batch, kept=None), seconds, scorer))
+    from offpolicy.speed import run_paths
+
     # each response token as text, and each prompt, for the per-token viewer (report.html)
     return replace(s, token_text=[[tokenizer.decode([t]) for t in ids] for ids in rollouts.response_ids],
-                   prompt_text=[tokenizer.decode(ids) for ids in rollouts.prompt_ids])
+                   prompt_text=[tokenizer.decode(ids) for ids in rollouts.prompt_ids],
+                   speed_paths=run_paths(scorer.model, DIAGNOSE_LINEAR, engine),
+                   engine_entropy=engine_checks.engine_entropy(rollouts.kept, rollouts.head, batch.mask.shape[1]))
 
 
 def score_batch(trainer: TrainerSide, batch: Batch, seconds: float | None = None, scorer: Scorer | None = None
@@ -257,21 +294,35 @@ def exactness(s: Sample) -> dict[str, Any]:
     return out
 
 
-def exact_failure(exact: dict[str, Any]) -> str | None:
-    """``--require-exact``'s line for a report's ``exact`` section (None: every log-ratio is 0)."""
+def exact_failure(exact: dict[str, Any], engine: dict[str, Any] | None = None) -> str | None:
+    """``--require-exact``'s line for a report's ``exact`` section (None: every log-ratio is 0); ``engine``, the
+    engine on record (its name, version, dtype, attention backend and determinism switches), is named where known."""
     if exact["exact"]:
         return None
     f = exact["first"]
     token = "" if f["token"] is None else f" (token {f['token']!r})"
     return (f"FAIL --require-exact: {exact['differing_tokens']} of {exact['tokens']} tokens have log π_train ≠ "
             f"log μ; the first is row {f['row']}, position {f['position']}{token}: log π_train = "
-            f"{f['trainer_logprob']:.9g}, log μ = {f['engine_logprob']:.9g} (log ρ = {f['log_ratio']:.3g})")
+            f"{f['trainer_logprob']:.9g}, log μ = {f['engine_logprob']:.9g} (log ρ = {f['log_ratio']:.3g})"
+            + ("" if not engine else f"; engine: {engine_checks.describe(engine)}"))
 
 
-def from_dump(path: Path) -> tuple[Sample, dict[str, Any]]:
+def exact_verdict(r: dict[str, Any]) -> str:
+    """The console's verdict on a report's ``exact`` section, naming the engine on record (``--require-exact``
+    gates on it): exact, or where it first breaks."""
+    exact, engine = r["exact"], (r.get("provenance") or {}).get("engine")
+    if exact["exact"]:
+        return (f"exact: every log-ratio is 0 ({exact['tokens']} tokens); engine: {engine_checks.describe(engine)}")
+    return f"exact: no — {exact_failure(exact, engine).removeprefix('FAIL --require-exact: ')}" + (
+        "" if engine else f"; engine: {engine_checks.describe(engine)}")
+
+
+def from_dump(path: Path, tokenizer=None) -> tuple[Sample, dict[str, Any]]:
     """A ``Sample`` from a host framework's batch dump (``offpolicy.integrations.dump``): the trainer
     view is the dump's ``old_logprobs`` (log π_old), the engine's its ``rollout_logprobs`` (log μ).
-    Returns the sample and a description of its source (files, hosts, steps) for the report."""
+    Returns the sample and a description of its source (files, hosts, steps) for the report. The engine and
+    trainer on record come from the meta's ``engine`` and ``trainer`` (where the host wrote them); a dump with
+    text is re-encoded with ``tokenizer`` (the trainer's, ``--model``) for the retokenisation drift."""
     data = load_batch(path)
     mask = data["mask"]
     rows, t = mask.shape
@@ -285,7 +336,30 @@ def from_dump(path: Path) -> tuple[Sample, dict[str, Any]]:
     source = {"files": data["files"], "hosts": sorted({f"{m.get('host')} {m.get('host_version')}" for m in meta}),
               "steps": sorted({m.get("step") for m in meta if m.get("step") is not None}),
               "anchors": sorted({str(m.get("anchor")) for m in meta})}
-    return Sample(batch, torch.where(keep, data["old_logprobs"], 0.0), None), source
+    # the engine and the trainer on record, where the host wrote them into the meta (one per file; all alike)
+    engines = [m.get("engine") for m in meta]
+    trainers = [m.get("trainer") for m in meta]
+    engine = engines[0] if isinstance(engines[0], dict) and all(e == engines[0] for e in engines) else None
+    trainer = trainers[0] if isinstance(trainers[0], dict) and all(t == trainers[0] for t in trainers) else None
+    sides = None if engine is None and trainer is None else {
+        "engine": {k: (engine or {}).get(k) for k in engine_checks.SIDES},
+        "trainer": {k: (trainer or {}).get(k) for k in engine_checks.SIDES}}
+    return Sample(batch, torch.where(keep, data["old_logprobs"], 0.0), None, engine=engine, sides=sides,
+                  retokenization=dump_retokenization(data.get("text"), tokenizer)), source
+
+
+def dump_retokenization(text: dict[str, list] | None, tokenizer) -> dict[str, Any] | None:
+    """``engine_checks.retokenization`` on a dump's text (``load_batch``'s ``text``); "not reported" where the dump
+    holds none or no trainer tokenizer is at hand (``tokenizer`` None: ``--batch`` without ``--model``)."""
+    if text is None:
+        return {"reported": False, "why": "not reported: the dump holds no text (BatchDumper.maybe_dump's text: the "
+                "sampled ids and the text the engine returned for them)"}
+    if tokenizer is None:
+        return {"reported": False, "source": "the dump's text",
+                "why": "not reported: the dump holds text, and re-encoding it needs the trainer's tokenizer: pass "
+                       "--model DIR with --batch"}
+    return engine_checks.retokenization(tokenizer, text["prompt_ids"], text["response_ids"], text["response_text"],
+                                        "the dump's text", prompt_texts=text.get("prompt_text"))
 
 
 def sample_server(config, trainer: TrainerSide, tokenizer, prompts: list[list[int]], seed: int = 0,
@@ -308,6 +382,15 @@ def sample_server(config, trainer: TrainerSide, tokenizer, prompts: list[list[in
                                      console=console, vocab_size=vocab_size)
     scorer = trainer.scorer()  # one model for both scorings below
     s = score(rollouts, trainer, tokenizer, seconds=info["seconds"], scorer=scorer)
+    # the server on record (what it says about itself), its side against the trainer's, and its text re-encoded
+    record = engine_checks.server_record(config, info)
+    returned = info.pop("returned_text", None) or []
+    retokenized = engine_checks.retokenization(
+        tokenizer, rollouts.prompt_ids, rollouts.response_ids, [r["text"] for r in returned],
+        f"the server's text ({info['endpoint']})", forms=[r["form"] for r in returned]) if returned else None
+    s = replace(s, engine=record, retokenization=retokenized, sides={
+        "engine": {"backend": record["name"], "dtype": record["dtype"], "device": None},
+        "trainer": trainer_side(trainer)})
     if (sampling.temperature, sampling.top_p, sampling.top_k) == (1.0, 1.0, -1):
         info["logprob_check"] = {"verdict": "not needed: at temperature 1, top_p 1, top_k -1 the sampling "
                                  "distribution is the model's own (processed = raw log-probs)"}
@@ -454,6 +537,15 @@ SUMMARY_STATS = {
     "differing_tokens": "tokens whose log π_train differs from log μ at all (0: exact; --require-exact)",
     **{f"seq_log_weight_{k}": f"the {k} over rows of log Π_t ρ_t, the sequence weight before truncation"
        for k in ("min", "median", "max")},
+    "recomputed_logprobs": "1 where the engine's log-probs equal the trainer's to the bit on every token (≥ 256) while "
+                           "the engine's dtype, device or backend differs: recomputed on the trainer's weights, not "
+                           "sampled (every correction off); 0 otherwise (engine_checks.recomputed)",
+    "fraction_engine_logprob_zero": "share of tokens whose engine log-prob is exactly 0 where the trainer's over the "
+                                    "same kept set is below -0.01 and the set holds more than one token",
+    "entropy_gap": "mean |H_trainer − H_engine| over the kept set, on tokens whose engine log-probs cover ≥ 0.99 of "
+                   "its mass (nats)",
+    "retokenization_drift": "share of rows whose prompt + returned text, re-encoded with the trainer's tokenizer, "
+                            "differs from the sampled ids (where the engine returned text)",
     "self_check_micro_batch_fraction_outside_0.9_1.1": "--self-check: share of tokens whose π at the configured "
                                                        "micro-batches over π at micro-batch 1 is outside [0.9, 1.1]",
     "self_check_fp32_head_fraction_outside_0.9_1.1": "--self-check: share of tokens whose π with the configured "
@@ -506,6 +598,20 @@ def summary(result: dict[str, Any], entropy: float | None) -> tuple[dict[str, fl
     if result.get("sequence_weight") is not None:
         dist = result["sequence_weight"]["distribution"]
         out.update({f"seq_log_weight_{k}": dist[f"log_{k}"] for k in ("min", "median", "max")})
+    checks = result.get("engine_checks")
+    if checks is not None:  # issue #69: each where it could be measured, else a note saying why not
+        recomputed = checks["recomputed"]
+        if recomputed["measured"]:
+            out["recomputed_logprobs"] = float(recomputed["flagged"])
+        else:
+            notes.append(f"recomputed_logprobs: left out, {recomputed['verdict']}")
+        out["fraction_engine_logprob_zero"] = checks["zero_logprobs"]["fraction"]
+        for stat, part, value in (("entropy_gap", "entropy_gap", "abs_gap_mean"),
+                                  ("retokenization_drift", "retokenization", "share")):
+            if checks[part]["reported"]:
+                out[stat] = checks[part][value]
+            else:
+                notes.append(f"{stat}: left out, {checks[part]['why'].removeprefix('not reported: ')}")
     trainer_check = (result.get("self_check") or {}).get("trainer")
     for part in ("micro_batch", "fp32_head"):
         stat = f"self_check_{part}_fraction_outside_0.9_1.1"
@@ -571,7 +677,8 @@ def gate_failures(config: DiagnoseConfig, reports: list[dict[str, Any]]) -> list
     for r in reports:
         prefix = f"{r['setting']['name']}: " if len(reports) > 1 else ""
         failed += [prefix + line for line in gate(r["summary"], above, below, r["summary_notes"])]
-        line = exact_failure(r["exact"]) if getattr(config, "require_exact", False) else None
+        engine = (r.get("provenance") or {}).get("engine")
+        line = exact_failure(r["exact"], engine) if getattr(config, "require_exact", False) else None
         if line:
             failed.append(prefix + line)
     return failed
@@ -674,12 +781,30 @@ def within_support(s: Sample) -> tuple[Sample, float]:
     return s, s.outside_support / max(sampled, 1.0)
 
 
+def checks_of_the_engine(s: Sample, exact: dict[str, Any], kept_count: torch.Tensor | None) -> dict[str, Any]:
+    """``report.json``'s ``engine_checks`` (``offpolicy.measure.engine_checks``, issue #69): log-probs recomputed
+    rather than sampled, engine log-probs exactly 0 where the trainer's are not, the entropy gap over the kept set,
+    and the retokenisation drift where the engine returned text. ``s`` is counted within the trainer's support."""
+    sides = s.sides or {}
+    no_entropy = ("not reported: a dump holds log-probs only, no engine top-k log-probs or trainer logits"
+                  if s.token_entropy is None else None)
+    return {"recomputed": engine_checks.recomputed(exact, sides.get("engine"), sides.get("trainer")),
+            "zero_logprobs": engine_checks.zero_logprobs(s.trainer, s.batch.rollout_logprobs, s.batch.mask, kept_count),
+            "entropy_gap": engine_checks.entropy_gap(s.token_entropy, s.engine_entropy, s.batch.mask, no_entropy),
+            "retokenization": s.retokenization or {
+                "reported": False, "why": "not reported: the engine returned token ids, no text (a server's "
+                "completions or a dump with text carry it)"}}
+
+
 def report(s: Sample, setting: dict[str, Any], out_dir: Path, plots: bool = True,
-           self_check: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The report of one setting (module doc); ``self_check``: ``--self-check``'s section, when it ran."""
+           self_check: dict[str, Any] | None = None, settings: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The report of one setting (module doc); ``self_check``: ``--self-check``'s section, when it ran;
+    ``settings``: the run's flags that differ from their defaults (the provenance block's)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     kept_set = kept_set_report(s)  # before within_support: "without replay" has its own outside tokens
     exact = exactness(s)  # before within_support: a token outside the trainer's support is a difference too
+    # the kept set's size per token where the trainer replayed the engine's (zero_logprobs); before within_support
+    kept_count = s.batch.kept.count if s.batch.kept is not None and s.without_replay is not None else None
     s, outside = within_support(s)
     tokens = float(s.batch.mask.sum()) + s.outside_support  # every token the engine sampled
     result = {
@@ -697,6 +822,10 @@ def report(s: Sample, setting: dict[str, Any], out_dir: Path, plots: bool = True
         "exact": exact,
         "sequence_weight": sequence_weight.precheck(s.trainer - s.batch.rollout_logprobs, s.batch.mask,
                                                     {name: presets.correction(name) for name in presets.names()}),
+        "engine_checks": checks_of_the_engine(s, exact, kept_count),
+        # the engine on record and the code, stack and machine (one provenance block), and the speed paths
+        "provenance": provenance.block(settings, s.engine),
+        "speed_paths": s.speed_paths,
     }
     if self_check is not None:
         result["self_check"] = self_check
@@ -785,12 +914,26 @@ def _to_trackers(trackers, reports: list[dict[str, Any]]) -> dict[str, str]:
     return trackers.places()
 
 
+def run_settings(config: DiagnoseConfig) -> dict[str, Any]:
+    """The flags that differ from their defaults: the provenance block's ``settings``."""
+    return config.model_dump(mode="json", exclude_defaults=True, exclude={"api_key_env"})
+
+
 def _batch_reports(config: DiagnoseConfig, console) -> list[dict[str, Any]]:
-    """``--batch FILE_OR_DIR``: the report on tensors a host framework dumped."""
-    s, source = from_dump(Path(config.batch))
+    """``--batch FILE_OR_DIR``: the report on tensors a host framework dumped (with ``--model``, its text, where it
+    holds some, re-encoded with that model's tokenizer)."""
+    tokenizer = None
+    if config.model != "default":
+        from offpolicy.policy.warmstart import model_dir
+        from offpolicy.tasks.tokenizer import load_tokenizer
+
+        tokenizer = load_tokenizer(model_dir(config.model, config.warm_start_spec()))
+    s, source = from_dump(Path(config.batch), tokenizer)
     name = "batch " + ", ".join(source["hosts"])
     console.print(f"diagnose: {config.batch} ({len(source['files'])} file(s), {len(s.batch.mask)} samples) ...")
-    return [report(s, {"name": name, "label": name, "batch": str(config.batch), **source}, Path(config.out))]
+    print_on_record(console, s)
+    return [report(s, {"name": name, "label": name, "batch": str(config.batch), **source}, Path(config.out),
+                   settings=run_settings(config))]
 
 
 def _sampled_reports(config: DiagnoseConfig, console) -> list[dict[str, Any]]:
@@ -823,9 +966,11 @@ def _sampled_reports(config: DiagnoseConfig, console) -> list[dict[str, Any]]:
                    logit_noise=setting["logit_noise"], log_path=out / "engine.log",
                    max_model_len=max(map(len, prompts)) + config.max_tokens,
                    vllm_options=config.vllm_options() if setting["engine"] == "vllm" else None)
+        print_on_record(console, s)
         checked = _self_check(config, console, s, trainer, setting["engine_dtype"])
         reports.append(report(s, {**setting, "name": name, "model": str(model_path), "sampling": sampling.__dict__},
-                              out / name if len(settings) > 1 else out, self_check=checked))
+                              out / name if len(settings) > 1 else out, self_check=checked,
+                              settings=run_settings(config)))
     return reports
 
 
@@ -860,6 +1005,7 @@ def _server_report(config: DiagnoseConfig, console, server, trainer: TrainerSide
 
     console.print(f"diagnose: {server.url} on {len(prompts)} samples ({server.concurrency} in flight) ...")
     s, info = sample_server(server, trainer, tokenizer, prompts, seed=config.seed, console=console)
+    print_on_record(console, s)
     for note in info["notes"]:
         console.print(Text(f"note: {note}", style="yellow"))
     console.print(Text(f"log-probs: {info['logprob_check']['verdict']}; prompt ids: {info['alignment']['prompt_ids']}"))
@@ -880,7 +1026,8 @@ def _server_report(config: DiagnoseConfig, console, server, trainer: TrainerSide
     setting = {"engine": "server", "engine_dtype": "as served", "trainer_dtype": dtype, "name": f"server-vs-{dtype}",
                "label": f"server {info['served_model']} vs trainer {dtype}", "model": str(trainer.model_path),
                "sampling": trainer.sampling.__dict__, "server": info}
-    return report(s, setting, Path(config.out), self_check=_self_check(config, console, s, trainer, config.engine_dtype))
+    return report(s, setting, Path(config.out), self_check=_self_check(config, console, s, trainer, config.engine_dtype),
+                  settings=run_settings(config))
 
 
 def _self_check(config: DiagnoseConfig, console, s: Sample, trainer: TrainerSide, engine_dtype: str
@@ -893,6 +1040,54 @@ def _self_check(config: DiagnoseConfig, console, s: Sample, trainer: TrainerSide
         f"{engine_dtype} against fp32 layer by layer"
     console.print(f"diagnose: --self-check: the trainer ({trainer.dtype}) against itself, and {layers} ...")
     return self_check.run(s.batch, trainer.scorer(), trainer.model_path, engine_dtype, trainer.sampling.temperature)
+
+
+def print_on_record(console, s: Sample, prefix: str = "") -> None:
+    """The header of a setting: the engine on record (name, version, dtype, attention backend, determinism
+    switches) and each gated speed path that ran, with why (as train's header prints them)."""
+    from rich.text import Text
+
+    console.print(Text(f"  {prefix}engine: {engine_checks.describe(s.engine)}"))
+    if s.speed_paths is None:
+        console.print(Text(f"  {prefix}speed paths: not recorded (a dump holds the tensors, not the run's paths)"))
+    for gate, reason in (s.speed_paths or {}).items():
+        console.print(Text(f"  {prefix}{gate}: {reason}"))
+
+
+def print_engine_checks(console, r: dict[str, Any], prefix: str = "") -> None:
+    """One line per check of what the engine returned (``engine_checks``; issue #69): a flag in yellow."""
+    from rich.text import Text
+
+    checks = r.get("engine_checks")
+    if checks is None:
+        return
+    rec = checks["recomputed"]
+    console.print(Text(f"{prefix}recomputed log-probs: {rec['verdict']}", style="yellow" if rec["flagged"] else ""))
+    zero = checks["zero_logprobs"]
+    line = (f"{prefix}engine log-probs exactly 0 where log π < {zero['below']:g}: {zero['suspect_tokens']} of "
+            f"{zero['tokens']} tokens ({zero['fraction']:.4f})")
+    if zero["first"] is not None:
+        f = zero["first"]
+        line += (f"; the first is row {f['row']}, position {f['position']} (log π = {f['trainer_logprob']:.4g}): "
+                 "a sampler cannot have drawn it with probability 1")
+    console.print(Text(line, style="yellow" if zero["suspect_tokens"] else ""))
+    gap = checks["entropy_gap"]
+    console.print(Text(f"{prefix}entropy gap: " + (
+        f"H_π {gap['trainer_entropy_mean']:.4g}, H_μ {gap['engine_entropy_mean']:.4g} over the kept set, mean "
+        f"|ΔH| {gap['abs_gap_mean']:.3g} (max {gap['abs_gap_max']:.3g}) on {gap['covered_tokens']} of "
+        f"{gap['tokens']} tokens ({gap['source']} cover ≥ {gap['coverage']:g} of the mass)"
+        if gap["reported"] else gap["why"])))
+    retok = checks["retokenization"]
+    if not retok["reported"]:
+        console.print(Text(f"{prefix}retokenisation drift: {retok['why']}"))
+        return
+    line = (f"{prefix}retokenisation drift ({retok['source']}): {retok['rows_differing']} of {retok['rows']} rows "
+            f"re-encode to other ids ({retok['share']:.1%})")
+    if retok["first"] is not None:
+        f = retok["first"]
+        line += (f"; the first is row {f['row']}, {f['in']} position {f['response_position']}: sampled "
+                 f"{f['sampled']} {f['sampled_tokens']}, re-encoded {f['reencoded']} {f['reencoded_tokens']}")
+    console.print(Text(line, style="yellow" if retok["rows_differing"] else ""))
 
 
 def print_checks(console, reports: list[dict[str, Any]]) -> None:
@@ -911,10 +1106,9 @@ def print_checks(console, reports: list[dict[str, Any]]) -> None:
                           f" … {d['median']:.4g} … {d['max']:.4g}); mean log ρ a token {seq['mean_log_ratio']:.3g}")
             for line in seq["warnings"]:
                 console.print(Text(f"warning: {prefix}{line}", style="yellow"))
-        exact = r.get("exact")
-        if exact is not None:
-            console.print(f"{prefix}exact: every log-ratio is 0 ({exact['tokens']} tokens)" if exact["exact"] else
-                          f"{prefix}exact: no — {exact_failure(exact).removeprefix('FAIL --require-exact: ')}")
+        if r.get("exact") is not None:
+            console.print(Text(prefix + exact_verdict(r)))
+        print_engine_checks(console, r, prefix)
         check = r.get("self_check")
         if check is None:
             continue
