@@ -427,7 +427,8 @@ def test_recomputed_log_probs_are_flagged_only_where_the_sides_differ(tmp_path):
 
 
 def test_engine_log_probs_of_zero_are_counted_where_the_trainer_says_otherwise():
-    """tinker-cookbook #396: a sampler sent 0 for log-probs it did not compute. Counted: μ = 0 exactly, log π < −0.01
+    """tinker-cookbook #396: sampling-time log-probs of 0 on tokens the recomputed distribution does not give
+    probability 1. Counted: μ = 0 exactly, log π < −0.01
     and a kept set of more than one token. Not counted: a recorded one-token kept set (an honest 0), log π ≥ −0.01
     (p ≥ 0.99: bf16 may round log p to 0), padding."""
     from offpolicy.measure import engine_checks

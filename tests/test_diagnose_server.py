@@ -191,6 +191,13 @@ def test_diagnose_a_real_vllm_server(vllm_servers, served_model, tmp_path, capsy
     assert server["alignment"]["text"].startswith("verified")
     # responses cut inside a character, whose text vLLM held back, occurred and were accepted (issue #43)
     assert server["alignment"]["text_forms"]["held_back"] >= 1, server["alignment"]
+    # issue #69: the server on record (its /version), and its text re-encoded: a held-back character's bytes are
+    # not in the text, so those rows re-encode to other ids
+    assert report["provenance"]["engine"]["name"] == "vllm server"
+    assert report["provenance"]["engine"]["version"] != "not reported by the server"
+    retok = report["engine_checks"]["retokenization"]
+    assert retok["rows"] == 24 and retok["rows_differing"] >= server["alignment"]["text_forms"]["held_back"]
+    assert not report["engine_checks"]["recomputed"]["flagged"]
     request = server["request"]
     assert request["temperature"] == 1.0 and request["top_k"] == -1 and request["repetition_penalty"] == 1.0
     assert any("generation_config.json sets temperature=0.5" in note for note in server["notes"])
@@ -236,10 +243,11 @@ class LocalServer:
 
 class FakeServer(LocalServer):
     """An OpenAI-compatible stand-in in a thread: ``/v1/models`` lists ``models``; ``/v1/completions``
-    answers through ``respond(body) -> (status, payload)`` (a dict goes out as JSON, a str as text)."""
+    answers through ``respond(body) -> (status, payload)`` (a dict goes out as JSON, a str as text); a GET of a
+    path in ``gets`` answers its (status, payload)."""
 
-    def __init__(self, respond, models=("served",), delay: float = 0.0):
-        self.respond, self.models, self.delay = respond, list(models), delay
+    def __init__(self, respond, models=("served",), delay: float = 0.0, gets: dict | None = None):
+        self.respond, self.models, self.delay, self.gets = respond, list(models), delay, gets or {}
         self.requests: list[tuple[str, dict, dict]] = []
         fake = self
 
@@ -260,6 +268,9 @@ class FakeServer(LocalServer):
 
             def do_GET(self):
                 fake.requests.append((self.path, {}, dict(self.headers)))
+                if self.path in fake.gets:  # what a server says about itself (/version, /get_server_info, …)
+                    self.send(*fake.gets[self.path])
+                    return
                 self.send(200, {"object": "list", "data": [{"id": m, "object": "model"} for m in fake.models]})
 
             def do_POST(self):
@@ -848,3 +859,56 @@ def test_a_tls_certificate_failure_is_said_and_not_retried(tok, tmp_path, monkey
     with FakeServer(lambda body: (500, "unused")) as plain:  # https:// to a plain-http server: said, not retried
         with pytest.raises(ServerError, match=r"the TLS handshake failed .*does the server speak https at this port"):
             served_model(ServerConfig(url=plain.url.replace("http://", "https://"), retries=3, backoff=5.0))
+
+
+# ============================================================ issue #69: the server's text re-encoded, its record
+def test_a_servers_text_is_re_encoded_and_the_server_named(tiny_qwen2_dir, tok, prompts, tmp_path, capsys):
+    """A server that samples the non-canonical split 'Ġ' + 't' 'h' 'e' on every other request: its text " the"
+    decodes right (the alignment check passes) but re-encodes to 'Ġthe' — the drift counts those rows, names the
+    first position, and --fail-above retokenization_drift gates it. The server says it is SGLang with deterministic
+    inference on: the provenance block and the console name it."""
+    split = [tok.convert_tokens_to_ids("Ġ"), *tok.encode("the", add_special_tokens=False)]
+    assert tok.encode(" the", add_special_tokens=False) != split  # the merge 'Ġthe' exists
+    canonical = tok.encode(" is", add_special_tokens=False)
+    info = {"/get_server_info": (200, {"version": "0.5.9", "dtype": "bfloat16", "attention_backend": "fa3",
+                                       "enable_deterministic_inference": True})}
+    with FakeServer(lambda body: answer(tok, body, response=split if body["seed"] % 2 else canonical),
+                    gets=info) as fake:
+        code, out, err = run(capsys, "--engine-url", fake.url, "--model", str(tiny_qwen2_dir), "--prompts",
+                             str(prompts), "--n", "4", "--max-tokens", "4", "--out", str(tmp_path / "d"),
+                             "--fail-above", "retokenization_drift=0.25")
+    assert code == 3, err
+    assert "FAIL retokenization_drift = 0.5 is above the bound 0.25" in err
+    report = json.loads((tmp_path / "d" / "report.json").read_text())
+    retok = report["engine_checks"]["retokenization"]
+    assert retok["source"] == "the server's text (/v1/completions)" and retok["rows_differing"] == 2
+    assert retok["first"]["row"] == 1 and retok["first"]["response_position"] == 0
+    assert retok["first"]["sampled"] == split and retok["first"]["reencoded"] == tok.encode(" the",
+                                                                                             add_special_tokens=False)
+    assert retok["first_positions"] == [None, 0, None, 0]
+    engine = report["provenance"]["engine"]
+    assert engine["name"] == "sglang server" and engine["version"] == "0.5.9" and engine["dtype"] == "bfloat16"
+    assert engine["determinism"] == ["SGLang deterministic inference (--enable-deterministic-inference)"]
+    assert report["engine_checks"]["recomputed"]["engine"]["backend"] == "sglang server"
+    assert set(report["speed_paths"]) == {"trainer_linear", "trainer_shared_prompt"}  # a server has none of ours
+    assert "engine: sglang server (0.5.9), dtype bfloat16, attention fa3" in " ".join(out.split())
+
+
+def test_a_vllm_server_on_record(tiny_qwen2_dir, tok, prompts, tmp_path, capsys):
+    """vLLM's /version, and its dev-mode /server_info (trl vllm-serve sets VLLM_SERVER_DEV_MODE=1): the dtype, the
+    attention backend and the batch-invariant mode. A server that answers neither is "not reported by the server"."""
+    from offpolicy.engines.server import ServerConfig
+    from offpolicy.measure import engine_checks
+
+    dev = {"vllm_config": {"model_config": {"dtype": "torch.bfloat16"}, "attention_config": {"backend": None}},
+           "vllm_env": {"VLLM_BATCH_INVARIANT": True, "VLLM_ATTENTION_BACKEND": "FLASH_ATTN"}}
+    gets = {"/version": (200, {"version": "0.32.0"}), "/server_info?config_format=json": (200, dev),
+            "/get_server_info": (404, {"detail": "Not Found"})}
+    with FakeServer(lambda body: answer(tok, body), gets=gets) as fake:
+        record = engine_checks.server_record(ServerConfig(url=fake.url), {"url": fake.url})
+    assert record["name"] == "vllm server" and record["version"] == "0.32.0" and record["dtype"] == "torch.bfloat16"
+    assert record["attention_backend"] == "FLASH_ATTN"
+    assert record["determinism"] == ["VLLM_BATCH_INVARIANT=1 (vLLM's batch-invariant mode)"]
+    with FakeServer(lambda body: answer(tok, body), gets={"/version": (404, {"detail": "Not Found"})}) as fake:
+        record = engine_checks.server_record(ServerConfig(url=fake.url), {"url": fake.url})
+    assert record["name"] == "server" and record["determinism"] == "not reported by the server"

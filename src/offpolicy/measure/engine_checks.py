@@ -8,10 +8,12 @@ that cannot be the sampler's").
   correction is silently off (tinker-cloud #66: a hosted trainer returned its own log-probs as the sampler's);
 * ``zero_logprobs``: engine log-probs exactly 0 where the trainer's log-prob over the same kept set is below
   ``ZERO_BELOW`` and the set holds more than one token — a sampler cannot draw with probability 1 from a set whose
-  other tokens carry ≥ 1 % of the mass (tinker-cookbook #396: a sampler sent 0 for log-probs it did not compute). A
-  one-token kept set, or p ≥ 0.99 rounded in bf16, gives an honest 0 and is not counted;
+  other tokens carry ≥ 1 % of the mass (tinker-cookbook #396: sampling-time log-probs were 0 on many more tokens
+  than the same sequences' recomputed ones). A one-token kept set, or p ≥ 0.99 rounded in bf16, gives an honest 0
+  and is not counted;
 * ``entropy_gap``: the trainer's exact entropy over the kept set against the engine's, on the tokens whose
-  top-k (or kept-set) log-probs cover at least ``COVERAGE`` of the engine's mass, else "not reported";
+  top-k (or kept-set) log-probs cover at least ``COVERAGE`` of the engine's mass, else "not reported"
+  (tinker-cookbook #396: the sampling-time distribution had a much lower entropy than the recomputed one);
 * ``retokenization``: where the engine returned text (a server's completions, a host's dump with text), prompt
   + response re-encoded with the trainer's tokenizer against the sampled ids (Agent Lightning v1.0.3, #646: a
   re-tokenised prefix that is not the sampled one);
