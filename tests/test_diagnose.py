@@ -418,6 +418,12 @@ def test_recomputed_log_probs_are_flagged_only_where_the_sides_differ(tmp_path):
                for n in short["summary_notes"])
     unknown = diagnose.report(sample_of(lp.clone(), lp), {"name": "x", "label": "x"}, tmp_path, plots=False)
     assert "neither side's backend, dtype or device is on record" in unknown["engine_checks"]["recomputed"]["verdict"]
+    # exact by design: a batch-invariant vLLM against a trainer of its dtype and device (slime's true on-policy)
+    invariant = {"engine": {**SIDES["engine"], "dtype": "fp32"}, "trainer": SIDES["trainer"]}
+    r = diagnose.report(sample_of(lp.clone(), lp, sides=invariant, engine={"determinism": ["VLLM_BATCH_INVARIANT=1"]}),
+                        {"name": "x", "label": "x"}, tmp_path, plots=False)
+    assert r["engine_checks"]["recomputed"]["verdict"].endswith("VLLM_BATCH_INVARIANT=1: exact by design")
+    assert r["summary"]["recomputed_logprobs"] == 0.0
     moved = lp.clone()
     moved[3, 63] += 1e-3  # one token apart decides it: sampled, whatever the sides
     r = diagnose.report(sample_of(moved, lp, sides=SIDES), {"name": "x", "label": "x"}, tmp_path, plots=False)

@@ -788,7 +788,8 @@ def checks_of_the_engine(s: Sample, exact: dict[str, Any], kept_count: torch.Ten
     sides = s.sides or {}
     no_entropy = ("not reported: a dump holds log-probs only, no engine top-k log-probs or trainer logits"
                   if s.token_entropy is None else None)
-    return {"recomputed": engine_checks.recomputed(exact, sides.get("engine"), sides.get("trainer")),
+    return {"recomputed": engine_checks.recomputed(exact, sides.get("engine"), sides.get("trainer"),
+                                                   determinism=(s.engine or {}).get("determinism")),
             "zero_logprobs": engine_checks.zero_logprobs(s.trainer, s.batch.rollout_logprobs, s.batch.mask, kept_count),
             "entropy_gap": engine_checks.entropy_gap(s.token_entropy, s.engine_entropy, s.batch.mask, no_entropy),
             "retokenization": s.retokenization or {

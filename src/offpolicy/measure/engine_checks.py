@@ -45,14 +45,17 @@ def _name(value: Any) -> str | None:
 
 
 def recomputed(exact: dict[str, Any], engine: dict[str, Any] | None, trainer: dict[str, Any] | None,
-               min_tokens: int = RECOMPUTED_MIN_TOKENS) -> dict[str, Any]:
+               min_tokens: int = RECOMPUTED_MIN_TOKENS, determinism: Any = None) -> dict[str, Any]:
     """Do the engine's log-probs look recomputed on the trainer's weights? ``exact`` is ``diagnose.exactness``'s
     section (every log-ratio 0 to the bit, over every sampled token); ``engine`` and ``trainer`` are each side's
     ``backend``, ``dtype`` and ``device`` (None or a missing key: not on record).
 
     ``flagged`` when every log-ratio is exactly 0 on at least ``min_tokens`` tokens and a known ``backend``,
-    ``dtype`` or ``device`` differs between the sides. ``measured`` says whether the check could decide: a single
-    differing token decides (not recomputed); identical log-probs need ``min_tokens`` tokens and sides on record."""
+    ``dtype`` or ``device`` differs between the sides — but for a backend alone where the engine runs with a
+    determinism switch (``determinism``, the engine record's list: vLLM's batch-invariant mode, SGLang's
+    deterministic inference): a true on-policy setup (slime's, on those switches) is exact by design across
+    backends, never across dtypes or devices. ``measured`` says whether the check could decide: a single differing
+    token decides (not recomputed); identical log-probs need ``min_tokens`` tokens and sides on record."""
     engine, trainer = engine or {}, trainer or {}
     tokens, identical = exact["tokens"], exact["exact"]
     known = [k for k in SIDES if _name(engine.get(k)) is not None and _name(trainer.get(k)) is not None]
@@ -67,6 +70,9 @@ def recomputed(exact: dict[str, Any], engine: dict[str, Any] | None, trainer: di
         out["measured"] = False
         out["verdict"] = (f"not decided: identical on all {tokens} tokens, too few to tell a recomputation from an "
                           f"exact engine (needs ≥ {min_tokens})")
+    elif differs == ["backend"] and isinstance(determinism, list) and determinism:
+        out["verdict"] = (f"no: identical on all {tokens} tokens across backends ({engine['backend']} vs "
+                          f"{trainer['backend']}) with the engine's {', '.join(map(str, determinism))}: exact by design")
     elif differs:
         pairs = ", ".join(f"{k} {engine[k]} vs {trainer[k]}" for k in differs)
         out["flagged"] = True
