@@ -60,6 +60,14 @@ def test_diagnose_vllm_fp32_floor_and_bf16(smollm2_dir, tmp_path):
     assert bf16["mean_abs_log_ratio"] > fp32["mean_abs_log_ratio"]
     for name in ("fp32", "bf16"):  # --compare prints each setting's what-if table
         assert f"what-if: each preset on this batch — vllm-{name}-vs-fp32" in result.stdout
+    # issue #69: each setting's engine on record and its speed paths; vLLM's log-probs are sampled, not recomputed
+    for name, run in runs.items():
+        engine = run["provenance"]["engine"]
+        assert engine["name"] == "vllm" and engine["dtype"] == name and engine["version"], engine
+        assert "vllm_direct_sync" in run["speed_paths"] and "trainer_linear" in run["speed_paths"]
+        assert not run["engine_checks"]["recomputed"]["flagged"]
+        assert run["engine_checks"]["zero_logprobs"]["suspect_tokens"] == 0
+    assert "engine: vllm (" in result.stdout
 
 
 @pytest.mark.slow
