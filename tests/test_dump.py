@@ -144,3 +144,22 @@ def test_directory_load_keeps_every_valid_token(tmp_path_factory, shapes, seed):
             assert torch.equal(got[k][row:row + b, :t], x[k])
         assert not got["mask"][row:row + b, t:].any()
         row += b
+
+
+def test_text_travels_with_the_tensors_and_is_checked(tmp_path):
+    """Issue #69: a dump may carry each row's sampled ids and the engine's text (diagnose re-encodes them); load_batch
+    concatenates them across files in the tensors' order, and a malformed one is refused when written."""
+    dumper = BatchDumper(tmp_path, every=1, host="t")
+    for step, rows in ((0, 2), (1, 1)):
+        t = torch.zeros(rows, 3)
+        dumper.maybe_dump(step, old_logprobs=t, rollout_logprobs=t, mask=torch.ones(rows, 3), text={
+            "prompt_ids": [[1, 2]] * rows, "response_ids": [[step, 5]] * rows, "response_text": [f"s{step}"] * rows})
+    text = load_batch(tmp_path)["text"]
+    assert text == {"prompt_ids": [[1, 2]] * 3, "response_ids": [[0, 5], [0, 5], [1, 5]],
+                    "response_text": ["s0", "s0", "s1"]}
+    with pytest.raises(ValueError, match="text.response_text must be a list of 2 rows"):
+        dumper.maybe_dump(2, old_logprobs=torch.zeros(2, 3), rollout_logprobs=torch.zeros(2, 3), mask=torch.ones(2, 3),
+                          text={"prompt_ids": [[1]] * 2, "response_ids": [[2]] * 2, "response_text": ["x"]})
+    with pytest.raises(ValueError, match=r"text.response_ids\[1\] is not a list of ints"):
+        dumper.maybe_dump(3, old_logprobs=torch.zeros(2, 3), rollout_logprobs=torch.zeros(2, 3), mask=torch.ones(2, 3),
+                          text={"prompt_ids": [[1]] * 2, "response_ids": [[2], ["a"]], "response_text": ["x", "y"]})
