@@ -633,6 +633,7 @@ def test_a_dump_with_text_is_re_encoded_and_gated(smollm2_dir, tmp_path):
     assert result.returncode == 2 and "needs the trainer's tokenizer: pass --model DIR with --batch" in result.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.xdist_group("real-model")  # one SmolLM2-sized run at a time
 def test_smollm2_hf_engine_is_honest(smollm2_dir, tmp_path):
     """The real model, sampled by the hf engine in bf16 and scored by the fp32 trainer under top-k 20: none of the
