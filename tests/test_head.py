@@ -384,8 +384,10 @@ def test_the_packs_by_hand():
     """The planner's packs for two prompts, [5, 6, 7] twice (responses of 3 and 1 tokens) and [8, 9] twice (2 and
     4 tokens), written out by hand: each pack is its prompt then its rows' responses but their last tokens, at
     their whole rows' positions; ``gather`` gives each response token the state that predicts it (the prompt's
-    last, then the response's own). With ``cap`` 3, the second group's second response starts a new pack; a row with
-    no response never does."""
+    last, then the response's own). With ``cap`` 3 and a budget of 5 tokens, the second group's second response
+    starts a new pack; a row with no response never does. With ``cap`` 3 and no budget each prompt, past half the
+    cap, lets its responses span its own length (``spans``): 2 tokens for [8, 9], so its responses, starting 0 and 1
+    tokens in, share one pack again."""
     from offpolicy.speed.shared_prompt import attention_mask, plan
 
     rows = [[5, 6, 7, 11, 12, 13], [8, 9, 21, 22], [5, 6, 7, 14], [8, 9, 23, 24, 25, 26]]
@@ -402,7 +404,8 @@ def test_the_packs_by_hand():
     assert mask[1].tolist() == [[1, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0], [1, 1, 1, 0, 0, 0],
                                 [1, 1, 0, 1, 0, 0], [1, 1, 0, 1, 1, 0], [1, 1, 0, 1, 1, 1]]
     assert mask[0, 5].tolist() == [0, 0, 0, 0, 0, 1]  # padding attends to itself alone
-    split = plan(input_ids, attention, prompt, cap=3)
+    assert plan(input_ids, attention, prompt, cap=3).ids.tolist() == got.ids.tolist()
+    split = plan(input_ids, attention, prompt, cap=3, budget=5)  # spans: max(3 − P, min(P, 5 − P − longest + 1)) = 1
     assert split.ids.tolist() == [[5, 6, 7, 11, 12], [8, 9, 21, 0, 0], [8, 9, 23, 24, 25]]
     assert split.gather[3].tolist() == [11, 12, 13, 14] and split.gather[1].tolist() == [6, 7, 6, 6]
     assert plan(input_ids[[0, 1]], attention[[0, 1]], prompt[[0, 1]]) is None  # no prompt repeats
@@ -429,7 +432,7 @@ def test_packs_of_random_batches_score_as_the_whole_rows(seed, monkeypatch):
     batch = to_batch(Rollouts(rows, responses, [[-1.0] * len(r) for r in responses], [True] * len(rows),
                               version=0), 0)
     cap = draw(2, 40)
-    monkeypatch.setattr("offpolicy.policy.batch.plan", lambda *args: shared_prompt.plan(*args, cap=cap))
+    monkeypatch.setattr("offpolicy.policy.batch.plan", lambda *args, **kw: shared_prompt.plan(*args, **kw, cap=cap))
     batch = to_device(batch, torch.device("cpu"))
     family = ("llama", "qwen2", "qwen3", "mistral", "phi3")[seed % 5]
     extra = {"mistral": {"sliding_window": None}, "phi3": {"pad_token_id": 0}}.get(family, {})
@@ -574,12 +577,19 @@ def test_micro_batches_of_whole_packs_by_hand(monkeypatch):
     assert split(9, subset) == [[4, 2], [3, 1]]
     # the whole-row rule (a model that does not pack): shortest first, groups mixed
     assert [g.tolist() for g in micro_batches(batch, subset, 9, packed=False)] == [[2, 1], [4], [3]]
-    # with cap 4 the first group splits (b = 4 − 3 = 1): rows 0 and 2 (5 tokens), row 4 (4 tokens); the second
-    # stays one pack (b = 2: both responses start within 2 tokens), 6 tokens. Two packs of a group never share a
-    # micro-batch (beside each other a micro-batch's own plan would pack them otherwise): [row 4], then [0, 2]
-    # though 2 · 5 ≤ 10, then [1, 3]; under 12 the second group's pack joins [0, 2] (2 · 6 ≤ 12)
+    # with cap 4 each prompt is past half the cap, so its responses may span its own length, as far as the budget
+    # allows (``spans``: max(4 − P, min(P, budget − P − longest + 1))): under 10 both groups stay one pack (spans 3
+    # and 2), 6 tokens each; under 6 the first group's span is 2, so row 4 (its response starts 2 tokens in) leaves
+    # rows 0 and 2 (5 tokens) for a pack of its own (4 tokens), and the second group stays one pack of 6
     real = shared_prompt.pack_sizes
-    monkeypatch.setattr(shared_prompt, "pack_sizes", lambda *args: real(*args, cap=4))
+    monkeypatch.setattr(shared_prompt, "pack_sizes", lambda *args, **kw: real(*args, **kw, cap=4))
+    assert split(10) == [[0, 2, 4], [1, 3]] and split(6) == [[4], [0, 2], [1, 3]]
+    # with the short prompts' span alone, cap − len(prompt), the first group splits under any budget (b = 4 − 3 = 1):
+    # rows 0 and 2 (5 tokens), row 4 (4 tokens); the second stays one pack (b = 2: both responses start within 2
+    # tokens), 6 tokens. Two packs of a group never share a micro-batch (beside each other a micro-batch's own plan
+    # would pack them otherwise): [row 4], then [0, 2] though 2 · 5 ≤ 10, then [1, 3]; under 12 the second group's
+    # pack joins [0, 2] (2 · 6 ≤ 12)
+    monkeypatch.setattr(shared_prompt, "spans", lambda prompt, longest, cap, budget: (cap - prompt).clamp(min=1))
     assert split(10) == [[4], [0, 2], [1, 3]] and split(12) == [[4], [0, 1, 2, 3]]
     assert split(100) == [[4], [0, 1, 2, 3]]
 
@@ -597,19 +607,19 @@ def test_micro_batches_of_packs_cover_the_rows_within_the_budget(seed, monkeypat
     draw = lambda lo, hi: int(torch.randint(lo, hi + 1, (1,), generator=g))  # noqa: E731
     cap = draw(8, 60)
     real_plan, real_sizes = shared_prompt.plan, shared_prompt.pack_sizes
-    monkeypatch.setattr("offpolicy.policy.batch.plan", lambda *args: real_plan(*args, cap=cap))
-    monkeypatch.setattr(shared_prompt, "pack_sizes", lambda *args: real_sizes(*args, cap=cap))
+    monkeypatch.setattr("offpolicy.policy.batch.plan", lambda *args, **kw: real_plan(*args, **kw, cap=cap))
+    monkeypatch.setattr(shared_prompt, "pack_sizes", lambda *args, **kw: real_sizes(*args, **kw, cap=cap))
     batch = grouped_batch(97, groups=draw(2, 5), group_size=draw(2, 8), seed=seed, longest=draw(1, 40))
     rows = torch.arange(len(batch.mask))
     rows = rows[batch.mask.sum(dim=1) > 0]  # as the update takes them
     rows = rows[torch.randperm(len(rows), generator=g)] if seed % 2 else rows  # a PPO mini-batch's shuffled rows
+    budget = draw(8, 200)
 
-    def packs(part):
-        shared = to_device(trim(batch.select(part)), torch.device("cpu")).counted.shared
+    def packs(part):  # planned under the budget, as ``Scorer.to_device`` plans a micro-batch
+        shared = to_device(trim(batch.select(part)), torch.device("cpu"), budget).counted.shared
         return shared, [] if shared is None else sorted((shared.segments != -1).sum(dim=1).tolist())
 
     whole, want = packs(rows)
-    budget = draw(8, 200)
     parts = micro_batches(batch, rows, budget, packed=True)
     assert sorted(torch.cat(parts).tolist()) == sorted(rows.tolist())
     got = []
@@ -622,6 +632,46 @@ def test_micro_batches_of_packs_cover_the_rows_within_the_budget(seed, monkeypat
         assert n * width <= budget or n == 1
         got += sizes
     assert sorted(got) == want
+
+def test_a_prompt_over_the_pack_cap_is_computed_once_per_pack():
+    """Issue #67: a prompt longer than the pack cap (1,024 tokens) left its responses a span of 1 token
+    (cap − len(prompt), clamped), so every response went in a pack of its own and the prompt was computed once per
+    row, as in the whole rows (here 8 × 1,100 prompt tokens). A long prompt's responses now span up to its own length
+    as far as the micro-batch's budget allows (``shared_prompt.spans``). One prompt of 1,100 tokens, 8 responses of
+    30: no budget, one pack (the prompt once); a budget of 1,300, span min(1,100, 1,300 − 1,100 − 29 + 1) = 172, so
+    packs of 6 and 2 responses, 1,274 and 1,158 tokens (the prompt twice, each micro-batch within the budget). The
+    log-probs and gradients equal the whole rows' (float64)."""
+    from offpolicy.engines import Rollouts
+    from offpolicy.policy.batch import to_batch
+    from offpolicy.policy.score import Scorer, to_device
+    from offpolicy.speed.shared_prompt import PACK_TOKENS
+
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(1, 97, (1100,), generator=g).tolist()
+    assert len(prompt) > PACK_TOKENS
+    responses = [torch.randint(1, 97, (30,), generator=g).tolist() for _ in range(8)]
+    batch = to_batch(Rollouts([prompt] * 8, responses, [[-1.0] * 30] * 8, [True] * 8, version=0), 0)
+    model = tiny_causal_lm("qwen2", 97).double().train()
+
+    whole = to_device(batch, torch.device("cpu"))
+    assert (whole.counted.shared.segments == 0).sum(dim=1).tolist() == [1100]  # one pack: the prompt once
+    scorer = Scorer(model, SAMPLINGS["plain"], torch.device("cpu"), budget=1300)
+    parts = [scorer.to_device(batch, rows) for rows in scorer.micro_batches(batch, torch.arange(8))]
+    assert [len(mb.mask) for mb in parts] == [2, 6]  # shortest first
+    assert [(mb.counted.shared.segments == 0).sum().item() for mb in parts] == [1100, 1100]
+    assert [(mb.counted.shared.segments >= 0).sum().item() for mb in parts] == [1158, 1274]  # each ≤ the budget
+
+    plain = Batch(*(getattr(batch, f) for f in ("input_ids", "attention_mask", "positions", "response_ids", "mask",
+                                                   "rollout_logprobs", "versions")))
+    weights = torch.randn(batch.mask.shape, generator=g)
+    want, want_grads = value_and_grads(lambda: trainer_logprobs(model, plain, SAMPLINGS["plain"]), model, plain,
+                                       weights)
+    got, grads = value_and_grads(lambda: trainer_logprobs(model, whole, SAMPLINGS["plain"]), model, whole, weights)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    for a, b in zip(grads, want_grads):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-6 * (float(b.abs().max()) + 1e-30))
+    torch.testing.assert_close(scorer.score(batch), want, rtol=1e-12, atol=1e-12)  # the two packs, micro-batched
+
 
 def test_the_self_check_s_each_row_alone_is_rows_not_packs():
     """``diagnose --self-check`` compares the configured micro-batches with each row scored alone

@@ -23,12 +23,13 @@ __all__ = ["Batch", "Counted", "SharedPrompts", "Support", "TENSORS", "shared_pr
 TENSORS = ("input_ids", "attention_mask", "positions", "response_ids", "mask", "rollout_logprobs", "versions")
 
 
-def shared_prompts(batch: Batch) -> SharedPrompts | None:
+def shared_prompts(batch: Batch, budget: int | None = None) -> SharedPrompts | None:
     """The plan of a forward that computes each repeated prompt once (``SharedPrompts``), from a CPU
     ``batch``; None where it would save nothing (no prompt repeats). The one planner's
-    (``offpolicy.speed.shared_prompt.plan``)."""
+    (``offpolicy.speed.shared_prompt.plan``; ``budget``: the micro-batches' tokens, which bound a long prompt's
+    packs)."""
     # positions[:, 0] = len(prompt) − 1 (``to_batch``)
-    return plan(batch.input_ids, batch.attention_mask, batch.positions[:, 0] + 1)
+    return plan(batch.input_ids, batch.attention_mask, batch.positions[:, 0] + 1, budget=budget)
 
 
 class Counted(NamedTuple):

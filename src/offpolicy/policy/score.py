@@ -102,13 +102,15 @@ def micro_batches(batch: Batch, rows: torch.Tensor, budget: int | None, packed: 
     ``packed`` (the model's forward takes the packs: ``offpolicy.speed.shared_prompt``) and some prompt repeats:
     whole packs instead, shortest first, each micro-batch at most ``budget`` tokens of packs padded to its longest
     and at most one pack of a group, its rows in the order ``rows`` gives them — so its own plan makes those very
-    packs (``shared_prompt.pack_sizes``). Split by whole rows, the groups mix and each micro-batch computes again the
-    prompt of every group it touches; and the budget then counts the tokens the packed forward holds."""
+    packs (``shared_prompt.pack_sizes``; ``to_device`` under the same budget). Split by whole rows, the groups mix and
+    each micro-batch computes again the prompt of every group it touches; and the budget then counts the tokens the
+    packed forward holds. A long prompt's packs grow only as far as the budget allows (``shared_prompt.spans``)."""
     if budget is None:
         return [rows]
     if packed:
         sizes = shared_prompt.pack_sizes(batch.input_ids[rows], batch.attention_mask[rows],
-                                         batch.positions[rows, 0] + 1)  # positions[:, 0] = len(prompt) − 1
+                                         batch.positions[rows, 0] + 1,  # positions[:, 0] = len(prompt) − 1
+                                         budget=budget)
         if sizes is not None:
             pack_of_row, tokens, group = sizes
             return [rows[torch.isin(pack_of_row, torch.tensor(part)).nonzero().squeeze(1)]
@@ -152,10 +154,11 @@ def trim(batch: Batch) -> Batch:
                  support=None if batch.support is None else batch.support.cut(t_max))
 
 
-def to_device(batch: Batch, device: torch.device) -> Batch:
+def to_device(batch: Batch, device: torch.device, budget: int | None = None) -> Batch:
     """The batch's tensors on ``device``, with the positions of its counted tokens and their kept sets
     (``Batch.counted``) worked out here while the mask is on the host: the forward then gathers them
-    without reading the device (a ``nonzero`` of a CUDA mask waits for every kernel queued before it)."""
+    without reading the device (a ``nonzero`` of a CUDA mask waits for every kernel queued before it).
+    ``budget``: the micro-batches' tokens (``micro_batches``), under which the packs are planned."""
     moved = Batch(*(getattr(batch, f).to(device, non_blocking=True) for f in TENSORS),
                   kept=None if batch.kept is None else batch.kept.to(device, non_blocking=True),
                   support=None if batch.support is None else batch.support.to(device, non_blocking=True))
@@ -165,7 +168,7 @@ def to_device(batch: Batch, device: torch.device) -> Batch:
         if batch.kept is not None:  # the counted tokens' sets, expanded here (``FlatKept``): host reads are free
             where = batch.kept.start.device
             flat = batch.kept[rows.to(where), cols.to(where)].flat().to(device, non_blocking=True)
-        shared = shared_prompts(batch)
+        shared = shared_prompts(batch, budget)
         moved.counted = Counted(moved.mask, device_index(rows, device), device_index(cols, device), moved.kept, flat,
                                 None if shared is None else shared.to(device, moved.input_ids))
     return moved
@@ -213,7 +216,7 @@ class Scorer:
 
     def to_device(self, batch: Batch, rows: torch.Tensor) -> Batch:
         """``rows`` of the CPU ``batch``, trimmed of unused padding, on the device."""
-        return to_device(trim(batch.select(rows)), self.device)
+        return to_device(trim(batch.select(rows)), self.device, self.budget)
 
     @torch.no_grad()
     def score(self, batch: Batch, metrics: Metrics | None = None, entropy: bool = False,

@@ -200,11 +200,32 @@ def prefill(model, input_ids: torch.Tensor, attention: torch.Tensor, whole: bool
 
 # ------------------------------------------------------------------------------------------------- the trainer
 
-# The most tokens a pack holds (a pack's prompt and its first response always go in, whatever their length).
-# Inside a pack every token attends under a dense [W, W] mask, so attention costs ~4·W·d a token against the
-# linear layers' ~24·d² (d the width): packs of ≤ 1,024 tokens keep it a fraction of the GEMMs the packing saves
-# at the widths packed here (SmolLM2's 576: 1,024 tokens ≈ 0.3 of the linears a token; docs/performance.md).
+# The most tokens a pack holds where its prompt is short (a pack's prompt and its first response always go in,
+# whatever their length). Inside a pack every token attends under a dense [W, W] mask, so attention costs ~4·W·d a
+# token against the linear layers' ~24·d² (d the width): packs of ≤ 1,024 tokens keep it a fraction of the GEMMs the
+# packing saves at the widths packed here (SmolLM2's 576: 1,024 tokens ≈ 0.3 of the linears a token;
+# docs/performance.md). A long prompt's responses may span as many tokens as the prompt itself (``spans``).
 PACK_TOKENS = 1024
+
+
+def spans(prompt: torch.Tensor, longest: torch.Tensor, cap: int = PACK_TOKENS, budget: int | None = None
+          ) -> torch.Tensor:
+    """How far apart the responses of one pack may start, per group ``[D]``: of prompts ``prompt`` ``[D]`` tokens
+    long whose rows' responses (but their last tokens) are at most ``longest`` ``[D]``; at least 1 (a prompt and one
+    response always make a pack).
+
+    ``cap`` − len(prompt), or len(prompt) where that is more: a prompt past half the cap would otherwise leave its
+    responses a few tokens (past the cap, one: each row its own pack, the prompt computed once per row again, as in
+    the whole rows). Under the dense mask a pack whose k ≥ 2 responses, of lengths r summing to s, span at most its
+    prompt's length P costs no more attention than the rows it replaces — (P + s)² = P² + 2Ps + s² ≤ k·P² + 2Ps +
+    Σ r² = Σ (P + r)², as s² ≤ P² ≤ (k − 1)·P² — and fewer linear FLOPs (P + s tokens, not k·P + s; the last
+    response may run past the span, by less than a response). The growth past the cap stops where a pack would pass
+    ``budget`` tokens (the micro-batch's, ``policy.score.micro_batches``): the last response starts at most span − 1
+    after the first and holds at most ``longest``, so P + span − 1 + longest ≤ budget. A subset of a group's rows (a
+    micro-batch) has no longer response, so its span is never shorter: its own plan remakes its packs
+    (``pack_sizes``)."""
+    grown = prompt if budget is None else torch.minimum(prompt, budget - prompt - longest + 1)
+    return torch.maximum(cap - prompt, grown).clamp(min=1)
 
 
 class SharedPrompts(NamedTuple):
@@ -255,11 +276,12 @@ class PackLayout(NamedTuple):
 
 
 def layout(input_ids: torch.Tensor, attention: torch.Tensor, prompt: torch.Tensor,
-           cap: int = PACK_TOKENS) -> PackLayout | None:
+           cap: int = PACK_TOKENS, budget: int | None = None) -> PackLayout | None:
     """The packs of right-padded rows ``[B, L]`` whose prompts are ``prompt`` ``[B]`` tokens long (host tensors);
     None where no prompt repeats. Rows whose prompts are equal token for token share a prompt. A group's rows fill
-    packs in batch order, each pack's responses starting within ``cap`` − len(prompt) tokens of its first (so a
-    pack ends at most one response past ``cap``)."""
+    packs in batch order, each pack's responses starting within its group's ``spans`` of its first: ``cap`` −
+    len(prompt) (so such a pack ends at most one response past ``cap``), or for a long prompt up to len(prompt),
+    within ``budget`` tokens a pack."""
     rows, width = input_ids.shape
     if rows < 2 or int(prompt.min()) < 1:
         return None
@@ -275,9 +297,10 @@ def layout(input_ids: torch.Tensor, attention: torch.Tensor, prompt: torch.Tenso
     start = length.cumsum(0) - length
     offset = start - torch.zeros_like(prompt_len).scatter_reduce(0, group, start, "amin", include_self=False)[group]
     # pack k of a group: the rows whose responses start in [k·b, (k + 1)·b) of the group's responses back to back,
-    # b = cap − len(prompt); a row with no response rides in the pack of the row before it (no pack of a prompt
+    # b its span (``spans``); a row with no response rides in the pack of the row before it (no pack of a prompt
     # alone, unless a group has nothing else)
-    chunk = torch.where(length > 0, offset // (cap - prompt_len[group]).clamp(min=1), 0)
+    longest = torch.zeros_like(prompt_len).scatter_reduce(0, index, suffix, "amax", include_self=False)  # [D]
+    chunk = torch.where(length > 0, offset // spans(prompt_len, longest, cap, budget)[group], 0)
     key = (group * (int(suffix.sum()) + 1) + chunk).cummax(0).values  # keys rise from group to group
     _, pack = torch.unique(key, return_inverse=True)  # packs in group order
     packs = int(pack.max()) + 1
@@ -289,11 +312,11 @@ def layout(input_ids: torch.Tensor, attention: torch.Tensor, prompt: torch.Tenso
 
 
 def plan(input_ids: torch.Tensor, attention: torch.Tensor, prompt: torch.Tensor,
-         cap: int = PACK_TOKENS) -> SharedPrompts | None:
+         cap: int = PACK_TOKENS, budget: int | None = None) -> SharedPrompts | None:
     """The trainer's plan for right-padded rows ``[B, L]`` whose prompts are ``prompt`` ``[B]`` tokens long, made
-    on the host (CPU tensors), with the packs of ``layout``; None where it would save nothing (no prompt
-    repeats)."""
-    found = layout(input_ids, attention, prompt, cap)
+    on the host (CPU tensors), with the packs of ``layout`` (``budget``: the micro-batches' tokens, which bounds how
+    far a long prompt's packs grow); None where it would save nothing (no prompt repeats)."""
+    found = layout(input_ids, attention, prompt, cap, budget)
     if found is None:
         return None
     order, length, pack, column, pack_prompt = found.order, found.length, found.pack, found.column, found.prompt
@@ -323,14 +346,16 @@ def plan(input_ids: torch.Tensor, attention: torch.Tensor, prompt: torch.Tensor,
 
 
 def pack_sizes(input_ids: torch.Tensor, attention: torch.Tensor, prompt: torch.Tensor,
-               cap: int = PACK_TOKENS) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+               cap: int = PACK_TOKENS, budget: int | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """(each row's pack ``[B]``, each pack's tokens ``[n]``, each pack's group ``[n]``) of ``layout``'s packs, for
     micro-batches of whole packs (``policy.score.micro_batches``); None where no prompt repeats.
 
-    A micro-batch's own plan remakes a pack exactly when it holds that pack's rows in the same order and no other
-    pack of its group: a pack's responses all start within cap − len(prompt) of its first, so alone they are one
-    pack again; beside another pack of the group the offsets run on and the boundaries move."""
-    found = layout(input_ids, attention, prompt, cap)
+    A micro-batch's own plan (under the same ``budget``) remakes a pack exactly when it holds that pack's rows in the
+    same order and no other pack of its group: a pack's responses all start within its group's span of its first,
+    and those rows alone have a span no shorter (``spans``), so alone they are one pack again; beside another pack
+    of the group the offsets run on and the boundaries move."""
+    found = layout(input_ids, attention, prompt, cap, budget)
     return None if found is None else (found.pack_of_rows(), found.pack_tokens(), found.group_of)
 
 
