@@ -1,5 +1,5 @@
-"""Peak memory as the response length grows, at a real vocabulary (issue #31): one training step and
-the hf engine's generate, the pre-#31 path against the current one, in the same run.
+"""Peak memory as the response length grows, at a real vocabulary (issue #31): one training step,
+the hf engine's generate and the eval's answer log-prob, the old path against the current one, in the same run.
 
     step      the default step (π_old = sg(π_θ), no π_old forward): forward, the `recommended` loss,
               backward, AdamW — ``update.optimizer_step`` itself. "old" swaps in the head of 4efb1a7
@@ -7,6 +7,9 @@ the hf engine's generate, the pre-#31 path against the current one, in the same 
               entropy over [B, T, V]); "new" is ``policy/head.py``.
     generate  ``HFEngine.generate``. "old" is the engine of 4efb1a7 (``output_scores=True``: every
               step's [B, V] scores kept, stacked and log-softmaxed); "new" keeps O(B·V).
+    eval      ``evaluate.answer_logprobs`` over 16 rows (one chunk of the trainer's eval) of prompt + a
+              T-token answer. "old" is its code before issue #67 (the model's logits [16, L, V] of the
+              chunk, log-softmaxed row by row); "new" goes through ``policy/head.py`` (chunks of tokens).
 
 A small model built in code (Llama, 2 layers, width 64, vocabulary 151,936 — Qwen2.5's; its stop
 token's output row is 0 and the others are scaled up, so no response stops early) and B rows of
@@ -87,6 +90,39 @@ def old_generate(engine, prompt_ids, sampling, seed):
     return scores.gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)
 
 
+EVAL_ROWS = 16  # the eval's chunk of answer log-probs: evaluate's chunk of 64 prompts // 4
+
+
+def old_answer_logprobs(policy, tokenizer, problems, trainer_dtype="fp32", chunk=16):
+    """train/evaluate.py's ``answer_logprobs`` before issue #67: the model's logits [rows, L, V] of a chunk."""
+    import torch
+
+    from offpolicy.policy.score import precision
+    from offpolicy.tasks.tokenizer import prompt_ids
+
+    eos = tokenizer.eos_token_id
+    rows = [(prompt_ids(tokenizer, p), [*tokenizer(p.answer, add_special_tokens=False).input_ids, eos])
+            for p in problems]
+    totals, counts = [], []
+    with torch.no_grad():
+        for start in range(0, len(rows), chunk):
+            part = rows[start: start + chunk]
+            width = max(len(a) + len(b) for a, b in part)
+            ids = torch.full((len(part), width), tokenizer.pad_token_id, dtype=torch.long)
+            attention = torch.zeros((len(part), width), dtype=torch.long)
+            for i, (prompt, answer) in enumerate(part):
+                ids[i, : len(prompt) + len(answer)] = torch.tensor(prompt + answer)
+                attention[i, : len(prompt) + len(answer)] = 1
+            with precision(policy.device, trainer_dtype):
+                logits = policy(input_ids=ids.to(policy.device), attention_mask=attention.to(policy.device)).logits
+            for i, (prompt, answer) in enumerate(part):
+                at = logits[i, len(prompt) - 1: len(prompt) + len(answer) - 1].float()
+                logp = torch.log_softmax(at, dim=-1).gather(1, torch.tensor(answer, device=at.device)[:, None])
+                totals.append(float(logp.sum()))
+                counts.append(len(answer))
+    return totals, counts
+
+
 # ------------------------------------------------------------------------------------------ model
 def save_model(out: Path, vocab: int, hidden: int, layers: int) -> Path:
     """A small Llama whose stop token is never drawn (its output row 0, the others scaled to logits of
@@ -136,7 +172,20 @@ def worker(what: str, path: str, length: int, rows: int, model_dir: str, device_
     sampling = SamplingConfig(max_tokens=length)
     g = torch.Generator().manual_seed(0)
     prompts = [[tok.bos_token_id, *torch.randint(5, 40, (PROMPT - 1,), generator=g).tolist()] for _ in range(rows)]
-    if what == "generate":
+    if what == "eval":
+        from offpolicy.tasks.tasks import Problem
+        from offpolicy.train import evaluate
+
+        policy = score.load_policy(model_dir, device).train()  # as the trainer holds it
+        digits = torch.randint(0, 10, (EVAL_ROWS, length - 1), generator=g).tolist()  # + EOS: T answer tokens
+        problems = [Problem("", "".join(map(str, d)), tuple(p))
+                    for d, p in zip(digits, [prompts[i % rows] for i in range(EVAL_ROWS)])]
+        answer = old_answer_logprobs if path == "old" else evaluate.answer_logprobs
+
+        def run():
+            _, counts = answer(policy, tok, problems, chunk=EVAL_ROWS)
+            return max(counts)
+    elif what == "generate":
         from offpolicy.engines.hf import HFEngine
 
         engine = HFEngine(model_dir, tok, dtype="fp32", device=device)
@@ -181,6 +230,8 @@ def predicted_old_bytes(what: str, rows: int, length: int, vocab: int) -> int:
     log-softmax); step [B, L, V] logits + about 6 × [B, T, V] fp32 (gather, cast, log-softmax,
     entropy temporaries, gradients)."""
     btv = rows * length * vocab * 4
+    if what == "eval":  # the chunk's logits [16, L, V] fp32
+        return EVAL_ROWS * (PROMPT + length) * vocab * 4
     return 3 * btv if what == "generate" else rows * (PROMPT + length) * vocab * 4 + 6 * btv
 
 
@@ -270,6 +321,8 @@ def main(argv=None) -> None:
     parser.add_argument("--max-gib", type=float, default=None,
                         help="skip a configuration predicted above this (default: 70%% of the free memory)")
     parser.add_argument("--quick", action="store_true", help="T = 64, 256 and 2 rows: a check that it runs")
+    parser.add_argument("--ops", nargs="+", choices=("step", "generate", "eval"), default=["step", "generate", "eval"],
+                        help="what to measure (eval: 16 rows whatever --rows)")
     parser.add_argument("--no-estimate", action="store_true", help="skip the Qwen2.5-0.5B estimate")
     parser.add_argument("--worker", nargs=3, metavar=("WHAT", "PATH", "T"), help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
@@ -281,12 +334,12 @@ def main(argv=None) -> None:
         return
     lengths = args.lengths or ([64, 256] if args.quick else [256, 1024, 4096])
     limit = (args.max_gib * GIB) if args.max_gib else 0.7 * available_bytes(args.device)
-    print(f"bench_memory: device {args.device}, V = {VOCAB:,}, B = {args.rows}, prompt {PROMPT}, "
+    print(f"bench_memory: device {args.device}, V = {VOCAB:,}, B = {args.rows} (eval: {EVAL_ROWS}), prompt {PROMPT}, "
           f"Llama {args.layers} layers × width {args.hidden}; memory of the op above the process before it")
     print(f"{'op':<9} {'T':>6} {'old MiB':>10} {'new MiB':>10} {'old/new':>8}  {'[B,T,V] fp32 MiB':>16}")
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = save_model(Path(tmp) / "model", VOCAB, args.hidden, args.layers)
-        for what in ("step", "generate"):
+        for what in args.ops:
             for length in lengths:
                 cells = {}
                 for path in ("old", "new"):
@@ -305,7 +358,7 @@ def main(argv=None) -> None:
                 old, new = cells["old"], cells["new"]
                 ratio = f"{old / new:.1f}×" if isinstance(old, float) and isinstance(new, float) and new > 0 else "–"
                 fmt = lambda v: f"{v:10.0f}" if isinstance(v, float) else f"{v:>10}"  # noqa: E731
-                btv = args.rows * length * VOCAB * 4 / MIB
+                btv = (EVAL_ROWS if what == "eval" else args.rows) * length * VOCAB * 4 / MIB
                 print(f"{what:<9} {length:>6} {fmt(old)} {fmt(new)} {ratio:>8}  {btv:16.0f}", flush=True)
     if args.no_estimate:
         return

@@ -145,6 +145,93 @@ def test_eval_on_a_tiny_model_matches_a_row_by_row_reference(tiny_qwen2_dir):
     assert policy.training  # the eval leaves the policy in training mode
 
 
+def full_logits_answer_logprobs(policy, tokenizer, problems: list, trainer_dtype: str, chunk: int):
+    """``evaluate.answer_logprobs`` before issue #67, kept as the reference: the model's logits [rows, L, V] of a
+    chunk, log-softmaxed row by row."""
+    from offpolicy.policy.score import precision
+    from offpolicy.tasks.tokenizer import prompt_ids
+
+    eos = tokenizer.eos_token_id
+    rows = [(prompt_ids(tokenizer, p), [*tokenizer(p.answer, add_special_tokens=False).input_ids, eos])
+            for p in problems]
+    totals = []
+    with torch.no_grad():
+        for start in range(0, len(rows), chunk):
+            part = rows[start: start + chunk]
+            width = max(len(a) + len(b) for a, b in part)
+            ids = torch.full((len(part), width), tokenizer.pad_token_id, dtype=torch.long)
+            attention = torch.zeros((len(part), width), dtype=torch.long)
+            for i, (prompt, answer) in enumerate(part):
+                ids[i, : len(prompt) + len(answer)] = torch.tensor(prompt + answer)
+                attention[i, : len(prompt) + len(answer)] = 1
+            with precision(policy.device, trainer_dtype):
+                logits = policy(input_ids=ids, attention_mask=attention).logits
+            for i, (prompt, answer) in enumerate(part):
+                at = logits[i, len(prompt) - 1: len(prompt) + len(answer) - 1].float()
+                totals.append(float(torch.log_softmax(at, dim=-1).gather(1, torch.tensor(answer)[:, None]).sum()))
+    return totals
+
+
+def qwen_sized_policy(vocab: int, tokenizer):
+    """A two-layer Qwen2 of width 16 built in code with a ``vocab``-wide head (no file, no download), its head
+    scaled so the log-probs spread (as the trainer holds it: train mode)."""
+    import transformers
+
+    config = transformers.Qwen2Config(vocab_size=vocab, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                      num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+                                      tie_word_embeddings=False, pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    policy = transformers.Qwen2ForCausalLM(config).train()
+    with torch.no_grad():
+        policy.lm_head.weight.mul_(20.0)
+    return policy
+
+
+def answer_problems(count: int = 7, seed: int = 1) -> list:
+    """Prompts and digit answers of 1–39 characters (the character tokenizer: a token each)."""
+    from offpolicy.tasks.tasks import Problem
+
+    g = torch.Generator().manual_seed(seed)
+    return [Problem(f"what is {i} + {7 * i}?", "".join(map(str, torch.randint(0, 10, (int(n),), generator=g).tolist())))
+            for i, n in enumerate(torch.randint(1, 40, (count,), generator=g))]
+
+
+@pytest.mark.parametrize(("vocab", "trainer_dtype"), [(151_936, "fp32"), (4096, "fp32"), (4096, "bf16")])
+def test_answer_logprob_through_the_trainer_head_equals_the_full_logits(vocab, trainer_dtype):
+    """Issue #67: the eval's answer log-prob goes through the trainer's head (hidden states, then chunks of tokens)
+    instead of a chunk's [rows, L, V] logits. Against the full-logits computation it replaced, at Qwen's vocabulary
+    and a small one, rows of different lengths in chunks of 3: the same sums to fp32 rounding (measured 1.6e-7
+    relative at most; bf16 autocast: the same bf16 logits, cast to fp32 in both)."""
+    from offpolicy.tasks.tokenizer import build_char_tokenizer
+    from offpolicy.train.evaluate import answer_logprobs
+
+    tokenizer = build_char_tokenizer()
+    policy = qwen_sized_policy(vocab, tokenizer)
+    problems = answer_problems()
+    want = full_logits_answer_logprobs(policy, tokenizer, problems, trainer_dtype, chunk=3)
+    got, counts = answer_logprobs(policy, tokenizer, problems, trainer_dtype, chunk=3)
+    assert counts == [len(p.answer) + 1 for p in problems] and len(set(counts)) > 1
+    assert policy.training  # handed back as it came
+    assert got == pytest.approx(want, rel=1e-6)
+    assert len(set(map(round, want))) == len(want)  # the sums differ from row to row: a mix-up would show
+
+
+def test_answer_logprob_never_computes_the_vocabulary_at_every_position():
+    """Issue #67: the eval held a 16-row chunk's [rows, L, V] logits (2.3 GB at V = 151,936 and 232 tokens,
+    benchmarks/bench_memory.py). The model's own output layer now runs only on ``check_head``'s probe (at most
+    ``PROBE_TOKENS`` positions, once per model); the answer tokens' log-probs come from ``token_logprobs``' chunks."""
+    from offpolicy.policy.head import PROBE_TOKENS
+    from offpolicy.tasks.tokenizer import build_char_tokenizer
+    from offpolicy.train.evaluate import answer_logprobs
+
+    tokenizer = build_char_tokenizer()
+    policy = qwen_sized_policy(4096, tokenizer)
+    positions = []
+    policy.lm_head.register_forward_hook(lambda module, args, out: positions.append(out.shape[:-1].numel()))
+    answer_logprobs(policy, tokenizer, answer_problems(), chunk=3)
+    assert positions and max(positions) <= PROBE_TOKENS, positions
+
+
 def test_primary_metric_and_collapse_rule_by_hand():
     from offpolicy.train.evaluate import collapsed, eval_points, primary_metric
 

@@ -36,7 +36,9 @@ import torch
 
 from offpolicy.engines.base import left_pad, stop_token_ids
 from offpolicy.engines.generation import explicit_config, generate
+from offpolicy.policy.head import PROBE_TOKENS, check_head, decoder_hidden, linear_head, token_logprobs
 from offpolicy.policy.score import precision
+from offpolicy.sampling import SamplingConfig
 from offpolicy.tasks.tokenizer import prompt_ids
 
 COLLAPSE_DROP = 0.2  # below the run's own best eval reward
@@ -124,10 +126,16 @@ def answer_logprobs(policy, tokenizer, problems: list, trainer_dtype: str = "fp3
                     ) -> tuple[list[float], list[int]]:
     """Per problem: log π(answer, EOS | prompt) teacher-forced (the sum over the answer's tokens and the
     tokenizer's EOS, in fp32 from the logits) and the number of those tokens. Rows are right-padded, so
-    every row's positions are 0, 1, … as in generation."""
+    every row's positions are 0, 1, … as in generation.
+
+    Through the trainer's head (``policy.head``): the decoder's hidden states of a chunk of ``chunk`` rows, those
+    that predict an answer token gathered, then ``token_logprobs`` over chunks of tokens (untruncated, temperature
+    1: z − logsumexp z), so memory is O(chunk of tokens · V), never the chunk's ``[rows, L, V]`` logits (issue #67:
+    16 rows of 232 tokens at V = 151,936 held 2.3 GB; docs/performance.md)."""
     eos = tokenizer.eos_token_id
     rows = [(prompt_ids(tokenizer, p), [*tokenizer(p.answer, add_special_tokens=False).input_ids, eos])
             for p in problems]
+    head = linear_head(policy)
     was_training = policy.training
     policy.eval()
     totals, counts = [], []
@@ -140,14 +148,18 @@ def answer_logprobs(policy, tokenizer, problems: list, trainer_dtype: str = "fp3
             for i, (prompt, answer) in enumerate(part):
                 ids[i, : len(prompt) + len(answer)] = torch.tensor(prompt + answer)
                 attention[i, : len(prompt) + len(answer)] = 1
+            # the state at position t predicts token t + 1: the answer's tokens from the prompt's last one on
+            row = torch.cat([torch.full((len(a),), i) for i, (_, a) in enumerate(part)])
+            col = torch.cat([torch.arange(len(p) - 1, len(p) + len(a) - 1) for p, a in part])
+            tokens = torch.tensor([t for _, a in part for t in a])
+            ids, attention = ids.to(policy.device), attention.to(policy.device)
+            check_head(policy, head, ids[:1, :PROBE_TOKENS])
             with precision(policy.device, trainer_dtype):
-                logits = policy(input_ids=ids.to(policy.device), attention_mask=attention.to(policy.device)).logits
-            for i, (prompt, answer) in enumerate(part):
-                # the logits at position t predict token t + 1: the answer's tokens from the prompt's last one on
-                at = logits[i, len(prompt) - 1: len(prompt) + len(answer) - 1].float()
-                logp = torch.log_softmax(at, dim=-1).gather(1, torch.tensor(answer, device=at.device)[:, None])
-                totals.append(float(logp.sum()))
-                counts.append(len(answer))
+                hidden = decoder_hidden(policy, ids, attention)[row.to(policy.device), col.to(policy.device)]
+                logp, _, _ = token_logprobs(hidden, tokens.to(policy.device), head, SamplingConfig())  # [N] fp32
+            for answer_lp in torch.split(logp.float(), [len(a) for _, a in part]):
+                totals.append(float(answer_lp.sum()))
+                counts.append(len(answer_lp))
     finally:
         policy.train(was_training)
     return totals, counts
