@@ -49,7 +49,7 @@ def build(args):
 def micro_batches(model, batch, budget: int | None, variant: str) -> list:
     """The device micro-batches the update would run for ``variant`` (module doc)."""
     from offpolicy.policy.score import Scorer
-    from offpolicy.sampling import SamplingConfig
+    from offpolicy.core.sampling import SamplingConfig
     from offpolicy.speed import shared_prompt
 
     scorer = Scorer(model, SamplingConfig(), torch.device("cpu"), budget=budget, by_packs=variant != "rows")
@@ -83,7 +83,7 @@ def counts(mbs) -> tuple[int, int]:
 
 def step(model, mbs) -> float:
     from offpolicy.policy.head import trainer_logprobs
-    from offpolicy.sampling import SamplingConfig
+    from offpolicy.core.sampling import SamplingConfig
 
     model.zero_grad(set_to_none=True)
     start = time.perf_counter()

@@ -38,7 +38,7 @@ from offpolicy.engines.base import left_pad, stop_token_ids
 from offpolicy.engines.generation import explicit_config, generate
 from offpolicy.policy.head import PROBE_TOKENS, check_head, decoder_hidden, linear_head, token_logprobs
 from offpolicy.policy.score import precision
-from offpolicy.sampling import SamplingConfig
+from offpolicy.core.sampling import SamplingConfig
 from offpolicy.tasks.tokenizer import prompt_ids
 
 COLLAPSE_DROP = 0.2  # below the run's own best eval reward
