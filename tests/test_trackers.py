@@ -6,7 +6,9 @@ start or fails mid-run never stops a run."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import io
 import json
 import math
 import os
@@ -534,6 +536,133 @@ def test_every_tracker_error_line_hides_environment_secrets(monkeypatch):
                    "pr/x#y?z"):
         assert secret not in text and secret not in json.dumps(trackers.where)
     assert "http://***@127.0.0.1:7860" in text and "by Someone With A Long Name" in text
+
+
+SHORT_SECRET_NAMES = ["MLFLOW_TRACKING_PASSWORD", "HF_TOKEN", "WANDB_API_KEY", "AWS_SECRET_ACCESS_KEY", "FTP_PASS"]
+
+
+def leak_everywhere(run_dir: Path, password: str) -> list[str]:
+    """A tracker (standing in for tensorboard) that gets the password in its config, keeps it in ``where`` and
+    prints it inside ``redacted_stdout``, then fails mid-run and at close with it in the error; a second one
+    that fails to start with it. Every string the run prints or writes, read back (trackers.json parsed: its
+    escapes are no hiding place)."""
+    from offpolicy.trackers import redacted_stdout
+    from offpolicy.trackers import tensorboard as tb_module
+
+    said = [f"password {password} rejected", f"http://alice:{password}@127.0.0.1:5000/api", f"'{password}'",
+            f"({password})", f"key={password}", password, f"token: {password}."]
+    seen: dict = {}
+
+    class Leaky(Flaky):
+        name = "tensorboard"
+
+        def __init__(self, config):
+            self.where = {"dir": str(run_dir), "said": said}
+            seen["config"] = config
+            with redacted_stdout():
+                print(*said)
+
+        def log_metrics(self, step, values):
+            raise ConnectionError(" ".join(said))
+
+        def close(self, failed=False):
+            raise RuntimeError(said[0])
+
+    def failing(run_dir, name, config, start_step=0):
+        raise PermissionError(" | ".join(said))
+
+    console = Console(record=True, width=400)
+    printed = io.StringIO()
+    with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(printed):
+        mp.setattr(tb_module, "open", lambda run_dir, name, config, start_step=0: Leaky(config))
+        trackers = open_trackers(["tensorboard"], run_dir, "run", {"url": said[1], "note": said}, console)
+        trackers.log_metrics(0, {"reward": 1.0})
+        trackers.close()
+        mp.setattr(tb_module, "open", failing)
+        open_trackers(["tensorboard"], run_dir, "run", {}, console)
+
+    def strings(data):
+        if isinstance(data, dict):
+            return [s for k, v in data.items() for s in [str(k), *strings(v)]]
+        if isinstance(data, list):
+            return [s for v in data for s in strings(v)]
+        return [str(data)]
+
+    return [console.export_text(), printed.getvalue(), *strings(seen["config"]),
+            *strings(json.loads((run_dir / "trackers.json").read_text())), *strings(trackers.where)]
+
+
+def test_a_short_password_never_shows(tmp_path):
+    """Issue #67 item 1, property: a password of 3 to 7 printable characters in a secret-named variable (a value
+    under 8 characters had been left alone) appears in nothing the trackers print or write — the error lines of a
+    tracker failing at start, mid-run and at close, what a tracker library prints, trackers.json, the config the
+    trackers store — wherever a tool would repeat it (between spaces, quotes, brackets, a URL's ``:`` and ``@``,
+    after ``=``). Passwords that occur inside the fixed words of those lines (``ail`` of ``failed``) are left
+    out: whole tokens are the rule, so ordinary words stay whole."""
+    from hypothesis import HealthCheck, assume, given, settings
+    from hypothesis import strategies as st
+
+    from offpolicy.trackers import _FLAG_WORDS
+
+    blank = "\x00" * 12  # no variable holds it: its lines are the fixed text around the password
+    fixed = " ".join(leak_everywhere(tmp_path, blank)).replace(blank, " ")
+    chars = st.characters(min_codepoint=33, max_codepoint=0x17F, blacklist_characters="*\x7f",
+                          blacklist_categories=("Cc", "Zs"))
+
+    @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+    @given(password=st.text(chars, min_size=3, max_size=7), name=st.sampled_from(SHORT_SECRET_NAMES))
+    def check(password, name):
+        assume(password not in fixed and password.lower() not in _FLAG_WORDS)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv(name, password)
+            run_dir = tmp_path / uuid.uuid4().hex
+            run_dir.mkdir()
+            shown = leak_everywhere(run_dir, password)
+        assert [t for t in shown if password in t] == []
+        assert "'***'" in shown[0] and "(***)" in shown[0] and "http://***@127.0.0.1:5000/api" in shown[0]
+
+    check()
+
+
+def test_short_secrets_leave_ordinary_text_whole(monkeypatch):
+    """Only a credential-named variable's short value is a secret, only as a whole token, never a flag's word
+    nor a value under 3 characters: counts, flags and words that merely contain the password stay as written."""
+    from offpolicy.trackers import env_secrets, redact
+
+    for name, value in [("TOKENIZERS_PARALLELISM", "false"), ("MAX_NEW_TOKENS", "512"), ("SOME_AUTH_FLAG", "1"),
+                        ("HF_HUB_DISABLE_IMPLICIT_TOKEN", "1"), ("WANDB_KEY_FILE_MODE", "on"),
+                        ("SECRET_SCAN", "off"), ("MLFLOW_TRACKING_PASSWORD", "ail"), ("HF_TOKEN", "hf1")]:
+        monkeypatch.setenv(name, value)
+    secrets = env_secrets()
+    assert "ail" in secrets and "hf1" in secrets
+    assert not {"false", "512", "1", "on", "off"} & set(secrets)
+    text = "step 1 failed: 512 tokens, parallelism false, the tailor's mail, hf10 and hf1x, mode on/off"
+    assert redact(text) == text
+    assert redact("password ail rejected for hf1 (hf1)") == "password *** rejected for *** (***)"
+
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    # no ':' '/' '?' '&' ';' '=' '@' or '*': the URL and query patterns, and the mark itself, stay out of it
+    alphabet = st.sampled_from("abcdefgh0123 _-.,'()[]\n")
+
+    @settings(max_examples=300, deadline=None)
+    @given(text=st.text(alphabet, max_size=60), password=st.text(alphabet.filter(lambda c: c != "\n"),
+                                                                   min_size=3, max_size=7))
+    def check(text, password):
+        shown = redact(text, [password])
+        # nothing but the password turned into ***, ...
+        assert shown.replace("***", password) == text
+        # ... and what is left of it stands inside a longer word, never alone
+        start = shown.find(password)
+        while start >= 0:
+            end = start + len(password)
+            glued_before = password[0].isalnum() and start > 0 and shown[start - 1].isalnum()
+            glued_after = password[-1].isalnum() and end < len(shown) and shown[end].isalnum()
+            assert glued_before or glued_after, (text, password, shown)
+            start = shown.find(password, start + 1)
+
+    check()
 
 
 def test_mlflow_logs_tables_without_pandas(tmp_path, monkeypatch):

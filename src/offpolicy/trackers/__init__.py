@@ -22,6 +22,23 @@ parameter named like a secret (``?token=``, ``&sig=``) and the value of any envi
 one (``*KEY*``, ``*TOKEN*``, ``*SECRET*``, ``*PASSWORD*``, ``*AUTH*``, ``*CREDENTIAL*``: ``WANDB_API_KEY``,
 ``HF_TOKEN``, ``MLFLOW_TRACKING_PASSWORD``, ...) become ``***`` too (``redact``).
 
+A short password is still a password (issue #67: values under 8 characters had been left alone). The rule, by
+length of the value:
+
+* 8 characters or more, of any variable named as above: replaced wherever it appears, inside words too.
+* 3 to 7 characters: replaced where it stands as a whole token (not inside a longer run of letters and digits:
+  ``admin`` goes in ``user admin``, ``:admin@`` and ``'admin'``, not in ``administrator``), and only for a variable
+  whose name holds a credential as a word of its own (``KEY``, ``APIKEY``, ``TOKEN``, ``SECRET``, ``PASSWORD``,
+  ``PASSWD``, ``PASS``, ``PASSPHRASE``, ``CREDENTIAL(S)``: ``HF_TOKEN``, ``MLFLOW_TRACKING_PASSWORD``; not
+  ``TOKENIZERS_PARALLELISM`` or ``MAX_NEW_TOKENS``, whose short values are counts and flags), and never a flag's
+  word (``true``, ``false``, ``yes``, ``off``, ``none``, ``null``, ``auto``). Substring matching of a short value
+  would turn ordinary text into ``***`` (``ail`` in every ``failed``); a whole token is where a printed secret
+  stands, since a tool that repeats one puts it between delimiters (a URL's ``:`` and ``@``, quotes, spaces).
+* 1 or 2 characters: never. Such a value (``1``, ``on``, ``42``) matches in nearly every line, and a secret that
+  short protects nothing against guessing.
+
+The same holds for a URL's password found in any variable (``http://user:pw@host``).
+
 Failures never stop a run: a tracker that is missing or fails to start is one line before training
 (``open_trackers``), and one that fails mid-run is reported once and left out from then on
 (``Trackers``); ``metrics.jsonl`` and the other trackers go on.
@@ -58,31 +75,57 @@ _SECRET_QUERY = re.compile(r"(?P<name>[?&;][^=&#\s]*(?:key|token|secret|passw(?:
                            r"[^=&#\s]*=)[^&;#\s]+", re.IGNORECASE)
 # not PWD (the working directory), not AUTHOR (git's GIT_AUTHOR_NAME)
 _SECRET_ENV = re.compile(r"key|token|secret|passw(?:or)?d|credential|auth(?!or)", re.IGNORECASE)
-MIN_ENV_SECRET = 8  # shorter values of secret-named variables (a flag, "1") are left alone: too common in text
+# a short value is a secret only where the name holds one of these as a word ("_"-separated): HF_TOKEN, not
+# TOKENIZERS_PARALLELISM or MAX_NEW_TOKENS
+_SECRET_WORDS = frozenset({"KEY", "APIKEY", "TOKEN", "SECRET", "PASSWORD", "PASSWD", "PASS", "PASSPHRASE",
+                           "CREDENTIAL", "CREDENTIALS"})
+_FLAG_WORDS = frozenset({"true", "false", "yes", "off", "none", "null", "auto"})
+LONG_SECRET = 8  # a secret of this many characters or more is redacted wherever it appears, inside words too
+MIN_SECRET = 3  # shorter values are never redacted: they match in nearly every line (the module's doc)
+
+
+def _short_secret_name(name: str) -> bool:
+    return not _SECRET_WORDS.isdisjoint(re.split(r"[^A-Z0-9]+", name.upper()))
 
 
 def env_secrets(environ: dict[str, str] | None = None) -> list[str]:
     """The strings never to show: the values of secret-named environment variables (``os.environ`` by
-    default) and the user information (and its password alone) of every URL a variable holds, longest first."""
+    default) and the user information (and its password alone) of every URL a variable holds, longest first.
+    A value under ``LONG_SECRET`` characters only where its variable's name holds a credential word and it is
+    no flag's word; none under ``MIN_SECRET`` (the module's doc says why)."""
     found = set()
     for name, value in (os.environ if environ is None else environ).items():
-        if _SECRET_ENV.search(name) and len(value) >= MIN_ENV_SECRET:
+        if len(value) >= LONG_SECRET and _SECRET_ENV.search(name):
+            found.add(value)
+        elif len(value) >= MIN_SECRET and _short_secret_name(name) and value.lower() not in _FLAG_WORDS:
             found.add(value)
         # up to the last @: a password typed with a raw / ? or # (a URL that then fails, and whose error
         # repeats it) is found too; a path holding an @ (no ":" before its first /) is not user information
         _, scheme, rest = value.strip().partition("://")
         info = rest.rpartition("@")[0]
         if scheme and info and (":" in info.split("/")[0] or "/" not in info):
-            found.update(v for v in (info, info.partition(":")[2]) if len(v) >= 4)
+            found.update(v for v in (info, info.partition(":")[2]) if len(v) >= MIN_SECRET)
     return sorted(found, key=len, reverse=True)
+
+
+def _secret_pattern(secret: str) -> re.Pattern[str]:
+    """A short secret as a whole token: not preceded (if it starts with a letter or digit) nor followed (if it
+    ends with one) by a letter or digit. ``_`` separates, as in ``HF_TOKEN``."""
+    before = r"(?<![^\W_])" if secret[0].isalnum() else ""
+    after = r"(?![^\W_])" if secret[-1].isalnum() else ""
+    return re.compile(before + re.escape(secret) + after)
 
 
 def redact(text: str, secrets: list[str] | None = None) -> str:
     """``text`` without credentials: a URL's user information as ``***`` (``http://user:pw@host`` →
     ``http://***@host``), a secret-named query parameter's value (``?token=…``) as ``***``, and each of
-    ``secrets`` (``env_secrets()`` by default) as ``***``."""
+    ``secrets`` (``env_secrets()`` by default) as ``***``: one of ``LONG_SECRET`` characters or more wherever it
+    appears, a shorter one where it stands as a whole token, one under ``MIN_SECRET`` characters never."""
     for secret in env_secrets() if secrets is None else secrets:  # first: the patterns below could split one
-        text = text.replace(secret, "***")
+        if len(secret) >= LONG_SECRET:
+            text = text.replace(secret, "***")
+        elif len(secret) >= MIN_SECRET and secret in text:
+            text = _secret_pattern(secret).sub("***", text)
     text = _USERINFO.sub(lambda m: f"{m['scheme']}***@", text)
     return _SECRET_QUERY.sub(lambda m: f"{m['name']}***", text)
 
