@@ -20,9 +20,13 @@ def versions(monkeypatch, **fake: str) -> None:
     monkeypatch.setattr(gates, "installed_version", lambda package: fake.get(package) or real(package))
 
 
-@pytest.mark.parametrize(("installed", "fast"), [("5.19.0", True), ("5.19.3", True), ("5.19.0.dev0", True),
+@pytest.mark.parametrize(("installed", "fast"), [("5.19.0", True), ("5.24.0", True), ("5.19.0+cpu", True),
+                                                  ("5.19.1", False), ("5.19.3", False), ("5.24.1", False),
+                                                  ("5.19.0.dev0", False), ("5.19.0rc1", False), ("5.19.0.post1", False),
                                                   ("5.20.0", False), ("4.56.0", False), ("6.0.0", False)])
-def test_a_version_matches_by_its_release_series(monkeypatch, installed, fast):
+def test_a_version_matches_only_as_checked(monkeypatch, installed, fast):
+    """Issue #67 item 2: the exact versions checked, a local build tag aside; a patch release of a checked series
+    (5.19.1: any 5.19.x had matched) or a pre-release of a checked version is not one."""
     versions(monkeypatch, transformers=installed)
     decision = gates.decide(gates.HF_OWN_LOOP, "qwen2")
     assert decision.fast is fast
@@ -31,9 +35,40 @@ def test_a_version_matches_by_its_release_series(monkeypatch, installed, fast):
                                    "path was checked against (5.19.0, 5.24.0)")
 
 
+def unchecked_neighbours(version: str) -> list[str]:
+    """Versions next to a checked one that were not checked: its next patch, its pre-releases, a post-release."""
+    major, minor, patch = (int(part) for part in version.split("."))
+    return [f"{major}.{minor}.{patch + 1}", f"{major}.{minor}.{patch + 1}+cpu", f"{version}rc1", f"{version}.dev0",
+            f"{version}a0+git1234abc", f"{version}.post1"]
+
+
+@pytest.mark.parametrize("gate", gates.GATES, ids=lambda gate: gate.name)
+def test_no_gate_takes_a_version_it_does_not_list(monkeypatch, gate):
+    """Every gate of the table, every package, every version it lists: that version (and its local build) takes the
+    fast path and the line names it; its next patch release, pre-releases and post-release each take the fallback,
+    with the reason naming the versions checked. A gate that matched a release series would fail here."""
+    family = None if gate.families is None else sorted(gate.families)[0]
+    listed = {package: versions[0] for package, versions in gate.versions.items()}
+    for package, checked in gate.versions.items():
+        for version in checked:
+            for same in (version, f"{version}+cpu"):
+                versions(monkeypatch, **{**listed, package: same})
+                decision = gates.decide(gate, family)
+                named = f"{package} {same}" if same == version else f"{package} {same} as {version}"
+                assert decision.fast and named in decision.checked.split(", ") and named in decision.reason
+            for other in unchecked_neighbours(version):
+                versions(monkeypatch, **{**listed, package: other})
+                decision = gates.decide(gate, family)
+                assert not decision.fast, (gate.name, package, other)
+                assert decision.reason == (f"{gate.fallback}: {package} {other} is not a version this path was checked "
+                                           f"against ({', '.join(checked)})")
+
+
 def test_a_local_build_tag_is_the_same_version(monkeypatch):
     versions(monkeypatch, torch="2.13.0+cpu")
-    assert gates.decide(gates.ONEDNN_LINEAR).fast
+    decision = gates.decide(gates.ONEDNN_LINEAR)
+    assert decision.fast and decision.checked == "torch 2.13.0+cpu as 2.13.0"
+    assert decision.reason.endswith("(torch 2.13.0+cpu as 2.13.0: checked)")
 
 
 def test_an_unchecked_family_or_a_refusal_takes_the_public_path():

@@ -13,8 +13,9 @@ Same math as ``F.linear``; only the order of the fp32 sums differs (the GEMM lib
 any two BLAS builds. Inputs outside oneDNN's fp32 path (another dtype or device, autocast, no rows) go
 through ``F.linear`` unchanged.
 
-A private op, so gated (``offpolicy.speed.gates.ONEDNN_LINEAR``): on a torch whose release series it was not
-checked against, the layers stay ``F.linear`` and the run's header says why.
+A private op, so gated (``offpolicy.speed.gates.ONEDNN_LINEAR``): on a torch that is not a version it was checked
+against (exactly; a local build tag such as ``+cpu`` aside), the layers stay ``F.linear`` and the run's header says
+why.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from offpolicy.speed.gates import ONEDNN_LINEAR, decide, installed_version
+from offpolicy.speed.gates import ONEDNN_LINEAR, decide
 
 
 # without a gradient, inputs of fewer rows than this go through F.linear (OneDNNLinear.forward), unless the layer has
@@ -133,4 +134,4 @@ def use_onednn_linear(model: torch.nn.Module, mode: Literal["auto", "onednn", "t
     layers = [m for m in model.modules() if type(m) is torch.nn.Linear]
     for layer in layers:
         layer.__class__ = OneDNNLinear
-    return f"oneDNN ({len(layers)} layers; cpu_linear={mode}; torch {installed_version('torch')}: checked)"
+    return f"oneDNN ({len(layers)} layers; cpu_linear={mode}; {gate.checked}: checked)"

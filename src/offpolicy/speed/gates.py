@@ -6,14 +6,17 @@ it takes the fast path, otherwise the library's public path, and the run's heade
 (``resolved.speed_paths``) say which ran and why. An upgrade of transformers, vLLM or torch then makes a run
 slower until the new version is checked here, never wrong.
 
-A version matches when its release series (major.minor; a patch release, or a local build tag such as ``+cpu``,
-changes nothing) is one of those listed. A model matches when its ``config.model_type`` is one of ``families``
-(None: any model, for a path that works below the model's code, layer by layer)."""
+A version matches when it is one of those listed, exactly: only a local build tag (``+cpu``, the same release's
+source built for one platform) is set aside. A patch release (5.19.1), a pre-release or a development build
+(5.19.0rc1, 5.19.0.dev0, torch's 2.13.0a0+git…) is not a checked version and takes the public path until it is
+checked and listed: a patch may change how a model family builds its attention mask, which the packed forward
+relies on (issue #67; until then any release of a checked major.minor series had matched). A model matches when
+its ``config.model_type`` is one of ``families`` (None: any model, for a path that works below the model's code,
+layer by layer)."""
 
 from __future__ import annotations
 
 import importlib.metadata
-import re
 import sys
 from dataclasses import dataclass
 
@@ -25,7 +28,7 @@ class Gate:
     name: str  # the key in the run's header and config.yaml's resolved.speed_paths
     fast: str  # the fast path, in words
     fallback: str  # the library's public path, in words
-    versions: dict[str, tuple[str, ...]]  # package → the versions checked (exact; matched by release series)
+    versions: dict[str, tuple[str, ...]]  # package → the versions checked (exact; a local build tag aside)
     families: frozenset[str] | None  # config.model_type values checked; None: any model
 
 
@@ -36,6 +39,7 @@ class Decision:
     gate: str
     fast: bool
     reason: str
+    checked: str = ""  # where fast: each package's version as matched ("torch 2.13.0+cpu as 2.13.0")
 
     def line(self) -> str:
         return self.reason
@@ -85,9 +89,15 @@ def installed_version(package: str) -> str | None:
         return None
 
 
-def series(version: str) -> tuple[int, ...]:
-    """``version``'s release series, (major, minor): "2.13.0+cpu" → (2, 13), "5.19.0.dev0" → (5, 19)."""
-    return tuple(int(part) for part in re.findall(r"\d+", version.split("+")[0])[:2])
+def release(version: str) -> str:
+    """``version`` without its local build tag: "2.13.0+cpu" → "2.13.0"; "5.19.0.dev0" and "2.13.0a0+git12ab"
+    stay what they are, "5.19.0.dev0" and "2.13.0a0" (not the release 5.19.0 or 2.13.0)."""
+    return version.strip().split("+")[0]
+
+
+def matched(have: str, versions: tuple[str, ...]) -> str | None:
+    """The listed version ``have`` is (a local build tag aside), None where it is none of them."""
+    return release(have) if release(have) in {release(v) for v in versions} else None
 
 
 def model_family(model) -> str:
@@ -98,22 +108,25 @@ def model_family(model) -> str:
 
 def decide(gate: Gate, family: str | None = None, refusal: str | None = None) -> Decision:
     """``gate``'s path for this process and a model of ``family`` (None: not about a model): fast where every
-    package is at a checked series, the family is checked and nothing else refused it (``refusal``, the path's
-    own check of this model, in words), else the fallback, with the first reason that failed."""
+    package is at a checked version, the family is checked and nothing else refused it (``refusal``, the path's
+    own check of this model, in words), else the fallback, with the first reason that failed. The fast line names
+    each package's installed version and, where a local build tag was set aside, the checked one it matched
+    ("torch 2.13.0+cpu as 2.13.0")."""
     checked = []
     for package, versions in gate.versions.items():
         have = installed_version(package)
         known = ", ".join(versions)
         if have is None:
             return Decision(gate.name, False, f"{gate.fallback}: {package} is not installed")
-        if series(have) not in {series(v) for v in versions}:
+        same = matched(have, versions)
+        if same is None:
             return Decision(gate.name, False, f"{gate.fallback}: {package} {have} is not a version this path was "
                                               f"checked against ({known})")
-        checked.append(f"{package} {have}")
+        checked.append(f"{package} {have}" if have == same else f"{package} {have} as {same}")
     if family is not None and gate.families is not None and family not in gate.families:
         return Decision(gate.name, False, f"{gate.fallback}: model family {family or '(none)'!r} is not one this path "
                                           f"was checked against ({', '.join(sorted(gate.families))})")
     if refusal:
         return Decision(gate.name, False, f"{gate.fallback}: {refusal}")
     model = "" if family is None else f", {family}"
-    return Decision(gate.name, True, f"{gate.fast} ({', '.join(checked)}{model}: checked)")
+    return Decision(gate.name, True, f"{gate.fast} ({', '.join(checked)}{model}: checked)", ", ".join(checked))
