@@ -349,8 +349,9 @@ def test_cli_self_check(tiny_model, tmp_path):
     check = json.loads((tmp_path / "s" / "report.json").read_text())["self_check"]
     trainer = check["trainer"]
     assert trainer["configured"]["dtype"] == "bf16" and trainer["configured"]["micro_batches"] > 1
-    for part in ("micro_batch", "fp32_head", "fp32"):
+    for part in ("packing", "micro_batch", "fp32_head", "fp32"):
         assert 0 <= trainer[part]["fraction_outside_0.9_1.1"] <= trainer[part]["fraction_differing"] <= 1
+    assert "whole rows" in trainer["packing"]["against"] and "whole rows" in trainer["micro_batch"]["against"]
     assert trainer["fp32"]["fraction_differing"] > 0  # bf16 autocast against fp32: every token moves a little
     layers = check["layers"]
     assert [row["layer"] for row in layers["layers"]] == ["embedding", "layer 1", "layer 2 + final norm"]
@@ -658,3 +659,19 @@ def test_smollm2_hf_engine_is_honest(smollm2_dir, tmp_path):
     assert not checks["retokenization"]["reported"]
     assert report["provenance"]["engine"]["name"] == "hf" and report["provenance"]["engine"]["dtype"] == "bfloat16"
     assert "engine: hf (transformers" in result.stdout and "trainer_linear:" in result.stdout
+
+
+
+def test_self_check_tells_packing_from_micro_batching(tiny_model):
+    """Issue #67: the micro-batch row compared the packed forward against whole rows, so a packing difference read
+    as a micro-batch dependence. In fp32 with one micro-batch of whole rows, micro-batching changes nothing at all
+    (the same forward); packing is its own row."""
+    from offpolicy.measure import self_check
+    from offpolicy.policy.score import Scorer, load_policy
+
+    s = bf16_batch(tiny_model)
+    scorer = Scorer(load_policy(tiny_model, torch.device("cpu")).eval(), SamplingConfig(max_tokens=12),
+                    torch.device("cpu"), "bf16", None)  # one micro-batch: the whole batch
+    out = self_check.trainer_against_itself(scorer, s)
+    assert set(out) >= {"packing", "micro_batch", "fp32_head", "fp32"}
+    assert out["micro_batch"]["tokens"] == out["packing"]["tokens"] > 0

@@ -613,7 +613,7 @@ def summary(result: dict[str, Any], entropy: float | None) -> tuple[dict[str, fl
             else:
                 notes.append(f"{stat}: left out, {checks[part]['why'].removeprefix('not reported: ')}")
     trainer_check = (result.get("self_check") or {}).get("trainer")
-    for part in ("micro_batch", "fp32_head"):
+    for part in ("packing", "micro_batch", "fp32_head"):
         stat = f"self_check_{part}_fraction_outside_0.9_1.1"
         if trainer_check is not None and "fraction_outside_0.9_1.1" in trainer_check[part]:
             out[stat] = trainer_check[part]["fraction_outside_0.9_1.1"]
@@ -1118,7 +1118,7 @@ def print_checks(console, reports: list[dict[str, Any]]) -> None:
                       "micro-batch(es))")
         for col in ("configured against", "ρ outside [0.9, 1.1]", "differing", "mean |Δ log π|", "max |Δ log π|"):
             table.add_column(col, justify="right" if col != "configured against" else "left")
-        for part in ("micro_batch", "fp32_head", "fp32"):
+        for part in ("packing", "micro_batch", "fp32_head", "fp32"):
             row = check["trainer"][part]
             if "tokens" not in row:
                 table.add_row(row["against"], "–", "–", "–", "–")

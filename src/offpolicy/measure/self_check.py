@@ -5,9 +5,12 @@ engine's tokens. Each comparison scores the same tokens twice and reports the sh
 π_a/π_b lies outside [0.9, 1.1] (read on the log-ratio, as ``diagnose.fraction_outside``), the share that
 differs at all, and the mean and max |Δ log π|:
 
-* ``micro_batch``: the configured micro-batches (``--micro-batch-tokens``) against micro-batch 1 (each row
-  scored alone). π_old must not depend on how rows are grouped; in bf16 it does (verl #6280: 1.8–60 % of
-  tokens outside [0.9, 1.1] in bf16, 0 % in fp32).
+* ``packing``: the configured forward (each group's prompt computed once, its responses packed behind it, where
+  the model allows it) against the same micro-batches of whole rows. The two are equal in exact arithmetic; in
+  bf16 the packed sums round differently (issue #67: this was read as micro-batching before).
+* ``micro_batch``: whole rows in the configured micro-batches (``--micro-batch-tokens``) against micro-batch 1
+  (each row scored alone). π_old must not depend on how rows are grouped; in bf16 it does (verl #6280: 1.8–60 %
+  of tokens outside [0.9, 1.1] in bf16, 0 % in fp32).
 * ``fp32_head``: the configured precision against the same forward with an fp32 head — the decoder's last
   hidden states as the configured precision gives them, then the head's GEMM and the log-softmax in fp32.
   Identical where the configured precision is fp32 (reported as such). Research harnesses credit an fp32
@@ -86,10 +89,15 @@ def trainer_against_itself(scorer: Scorer, batch: Batch) -> dict[str, Any]:
     mask = batch.mask
     configured = scorer.score(batch).float().cpu()
     # a row longer than the budget goes alone (whole rows: by packs, a budget of 1 would leave each pack whole)
-    one = replace(scorer, budget=1, by_packs=False).score(batch).float().cpu()
+    one = replace(scorer, budget=1, by_packs=False, packs=False).score(batch).float().cpu()
+    unpacked = replace(scorer, packs=False).score(batch).float().cpu()  # the same micro-batches, whole rows
+    rows = replace(scorer, packs=False, by_packs=False).score(batch).float().cpu()  # micro-batches of whole rows
     out: dict[str, Any] = {"configured": {"dtype": scorer.dtype, "micro_batch_tokens": scorer.budget,
                                           "micro_batches": len(scorer.micro_batches(batch, torch.arange(len(mask))))},
-                           "micro_batch": {"against": "micro-batch 1 (each row alone)", **compare(configured, one, mask)}}
+                           "packing": {"against": "the same micro-batches of whole rows",
+                                       **compare(configured, unpacked, mask)},
+                           "micro_batch": {"against": "micro-batch 1 (each row alone), whole rows both",
+                                           **compare(rows, one, mask)}}
     if scorer.dtype == "fp32":
         same = "the configured precision is fp32: identical by construction"
         out["fp32_head"] = {"against": same}

@@ -154,11 +154,12 @@ def trim(batch: Batch) -> Batch:
                  support=None if batch.support is None else batch.support.cut(t_max))
 
 
-def to_device(batch: Batch, device: torch.device, budget: int | None = None) -> Batch:
+def to_device(batch: Batch, device: torch.device, budget: int | None = None, packs: bool = True) -> Batch:
     """The batch's tensors on ``device``, with the positions of its counted tokens and their kept sets
     (``Batch.counted``) worked out here while the mask is on the host: the forward then gathers them
     without reading the device (a ``nonzero`` of a CUDA mask waits for every kernel queued before it).
-    ``budget``: the micro-batches' tokens (``micro_batches``), under which the packs are planned."""
+    ``budget``: the micro-batches' tokens (``micro_batches``), under which the packs are planned; ``packs``
+    False: no pack plan, every row computes its whole prompt (``diagnose --self-check``'s packing row)."""
     moved = Batch(*(getattr(batch, f).to(device, non_blocking=True) for f in TENSORS),
                   kept=None if batch.kept is None else batch.kept.to(device, non_blocking=True),
                   support=None if batch.support is None else batch.support.to(device, non_blocking=True))
@@ -168,7 +169,7 @@ def to_device(batch: Batch, device: torch.device, budget: int | None = None) -> 
         if batch.kept is not None:  # the counted tokens' sets, expanded here (``FlatKept``): host reads are free
             where = batch.kept.start.device
             flat = batch.kept[rows.to(where), cols.to(where)].flat().to(device, non_blocking=True)
-        shared = shared_prompts(batch, budget)
+        shared = shared_prompts(batch, budget) if packs else None
         moved.counted = Counted(moved.mask, device_index(rows, device), device_index(cols, device), moved.kept, flat,
                                 None if shared is None else shared.to(device, moved.input_ids))
     return moved
@@ -180,7 +181,9 @@ class Scorer:
     ``load_policy``) on ``device``, the engine's ``sampling`` support, the compute ``dtype`` (``fp32``,
     or ``bf16`` autocast: ``precision``) and ``budget``, the padded tokens of one micro-batch
     (``micro_batches``; None: the whole batch at once). ``by_packs``: micro-batches of whole packs where the model's
-    forward packs (False: of whole rows, e.g. each row alone for ``diagnose --self-check``)."""
+    forward packs (False: of whole rows, e.g. each row alone for ``diagnose --self-check``); ``packs``: the forward
+    packs each group where the model allows it (False: whole rows in the same micro-batches, the self-check's
+    packing row)."""
 
     model: torch.nn.Module
     sampling: SamplingConfig
@@ -188,6 +191,7 @@ class Scorer:
     dtype: str = "fp32"
     budget: int | None = None
     by_packs: bool = True
+    packs: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -216,7 +220,7 @@ class Scorer:
 
     def to_device(self, batch: Batch, rows: torch.Tensor) -> Batch:
         """``rows`` of the CPU ``batch``, trimmed of unused padding, on the device."""
-        return to_device(trim(batch.select(rows)), self.device, self.budget)
+        return to_device(trim(batch.select(rows)), self.device, self.budget, self.packs)
 
     @torch.no_grad()
     def score(self, batch: Batch, metrics: Metrics | None = None, entropy: bool = False,
