@@ -21,6 +21,7 @@ import pytest
 import torch
 
 import offpolicy as op
+from offpolicy.core.config import RatioRule
 from offpolicy.core.errors import ConfigError
 
 TOL = dict(rtol=2e-5, atol=2e-6)  # the answers are float64; the library computes in fp32
@@ -237,7 +238,7 @@ def test_sequence_weight_is_the_rows_and_a_rejected_row_is_not_centred():
     torch.testing.assert_close(sp.grad, expected, **TOL)
     # a band that rejects row 1: its support gets no gradient
     cfg2 = cfg.model_copy(update={"correction": cfg.correction.model_copy(
-        update={"reject": [op.config.RatioRule(stat="ratio", level="sequence", low=1.22, high=2.5)]})})
+        update={"reject": [RatioRule(stat="ratio", level="sequence", low=1.22, high=2.5)]})})
     sp = sup_p.clone().requires_grad_(True)
     per_token, _, _ = op.policy_loss(lp, None, adv, torch.ones(2, 2), lq, cfg2, reduce=False,
                                      support_logprobs=sp, support_rollout_logprobs=sup_q)
