@@ -145,7 +145,8 @@ def test_new_presets_are_listed_with_summaries():
     for name in ("areal:decoupled", "areal:token_mask", "areal:token_clamp", "areal:seq_mask", "areal:seq_clamp",
                  "nemorl:tis", "nemorl:icepop", "nemorl:seq-mask-tis", "roll:token_is", "roll:geometric_is",
                  "roll:sequence_is", "roll:segment_is", "areal:m2po", "nemorl:tis-seq-error",
-                 "nemorl:icepop-seq-error", "prime-rl@008468c:icepop", "prime-rl@008468c:icepop_seq_veto",
+                 "nemorl:icepop-seq-error", "nemorl:tis-score-centering", "nemorl:icepop-score-centering",
+                 "prime-rl@008468c:icepop", "prime-rl@008468c:icepop_seq_veto",
                  "prime-rl:dppo", "prime-rl@559b447:ipo", "prime-rl:ipo", "prime-rl:ipo_score_centering",
                  "prime-rl:icepop", "prime-rl:ppo", "prime-rl:cispo"):
         assert name in out.stdout

@@ -114,6 +114,7 @@ def trainer_grads(model, batch, adv, cfg, sampling, old, old_support, budget):
 @pytest.mark.parametrize("form, sampling, preset", [
     ("head", SamplingConfig(max_tokens=8, temperature=0.8, head_logprobs=4), None),
     ("head", SamplingConfig(max_tokens=8, temperature=0.8, head_logprobs=4), "recommended"),
+    ("head", SamplingConfig(max_tokens=8, temperature=0.8, head_logprobs=4), "nemorl:tis-score-centering"),
     ("exact", SamplingConfig(max_tokens=8, temperature=1.2, top_k=6), "verl:decoupled_token_is"),
     ("exact", SamplingConfig(max_tokens=8, temperature=1.0, top_p=0.7), None),
 ])
@@ -192,6 +193,7 @@ def test_train_refuses_a_centring_without_its_support(args, message, capsys):
 @pytest.mark.parametrize("args", [
     ["preset=none", "loss.score_centering=head", "score_centering_head=8", "minibatches=2"],
     ["preset=prime-rl:ipo_score_centering", "top_k=6", "engine=hf"],
+    ["preset=nemorl:icepop-score-centering", "score_centering_head=8"],
 ])
 def test_offpolicy_train_runs_centred_on_the_embedded_default(tmp_path, args, capsys):
     """As a user types it: the run learns with the centring applied at every step and finite numbers."""
