@@ -644,7 +644,9 @@ class LossConfig(_Loadable):
         "head of the full-vocabulary distributions, the rest modelled as a tail proportional to p; None = off")
     score_centering_tail_floor: float = Field(
         1e-6, gt=0, lt=1, description="score_centering head: the tail masses 1 − Σ_head are floored at this value "
-        "(SkyRL #2244's tail_floor)")
+        "(SkyRL #2244's tail_floor), the sampler's as well as the trainer's; the paper and NeMo-RL floor only the "
+        "trainer's (the denominator of ρ), which differs only where 1 − Σ_head q < floor, by at most "
+        "max(1, hi)·floor of tail mass (docs/estimators.md#score-centering)")
     _section: ClassVar[str] = "loss"
 
     @model_validator(mode="before")
