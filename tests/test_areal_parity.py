@@ -24,6 +24,7 @@ import pytest
 import torch
 
 import offpolicy as op
+from offpolicy.core import kernels
 
 from conftest import LazyModule, require_host  # noqa: E402
 
@@ -335,7 +336,7 @@ def test_every_areal_mode_matches_its_real_function(name, seed, B, T, extreme):
     args = new_batch(seed, B, T, extreme)
     want_loss, want_grad, want_kept = areal_truth(*args, setting)
     # auto only where a fast rung takes the config (gspo / sapo run on the reference either way)
-    fast = any(op.kernels.get(r).supports(areal_map.loss_config(**setting), None) for r in ("eager", "compiled"))
+    fast = any(kernels.get(r).supports(areal_map.loss_config(**setting), None) for r in ("eager", "compiled"))
     for impl in ("reference", "auto") if fast else ("reference",):
         loss, grad, kept = ours_areal(*args, setting, impl)
         torch.testing.assert_close(loss, want_loss, rtol=2e-5, atol=1e-6, msg=f"{name} {impl} loss")
@@ -513,7 +514,7 @@ def test_m2po_sequence_mask_drops_the_token_areal_drops(implementation):
     assert not want_kept.any()  # AReaL drops it; M2PO alone keeps it (it never masks the last token)
     assert apply_m2po_masking()(mu, prox, mask.clone(), 0.04).all()
     if implementation not in ("auto", "reference"):  # the fast rungs cannot count after the first rule
-        assert not op.kernels.get(implementation).supports(cfg, None)
+        assert not kernels.get(implementation).supports(cfg, None)
         with pytest.raises(ValueError, match="does not cover"):
             ours_areal(theta, prox, mu, adv, mask, setting, implementation)
         return
