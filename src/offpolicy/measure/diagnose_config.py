@@ -103,8 +103,8 @@ class DiagnoseConfig(_Strict):
     top_p: TopP = Field(1.0, description="nucleus mass in (0, 1]; 1 keeps everything")
     top_k: TopK = Field(-1, description="tokens kept by top-k; -1 = no top-k")
     min_p: MinP = Field(0.0, description="min-p in [0, 1); 0 = off. Its place among the truncations follows the "
-                        "engine: vLLM (in-process or a server) first, the hf engine and SGLang (--sampling-mask "
-                        "sglang) after top-k and top-p")
+                        "engine: vLLM (in-process or a server) first, the hf engine and an SGLang server (named by "
+                        "its sampling-mask flag) after top-k and top-p")
     logit_noise: float = Field(0.0, description="additive engine logit noise σ (hf engine)")
     micro_batch_tokens: int | None = Field(
         MICRO_BATCH_TOKENS, gt=0, description="the trainer's micro-batches, in padded tokens, as train's "
