@@ -170,7 +170,8 @@ needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
 @pytest.mark.parametrize("unchecked", ["vllm", "family"])
 def test_the_vllm_direct_sync_on_an_unchecked_vllm_or_model_is_vllms_reload(monkeypatch, tiny_qwen2_dir, unchecked):
     """vLLM 0.99 (or a model family the direct sync was not checked on): vLLM starts with its own GEMM dispatch
-    untouched, every sync goes through its reload, and the engine says why."""
+    untouched, every sync goes through its public weight-transfer API (its layerwise reload), and the engine says
+    why."""
     import vllm_fakes
     from vllm.model_executor.layers import utils
 
@@ -195,10 +196,12 @@ def test_the_vllm_direct_sync_on_an_unchecked_vllm_or_model_is_vllms_reload(monk
     engine = engine_module.VLLMEngine(str(tiny_qwen2_dir), dtype="fp32")
     assert seen == [dispatch]  # vLLM's own dispatch while it started
     assert engine.direct_sync_blockers == [why]
-    assert engine.speed_paths == {"vllm_direct_sync": f"vLLM's own reload_weights: {why}"}
+    assert engine.speed_paths == {"vllm_direct_sync": "vLLM's weight-transfer API (LLM.start_weight_update / "
+                                  f"update_weights / finish_weight_update, backend 'offpolicy_inprocess'): {why}"}
     llm = fake.instances[-1]
     engine.sync_weights([("embed", torch.ones(2))])
-    assert ("collective_rpc", "reload_weights") in llm.calls and ("collective_rpc", "_direct_reload") not in llm.calls
+    assert ("update_weights",) in llm.calls and ("collective_rpc", "_direct_reload") not in llm.calls
+    assert ("collective_rpc", "reload_weights") not in llm.calls
     engine.close()
 
 
@@ -206,9 +209,9 @@ def test_the_vllm_direct_sync_on_an_unchecked_vllm_or_model_is_vllms_reload(monk
 @pytest.mark.xdist_group("real-model")
 def test_a_sync_whose_weights_do_not_land_is_caught_by_reading_them_back(monkeypatch, tiny_qwen2_dir):
     """Issue #57: on vLLM's own reload the sync was checked only by matching a log line. Now the one-dimensional
-    weights sent (norms, biases) are read back through ``collective_rpc`` and compared bit for bit: a reload that
-    reports nothing yet leaves a weight as it was is an error. The first sync (the engine's own starting weights)
-    calibrates, leaving out a weight vLLM transforms as it loads (here ``scaled``)."""
+    weights sent (norms, biases) are read back through ``collective_rpc`` and compared bit for bit: a load that
+    reports every parameter loaded yet leaves a weight as it was is an error. The first sync (the engine's own
+    starting weights) calibrates, leaving out a weight vLLM transforms as it loads (here ``scaled``)."""
     import vllm_fakes
 
     from offpolicy.engines import EngineError
@@ -217,26 +220,29 @@ def test_a_sync_whose_weights_do_not_land_is_caught_by_reading_them_back(monkeyp
     fake = vllm_fakes.install(monkeypatch, "cpu")
     engine = VLLMEngine(str(tiny_qwen2_dir), dtype="fp32")
     llm = fake.instances[-1]
-    model = torch.nn.Module()
-    model.norm = torch.nn.Parameter(torch.ones(3))
-    model.scaled = torch.nn.Parameter(torch.ones(3))
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm = torch.nn.Parameter(torch.ones(3))
+            self.scaled = torch.nn.Parameter(torch.ones(3))
+            self.lands = True
+
+        def load_weights(self, weights):  # reports every parameter loaded; copies (scaled: × 2) only if it lands
+            weights = list(weights)
+            with torch.no_grad():
+                for name, tensor in weights:
+                    if self.lands and hasattr(self, name):
+                        getattr(self, name).copy_(tensor * (2 if name == "scaled" else 1))
+            return {"norm", "scaled"}
+
+    model = Model()
     llm.worker.model_runner.get_model = lambda: model
-    reload = llm.worker.reload_weights
-
-    def loading(*args, **kwargs):  # a reload that lands: copies what it reads into the model (scaled: × 2)
-        weights = list(kwargs.pop("weights_iterator"))
-        reload(*args, weights_iterator=iter(weights), **kwargs)
-        with torch.no_grad():
-            for name, tensor in weights:
-                if hasattr(model, name):
-                    getattr(model, name).copy_(tensor * (2 if name == "scaled" else 1))
-
-    monkeypatch.setattr(llm.worker, "reload_weights", loading)
     start = {"norm": torch.ones(3), "scaled": torch.ones(3), "bias": torch.zeros(3), "matrix": torch.ones(2, 2)}
     engine.sync_weights(start.items())  # calibration: scaled is transformed, left out
     engine.sync_weights({**start, "norm": torch.full((3,), 1.5), "scaled": torch.full((3,), 0.5)}.items())
     assert model.norm.tolist() == [1.5] * 3
-    monkeypatch.setattr(llm.worker, "reload_weights", reload)  # a reload that loads nothing, and says nothing
+    model.lands = False  # a load that loads nothing, and says nothing
     with pytest.raises(EngineError, match=r"read back after the load are not the trainer's \(norm\)"):
         engine.sync_weights({**start, "norm": torch.full((3,), 2.0)}.items())
     engine.close()

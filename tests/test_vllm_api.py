@@ -83,13 +83,20 @@ def test_vllm_options_reach_llm_and_bad_ones_are_refused(monkeypatch, tiny_qwen2
 
 
 def test_sync_wakes_the_weights_then_loads_a_lazy_iterator_through_the_worker(monkeypatch, tiny_qwen2_dir):
-    """The colocated GPU sequence: generate → sleep(1); sync: wake the weights, reload through
-    ``collective_rpc("reload_weights")`` from an iterator the trainer's tensors are pulled from only while
-    vLLM loads (never a second full copy built before waking), wake the KV cache, reset the prefix cache."""
+    """The colocated GPU sequence: generate → sleep(1); sync: wake the weights, load through vLLM's public
+    weight-transfer API (issue #69 item 6: ``LLM.start_weight_update`` / ``update_weights`` /
+    ``finish_weight_update``, the in-process backend built by vLLM's factory) from an iterator the trainer's
+    tensors are pulled from only while vLLM loads (never a second full copy built before waking), wake the KV
+    cache, reset the prefix cache."""
     fake = vllm_fakes.install(monkeypatch, "cuda")
     engine = VLLMEngine(str(tiny_qwen2_dir), dtype="bf16", sleep=True)
     engine.device = torch.device("cpu")  # no GPU to copy to here; the order and laziness are what is checked
     llm = fake.instances[-1]
+    assert llm.kwargs["weight_transfer_config"].backend == "offpolicy_inprocess"
+    assert engine.sync_route == "weight_transfer"
+    assert engine.speed_paths == {"vllm_direct_sync": "vLLM's weight-transfer API (LLM.start_weight_update / "
+                                  "update_weights / finish_weight_update, backend 'offpolicy_inprocess'): not on "
+                                  "the CPU"}
     out = engine.generate([[1, 2], [3]], SAMPLING, seed=0, version=0)
     assert out.response_ids == [[5, 6, 7], [6, 7, 8]] and out.logprobs[0] == pytest.approx([-1.0, -1.1, -1.2])
 
@@ -101,12 +108,66 @@ def test_sync_wakes_the_weights_then_loads_a_lazy_iterator_through_the_worker(mo
     engine.sync_weights(trainer_weights())
     engine.generate([[1, 2]], SAMPLING, seed=0, version=1)
     assert llm.calls == [("collective_rpc", "_fused_shards"),  # at start: the fused parameters' shards
-                         ("generate",), ("sleep", 1), ("wake_up", ["weights"]), ("collective_rpc", "reload_weights"),
-                         ("reload_weights",), ("trainer yields", "embed"), ("loaded", "embed"),
-                         ("trainer yields", "head"), ("loaded", "head"),
+                         ("init_weight_transfer_engine",),  # and the transfer's channel, once
+                         ("generate",), ("sleep", 1), ("wake_up", ["weights"]),
+                         ("start_weight_update",), ("update_weights",),
+                         ("trainer yields", "embed"), ("loaded", "embed"),
+                         ("trainer yields", "head"), ("loaded", "head"), ("finish_weight_update",),
                          ("collective_rpc", "_read_back"),  # the sync's check: the 1-D weights read back
                          ("wake_up", None), ("reset_prefix_cache",), ("generate",), ("sleep", 1)]
     assert all(t.dtype == torch.bfloat16 for _, t in llm.worker.loaded)  # the engine's dtype
+    engine.close()
+
+
+def test_a_vllm_without_the_weight_transfer_api_syncs_through_its_reload(monkeypatch, tiny_qwen2_dir):
+    """Where the installed vLLM has no public weight-transfer path (``weight_transfer_blocker``), the sync is
+    vLLM's private ``collective_rpc("reload_weights")`` as before, lazily, and the header says why."""
+    from offpolicy.engines import vllm as engine_module
+
+    fake = vllm_fakes.install(monkeypatch, "cuda")
+    monkeypatch.setattr(engine_module, "weight_transfer_blocker", lambda: "vLLM 0.20.0 has no weight_transfer_config")
+    engine = VLLMEngine(str(tiny_qwen2_dir), dtype="bf16", sleep=True)
+    engine.device = torch.device("cpu")
+    llm = fake.instances[-1]
+    assert "weight_transfer_config" not in llm.kwargs and engine.sync_route == "reload_weights"
+    assert engine.speed_paths == {"vllm_direct_sync": "vLLM's own reload_weights (collective_rpc; its weight-"
+                                  "transfer API cannot run here: vLLM 0.20.0 has no weight_transfer_config): not on "
+                                  "the CPU"}
+
+    def trainer_weights():
+        for name in ("embed", "head"):
+            llm.calls.append(("trainer yields", name))
+            yield name, torch.ones(2, dtype=torch.float64)
+
+    engine.generate([[1, 2]], SAMPLING, seed=0, version=0)
+    engine.sync_weights(trainer_weights())
+    assert llm.calls == [("collective_rpc", "_fused_shards"), ("generate",), ("sleep", 1), ("wake_up", ["weights"]),
+                         ("collective_rpc", "reload_weights"), ("reload_weights",),
+                         ("trainer yields", "embed"), ("loaded", "embed"),
+                         ("trainer yields", "head"), ("loaded", "head"),
+                         ("collective_rpc", "_read_back"), ("wake_up", None), ("reset_prefix_cache",)]
+    engine.close()
+
+
+def test_a_weight_transfer_that_fails_to_start_keeps_the_reload_and_says_so(monkeypatch, tiny_qwen2_dir, tmp_path):
+    """``LLM.init_weight_transfer_engine`` raising (here: vLLM's worker in another process, where the in-process
+    backend finds no channel) leaves the engine on vLLM's reload, with the step and its error in the header."""
+    from offpolicy.engines import vllm as engine_module
+
+    fake = vllm_fakes.install(monkeypatch, "cpu")
+
+    class Elsewhere(dict):  # what a worker in its own process sees: its own registry, without the trainer's channel
+        def __setitem__(self, key, value):
+            pass
+
+    monkeypatch.setattr(engine_module, "_CHANNELS", Elsewhere())
+    engine = VLLMEngine(str(tiny_qwen2_dir), dtype="fp32", log_path=tmp_path / "engine.log")
+    assert engine.sync_route == "reload_weights"
+    assert engine.transfer_blocker.startswith("LLM.init_weight_transfer_engine failed: RuntimeError: weight transfer "
+                                              "'offpolicy_inprocess': no channel")
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING=0" in (tmp_path / "engine.log").read_text()
+    engine.sync_weights([("embed", torch.ones(2))])
+    assert ("collective_rpc", "reload_weights") in fake.instances[-1].calls
     engine.close()
 
 

@@ -1,10 +1,13 @@
 """Fakes of ``vllm.LLM`` and of the worker it reaches through ``collective_rpc``, for tests that must not
 start vLLM. They cannot drift from the real API: every call offpolicy makes is bound to the installed
 vLLM's own signature (``inspect.signature`` of ``LLM.__init__``, ``generate``, ``sleep``, ``wake_up``,
-``reset_prefix_cache``, ``collective_rpc`` and the model runner's ``reload_weights``, to which the
-worker forwards), so a wrong name or argument raises ``TypeError`` as it would against vLLM, and the
-``LLM(...)`` keywords must each be a field of the installed ``EngineArgs``. Outputs are vLLM's own
-``RequestOutput`` / ``CompletionOutput`` / ``Logprob`` objects.
+``reset_prefix_cache``, ``collective_rpc``, the weight-transfer methods ``init_weight_transfer_engine``,
+``start_weight_update``, ``update_weights``, ``finish_weight_update``, and the model runner's
+``reload_weights``, to which the worker forwards), so a wrong name or argument raises ``TypeError`` as it
+would against vLLM, and the ``LLM(...)`` keywords must each be a field of the installed ``EngineArgs``.
+Outputs are vLLM's own ``RequestOutput`` / ``CompletionOutput`` / ``Logprob`` objects. The weight-transfer
+backend the worker builds is the real one, from vLLM's factory (``WeightTransferEngineFactory``), loading
+into the fake's model (``FakeModel``); only vLLM's layerwise reload around it is left out.
 
 ``install(monkeypatch, platform)`` puts ``FakeLLM`` in place of ``vllm.LLM``; with ``platform="cuda"``
 vLLM's platform reports CUDA (``is_cpu()`` False), so the engine takes its GPU path on this machine.
@@ -20,11 +23,13 @@ import types
 
 import torch
 import vllm
+from vllm.distributed.weight_transfer import WeightTransferEngineFactory
 from vllm.engine.arg_utils import EngineArgs
 from vllm.logprobs import Logprob
 from vllm.model_executor.model_loader.reload import inplace
 from vllm.outputs import CompletionOutput, RequestOutput
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+from vllm.v1.worker.gpu_worker import Worker
 
 LLM = vllm.LLM  # the real class, bound against even while FakeLLM stands in for it
 NOT_LOADED_FORMAT = "Following weights were not loaded from checkpoint: %s"
@@ -40,35 +45,98 @@ def bind(cls, method: str, *args, **kwargs) -> inspect.BoundArguments:
     return bound
 
 
+class FakeModel(torch.nn.Module):
+    """The engine's model as a weight loader sees it: its parameters are the worker's ``parameters`` (names;
+    none unless a test sets them), each holding what was last loaded into it; ``load_weights`` consumes the
+    iterator one tensor at a time, as vLLM's models do, and returns the names it loaded."""
+
+    def __init__(self, worker: FakeWorker):
+        super().__init__()
+        self.worker = worker
+        self.values: dict[str, torch.Tensor] = {}
+
+    def named_parameters(self, *args, **kwargs):
+        for name in sorted(self.worker.parameters or ()):
+            yield name, torch.nn.Parameter(self.values.get(name, torch.zeros(0)), requires_grad=False)
+
+    def load_weights(self, weights) -> set[str]:
+        names = set()
+        for name, tensor in weights:
+            self.worker.calls.append(("loaded", name))
+            self.worker.loaded.append((name, tensor))
+            self.values[name] = tensor.detach().clone()
+            names.add(name)
+        return names
+
+
 class FakeWorker:
     """vLLM's worker as ``LLM.collective_rpc`` reaches it. ``Worker.reload_weights(*args, **kwargs)`` forwards
     to the model runner's ``reload_weights``, whose signature the call is bound to; the weights iterator is
     consumed as vLLM consumes it, one tensor at a time while loading. With ``parameters`` (the engine model's
     parameter names) set, the names the iterator did not cover are reported as vLLM's in-place reload reports
-    them: one warning of its own logger, in its own words (``reload/inplace.py``)."""
+    them: one warning of its own logger, in its own words (``reload/inplace.py``).
+
+    The weight-transfer methods are ``Worker``'s (signatures bound to it): with ``weight_transfer_config``
+    given to ``LLM(...)``, the engine vLLM's factory builds for its backend (the real class, as vLLM's worker
+    builds it when it loads the model), then parsing and receiving each update as vLLM's worker has it do."""
 
     parameters: set[str] | None = None
 
-    def __init__(self, calls: list):
+    def __init__(self, calls: list, transfer_config=None):
         self.calls = calls
         self.loaded: list[tuple[str, torch.Tensor]] = []
+        self.model = FakeModel(self)
         # what a callable sent through collective_rpc reads: a model with no layer vLLM's CPU dispatch packed
-        # (so the engine's direct sync is off and every sync goes through reload_weights), an unquantized config
-        self.model_runner = types.SimpleNamespace(get_model=torch.nn.Module)
+        # (so the engine's direct sync is off), an unquantized config
+        self.model_runner = types.SimpleNamespace(get_model=lambda: self.model)
         self.vllm_config = types.SimpleNamespace(model_config=types.SimpleNamespace(quantization=None),
-                                                 lora_config=None)
+                                                 lora_config=None, parallel_config=types.SimpleNamespace())
+        self.transfer = None if transfer_config is None else WeightTransferEngineFactory.create_engine(
+            transfer_config, self.vllm_config, torch.device("cpu"), self.model)
+        self.updating = False
 
     def reload_weights(self, *args, **kwargs) -> None:
         bound = bind(GPUModelRunner, "reload_weights", *args, **kwargs)
         self.calls.append(("reload_weights",))
-        names = set()
-        for name, tensor in bound.arguments["weights_iterator"]:
-            self.calls.append(("loaded", name))
-            self.loaded.append((name, tensor))
-            names.add(name)
+        names = self.model_runner.get_model().load_weights(bound.arguments["weights_iterator"])
         missing = (self.parameters or set()) - names
         if missing:
             inplace.logger.warning(NOT_LOADED_FORMAT, missing)
+
+    def _transfer(self):
+        if self.transfer is None:  # vLLM's own words (Worker._check_weight_transfer_engine)
+            raise RuntimeError("Weight transfer not configured. Please set weight_transfer_config to enable weight "
+                               "transfer.")
+        return self.transfer
+
+    def init_weight_transfer_engine(self, *args, **kwargs) -> None:
+        init_info = bind(Worker, "init_weight_transfer_engine", *args, **kwargs).arguments["init_info"]
+        self.calls.append(("init_weight_transfer_engine",))
+        engine = self._transfer()
+        engine.init_transfer_engine(engine.parse_init_info(init_info))
+
+    def start_weight_update(self, *args, **kwargs) -> None:
+        bind(Worker, "start_weight_update", *args, **kwargs)
+        self.calls.append(("start_weight_update",))
+        assert not self.updating, "start_weight_update called while a weight update is already active"
+        # vLLM's engine holds the model it was built with; here a test may have swapped the model since. vLLM's
+        # layerwise reload (the engine's own start/finish) is left out: the fake's model has no vLLM layers
+        self._transfer().set_weight_update_target(self.model_runner.get_model(), self.vllm_config.model_config)
+        self.updating = True
+
+    def update_weights(self, *args, **kwargs) -> None:
+        update_info = bind(Worker, "update_weights", *args, **kwargs).arguments["update_info"]
+        self.calls.append(("update_weights",))
+        assert self.updating, "start_weight_update must be called before update_weights"
+        engine = self._transfer()
+        engine.receive_weights(engine.parse_update_info(update_info))
+
+    def finish_weight_update(self, *args, **kwargs) -> None:
+        bind(Worker, "finish_weight_update", *args, **kwargs)
+        self.calls.append(("finish_weight_update",))
+        assert self.updating, "finish_weight_update called without a matching start_weight_update"
+        self._transfer().reset_weight_update_target()
+        self.updating = False
 
 
 class FakeLLM:
@@ -85,7 +153,7 @@ class FakeLLM:
         if unknown:
             raise TypeError(f"EngineArgs has no field(s) {sorted(unknown)}")
         self.calls: list[tuple] = []
-        self.worker = FakeWorker(self.calls)
+        self.worker = FakeWorker(self.calls, self.kwargs.get("weight_transfer_config"))
         FakeLLM.instances.append(self)
 
     def generate(self, *args, **kwargs) -> list[RequestOutput]:
@@ -117,6 +185,23 @@ class FakeLLM:
         bind(LLM, "reset_prefix_cache", *args, **kwargs)
         self.calls.append(("reset_prefix_cache",))
         return True
+
+    # LLM's weight-transfer methods (vLLM's RLOfflineMixin): each a collective_rpc of the worker method of its name
+    def init_weight_transfer_engine(self, *args, **kwargs) -> None:
+        request = bind(LLM, "init_weight_transfer_engine", *args, **kwargs).arguments["request"]
+        self.worker.init_weight_transfer_engine(init_info=request["init_info"])
+
+    def start_weight_update(self, *args, **kwargs) -> None:
+        bind(LLM, "start_weight_update", *args, **kwargs)
+        self.worker.start_weight_update()
+
+    def update_weights(self, *args, **kwargs) -> None:
+        request = bind(LLM, "update_weights", *args, **kwargs).arguments["request"]
+        self.worker.update_weights(update_info=request["update_info"])
+
+    def finish_weight_update(self, *args, **kwargs) -> None:
+        bind(LLM, "finish_weight_update", *args, **kwargs)
+        self.worker.finish_weight_update()
 
     def collective_rpc(self, *args, **kwargs) -> list:
         bound = bind(LLM, "collective_rpc", *args, **kwargs).arguments

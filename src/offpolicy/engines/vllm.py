@@ -10,8 +10,10 @@ On a GPU (the CUDA ``vllm`` package) the engine shares the trainer's GPU: it tak
 each generation: the KV cache is discarded and the engine's weights are **copied to host memory**
 (level 1 offloads them; the GPU pages are unmapped), so the trainer's forward and backward get the
 GPU. The weight sync wakes the weights (copied back from host memory), overwrites them in place with
-the trainer's tensors, converted one at a time as vLLM reads them (``collective_rpc("reload_weights")``,
-inside vLLM's config context), then wakes the KV cache. So each step moves the engine's weights
+the trainer's tensors, converted one at a time as vLLM reads them (vLLM's public weight-transfer API:
+``LLM.start_weight_update`` / ``update_weights`` / ``finish_weight_update`` with this module's in-process
+backend, ``inprocess_backend``; on a vLLM without that API ``collective_rpc("reload_weights")``), then
+wakes the KV cache. So each step moves the engine's weights
 GPU → host → GPU once (2 bytes a parameter each way in bf16) before they are overwritten. Level 2
 would skip that round trip (it discards the weights and the reload refills them) but has corrupted
 weights upstream (vllm#29341, NeMo-RL#2631); level 1 is kept until a GPU measures both.
@@ -189,6 +191,23 @@ def cache_salt(version: int) -> str:
     #4018 found KV up to 17 refits old; SkyRL #1836 salts per version the same way). Requests of one
     version still share their prefixes (a GRPO group's prompt is prefilled once)."""
     return f"offpolicy-policy-v{int(version)}"
+
+
+@contextlib.contextmanager
+def _quiet_vllm() -> Iterator[None]:
+    """The ``vllm`` logger at ERROR while vLLM reloads weights: every layerwise reload warns that RoPE has no
+    weights to load. ``setLevel`` only where it is not quiet already (it clears every logger's level cache:
+    ``_UnloadedWatch``)."""
+    quiet = logging.getLogger("vllm")
+    level = quiet.level
+    loud = quiet.getEffectiveLevel() < logging.ERROR
+    if loud:
+        quiet.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        if loud:
+            quiet.setLevel(level)
 
 
 # vLLM's in-place reload (model_loader/reload/inplace.py) compares the parameters loaded against the
@@ -455,6 +474,114 @@ def partly_sent(fused: dict[str, list[str]], sent: set[str]) -> list[str]:
     return out
 
 
+# vLLM's public weight-transfer API (vllm.distributed.weight_transfer; LLM(weight_transfer_config=...), then
+# LLM.init_weight_transfer_engine / start_weight_update / update_weights / finish_weight_update, which vLLM's
+# LLM forwards to the worker methods of the same names). Its backends (nccl, sparse_nccl, nccl_m2n, ipc,
+# sharded_rdt, modelexpress) need CUDA or another package; this one, registered through the factory's public
+# register_engine, needs only that the worker runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, as the
+# engine requires): an update's info names a handle, under which the trainer left its (name, tensor) iterator.
+TRANSFER_BACKEND = "offpolicy_inprocess"
+TRANSFER_METHODS = ("init_weight_transfer_engine", "start_weight_update", "update_weights", "finish_weight_update")
+
+
+class _TransferChannel:
+    """The trainer's side of the in-process backend: the weights of each update, under its handle, until the
+    worker's engine takes them; what the update left unloaded, for the trainer to read once it returns."""
+
+    def __init__(self) -> None:
+        self.pending: dict[str, Iterable[tuple[str, torch.Tensor]]] = {}
+        self.missing: dict[str, list[str] | None] = {}
+        self.count = 0
+
+    def put(self, weights: Iterable[tuple[str, torch.Tensor]]) -> str:
+        self.count += 1
+        handle = str(self.count)
+        self.pending[handle] = weights
+        return handle
+
+
+_CHANNELS: dict[str, _TransferChannel] = {}  # channel id → channel, while its engine lives
+
+
+def weight_transfer_blocker() -> str | None:
+    """Why this vLLM offers no public weight-transfer path to the in-process engine; None when it does (vLLM
+    0.32: ``EngineArgs.weight_transfer_config``, the factory's ``register_engine``, ``LLM``'s four methods)."""
+    import vllm
+    from vllm.engine.arg_utils import EngineArgs
+
+    if "weight_transfer_config" not in {f.name for f in dataclasses.fields(EngineArgs)}:
+        return f"vLLM {vllm.__version__} has no weight_transfer_config (EngineArgs)"
+    try:
+        from vllm.distributed.weight_transfer import WeightTransferEngine, WeightTransferEngineFactory  # noqa: F401
+    except ImportError as err:
+        return f"vLLM {vllm.__version__} has no vllm.distributed.weight_transfer ({err})"
+    lacking = [m for m in TRANSFER_METHODS if not callable(getattr(vllm.LLM, m, None))]
+    if lacking:
+        return f"vLLM {vllm.__version__}'s LLM has no {', '.join(lacking)}"
+    return None
+
+
+_BACKEND: list[type] = []  # the worker-side engine class, once registered (a process registers it once)
+
+
+def inprocess_backend() -> type:
+    """The worker-side engine of ``TRANSFER_BACKEND``, registered with ``WeightTransferEngineFactory`` on first
+    use. vLLM builds it when the worker loads the model (``weight_transfer_config`` set). Like vLLM's own
+    checkpoint-format backends (ipc, nccl) it loads through vLLM's layerwise reload: ``start_weight_update``
+    prepares it, ``update_weights`` runs the model's ``load_weights`` on the trainer's iterator, which
+    ``finish_weight_update`` processes. The parameters ``load_weights`` did not report loaded go back to the
+    trainer through the channel (vLLM's own reload only logs them)."""
+    if _BACKEND:
+        return _BACKEND[0]
+    from vllm.distributed.weight_transfer import WeightTransferEngine, WeightTransferEngineFactory
+    from vllm.distributed.weight_transfer.base import WeightTransferInitInfo, WeightTransferUpdateInfo
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+    @dataclasses.dataclass
+    class InitInfo(WeightTransferInitInfo):
+        channel: str  # the trainer's _TransferChannel, by id
+
+    @dataclasses.dataclass
+    class UpdateInfo(WeightTransferUpdateInfo):
+        handle: str  # the update's weights in the channel
+
+    class InProcessWeightTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
+        init_info_cls = InitInfo
+        update_info_cls = UpdateInfo
+        supports_draft_weight_update = False
+
+        def init_transfer_engine(self, init_info: InitInfo) -> None:
+            if init_info.channel not in _CHANNELS:
+                raise RuntimeError(f"weight transfer {TRANSFER_BACKEND!r}: no channel {init_info.channel!r} in this "
+                                   "process; the backend hands tensors over by reference, so vLLM's worker must run "
+                                   "in the trainer's process (VLLM_ENABLE_V1_MULTIPROCESSING=0)")
+            self.channel = _CHANNELS[init_info.channel]
+
+        def start_weight_update(self) -> None:
+            initialize_layerwise_reload(self.model)
+
+        def receive_weights(self, update_info: UpdateInfo) -> None:
+            weights = self.channel.pending.pop(update_info.handle)
+            expected = {name for name, _ in self.model.named_parameters()}
+            loaded = self.model.load_weights(weights)
+            # vLLM's own reload compares the same sets, unquantized models only (reload/inplace.py)
+            checked = self.model_config.quantization is None and loaded is not None
+            self.channel.missing[update_info.handle] = sorted(expected - set(loaded)) if checked else None
+
+        def finish_weight_update(self) -> None:
+            finalize_layerwise_reload(self.model, self.model_config)
+
+        def shutdown(self) -> None:
+            pass
+
+    try:
+        WeightTransferEngineFactory.register_engine(TRANSFER_BACKEND, InProcessWeightTransferEngine)
+    except ValueError:  # registered by this module before a reload of it: that class reads the same globals
+        pass
+    _BACKEND.append(InProcessWeightTransferEngine)
+    return InProcessWeightTransferEngine
+
+
 class VLLMEngine:
     name = "vllm"
     min_p_order = "min_p_first"  # vLLM's sampler: min-p on the whole distribution, then top-k/top-p
@@ -496,12 +623,21 @@ class VLLMEngine:
         self.sampling_mask_blocker = sampling_mask_blocker(sampling)
         if self.sampling_mask_blocker is None:
             kwargs["return_sampling_mask"] = True
+        # vLLM's public weight-transfer API, through the in-process backend, wherever this vLLM has it (why not:
+        # self.transfer_blocker; the sync then goes through vLLM's private reload_weights, as before)
+        self.transfer_blocker = weight_transfer_blocker()
+        self._channel_id: str | None = None
+        if self.transfer_blocker is None:
+            from vllm.config import WeightTransferConfig
+
+            inprocess_backend()
+            kwargs["weight_transfer_config"] = WeightTransferConfig(backend=TRANSFER_BACKEND)
         check_engine_args(kwargs)
         self.llm_kwargs = kwargs
         self.log_path = log_path
         self._log = _EngineLog(log_path) if log_path is not None else None
         self._watch: _UnloadedWatch | None = None
-        # on the CPU, why a sync goes through vLLM's reload instead of the direct one (empty: direct)
+        # on the CPU, why a sync goes through vLLM's own loading instead of the direct one (empty: direct)
         self.direct_sync_blockers: list[str] = ["not on the CPU"]
         # the direct sync patches vLLM's GEMM dispatch while vLLM starts: only on a vLLM, torch and model family it
         # was checked against (offpolicy.speed.gates.VLLM_DIRECT_SYNC); otherwise vLLM starts untouched
@@ -518,16 +654,45 @@ class VLLMEngine:
                 elif gate is not None:
                     self.direct_sync_blockers = [gate.reason.removeprefix(f"{VLLM_DIRECT_SYNC.fallback}: ")]
                 self._fused = self.llm.collective_rpc(_fused_shards)[0]  # sync_weights' partial-shard check
+                if self.transfer_blocker is None:
+                    self.transfer_blocker = self._init_transfer()
         except BaseException:
             self.close()
             raise
-        self.speed_paths = {"vllm_direct_sync": gate.reason if direct and not self.direct_sync_blockers else
-                            f"{VLLM_DIRECT_SYNC.fallback}: {'; '.join(self.direct_sync_blockers)}"}
+        # the route every sync_weights takes: the gated direct sync, else vLLM's public weight-transfer API, else
+        # (a vLLM without it, or where it failed to start) vLLM's private reload_weights
+        self.sync_route = ("direct" if not self.direct_sync_blockers else
+                           "weight_transfer" if self.transfer_blocker is None else "reload_weights")
+        route = {"direct": gate.reason if gate is not None else "",
+                 "weight_transfer": f"vLLM's weight-transfer API (LLM.start_weight_update / update_weights / "
+                                    f"finish_weight_update, backend {TRANSFER_BACKEND!r})",
+                 "reload_weights": f"vLLM's own reload_weights (collective_rpc; its weight-transfer API cannot run "
+                                   f"here: {self.transfer_blocker})"}[self.sync_route]
+        self.speed_paths = {"vllm_direct_sync": route if self.sync_route == "direct" else
+                            f"{route}: {'; '.join(self.direct_sync_blockers)}"}
         self._readback = _SyncReadBack()
-        self._watch = _UnloadedWatch()  # the partial-sync check of every sync_weights (closed in close())
+        if self.sync_route == "reload_weights":  # the partial-sync check of vLLM's reload (closed in close())
+            self._watch = _UnloadedWatch()
         torch.set_num_threads(threads)  # vLLM lowers it for serving; the trainer shares this process
         self.dtype = TORCH_DTYPES[dtype]
         self.device = torch.device("cpu") if self.on_cpu else torch.device("cuda", torch.cuda.current_device())
+
+    def _init_transfer(self) -> str | None:
+        """``LLM.init_weight_transfer_engine`` with this engine's channel (``_CHANNELS``); None when it worked,
+        else why not (the traceback in the engine's log), and the sync falls back to vLLM's reload."""
+        channel_id = f"{os.getpid()}-{id(self)}"
+        _CHANNELS[channel_id] = _TransferChannel()
+        try:
+            self.llm.init_weight_transfer_engine({"init_info": {"channel": channel_id}})
+        except Exception as err:  # noqa: BLE001 — reported in the header (speed_paths), the old path kept
+            _CHANNELS.pop(channel_id, None)
+            if self.log_path is not None:
+                with open(self.log_path, "a", encoding="utf-8") as log:
+                    log.write(f"\noffpolicy: LLM.init_weight_transfer_engine failed:\n{traceback.format_exc()}\n")
+            first = (str(err).strip().splitlines() or [""])[0]
+            return f"LLM.init_weight_transfer_engine failed: {type(err).__name__}: {first}"
+        self._channel_id = channel_id
+        return None
 
     def _start(self, llm_class, kwargs: dict[str, Any]):
         """``LLM(**kwargs)``; where vLLM refuses the sampling masks at start (a Model Runner V2 feature it finds
@@ -627,8 +792,10 @@ class VLLMEngine:
         (``direct_sync_blockers`` empty: an unquantized dense model up to ``DIRECT_SYNC_MAX_BYTES`` of linear
         weights), directly: the model's ``load_weights`` into the unpacked weights kept at start, then vLLM's
         dispatch packs each linear layer for oneDNN again (``_direct_reload``; the embedded model: 14 → 7 ms
-        a sync on one thread, docs/performance.md). Otherwise vLLM's layerwise reload through its worker
-        (``load_weights`` alone fails there: vLLM dropped the unpacked weights it loads into).
+        a sync on one thread, docs/performance.md). Otherwise vLLM's layerwise reload (``load_weights`` alone
+        fails there: vLLM dropped the unpacked weights it loads into), through vLLM's public weight-transfer API
+        and the in-process backend (``_transfer``), or where this vLLM has none, its private ``reload_weights``
+        (``_reload``). ``sync_route`` says which.
 
         The tensors are converted to the engine's device and dtype one at a time, as vLLM reads them,
         after the weights are awake: never a second full copy of the model (a list built up front held
@@ -648,11 +815,13 @@ class VLLMEngine:
         with self._failures("loading the trainer's weights"):
             if self.asleep:
                 self.llm.wake_up(tags=["weights"])  # the KV cache stays freed until the weights are in
-            if self.direct_sync_blockers:
-                unloaded = self._reload(weights)
-            else:
+            if self.sync_route == "direct":
                 missing = self.llm.collective_rpc(_direct_reload, args=(weights,))[0]
                 unloaded = [f"{NOT_LOADED}: {set(missing)}"] if missing else []
+            elif self.sync_route == "weight_transfer":
+                unloaded = self._transfer(weights)
+            else:
+                unloaded = self._reload(weights)
             partial = partly_sent(self._fused, sent)
             if partial:  # vLLM counts qkv_proj loaded after any one of q, k, v
                 unloaded.append(f"fused parameters reached in part: {'; '.join(partial)}")
@@ -673,22 +842,30 @@ class VLLMEngine:
             # cache_salt of generate() makes any block that survives unreachable
             self.llm.reset_prefix_cache()
 
+    def _transfer(self, weights: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
+        """One update through vLLM's public weight-transfer API: the weights go into this engine's channel under a
+        handle, and ``LLM.start_weight_update``, ``update_weights({"update_info": {"handle": ...}})`` and
+        ``finish_weight_update`` have vLLM's worker load them (``inprocess_backend``: its layerwise reload).
+        Returns the parameters the load left as they were, as ``_reload`` does."""
+        channel = _CHANNELS[self._channel_id]
+        handle = channel.put(weights)
+        try:
+            with _quiet_vllm():
+                self.llm.start_weight_update()
+                self.llm.update_weights({"update_info": {"handle": handle}})
+                self.llm.finish_weight_update()
+        finally:
+            channel.pending.pop(handle, None)
+        missing = channel.missing.pop(handle, None)
+        return [f"{NOT_LOADED}: {set(missing)}"] if missing else []
+
     def _reload(self, weights: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
         """vLLM's layerwise in-place reload (``collective_rpc("reload_weights")``, inside vLLM's config
         context); returns its "weights were not loaded" warnings, which it only logs."""
-        quiet = logging.getLogger("vllm")
-        level = quiet.level
-        # every reload warns that RoPE has no weights to load; setLevel only where needed (_UnloadedWatch)
-        loud = quiet.getEffectiveLevel() < logging.ERROR
-        if loud:
-            quiet.setLevel(logging.ERROR)
         watch = self._watch  # installed once the engine started, closed by close()
         watch.found.clear()
-        try:
+        with _quiet_vllm():
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
-        finally:
-            if loud:
-                quiet.setLevel(level)
         return list(watch.found)
 
     def wake(self) -> None:
@@ -699,6 +876,9 @@ class VLLMEngine:
 
     def close(self) -> None:
         self.llm = None
+        if self._channel_id is not None:
+            _CHANNELS.pop(self._channel_id, None)
+            self._channel_id = None
         if self._watch is not None:
             self._watch.close()
             self._watch = None

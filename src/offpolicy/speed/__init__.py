@@ -7,7 +7,7 @@ gate (``gates.py``) that knows the versions and model families it was checked ag
 - ``cpu_linear.py``: the linear layers through oneDNN (torch's private ``mkldnn._linear_pointwise``); fallback
   ``F.linear``;
 - the vLLM CPU direct weight sync (code in ``engines/vllm.py``, the one module that imports vLLM; its gate here);
-  fallback vLLM's own ``reload_weights``.
+  fallback vLLM's public weight-transfer API (its private ``reload_weights`` where this vLLM has none).
 
 A ground-floor room: it imports nothing of the package above the core, so ``engines/`` and ``policy/`` both
 use it (docs/development.md, "Layout")."""

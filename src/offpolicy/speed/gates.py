@@ -69,7 +69,7 @@ ONEDNN_LINEAR = Gate(
 VLLM_DIRECT_SYNC = Gate(
     name="vllm_direct_sync",
     fast="vLLM CPU direct weight sync (load_weights into kept weights, vLLM's GEMM dispatch again)",
-    fallback="vLLM's own reload_weights",
+    fallback="vLLM's weight-transfer API (its reload_weights where this vLLM has none)",
     versions={"vllm": ("0.32.0",), "torch": ("2.13.0",)},
     families=frozenset({"qwen2", "llama"}),
 )
