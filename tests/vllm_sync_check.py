@@ -1,5 +1,10 @@
 """Run by tests/test_vllm.py in its own process (vLLM changes process-wide thread and seed
-state): checks that weight sync is real. Prints one JSON object."""
+state): checks that weight sync is real. Prints one JSON object.
+
+``vllm_sync_check.py DTYPE`` checks the sync the engine takes by default (the tiny Qwen2 on the CPU: the gated
+direct sync); ``vllm_sync_check.py DTYPE weight_transfer`` the route through vLLM's public weight-transfer API
+(issue #69 item 6), the direct sync's gate made to refuse the model (no families), and times its syncs against
+vLLM's private reload_weights on the same engine, interleaved."""
 
 from __future__ import annotations
 
@@ -23,6 +28,13 @@ if __name__ == "__main__":
     from offpolicy.policy.head import trainer_logprobs
 
     dtype = sys.argv[1] if len(sys.argv) > 1 else "fp32"
+    route = sys.argv[2] if len(sys.argv) > 2 else "default"
+    if route == "weight_transfer":
+        import dataclasses
+
+        from offpolicy.engines import vllm as engine_module
+
+        engine_module.VLLM_DIRECT_SYNC = dataclasses.replace(engine_module.VLLM_DIRECT_SYNC, families=frozenset())
     tok = build_char_tokenizer()
     trainer = build_tiny_qwen2(tok, seed=5)
     path = tempfile.mkdtemp()
@@ -52,6 +64,7 @@ if __name__ == "__main__":
     engine.sync_weights(trainer.state_dict().items())
     out["sync_ms"] = (time.perf_counter() - start) * 1e3
     out["after_sync"] = gap(plain, 2)
+    out["sync_route"], out["speed_paths"] = engine.sync_route, engine.speed_paths
     # the direct sync (issue #49) against vLLM's own loading: an engine started from the synced weights samples
     # the same tokens with the same log-probs, to the bit (same kernels, same packed weights)
     out["direct_sync_blockers"] = engine.direct_sync_blockers
@@ -86,6 +99,35 @@ if __name__ == "__main__":
     # min-p (issue #69): vLLM applies it to the whole distribution, then top-k/top-p (min_p_first)
     out["after_sync_min_p"] = gap(SamplingConfig(max_tokens=8, temperature=0.9, top_p=0.7, top_k=8, min_p=0.15,
                                                  min_p_order="min_p_first"), 6)
+
+    def timed() -> float:
+        start = time.perf_counter()
+        engine.sync_weights(trainer.state_dict().items())
+        return (time.perf_counter() - start) * 1e3
+
+    if route == "weight_transfer":
+        # one sync (the whole sync_weights, its checks included) through each route, alternating on this engine:
+        # the public API against vLLM's private reload_weights (what the engine took before; its log watch installed
+        # for the duration)
+        from offpolicy.engines.vllm import _UnloadedWatch
+
+        times: dict[str, list[float]] = {"weight_transfer": [], "reload_weights": []}
+        engine._watch = _UnloadedWatch()
+        for _ in range(10):
+            for name in times:
+                engine.sync_route = name
+                times[name].append(timed())
+        engine.sync_route = "weight_transfer"
+        engine._watch.close()
+        engine._watch = None
+        out["sync_ms_by_route"] = times
+        out["after_timed_syncs"] = gap(plain, 7)  # the last sync was the public route's: still the trainer's
+        engine.close()
+        shutil.rmtree(path, ignore_errors=True)
+        shutil.rmtree(moved, ignore_errors=True)
+        print("RESULT " + json.dumps(out))
+        sys.exit(0)
+    out["sync_ms_by_route"] = {"direct": [timed() for _ in range(10)]}
     # One batch over vLLM's CPU token budget (4,096 tokens an engine step): 48 prompts of 100 tokens (the
     # model has 128 positions). With chunked prefill on, vLLM split a seeded prompt here and rewound its
     # CPU generator: "CPU Generator does not use offset" (issue #30 item 1). Seeded per request, its first
