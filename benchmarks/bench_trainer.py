@@ -62,7 +62,7 @@ TRAINERS = {
     # the defaults: engine auto (the embedded model on the CPU: hf; offpolicy.engines.choice), engine dtype auto
     # (fp32 on a CPU without bf16), π_old forward skipped
     "offpolicy defaults": [],
-    "offpolicy torch linear": ["cpu_linear=torch"],  # the defaults with torch's own F.linear in the trainer
+    "offpolicy torch linear": ["trainer.cpu_linear=torch"],  # the defaults with torch's own F.linear in the trainer
     "offpolicy vllm engine": ["engine=vllm"],
     "offpolicy hf engine": ["engine=hf"],
     "offpolicy async s=1 (hf)": ["engine=hf", "max_staleness=1", "preset=verl:decoupled_token_is"],
@@ -113,7 +113,7 @@ def model_path(name: str, tmp: Path, length: int) -> Path:
     from offpolicy.policy.warmstart import default_model
 
     # the warm start (and the model's context) depends on the response limit
-    return default_model(load_train_config(None, [f"max_new_tokens={length}"]))
+    return default_model(load_train_config(None, [f"sampling.max_tokens={length}"]))
 
 
 def peak_memory_gib(device: str) -> float:
@@ -135,8 +135,8 @@ def offpolicy_worker(extra: list[str], name: str, model: Path, device: str, step
     prompts, lr = SETTINGS[name]
     task = ["task=dataset", f"data.path={DATA}", "data.prompt_field=question", "data.answer_field=answer",
             "reward=number"] if name == "smollm2" else []
-    cfg = load_train_config(None, [f"model={model}", f"device={device}", f"prompts_per_step={prompts}",
-                                   f"group_size={GROUP}", f"steps={steps}", f"max_new_tokens={length}", f"lr={lr}",
+    cfg = load_train_config(None, [f"model={model}", f"trainer.device={device}", f"prompts_per_step={prompts}",
+                                   f"group_size={GROUP}", f"steps={steps}", f"sampling.max_tokens={length}", f"lr={lr}",
                                    "eval_every=100000", "eval_problems=16", f"checkpoint_every={steps}",
                                    f"out_dir={out}", *task, *extra])
     # the clock TRL's gets (its on_step_end): the wall time between the ends of consecutive steps, the

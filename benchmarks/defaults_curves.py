@@ -37,7 +37,7 @@ def run(extra: list[str], seed: int, steps: int, dtype: str, out: Path) -> list[
     """One ``offpolicy train`` in its own process (each run gets a fresh engine), as a user types it."""
     from offpolicy.train.logger import read_jsonl
 
-    cmd = [sys.executable, "-m", "offpolicy", "train", f"seed={seed}", f"steps={steps}", f"engine_dtype={dtype}",
+    cmd = [sys.executable, "-m", "offpolicy", "train", f"seed={seed}", f"steps={steps}", f"engine.dtype={dtype}",
            f"out_dir={out}", *extra, "--no-progress"]
     done = subprocess.run(cmd, capture_output=True, text=True)
     records = read_jsonl(out / "metrics.jsonl")

@@ -58,9 +58,12 @@ from offpolicy.train.evaluate import (COLLAPSE_RULE, EVAL_KEYS, FAILURE_KEYS, co
 # the registered settings (docs/science.md, "The long-answer experiment"); lr: the pilot's choice
 # (the amendment, docs/science.md: policy_kl_rows 0 — two no-grad forwards a step that change no weight;
 # checkpoints every 5 steps, the newest kept; gradient checkpointing off, as registered)
+# (keys as train spells them since issue #68; the pinned export, which runs the campaign, spells the same settings
+# flat: temperature, micro_batch_tokens, gradient_checkpointing)
 RUN = {"task": "count", "prompts_per_step": 4, "group_size": 8, "minibatches": 4, "lr": 3e-5, "steps": 40,
-       "temperature": 0.7, "eval_every": 10, "eval_problems": 128, "micro_batch_tokens": 4096, "policy_kl_rows": 0,
-       "checkpoint_every": 5, "checkpoint_keep": 1, "gradient_checkpointing": False, "samples_per_step": 0}
+       "sampling.temperature": 0.7, "eval_every": 10, "eval_problems": 128, "trainer.micro_batch_tokens": 4096,
+       "policy_kl_rows": 0, "checkpoint_every": 5, "checkpoint_keep": 1, "trainer.gradient_checkpointing": False,
+       "samples_per_step": 0}
 STALENESS = 4
 ALPHA, POWER, LEVEL = 0.05, 0.8, 0.90  # one-sided test level, power for the detectable effect, CI level
 GATE, RESCUE, EQUIVALENCE = 0.10, 0.05, 0.05  # R − N ≥ GATE; C − N ≥ RESCUE; C − N's CI inside ±EQUIVALENCE
@@ -399,10 +402,10 @@ def run_overrides(cell: Cell, seed: int, args: argparse.Namespace, run_dir: Path
     """The ``key=value`` overrides of one run: ``RUN`` with the command line's values, the cell, the seed."""
     settings = {**RUN, "steps": args.steps, "lr": args.lr, "prompts_per_step": args.prompts_per_step,
                 "group_size": args.group_size, "eval_problems": args.eval_problems, "eval_every": args.eval_every,
-                "max_new_tokens": args.max_new_tokens, "model": args.model, "engine": args.engine,
-                "engine_dtype": cell.engine_dtype, "max_staleness": cell.staleness, "preset": cell.preset,
-                "minibatches": cell.minibatches, "seed": seed, "out_dir": str(run_dir), "device": args.device,
-                "trainer_dtype": "fp32"}  # the trainer in fp32 everywhere: the mismatch is the engine's alone
+                "sampling.max_tokens": args.max_new_tokens, "model": args.model, "engine.kind": args.engine,
+                "engine.dtype": cell.engine_dtype, "max_staleness": cell.staleness, "preset": cell.preset,
+                "minibatches": cell.minibatches, "seed": seed, "out_dir": str(run_dir), "trainer.device": args.device,
+                "trainer.dtype": "fp32"}  # the trainer in fp32 everywhere: the mismatch is the engine's alone
     extra = [*cell.extra, *args.set]
     if cell.preset == "none":  # an empty correction measures the mismatch (offpolicy/kl_k3 …) and changes no weight
         extra.insert(0, "loss.correction={}")
@@ -1000,7 +1003,7 @@ def untrained(args: argparse.Namespace, prompts: int) -> dict[str, float]:
     engine = make_engine(args.engine, args.model, tokenizer, "fp32", seed=0, max_model_len=1024,
                          log_path=args.out / "untrained-engine.log")
     try:
-        sampling = SamplingConfig(max_tokens=args.max_new_tokens or task.max_new_tokens, temperature=RUN["temperature"])
+        sampling = SamplingConfig(max_tokens=args.max_new_tokens or task.max_new_tokens, temperature=RUN["sampling.temperature"])
         out = engine.generate([list(p.prompt_ids) for p in rows], sampling, seed=0, version=0)
     finally:
         engine.close()

@@ -134,12 +134,12 @@ def build(args) -> tuple[GRPOTrainer, list[dict]]:
         # bf16=False: the trainer is fp32. GRPOConfig defaults to bf16=True, and accelerate then autocasts the
         # trainer's forward to bf16 even on the CPU (the results of 2026-11-25 in docs/hosts-end-to-end.md ran so)
         bf16=False, warmup_steps=0, max_grad_norm=1.0, per_device_train_batch_size=batch, num_generations=args.group_size,
-        steps_per_generation=args.steps_per_generation, max_completion_length=cfg.max_new_tokens,
+        steps_per_generation=args.steps_per_generation, max_completion_length=cfg.sampling.max_tokens,
         temperature=1.0, top_k=0, beta=0.0, loss_type=args.loss_type, disable_tqdm=True,
         dataloader_num_workers=0)
     common = {"model": model, "reward_funcs": reward, "args": gargs, "train_dataset": data,
               "processing_class": tokenizer,
-              "rollout_func": lagged_bf16_sampler(model, tokenizer, args.sync_every, cfg.max_new_tokens, args.seed)}
+              "rollout_func": lagged_bf16_sampler(model, tokenizer, args.sync_every, cfg.sampling.max_tokens, args.seed)}
     if args.correction == "offpolicy":
         trainer = OffpolicyGRPOTrainer(**common, offpolicy_config=args.preset)
     elif args.correction == "trl":

@@ -216,7 +216,7 @@ def offpolicy_cache(tmp_path_factory):
 
 
 # a small, fast training config shared by the end-to-end tests (same warm start for all)
-FAST = ["engine=hf", "engine_dtype=fp32", "prompts_per_step=4", "group_size=4", "minibatches=2", "eval_every=2",
+FAST = ["engine=hf", "engine.dtype=fp32", "prompts_per_step=4", "group_size=4", "minibatches=2", "eval_every=2",
         "eval_problems=16", "checkpoint_every=2"]
 
 

@@ -53,7 +53,8 @@ def test_usage_errors(args):
 
 @pytest.mark.parametrize("args, message", [
     (["--engine", "hf", "--vllm-max-num-seqs", "8"],
-     "--vllm-max-num-seqs is read with --engine vllm only (engine is 'hf'). Fix: --engine vllm, or drop it"),
+     "engine.vllm.* options (diagnose: --vllm-*) are read with the vllm engine only (the engine is hf). Fix: "
+     "engine=vllm (diagnose: --engine vllm), or drop them"),
     (["--engine-url", "http://127.0.0.1:1", "--no-vllm-enforce-eager"],
      "--no-vllm-enforce-eager configures the in-process vLLM engine; a server batches as it was started"),
 ], ids=["hf-engine", "server"])
@@ -67,13 +68,17 @@ def test_diagnose_vllm_flags_without_the_vllm_engine_are_refused(args, message):
 
 
 # `offpolicy diagnose`'s flags on 65ba3dd, before they were generated from DiagnoseConfig (issue #57 item 4):
-# flag → (dest, default, type, choices, action) as that commit's hand-written parser declared them
+# flag → (dest, default, type, choices, action) as that commit's hand-written parser declared them; the flags of
+# the sections train shares (issue #68) are given only when typed (default SUPPRESS: an unset field stays unset),
+# their defaults are the sections' — one default each — and three moved: --device, --logit-noise,
+# --micro-batch-tokens are --trainer-device, --engine-logit-noise, --trainer-micro-batch-tokens
+S = "==SUPPRESS=="
 DIAGNOSE_FLAGS_65BA3DD = {
     "--model": ("model", "default", None, None, "store"),
-    "--engine": ("engine", "vllm", None, ["vllm", "hf"], "store"),
-    "--engine-dtype": ("engine_dtype", "bf16", None, ["bf16", "fp16", "fp32"], "store"),
-    "--trainer-dtype": ("trainer_dtype", "auto", None, ["auto", "fp32", "bf16"], "store"),
-    "--device": ("device", "auto", None, None, "store"),
+    "--engine": ("engine", S, None, ["auto", "vllm", "hf"], "store"),  # auto: one default with train's
+    "--engine-dtype": ("engine_dtype", S, None, ["auto", "bf16", "fp16", "fp32"], "store"),
+    "--trainer-dtype": ("trainer_dtype", S, None, ["auto", "fp32", "bf16"], "store"),
+    "--trainer-device": ("trainer_device", S, None, None, "store"),
     "--prompts": ("prompts", None, None, None, "store"),
     "--task": ("task", "reverse", None, ["reverse", "addition", "walk"], "store"),
     "--data": ("data", None, None, None, "store"),
@@ -83,18 +88,18 @@ DIAGNOSE_FLAGS_65BA3DD = {
     "--chat-template": ("chat_template", "auto", None, ["auto", "none"], "store"),
     "--max-prompt-tokens": ("max_prompt_tokens", 512, int, None, "store"),
     "--n": ("n", 512, int, None, "store"),
-    "--max-tokens": ("max_tokens", 64, int, None, "store"),
-    "--temperature": ("temperature", 1.0, float, None, "store"),
-    "--top-p": ("top_p", 1.0, float, None, "store"),
-    "--top-k": ("top_k", -1, int, None, "store"),
-    "--logit-noise": ("logit_noise", 0.0, float, None, "store"),
-    "--micro-batch-tokens": ("micro_batch_tokens", 2048, int, None, "store"),
-    "--vllm-max-num-batched-tokens": ("vllm_max_num_batched_tokens", None, int, None, "store"),
-    "--vllm-max-num-seqs": ("vllm_max_num_seqs", None, int, None, "store"),
-    "--vllm-enable-chunked-prefill": ("vllm_enable_chunked_prefill", None, None, None, "boolean"),
-    "--no-vllm-enable-chunked-prefill": ("vllm_enable_chunked_prefill", None, None, None, "boolean"),
-    "--vllm-enforce-eager": ("vllm_enforce_eager", None, None, None, "boolean"),
-    "--no-vllm-enforce-eager": ("vllm_enforce_eager", None, None, None, "boolean"),
+    "--max-tokens": ("max_tokens", S, int, None, "store"),
+    "--temperature": ("temperature", S, float, None, "store"),
+    "--top-p": ("top_p", S, float, None, "store"),
+    "--top-k": ("top_k", S, int, None, "store"),
+    "--engine-logit-noise": ("engine_logit_noise", S, float, None, "store"),
+    "--trainer-micro-batch-tokens": ("trainer_micro_batch_tokens", S, int, None, "store"),
+    "--vllm-max-num-batched-tokens": ("vllm_max_num_batched_tokens", S, int, None, "store"),
+    "--vllm-max-num-seqs": ("vllm_max_num_seqs", S, int, None, "store"),
+    "--vllm-enable-chunked-prefill": ("vllm_enable_chunked_prefill", S, None, None, "boolean"),
+    "--no-vllm-enable-chunked-prefill": ("vllm_enable_chunked_prefill", S, None, None, "boolean"),
+    "--vllm-enforce-eager": ("vllm_enforce_eager", S, None, None, "boolean"),
+    "--no-vllm-enforce-eager": ("vllm_enforce_eager", S, None, None, "boolean"),
     "--compare": ("compare", None, None, None, "store"),
     "--seed": ("seed", 0, int, None, "store"),
     "--out": ("out", "diagnose", None, None, "store"),
@@ -109,6 +114,14 @@ DIAGNOSE_FLAGS_65BA3DD = {
     "--no-cache-salt": ("no_cache_salt", False, None, None, "store_true"),
     "--log-to": ("log_to", None, None, None, "store"),
 }
+# the section defaults the 65ba3dd flags had (issue #68: engine auto, as train; its dtype auto = bf16 in diagnose;
+# max_tokens unset = 64 in diagnose; micro-batch tokens unset = 2,048 in diagnose)
+SECTION_DEFAULTS = {"engine": "auto", "engine_dtype": "auto", "trainer_dtype": "auto", "trainer_device": "auto",
+                    "max_tokens": None, "temperature": 1.0, "top_p": 1.0, "top_k": -1, "engine_logit_noise": 0.0,
+                    "trainer_micro_batch_tokens": None, "vllm_max_num_batched_tokens": None, "vllm_max_num_seqs": None,
+                    "vllm_enable_chunked_prefill": None, "vllm_enforce_eager": None}
+MOVED = {"--device": "--trainer-device", "--logit-noise": "--engine-logit-noise",
+         "--micro-batch-tokens": "--trainer-micro-batch-tokens"}
 ACTIONS = {"_StoreAction": "store", "_AppendAction": "append", "_StoreTrueAction": "store_true",
            "BooleanOptionalAction": "boolean"}
 
@@ -123,14 +136,15 @@ def test_diagnose_help_lists_the_flags_of_65ba3dd_and_each_new_config_field():
     """Issue #57 item 4: the flags are generated from DiagnoseConfig. ``diagnose --help``, as typed, lists
     exactly 65ba3dd's options (with -h) plus one flag per field added since (another issue's new option is
     a new field, and a new flag without a line here)."""
-    from offpolicy.measure.diagnose_config import DiagnoseConfig
+    from offpolicy.measure.diagnose_config import SECTION_FLAGS, SECTIONS, DiagnoseConfig
 
     old_fields = {dest for dest, *_ in DIAGNOSE_FLAGS_65BA3DD.values()}
-    new = {"--" + f.replace("_", "-") for f in DiagnoseConfig.model_fields if f not in old_fields}
+    fields = [f for f in DiagnoseConfig.model_fields if f not in {p.split(".")[0] for p in SECTIONS}]
+    new = {"--" + f.replace("_", "-") for f in [*fields, *SECTION_FLAGS] if f not in old_fields}
     new |= {"--no-" + flag[2:] for flag in new
             if type(_diagnose_parser()._option_string_actions[flag]).__name__ == "BooleanOptionalAction"}
     expected = {"-h", "--help", *DIAGNOSE_FLAGS_65BA3DD, *new}
-    assert set(_diagnose_parser()._option_string_actions) == expected
+    assert set(_diagnose_parser()._option_string_actions) - set(MOVED) == expected
     result = offpolicy("diagnose", "--help", process=True)  # python -m offpolicy, a fresh process
     assert result.returncode == 0, result.stderr
     listed = set(re.findall(r"(?<![\w-])(--?[a-z][a-z0-9-]*)", result.stdout.split("options:", 1)[1]))
@@ -142,14 +156,25 @@ def test_diagnose_help_lists_the_flags_of_65ba3dd_and_each_new_config_field():
 def test_diagnose_flags_keep_65ba3dd_types_choices_and_defaults():
     """Each old flag parses as before: the same destination, type, choices and kind of action, and the
     default of 65ba3dd's parser, which is now DiagnoseConfig's (the only copy of each default)."""
-    from offpolicy.measure.diagnose_config import DiagnoseConfig
+    from offpolicy.measure.diagnose_config import SECTION_FLAGS, DiagnoseConfig
 
     actions = _diagnose_parser()._option_string_actions
     for flag, (dest, default, kind, choices, action) in DIAGNOSE_FLAGS_65BA3DD.items():
         got = actions[flag]
         assert (got.dest, got.default, got.type, got.choices, ACTIONS[type(got).__name__]) == \
             (dest, default, kind, choices, action), flag
-        assert DiagnoseConfig.model_fields[dest].default == default, flag
+        if dest in SECTION_FLAGS:  # a section's flag: the section's field holds the one default
+            assert SECTION_FLAGS[dest][2].default == SECTION_DEFAULTS[dest], flag
+        else:
+            assert DiagnoseConfig.model_fields[dest].default == default, flag
+
+
+@pytest.mark.parametrize("old, new", list(MOVED.items()))
+def test_diagnose_moved_flags_are_refused_with_their_new_name(old, new):
+    """No silent alias (issue #68): a flag that moved into a section is one line naming its new flag."""
+    result = offpolicy("diagnose", "--model", "/nonexistent/model", old, "1")
+    assert result.returncode == 2
+    assert f"{old} has moved: it is {new} now" in result.stderr.strip().splitlines()[-1]
 
 
 def test_diagnose_generated_flags_parse_as_typed():
@@ -160,11 +185,15 @@ def test_diagnose_generated_flags_parse_as_typed():
 
     args = vars(build_parser().parse_args(
         ["diagnose", "--top-p", "0.9", "--top-k", "5", "--n", "8", "--fail-above", "kl_k3=1e-3", "--fail-above",
-         "ess=0.5", "--no-vllm-enforce-eager", "--micro-batch-tokens", "64", "--task", "walk"]))
+         "ess=0.5", "--no-vllm-enforce-eager", "--trainer-micro-batch-tokens", "64", "--task", "walk"]))
     config = DiagnoseConfig(**{k: v for k, v in args.items() if k not in ("func", "command")})
-    assert (config.top_p, config.top_k, config.n, config.micro_batch_tokens, config.task) == (0.9, 5, 8, 64, "walk")
-    assert config.fail_above == ["kl_k3=1e-3", "ess=0.5"] and config.vllm_enforce_eager is False
+    assert (config.sampling.top_p, config.sampling.top_k, config.n, config.trainer.micro_batch_tokens, config.task) \
+        == (0.9, 5, 8, 64, "walk")
+    assert config.fail_above == ["kl_k3=1e-3", "ess=0.5"] and config.engine.vllm.enforce_eager is False
     assert config.sampling.truncates and not DiagnoseConfig().sampling.truncates
+    # a section's flag not typed leaves its field unset: the command's own default applies (2,048 tokens here)
+    assert "micro_batch_tokens" not in DiagnoseConfig(**{k: v for k, v in vars(build_parser().parse_args(
+        ["diagnose"])).items() if k not in ("func", "command")}).trainer.model_fields_set
     assert build_parser().parse_args(["diagnose", "--no-cache-salt"]).no_cache_salt is True
     result = offpolicy("diagnose", "--prompts", "p.jsonl", "--task", "walk")
     assert result.returncode == 2 and "not allowed with argument --prompts" in result.stderr

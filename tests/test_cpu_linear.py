@@ -110,7 +110,7 @@ def test_where_onednn_s_linear_is_not_used(tiny_qwen2, monkeypatch):
     assert not any(type(m) is OneDNNLinear for m in model.modules())
     monkeypatch.setattr(cpu_linear, "onednn_available", lambda: False)
     assert use_onednn_linear(model, "auto", cpu, "fp32") == "torch's F.linear (this torch has no oneDNN linear)"
-    with pytest.raises(ValueError, match=r"cpu_linear=onednn: this torch has no oneDNN linear.*Fix: cpu_linear=auto"):
+    with pytest.raises(ValueError, match=r"trainer.cpu_linear=onednn: this torch has no oneDNN linear.*Fix: trainer.cpu_linear=auto"):
         use_onednn_linear(model, "onednn", cpu, "fp32")
 
 

@@ -37,8 +37,8 @@ def test_small_models_on_the_cpu_get_the_hf_engine_and_the_rest_vllm(vllm_import
 
 
 def test_what_the_config_asks_for_comes_before_the_size(vllm_importable):
-    assert choose(CPU, 135_000_000, 49_152, logit_noise=0.5) == ("hf", "auto: engine_logit_noise is the hf engine's")
-    assert choose(CPU, 800_000, 64, vllm_options_set=True) == ("vllm", "auto: vllm.* options set")
+    assert choose(CPU, 135_000_000, 49_152, logit_noise=0.5) == ("hf", "auto: engine.logit_noise is the hf engine's")
+    assert choose(CPU, 800_000, 64, vllm_options_set=True) == ("vllm", "auto: engine.vllm.* options set")
 
 
 def test_without_vllm_auto_falls_back_to_hf_and_says_why(monkeypatch):
@@ -63,21 +63,21 @@ def test_parameter_count_of_a_module_and_of_its_directory_agree(tmp_path):
 
 
 def test_the_default_engine_is_auto_and_an_explicit_one_is_kept():
-    assert TrainConfig().engine == "auto"
+    assert TrainConfig().engine.kind == "auto"
     cfg = load_train_config(None, ["engine=vllm"])
     assert resolve_engine(cfg, CPU, 800_000, 64) == ("vllm", "set in the config")
     assert resolve_engine(load_train_config(None, ["engine=hf"]), CUDA, 10**9, 49_152) == ("hf", "set in the config")
 
 
 def test_auto_takes_each_engines_own_options_but_not_both():
-    assert load_train_config(None, ["engine_logit_noise=0.5"]).engine == "auto"
-    assert load_train_config(None, ["vllm.max_num_seqs=8"]).engine == "auto"
+    assert load_train_config(None, ["engine.logit_noise=0.5"]).engine.kind == "auto"
+    assert load_train_config(None, ["engine.vllm.max_num_seqs=8"]).engine.kind == "auto"
     with pytest.raises(Exception, match="engine=auto cannot be both"):
-        load_train_config(None, ["engine_logit_noise=0.5", "vllm.max_num_seqs=8"])
-    with pytest.raises(Exception, match="read with engine=vllm only"):
-        load_train_config(None, ["engine=hf", "vllm.max_num_seqs=8"])
-    with pytest.raises(Exception, match="implemented by the hf engine"):
-        load_train_config(None, ["engine=vllm", "engine_logit_noise=0.5"])
+        load_train_config(None, ["engine.logit_noise=0.5", "engine.vllm.max_num_seqs=8"])
+    with pytest.raises(Exception, match="read with the vllm engine only"):
+        load_train_config(None, ["engine=hf", "engine.vllm.max_num_seqs=8"])
+    with pytest.raises(Exception, match="is added by the hf engine"):
+        load_train_config(None, ["engine=vllm", "engine.logit_noise=0.5"])
 
 
 def test_a_run_records_the_engine_auto_chose(offpolicy_cache, tmp_path, monkeypatch):
@@ -90,10 +90,10 @@ def test_a_run_records_the_engine_auto_chose(offpolicy_cache, tmp_path, monkeypa
     monkeypatch.setenv("OFFPOLICY_CACHE", str(offpolicy_cache))
     console = Console(record=True, width=200)
     cfg = load_train_config(None, ["steps=1", "prompts_per_step=2", "group_size=2", "eval_problems=2",
-                                   f"out_dir={tmp_path / 'run'}", "device=cpu"])
+                                   f"out_dir={tmp_path / 'run'}", "trainer.device=cpu"])
     train(cfg, console=console, progress=False)
     saved = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
-    assert saved["train"]["engine"] == "auto"
+    assert saved["train"]["engine"]["kind"] == "auto"
     assert saved["resolved"]["engine"] == "hf"
     assert saved["resolved"]["engine_reason"].startswith("auto: 0.8M parameters, a 64-token vocabulary on the CPU")
     text = console.export_text()
@@ -111,7 +111,7 @@ def test_a_resumed_run_keeps_the_engine_auto_chose(offpolicy_cache, tmp_path, mo
 
     monkeypatch.setenv("OFFPOLICY_CACHE", str(offpolicy_cache))
     overrides = ["prompts_per_step=2", "group_size=2", "eval_problems=2", f"out_dir={tmp_path / 'run'}",
-                 "device=cpu", "checkpoint_every=1"]
+                 "trainer.device=cpu", "checkpoint_every=1"]
     started, make_engine = [], loop.make_engine
 
     def recording(name, *args, **kwargs):
@@ -129,7 +129,7 @@ def test_a_resumed_run_keeps_the_engine_auto_chose(offpolicy_cache, tmp_path, mo
                progress=False)
     assert started == ["hf", "hf"]
     saved = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
-    assert saved["train"]["engine"] == "auto" and saved["resolved"]["engine"] == "hf"
+    assert saved["train"]["engine"]["kind"] == "auto" and saved["resolved"]["engine"] == "hf"
     text = console.export_text()
     assert "engine hf (" in text and "(chosen when the run was created; a resume keeps it)" in text
     # a resumed run given engine=… explicitly gets that one

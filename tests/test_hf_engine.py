@@ -269,7 +269,7 @@ def test_noise_is_drawn_on_the_weights_device_and_reproducible_on_cpu():
 
 
 def test_the_eval_generates_under_the_trainers_precision(tiny_dir, monkeypatch):
-    """trainer_dtype=bf16: the eval's generate runs under bf16 autocast over the fp32 weights, as the
+    """trainer.dtype=bf16: the eval's generate runs under bf16 autocast over the fp32 weights, as the
     update's forward does (4efb1a7 generated in fp32 without autocast)."""
     from transformers import AutoModelForCausalLM
 

@@ -346,8 +346,8 @@ def test_a_train_step_replays_the_hf_engines_set(offpolicy_cache, tmp_path):
     from offpolicy.train.config import load_train_config
     from offpolicy.train.loop import train
 
-    cfg = load_train_config(None, [*FAST, "steps=1", "engine_dtype=bf16", "top_k=10", "top_p=0.9", "temperature=0.7",
-                                   "engine_logit_noise=1.0", "recompute_old=true", "micro_batch_tokens=64",
+    cfg = load_train_config(None, [*FAST, "steps=1", "engine.dtype=bf16", "sampling.top_k=10", "sampling.top_p=0.9", "sampling.temperature=0.7",
+                                   "engine.logit_noise=1.0", "recompute_old=true", "trainer.micro_batch_tokens=64",
                                    "preset=verl:decoupled_token_is", f"out_dir={tmp_path / 'run'}"])
     train(cfg, progress=False)
     row = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])

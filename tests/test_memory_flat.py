@@ -62,8 +62,8 @@ def no_stop_llama(tmp_path_factory) -> Path:
 def peak_rss_of_train(model: Path, out: Path, new_tokens: int) -> tuple[int, dict]:
     """Run `offpolicy train` for one step; return the child's peak RSS in bytes and its metrics row."""
     args = [sys.executable, "-m", "offpolicy", "train", f"model={model}", "task=dataset", f"data.path={DATA}",
-            "reward=number", "engine=hf", "engine_dtype=fp32", "device=cpu", "prompts_per_step=2", "group_size=4",
-            f"max_new_tokens={new_tokens}", "steps=1", "eval_problems=1", "eval_every=100", f"out_dir={out}",
+            "reward=number", "engine=hf", "engine.dtype=fp32", "trainer.device=cpu", "prompts_per_step=2", "group_size=4",
+            f"sampling.max_tokens={new_tokens}", "steps=1", "eval_problems=1", "eval_every=100", f"out_dir={out}",
             # the untrained model's answers all score 0 (no advantage signal): a KL term keeps a gradient, so the
             # step runs its backward and optimizer step rather than skipping them
             "loss.kl_coef=0.01", "loss.kl_to=rollout", "--no-progress"]

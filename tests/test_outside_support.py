@@ -147,8 +147,8 @@ def test_the_issue_setting_trains_and_reports_the_count(offpolicy_cache, tmp_pat
     "logprobs has N non-finite value(s)". Engine logit noise (σ = 1) makes a token outside the fp32
     trainer's kept set certain rather than likely; π_old is recomputed in micro-batches, so the π_old
     path, the micro-batched count and the update all meet such tokens."""
-    cfg = load_train_config(None, [*FAST, "steps=1", "engine_dtype=bf16", "top_k=10", "top_p=0.9", "temperature=0.7",
-                                   "engine_logit_noise=1.0", "recompute_old=true", "micro_batch_tokens=64",
+    cfg = load_train_config(None, [*FAST, "steps=1", "engine.dtype=bf16", "sampling.top_k=10", "sampling.top_p=0.9", "sampling.temperature=0.7",
+                                   "engine.logit_noise=1.0", "recompute_old=true", "trainer.micro_batch_tokens=64",
                                    "preset=verl:decoupled_token_is", f"out_dir={tmp_path / 'run'}"])
     train(cfg, progress=False)
     row = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])

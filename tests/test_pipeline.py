@@ -228,7 +228,7 @@ def test_engine_dtype_auto_is_resolved_with_a_reason(monkeypatch):
     assert resolve_engine_dtype(cfg) == ("fp32", "auto: CPU has no native bf16")
     monkeypatch.setattr(train_config, "_native_bf16", lambda: (True, "CPU has native bf16 (amx_bf16)"))
     assert resolve_engine_dtype(cfg)[0] == "bf16"
-    forced = load_train_config(None, ["engine_dtype=fp16"])  # mismatch experiments still force a dtype
+    forced = load_train_config(None, ["engine.dtype=fp16"])  # mismatch experiments still force a dtype
     assert resolve_engine_dtype(forced) == ("fp16", "set in the config")
 
 
@@ -241,13 +241,13 @@ def test_a_resumed_run_keeps_the_engine_dtype_auto_chose(monkeypatch):
     recorded = {"engine_dtype": "bf16", "engine_dtype_reason": "auto: CPU has native bf16 (amx_bf16)"}
     dtype, why = resolve_engine_dtype(load_train_config(None, []), recorded)
     assert dtype == "bf16" and "a resume keeps it" in why and "amx_bf16" in why
-    assert resolve_engine_dtype(load_train_config(None, ["engine_dtype=fp32"]), recorded) == ("fp32", "set in the config")
+    assert resolve_engine_dtype(load_train_config(None, ["engine.dtype=fp32"]), recorded) == ("fp32", "set in the config")
     assert resolve_engine_dtype(load_train_config(None, []), {})[0] == "fp32"  # nothing recorded: chosen now
 
 
 @pytest.mark.slow
 def test_run_config_records_the_dtype_and_resumes_from_it(offpolicy_cache, tmp_path):
-    first = _run(tmp_path, "auto", "steps=2", "engine_dtype=auto", "max_staleness=1")
+    first = _run(tmp_path, "auto", "steps=2", "engine.dtype=auto", "max_staleness=1")
     saved = yaml.safe_load((first.run_dir / "config.yaml").read_text())
     assert saved["resolved"]["engine_dtype"] in ("fp32", "bf16") and saved["resolved"]["engine_dtype_reason"]
     assert saved["train"]["engine_dtype"] == "auto"
@@ -262,9 +262,9 @@ def test_threads_auto_leaves_torchs_default_and_a_set_number_is_taken():
 
     cfg = load_train_config(None, [])
     assert cfg.threads == "auto" and loop.cpu_threads(cfg)[0] is None
-    assert loop.cpu_threads(load_train_config(None, ["threads=3"])) == (3, "set in the config")
-    with pytest.raises(Exception, match="threads=0"):
-        load_train_config(None, ["threads=0"])
+    assert loop.cpu_threads(load_train_config(None, ["trainer.threads=3"])) == (3, "set in the config")
+    with pytest.raises(Exception, match="trainer.threads=0"):
+        load_train_config(None, ["trainer.threads=0"])
 
 
 def test_a_run_trains_at_its_thread_count_and_gives_the_callers_back(offpolicy_cache, tmp_path):
@@ -278,7 +278,7 @@ def test_a_run_trains_at_its_thread_count_and_gives_the_callers_back(offpolicy_c
     torch._C.set_num_threads(2)  # the caller's count, other than the run's (torch's own setter: see set_threads)
     try:
         RunLogger.log = lambda self, step, values: (seen.append(torch.get_num_threads()), log(self, step, values))
-        _run(tmp_path, "threads", "steps=1", "threads=1")
+        _run(tmp_path, "threads", "steps=1", "trainer.threads=1")
         after = torch.get_num_threads()
     finally:
         RunLogger.log = log

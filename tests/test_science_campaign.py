@@ -158,7 +158,7 @@ def test_the_trainer_records_its_own_failure(offpolicy_cache, tmp_path, monkeypa
         return real(*args, **kwargs)
 
     monkeypatch.setattr(train_loop, "step_values", failing)
-    cfg = load_train_config(None, ["steps=6", "group_size=4", "prompts_per_step=4", "max_new_tokens=6",
+    cfg = load_train_config(None, ["steps=6", "group_size=4", "prompts_per_step=4", "sampling.max_tokens=6",
                                    f"out_dir={tmp_path / 'run'}", "log_to=[]", "checkpoint_every=100"])
     with pytest.raises(RuntimeError, match="broken on purpose"):
         train_loop.train(cfg, progress=False)
@@ -276,7 +276,7 @@ def test_the_campaign_runs_records_and_commits_at_toy_scale(science, tiny_qwen2_
                                                               min(science.CELLS[cell].staleness, 1),
                                                               science.CELLS[cell].preset, minibatches=2))
     args = science.parse(["--campaign", str(campaign), "--run", "--jobs", "2", "--commit", str(repo),
-                          "--model", str(tiny_qwen2_dir), "--set", "max_new_tokens=6"])
+                          "--model", str(tiny_qwen2_dir), "--set", "sampling.max_tokens=6"])
     monkeypatch.setattr(science, "campaign_args", lambda a: _toy(science, a, tmp_path))
     assert science.run_campaign(args) == 0
     records = science.campaign_records(campaign)
@@ -307,7 +307,7 @@ def _train(tmp_path: Path, name: str, *overrides: str) -> list[dict]:
     from offpolicy.train.logger import read_metrics
     from offpolicy.train.loop import train
 
-    cfg = load_train_config(None, ["group_size=4", "prompts_per_step=4", "max_new_tokens=8", "log_to=[]",
+    cfg = load_train_config(None, ["group_size=4", "prompts_per_step=4", "sampling.max_tokens=8", "log_to=[]",
                                    "eval_every=100", f"out_dir={tmp_path / name}", *overrides])
     train(cfg, progress=False)
     return read_metrics(tmp_path / name)
@@ -317,7 +317,7 @@ def test_one_mismatch_statistic_whatever_the_anchor(offpolicy_cache, tmp_path):
     """offpolicy/kl_k3_start is k3 of π_θ at the step's start against μ: at step 0 (the same samples, the same
     weights, the same first mini-batch) `none` and bypass (`recommended`) log the same value, where their own
     offpolicy/kl_k3 measure different ratios (π_old/μ over the batch; π_θ/μ over the step's mini-batches)."""
-    common = ("steps=1", "minibatches=2", "engine_dtype=bf16")
+    common = ("steps=1", "minibatches=2", "engine.dtype=bf16")
     (none,) = _train(tmp_path, "none", *common, "preset=none", "loss.correction={}")
     (bypass,) = _train(tmp_path, "bypass", *common, "preset=recommended")
     assert none["offpolicy/kl_k3_start"] == pytest.approx(bypass["offpolicy/kl_k3_start"], rel=1e-6)
@@ -328,7 +328,7 @@ def test_one_mismatch_statistic_whatever_the_anchor(offpolicy_cache, tmp_path):
 def test_two_runs_of_one_seed_sample_alike_under_checkpointing_and_staleness(offpolicy_cache, tmp_path):
     """Issue #66: the engine's thread samples while the trainer's activation checkpointing forks and resets torch's
     global generator; with the engine's own generator two runs of one seed draw the same batches."""
-    common = ("steps=5", "max_staleness=2", "gradient_checkpointing=true", "minibatches=2")
+    common = ("steps=5", "max_staleness=2", "trainer.gradient_checkpointing=true", "minibatches=2")
     first, second = (_train(tmp_path, name, *common) for name in ("a", "b"))
     keys = ("reward", "response_length", "offpolicy/kl_k3_start", "offpolicy/loss")
     assert [[r[k] for k in keys] for r in first] == [[r[k] for k in keys] for r in second]

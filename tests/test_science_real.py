@@ -355,9 +355,9 @@ def test_cells_commands_and_order(science, tmp_path):
     order = science.schedule([cells[n] for n in ("icepop", "R", "N")], [0, 1])  # tier 1 first, each seed-major
     assert [(c.name, s) for c, s in order] == [("R", 0), ("N", 0), ("R", 1), ("N", 1), ("icepop", 0), ("icepop", 1)]
     n = set(science.command(cells["N"], 2, args, tmp_path / "r"))
-    assert {"max_staleness=4", "engine_dtype=bf16", "preset=none", "seed=2", "steps=7", "task=count", "minibatches=4",
-            "loss.correction={}", "eval_every=10", "eval_problems=128", "trainer_dtype=fp32"} <= n
-    assert {"max_staleness=0", "engine_dtype=fp32", "minibatches=4"} <= set(science.command(cells["R"], 0, args,
+    assert {"max_staleness=4", "engine.dtype=bf16", "preset=none", "seed=2", "steps=7", "task=count", "minibatches=4",
+            "loss.correction={}", "eval_every=10", "eval_problems=128", "trainer.dtype=fp32"} <= n
+    assert {"max_staleness=0", "engine.dtype=fp32", "minibatches=4"} <= set(science.command(cells["R"], 0, args,
                                                                                               tmp_path / "r"))
     assert "minibatches=1" in science.command(cells["none_1mb"], 0, args, tmp_path / "r")
     c = science.command(cells["C"], 0, args, tmp_path / "r")

@@ -177,9 +177,9 @@ def test_to_batch_names_the_engine_that_records_a_missing_support(tiny_dir):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["loss.score_centering=head", "top_k=5"], "score_centering=head with top_k=5.*Fix: loss.score_centering=exact"),
+    (["loss.score_centering=head", "sampling.top_k=5"], "score_centering=head with top_k=5.*Fix: loss.score_centering=exact"),
     (["loss.score_centering=exact"], "keeps the whole vocabulary.*Fix: loss.score_centering=head"),
-    (["loss.score_centering=exact", "top_k=5", "engine=vllm"], "vLLM does not return.*Fix: engine=hf"),
+    (["loss.score_centering=exact", "sampling.top_k=5", "engine=vllm"], "vLLM does not return.*Fix: engine=hf"),
     (["loss.score_centering=head", "prox_logp=loglinear"], "AReaL's interpolation.*Fix: prox_logp=forward"),
     (["score_centering_head=5"], "score_centering_head applies only with loss.score_centering=head"),
     (["loss.score_centering=head", "score_centering_head=21"], "score_centering_head"),
@@ -192,7 +192,7 @@ def test_train_refuses_a_centring_without_its_support(args, message, capsys):
 @pytest.mark.slow
 @pytest.mark.parametrize("args", [
     ["preset=none", "loss.score_centering=head", "score_centering_head=8", "minibatches=2"],
-    ["preset=prime-rl:ipo_score_centering", "top_k=6", "engine=hf"],
+    ["preset=prime-rl:ipo_score_centering", "sampling.top_k=6", "engine=hf"],
     ["preset=nemorl:icepop-score-centering", "score_centering_head=8"],
 ])
 def test_offpolicy_train_runs_centred_on_the_embedded_default(tmp_path, args, capsys):

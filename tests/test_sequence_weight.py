@@ -132,7 +132,7 @@ def test_train_logs_the_weight_before_truncation_and_warns_as_typed(offpolicy_ca
     from conftest import FAST
 
     out = tmp_path / "run"
-    result = offpolicy("train", *FAST, "steps=2", "preset=skyrl:product_mask", "engine_logit_noise=2.0",
+    result = offpolicy("train", *FAST, "steps=2", "preset=skyrl:product_mask", "engine.logit_noise=2.0",
                        "initial_kl_rows=4", f"out_dir={out}", "--no-progress",
                        env={**os.environ, "OFFPOLICY_CACHE": str(offpolicy_cache)})
     assert result.returncode == 0, result.stderr[-2000:]

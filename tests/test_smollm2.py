@@ -77,8 +77,8 @@ def test_train_on_vllm_then_resume_on_hf(smollm2_dir, tmp_path):
     out = tmp_path / "run"
     # task=dataset's defaults (lr 1e-6, preset recommended, …) but a small batch and short responses
     small = ["task=dataset", f"data.path={DATA}", "data.prompt_field=question", "data.answer_field=answer",
-             "reward=number", "prompts_per_step=2", "group_size=2", "max_new_tokens=24", "eval_problems=1",
-             "engine_dtype=fp32"]
+             "reward=number", "prompts_per_step=2", "group_size=2", "sampling.max_tokens=24", "eval_problems=1",
+             "engine.dtype=fp32"]
     first = offpolicy("train", f"model={smollm2_dir}", *small, "engine=vllm", "steps=1", f"out_dir={out}",
                       "--no-progress")
     assert first.returncode == 0, first.stderr[-3000:]

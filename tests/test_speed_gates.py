@@ -262,7 +262,7 @@ def test_the_run_header_and_config_say_which_path_ran(offpolicy_cache, tmp_path,
     versions(monkeypatch, transformers="5.99.0", torch="2.99.0")
     console = Console(record=True, width=400)
     cfg = load_train_config(None, ["steps=1", "prompts_per_step=2", "group_size=2", "eval_problems=2", "engine=hf",
-                                   "engine_dtype=fp32", f"out_dir={tmp_path / 'run'}", "device=cpu"])
+                                   "engine.dtype=fp32", f"out_dir={tmp_path / 'run'}", "trainer.device=cpu"])
     train(cfg, console=console, progress=False)
     paths = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["resolved"]["speed_paths"]
     assert set(paths) == {"trainer_linear", "trainer_shared_prompt", "hf_own_loop", "hf_shared_prefill", "hf_linear"}

@@ -35,12 +35,12 @@ def test_the_trainer_runs_the_whole_preset(name):
 def test_train_runs_a_centred_preset_where_its_support_exists():
     """prime-rl's IPO with score centering (exact, over the sampler's kept sets) trains under truncated sampling
     on the hf engine, the preset whole; the head form asks the engine for its head (``head_logprobs``)."""
-    cfg = load_train_config(None, ["preset=prime-rl:ipo_score_centering", "top_k=20", "engine=hf"])
+    cfg = load_train_config(None, ["preset=prime-rl:ipo_score_centering", "sampling.top_k=20", "engine=hf"])
     assert cfg.loss_config() == op.LossConfig.from_preset("prime-rl:ipo_score_centering")
-    assert cfg.sampling.head_logprobs == 0
+    assert cfg.sampling_config().head_logprobs == 0
     head = load_train_config(None, ["loss.score_centering=head", "score_centering_head=7"])
-    assert head.loss_config().score_centering == "head" and head.sampling.head_logprobs == 7
-    assert load_train_config(None, []).sampling.head_logprobs == 0
+    assert head.loss_config().score_centering == "head" and head.sampling_config().head_logprobs == 7
+    assert load_train_config(None, []).sampling_config().head_logprobs == 0
 
 
 def expected(name: str, top: dict, correction: dict | None = None) -> op.LossConfig | type[ConfigError]:
@@ -112,15 +112,15 @@ def test_another_kind_starts_from_its_own_defaults():
                                        ["preset=areal:m2po", "loss.clip_high=0.28"], []])
 def test_the_saved_config_loads_back_to_the_same_loss(overrides):
     """config.yaml holds the resolved loss under train.loss: --resume resolves it to the same loss."""
-    cfg = load_train_config(None, [*overrides, "micro_batch_tokens=64"])
+    cfg = load_train_config(None, [*overrides, "trainer.micro_batch_tokens=64"])
     again = TrainConfig(**cfg.model_dump(mode="json"))
     assert again.loss == cfg.loss and again == cfg
 
 
 def test_the_preset_combinations_of_the_issue_load_and_bad_ones_fail_at_load():
     # issue #32: both failed at step 0 ("anchor 'current' … with kind 'ppo'"), after the model and engine loaded
-    assert resolved("preset=verl:bypass_pg_is", "micro_batch_tokens=64").kind == "reinforce"
-    assert resolved("preset=slime:current", "micro_batch_tokens=64").agg == "seq-mean-token-mean"
+    assert resolved("preset=verl:bypass_pg_is", "trainer.micro_batch_tokens=64").kind == "reinforce"
+    assert resolved("preset=slime:current", "trainer.micro_batch_tokens=64").agg == "seq-mean-token-mean"
     with pytest.raises(ConfigError, match="anchor 'current'"):
         resolved("preset=verl:bypass_pg_is", "loss.kind=ppo")
 

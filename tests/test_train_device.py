@@ -193,14 +193,14 @@ def test_optimizer_steps_of_any_split_log_one_loss():
 def test_device_cuda_without_cuda_is_refused_before_anything_is_written(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("CUDA is available here: the error is for machines without it")
-    cfg = load_train_config(None, [*FAST, "steps=1", f"out_dir={tmp_path / 'run'}", "device=cuda"])
-    with pytest.raises(ConfigError, match=r"device=cuda: CUDA is not available.*Fix: device=cpu"):
+    cfg = load_train_config(None, [*FAST, "steps=1", f"out_dir={tmp_path / 'run'}", "trainer.device=cuda"])
+    with pytest.raises(ConfigError, match=r"trainer.device=cuda: CUDA is not available.*Fix: device=cpu"):
         train(cfg, progress=False)
     assert not (tmp_path / "run").exists()
-    assert resolve_device(load_train_config(None, ["device=auto"])) == torch.device("cpu")
+    assert resolve_device(load_train_config(None, ["trainer.device=auto"])) == torch.device("cpu")
     assert resolve_trainer_dtype(load_train_config(None, []), torch.device("cpu"))[0] == "fp32"
     with pytest.raises(Exception, match="device"):
-        load_train_config(None, ["device=gpu"])  # not auto | cpu | cuda | cuda:N
+        load_train_config(None, ["trainer.device=gpu"])  # not auto | cpu | cuda | cuda:N
 
 
 def test_diagnose_device_cuda_without_cuda_is_one_clear_line(tmp_path, capsys):
@@ -216,8 +216,8 @@ def test_diagnose_device_cuda_without_cuda_is_one_clear_line(tmp_path, capsys):
 
 def test_seq_sum_norm_micro_batches_need_max_len():
     with pytest.raises(Exception, match=r"loss.max_len=10"):
-        load_train_config(None, ["micro_batch_tokens=64", "loss.agg=seq-mean-token-sum-norm"])
-    load_train_config(None, ["micro_batch_tokens=64", "loss.agg=seq-mean-token-sum-norm", "loss.max_len=10"])
+        load_train_config(None, ["trainer.micro_batch_tokens=64", "loss.agg=seq-mean-token-sum-norm"])
+    load_train_config(None, ["trainer.micro_batch_tokens=64", "loss.agg=seq-mean-token-sum-norm", "loss.max_len=10"])
 
 
 # ---------------------------------------------------------------------- micro-batches
@@ -487,7 +487,7 @@ def test_a_broken_vllm_import_is_reported(monkeypatch):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("setting", [["minibatches=1", "preset=recommended", "gradient_checkpointing=true"],
+@pytest.mark.parametrize("setting", [["minibatches=1", "preset=recommended", "trainer.gradient_checkpointing=true"],
                                      # issue #32: a reducer clash at step 0, and a loss logged twice over
                                      ["minibatches=8", "preset=areal:m2po"],
                                      ["minibatches=1", "ppo_epochs=2", "preset=verl:bypass_pg_is"]])
@@ -496,14 +496,14 @@ def test_micro_batched_run_matches_the_plain_run(offpolicy_cache, tmp_path, sett
     with mini-batches of which some split and some do not, PPO epochs, a data-chosen bound (M2PO) and a
     preset whose loss is not PPO's. The run's config.yaml holds the loss that ran."""
     def first(name, *extra):
-        cfg = load_train_config(None, [*FAST, "steps=1", *setting, f"out_dir={tmp_path / name}", "device=cpu",
+        cfg = load_train_config(None, [*FAST, "steps=1", *setting, f"out_dir={tmp_path / name}", "trainer.device=cpu",
                                        *extra])
         train(cfg, progress=False)
         lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
         return json.loads(lines[0]), yaml.safe_load((tmp_path / name / "config.yaml").read_text()), cfg
 
     plain, config, cfg = first("plain")
-    split, _, _ = first("split", "micro_batch_tokens=24")
+    split, _, _ = first("split", "trainer.micro_batch_tokens=24")
     assert config["train"]["device"] == "cpu" and config["resolved"]["trainer_dtype"] == "fp32"
     assert config["resolved"]["loss"] == config["train"]["loss"] == cfg.loss_config().model_dump(mode="json")
     if "preset=recommended" in setting:  # the README's clip, not PPO's ε = 0.2
@@ -537,7 +537,7 @@ def test_cuda_run(engine, offpolicy_cache, tmp_path, monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(triton, "policy_loss", spy)
-    cfg = load_train_config(None, [*FAST, "steps=2", f"out_dir={tmp_path / 'run'}", "device=cuda", f"engine={engine}"])
+    cfg = load_train_config(None, [*FAST, "steps=2", f"out_dir={tmp_path / 'run'}", "trainer.device=cuda", f"engine={engine}"])
     result = train(cfg, progress=False)
     rows = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
     assert calls and set(calls) == {"cuda"}  # the loss took the triton rung

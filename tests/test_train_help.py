@@ -80,8 +80,9 @@ def _keys(model: type[BaseModel], prefix: str, values: Any) -> Iterator[tuple[st
 
 def expected_keys(section: str | None = None) -> dict[str, Any]:
     """Every key of train (or of one section) with the default a run takes when it is not set: a flat key's
-    field default; a section's (vllm.*, data.*, warm_start.*) its config's; loss.* the loss a default run
-    resolves (TrainConfig()'s, the default preset's)."""
+    field default; a section's (engine.*, sampling.*, trainer.*, data.*, warm_start.*) its config's, unset where
+    the run resolves it (sampling.max_tokens: the task's); loss.* the loss a default run resolves (TrainConfig()'s,
+    the default preset's)."""
     resolved = TrainConfig().model_dump()
     out = {}
     for name in (HELP_SECTIONS[section][1] if section else TrainConfig.model_fields):
@@ -89,7 +90,8 @@ def expected_keys(section: str | None = None) -> dict[str, Any]:
         if _nested(field) is None:
             out[name] = field.get_default(call_default_factory=True)
         else:
-            out.update(_keys(_nested(field), name + ".", resolved[name]))
+            values = resolved[name] if name == "loss" else field.get_default(call_default_factory=True).model_dump()
+            out.update(_keys(_nested(field), name + ".", values))
     return out
 
 
@@ -130,7 +132,7 @@ def test_train_help_lists_every_key_with_its_default():
     # the loss's defaults are the default preset's (recommended: bypass, clip 0.4), with preset=none's beside
     assert re.search(r"^  loss\.clip_high=0\.4 .*\(preset=none: 0\.2\)$", result.stdout, re.M)
     assert "loss.correction.anchor=rollout" in result.stdout
-    for key in ("vllm.max_num_batched_tokens", "loss.clip_low", "loss.correction.weight.high",
+    for key in ("engine.vllm.max_num_batched_tokens", "loss.clip_low", "loss.correction.weight.high",
                 "loss.correction.reject", "data.path", "warm_start.lr"):
         assert key in expected, key
     for rule in ("ratio", "k1 | k2 | k3", "opsm", "binary_kl", "m2", "mult_error", "prob_diff"):
@@ -148,12 +150,12 @@ def test_train_help_section_shows_only_that_section(section):
     assert listed == set(mine), (sorted(set(mine) - listed), sorted(listed - set(mine)))
 
 
-def test_train_help_vllm_is_the_vllm_keys():
-    result = offpolicy("train", "--help", "vllm")
+def test_train_help_engine_holds_the_vllm_keys():
+    result = offpolicy("train", "--help", "engine")
     assert result.returncode == 0, result.stderr
-    assert "vllm.max_num_batched_tokens=null  int > 0 | null" in result.stdout
-    assert "engine_gpu_memory_utilization=0.3  float in (0, 1]" in result.stdout
-    assert "lr=" not in result.stdout and "loss." not in result.stdout
+    assert "engine.vllm.max_num_batched_tokens=null  int > 0 | null" in result.stdout
+    assert "engine.gpu_memory_utilization=0.3  float in (0, 1]" in result.stdout
+    assert "lr=" not in result.stdout and "loss." not in result.stdout and "sampling." not in result.stdout
 
 
 @pytest.mark.parametrize("section, hint", [("nope", ""), ("lss", " (did you mean 'loss'?)")])

@@ -106,7 +106,7 @@ def test_no_request_is_served_from_kv_of_older_weights():
 
 def test_train_cli_on_vllm_bf16(offpolicy_cache, tmp_path):
     out = tmp_path / "run"
-    args = [a for a in FAST if not a.startswith("engine")] + ["engine=vllm", "engine_dtype=bf16", "steps=3"]
+    args = [a for a in FAST if not a.startswith("engine")] + ["engine=vllm", "engine.dtype=bf16", "steps=3"]
     env = {**os.environ, "OFFPOLICY_CACHE": str(offpolicy_cache)}
     result = subprocess.run([sys.executable, "-m", "offpolicy", "train", *args, f"out_dir={out}", "--no-progress"],
                             capture_output=True, text=True, timeout=900, env=env)
@@ -134,7 +134,7 @@ def test_train_cli_on_vllms_public_weight_transfer_api(offpolicy_cache, tmp_path
     unchecked model family would be) syncs every step through vLLM's public weight-transfer API, and its header
     and config.yaml say so; the fp32 engine agrees with the trainer after every sync (``kl_k3_start``)."""
     out = tmp_path / "run"
-    args = [a for a in FAST if not a.startswith("engine")] + ["engine=vllm", "engine_dtype=fp32", "steps=2"]
+    args = [a for a in FAST if not a.startswith("engine")] + ["engine=vllm", "engine.dtype=fp32", "steps=2"]
     launch = ("import dataclasses, sys; from offpolicy.engines import vllm; "
               "vllm.VLLM_DIRECT_SYNC = dataclasses.replace(vllm.VLLM_DIRECT_SYNC, families=frozenset()); "
               "from offpolicy.cli import main; sys.exit(main(sys.argv[1:]))")

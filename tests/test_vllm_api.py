@@ -239,7 +239,7 @@ def test_diagnose_vllm_flags_reach_the_engine(monkeypatch, tiny_qwen2_dir, tmp_p
     capsys.readouterr()
     assert main([*base, "--out", str(tmp_path / "e"), "--vllm-enable-chunked-prefill"]) == 2
     err = capsys.readouterr().err.strip()
-    assert "\n" not in err and "vllm.enable_chunked_prefill=true" in err and "on the CPU" in err
+    assert "\n" not in err and "engine.vllm.enable_chunked_prefill=true" in err and "on the CPU" in err
     assert main([*base, "--out", str(tmp_path / "f"), "--vllm-max-num-seqs", "0"]) == 2
     assert "max_num_seqs" in capsys.readouterr().err
 
@@ -248,13 +248,13 @@ def test_train_config_vllm_options():
     from offpolicy.core.config import ConfigError
     from offpolicy.train.config import load_train_config
 
-    cfg = load_train_config(None, ["vllm.max_num_batched_tokens=8192", "vllm.enforce_eager=false"])
+    cfg = load_train_config(None, ["engine.vllm.max_num_batched_tokens=8192", "engine.vllm.enforce_eager=false"])
     assert cfg.vllm.max_num_batched_tokens == 8192 and cfg.vllm.enforce_eager is False
     assert cfg.vllm.max_num_seqs is None and cfg.vllm.enable_chunked_prefill is None
     with pytest.raises(ConfigError, match=r"max_num_batched_tokens=16 < vllm.max_num_seqs=32"):
-        load_train_config(None, ["vllm.max_num_batched_tokens=16", "vllm.max_num_seqs=32"])
+        load_train_config(None, ["engine.vllm.max_num_batched_tokens=16", "engine.vllm.max_num_seqs=32"])
     with pytest.raises(ConfigError, match=r"vllm.\* options are read with engine=vllm only"):
-        load_train_config(None, ["engine=hf", "vllm.max_num_seqs=32"])
+        load_train_config(None, ["engine=hf", "engine.vllm.max_num_seqs=32"])
     with pytest.raises(ConfigError, match=r"unknown key 'max_num_seq'"):
         load_train_config(None, ["vllm.max_num_seq=32"])
 
@@ -275,8 +275,8 @@ def test_an_engine_failure_is_one_line_and_its_dump_stays_in_engine_log(monkeypa
             monkeypatch.setattr(handler, "stream", sys.stdout)
     out = tmp_path / "run"
     code = main(["train", f"model={tiny_qwen2_dir}", "task=dataset", f"data.path={DATA}", "reward=number",
-                 "engine=vllm", "engine_dtype=fp32", "prompts_per_step=2", "group_size=2", "steps=1",
-                 "max_new_tokens=4", f"out_dir={out}", "--no-progress"])
+                 "engine=vllm", "engine.dtype=fp32", "prompts_per_step=2", "group_size=2", "steps=1",
+                 "sampling.max_tokens=4", f"out_dir={out}", "--no-progress"])
     captured = capfd.readouterr()
     assert code == 1
     err = captured.err.strip()

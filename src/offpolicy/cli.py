@@ -11,7 +11,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 from types import UnionType
-from typing import Any, Literal, Union, get_args, get_origin
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel
@@ -22,7 +22,7 @@ from rich.text import Text
 
 from offpolicy.core import presets
 from offpolicy.core.config import ConfigError
-from offpolicy.measure.diagnose_config import GROUPS, DiagnoseConfig
+from offpolicy.measure.diagnose_config import GROUPS, MOVED_FLAGS, SECTION_FLAGS, DiagnoseConfig
 from offpolicy.train.config import HELP_SECTIONS
 
 
@@ -204,22 +204,49 @@ def _add_replay_rows(table: Table, reports: list[dict]) -> None:
 
 
 def add_config_flags(parser: argparse.ArgumentParser, config: type[BaseModel],
-                     groups: dict[str, tuple[str, str | None] | None]) -> None:
+                     groups: dict[str, tuple[str, str | None] | None],
+                     sections: dict[str, tuple[str, str, FieldInfo]] | None = None,
+                     moved: dict[str, str] | None = None) -> None:
     """One ``--flag-name`` per field of ``config``, in its order: the type (``int | None`` → int), a Literal's
     choices, a boolean as a switch (``--x``; ``--x/--no-x`` where unset is None), a list as a repeatable flag,
     the default and the help from the field (its description, then the default where there is one). A field's
     ``json_schema_extra`` may name its ``metavar``, its ``choices`` and its ``group`` in ``groups``: None = the
-    group's flags exclude one another, (title, description) = a section of the help."""
-    sections: dict[str, Any] = {}
-    for name, field in config.model_fields.items():
-        extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
-        group = extra.get("group")
-        if group is not None and group not in sections:
+    group's flags exclude one another, (title, description) = a section of the help. A field that is a section
+    (a config of its own) stands for its flags in ``sections`` (name → (dotted key, group, field)): those are
+    passed on only when given (argparse's SUPPRESS), so a section's unset field stays unset. ``moved``: old flag
+    names → new, each refused with the new name."""
+    added: dict[str, Any] = {}
+
+    def group_of(group: str | None):
+        if group is None:
+            return parser
+        if group not in added:
             spec = groups[group]
-            exclusive = spec is None
-            sections[group] = parser.add_mutually_exclusive_group() if exclusive else parser.add_argument_group(*spec)
+            added[group] = parser.add_mutually_exclusive_group() if spec is None else parser.add_argument_group(*spec)
+        return added[group]
+
+    for name, field in config.model_fields.items():
+        if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+            for flag, (key, group, inner) in (sections or {}).items():
+                if key.startswith(name + "."):
+                    extra = inner.json_schema_extra if isinstance(inner.json_schema_extra, dict) else {}
+                    _, kwargs = config_flag(flag, inner, extra)
+                    group_of(group).add_argument("--" + flag.replace("_", "-"), dest=flag,
+                                                 **{**kwargs, "default": argparse.SUPPRESS})
+            continue
+        extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
         flag, kwargs = config_flag(name, field, extra)
-        (parser if group is None else sections[group]).add_argument(flag, **kwargs)
+        group_of(extra.get("group")).add_argument(flag, **kwargs)
+    for old, new in (moved or {}).items():
+        parser.add_argument("--" + old.replace("_", "-"), nargs="?", help=argparse.SUPPRESS, default=argparse.SUPPRESS,
+                            action=_moved_flag(f"--{new.replace('_', '-')}"))
+
+
+def _moved_flag(new: str) -> type[argparse.Action]:
+    class Moved(argparse.Action):
+        def __call__(self, parser, namespace, values, option_string=None):
+            parser.error(f"{option_string} has moved: it is {new} now (the sections train shares, issue #68)")
+    return Moved
 
 
 def config_flag(name: str, field: FieldInfo, extra: dict[str, Any]) -> tuple[str, dict[str, Any]]:
@@ -227,6 +254,8 @@ def config_flag(name: str, field: FieldInfo, extra: dict[str, Any]) -> tuple[str
     kind = field.annotation
     if get_origin(kind) in (Union, UnionType) and type(None) in get_args(kind):  # X | None: unset = None
         kind = next(a for a in get_args(kind) if a is not type(None))
+    if get_origin(kind) is Annotated:  # a rule's type (sampling.MaxTokens): the type it annotates
+        kind = get_args(kind)[0]
     default = field.get_default(call_default_factory=True)
     described = (field.description or "").replace("%", "%%")  # argparse %-formats the help
     # the default where one is set (argparse's BooleanOptionalAction adds its own)
@@ -267,7 +296,7 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("diagnose", help="measure an engine's mismatch against the trainer, with a what-if table",
                        description="Sample with an engine, recompute the same tokens with the trainer, and report "
                        "the mismatch, where it lives, and what every preset would do to this batch.")
-    add_config_flags(d, DiagnoseConfig, GROUPS)
+    add_config_flags(d, DiagnoseConfig, GROUPS, SECTION_FLAGS, MOVED_FLAGS)
     d.set_defaults(func=_cmd_diagnose)
     w = sub.add_parser("view", help="write the per-token mismatch viewer (report.html) of a training run",
                        description="One self-contained HTML page of a run's saved samples (samples.jsonl): tokens "

@@ -55,6 +55,10 @@ RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
               "likely token's probability)"),  # NaN fails too
 }
 MIN_P_ORDERS = ("min_p_first", "min_p_last")  # vLLM's order; transformers' (and the hf engine's)
+# the most top log-probs an engine is asked for a token: vLLM's default --max-logprobs (ModelConfig.max_logprobs,
+# 0.32), above which a request is refused — train's score_centering_head and diagnose's --head-logprobs
+HEAD_LOGPROBS_MAX = 20
+DIAGNOSE_MAX_TOKENS = 64  # diagnose's response limit where sampling.max_tokens is unset (SamplingSettings)
 
 
 def broken_rule(**values: Any) -> tuple[str, str] | None:
@@ -75,7 +79,7 @@ def _rule(name: str) -> AfterValidator:
     return AfterValidator(check)
 
 
-# the sampling keys' types, for the configs that spell them flat (train's ``top_p=0.9``, diagnose's ``--top-p``)
+# the sampling keys' types (SamplingSettings: train's ``sampling.top_p=0.9``, diagnose's ``--top-p``)
 MaxTokens = Annotated[int, _rule("max_tokens")]
 Temperature = Annotated[float, _rule("temperature")]
 TopP = Annotated[float, _rule("top_p")]
@@ -119,6 +123,46 @@ class SamplingConfig(_Strict):
         """The arguments ``renormalize_logprobs`` takes from this config: the sampler's support, as one bundle."""
         return {"top_p": self.top_p, "top_k": self.top_k, "temperature": self.temperature, "min_p": self.min_p,
                 "min_p_order": self.min_p_order}
+
+
+class SamplingSettings(_Strict):
+    """What the engine samples with and the trainer renormalises over, as a user sets it — ``sampling.*`` in
+    ``offpolicy train``, ``--max-tokens`` / ``--temperature`` / ``--top-p`` / ``--top-k`` / ``--min-p`` in
+    ``offpolicy diagnose``; each value checked by its rule in ``RULES``. ``config`` makes the engines' contract
+    (``SamplingConfig``) of it, with what the run adds: the resolved response limit, min-p's place (the engine's)
+    and the head the engine returns."""
+
+    max_tokens: MaxTokens | None = Field(
+        None, description="response limit, in tokens. Unset: train = the task's own (10 for reverse/addition, "
+        "max_len + 10 = 160 for walk, 128 for count, 256 for task=dataset); diagnose = "
+        f"{DIAGNOSE_MAX_TOKENS} (walk's answers run to 150 tokens: set 160)")
+    temperature: Temperature = Field(1.0, description="τ, > 0: the engine's logits are divided by it")
+    top_p: TopP = Field(1.0, description="nucleus mass in (0, 1]; 1 keeps everything")
+    top_k: TopK = Field(-1, description="tokens kept by top-k; -1 = no top-k (0 is refused: one spelling of off)")
+    min_p: MinP = Field(0.0, description="min-p in [0, 1): keep the tokens with at least min_p × the most likely "
+                        "token's probability; 0 = off. Where it sits among the truncations follows the engine "
+                        "(vLLM, in-process or a server: first; hf and an SGLang server: after top-k and top-p)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _numbers_are_finite(cls, data: Any) -> Any:
+        """Not _Strict's blanket refusal: each field's rule refuses NaN and ±inf in its own words."""
+        return data
+
+    @property
+    def truncates(self) -> bool:
+        """``SamplingConfig.truncates`` of these values: the one answer to "is the support truncated?"."""
+        return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
+
+    def config(self, max_tokens: int | None = None, head_logprobs: int = 0,
+               min_p_order: str = "min_p_last") -> SamplingConfig:
+        """The engines' contract: these values, ``max_tokens`` where this section leaves it unset, min-p's place
+        among the truncations (the sampling engine's: ``offpolicy.engines.min_p_order``) and the head to return."""
+        limit = self.max_tokens if self.max_tokens is not None else max_tokens
+        if limit is None:
+            raise ValueError("sampling.max_tokens is unset and the command gave no default for it")
+        return SamplingConfig(max_tokens=limit, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                              min_p=self.min_p, min_p_order=min_p_order, head_logprobs=head_logprobs)
 
 
 def renormalize_logprobs(

@@ -95,7 +95,7 @@ def _build(name: str, model_path: str, tokenizer, dtype: str, seed: int, logit_n
         from offpolicy.engines.vllm import OPTIONS, VLLMEngine, vllm_import_error
 
         if logit_noise > 0:
-            raise ValueError("engine_logit_noise is implemented for the hf engine; with vllm use engine_weight_noise")
+            raise ValueError("engine.logit_noise is implemented for the hf engine; with vllm use engine.weight_noise")
         error = vllm_import_error()
         if error is not None:
             missing = error == "ModuleNotFoundError: No module named 'vllm'"

@@ -3,7 +3,7 @@
 The rule (``choose``), from ``benchmarks/bench_engine_choice.py`` (figures in docs/performance.md, "Which
 engine, by model size"):
 
-- ``engine_logit_noise`` set → ``hf``: the only engine that adds it;
+- ``engine.logit_noise`` set → ``hf``: the only engine that adds it;
 - a ``vllm.*`` option set → ``vllm``: the config asks for vLLM by name;
 - on a GPU → ``vllm`` (paged attention, CUDA graphs, continuous batching);
 - on the CPU, a model under ``CPU_HF_BELOW`` parameters with a vocabulary of at most ``CPU_HF_MAX_VOCAB``
@@ -57,9 +57,9 @@ def choose(device: torch.device, parameters: int, vocabulary: int, logit_noise: 
            vllm_options_set: bool = False) -> tuple[str, str]:
     """The engine for ``engine=auto`` and why, in words for the run's header (the rule: module doc)."""
     if logit_noise > 0:
-        return "hf", "auto: engine_logit_noise is the hf engine's"
+        return "hf", "auto: engine.logit_noise is the hf engine's"
     if vllm_options_set:
-        return "vllm", "auto: vllm.* options set"
+        return "vllm", "auto: engine.vllm.* options set"
     size = f"{parameters / 1e6:.1f}M parameters, a {vocabulary:,}-token vocabulary"
     if device.type == "cpu" and parameters < CPU_HF_BELOW and vocabulary <= CPU_HF_MAX_VOCAB:
         return "hf", (f"auto: {size} on the CPU, where HF generate is faster than vLLM (under "

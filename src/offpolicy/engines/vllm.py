@@ -44,13 +44,14 @@ from typing import Any
 import torch
 
 from offpolicy.engines.base import EngineError, Rollouts, SamplingConfig
+from offpolicy.engines.config import VLLMConfig
 from offpolicy.core.kept_set import KeptIds
 from offpolicy.speed.gates import VLLM_DIRECT_SYNC, decide, model_family
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # the options `offpolicy train` (vllm.*) and `diagnose` (--vllm-*) pass through, under vLLM's own names
-OPTIONS = ("max_num_batched_tokens", "max_num_seqs", "enable_chunked_prefill", "enforce_eager")
+OPTIONS = tuple(VLLMConfig.model_fields)  # vLLM's options offpolicy passes on: the engine section's vllm.* (engines/config.py)
 
 
 def vllm_import_error() -> str | None:
@@ -93,7 +94,7 @@ def llm_kwargs(model_path: str, dtype: str, seed: int, max_model_len: int, on_cp
             prefill off (vLLM would refuse every longer sequence); a budget below ``max_num_seqs``.
     """
     if on_cpu and enable_chunked_prefill:
-        raise ValueError("vllm.enable_chunked_prefill=true (diagnose: --vllm-enable-chunked-prefill) on the CPU: "
+        raise ValueError("engine.vllm.enable_chunked_prefill=true (diagnose: --vllm-enable-chunked-prefill) on the CPU: "
                          "vLLM rewinds a split prompt's seeded generator, which a CPU generator cannot do "
                          "(\"CPU Generator does not use offset\"). Fix: leave it unset (off on the CPU)")
     if enable_chunked_prefill is None and on_cpu:
@@ -102,11 +103,11 @@ def llm_kwargs(model_path: str, dtype: str, seed: int, max_model_len: int, on_cp
         enforce_eager = True
     if max_num_batched_tokens is not None:
         if enable_chunked_prefill is False and max_num_batched_tokens < max_model_len:
-            raise ValueError(f"vllm.max_num_batched_tokens={max_num_batched_tokens} is below the engine's context "
+            raise ValueError(f"engine.vllm.max_num_batched_tokens={max_num_batched_tokens} is below the engine's context "
                              f"({max_model_len} tokens) with chunked prefill off: every longer sequence would be "
-                             f"refused. Fix: vllm.max_num_batched_tokens ≥ {max_model_len}, or leave it unset")
+                             f"refused. Fix: engine.vllm.max_num_batched_tokens ≥ {max_model_len}, or leave it unset")
         if max_num_seqs is not None and max_num_batched_tokens < max_num_seqs:
-            raise ValueError(f"vllm.max_num_batched_tokens={max_num_batched_tokens} < vllm.max_num_seqs="
+            raise ValueError(f"engine.vllm.max_num_batched_tokens={max_num_batched_tokens} < engine.vllm.max_num_seqs="
                              f"{max_num_seqs}: each running sequence needs at least one token of the step's budget. "
                              "Fix: raise the budget or lower max_num_seqs")
     options = {"max_num_batched_tokens": max_num_batched_tokens, "max_num_seqs": max_num_seqs,

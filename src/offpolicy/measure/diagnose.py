@@ -51,7 +51,8 @@ import offpolicy as op
 from offpolicy.core import ops, presets, sequence_weight
 from offpolicy.measure import engine_checks, provenance, viewer
 from offpolicy.core.config import ConfigError
-from offpolicy.measure.diagnose_config import MICRO_BATCH_TOKENS, DiagnoseConfig
+from offpolicy.measure.diagnose_config import DiagnoseConfig
+from offpolicy.policy.scorer_config import MICRO_BATCH_TOKENS
 from offpolicy.engines import Rollouts, SamplingConfig, make_engine
 from offpolicy.integrations.dump import load_batch
 from offpolicy.core.metrics import Metrics
@@ -142,15 +143,19 @@ class TrainerSide:
     dtype: str = "fp32"
     device: torch.device = torch.device("cpu")
     budget: int | None = MICRO_BATCH_TOKENS
+    cpu_linear: str = "auto"  # the linear layers on an fp32 CPU trainer, as train's (``ScorerConfig.cpu_linear``)
 
     def scorer(self) -> Scorer:
-        return Scorer(load_policy(self.model_path, self.device).eval(), self.sampling, self.device, self.dtype,
-                      self.budget)
+        from offpolicy.speed.cpu_linear import use_onednn_linear
+
+        policy = load_policy(self.model_path, self.device).eval()
+        use_onednn_linear(policy, self.cpu_linear, self.device, self.dtype)
+        return Scorer(policy, self.sampling, self.device, self.dtype, self.budget)
 
 
 def sample(trainer: TrainerSide, tokenizer, prompts: list[list[int]], engine: str, engine_dtype: str, seed: int = 0,
            logit_noise: float = 0.0, log_path: Path | None = None, max_model_len: int = 1024,
-           vllm_options: dict | None = None) -> Sample:
+           vllm_options: dict | None = None, gpu_memory_utilization: float = 0.3) -> Sample:
     """Generate with the engine (on ``trainer.device``, with ``trainer.sampling``), then recompute the sampled
     tokens' log-probs with the trainer (``score``). The engine's output goes to ``log_path`` when given (see
     ``engines.make_engine``); ``vllm_options`` are vLLM's batching options (``engines.vllm.OPTIONS``). The
@@ -159,7 +164,8 @@ def sample(trainer: TrainerSide, tokenizer, prompts: list[list[int]], engine: st
 
     eng = make_engine(engine, str(trainer.model_path), tokenizer, engine_dtype, seed=seed, logit_noise=logit_noise,
                       max_model_len=max(max_model_len, 1024), log_path=log_path, device=trainer.device,
-                      vllm_options=vllm_options, sampling=trainer.sampling)
+                      vllm_options=vllm_options, sampling=trainer.sampling, cpu_linear=trainer.cpu_linear,
+                      gpu_memory_utilization=gpu_memory_utilization)
     try:
         start = time.perf_counter()
         rollouts = eng.generate(prompts, trainer.sampling, seed=seed, version=0)
@@ -943,8 +949,11 @@ def _sampled_reports(config: DiagnoseConfig, console) -> list[dict[str, Any]]:
     from offpolicy.policy.warmstart import model_dir, warm_start_progress
     from offpolicy.tasks.tokenizer import ensure_pad_token, load_tokenizer
 
-    sampling = config.sampling
-    device = resolve_device(config.device)
+    device = resolve_device(config.trainer.device)
+    threads = config.trainer.threads
+    if threads != "auto":  # as train's trainer.threads (torch's own setter: vLLM's CPU worker replaces the public one)
+        torch._C.set_num_threads(threads)
+    budget = config.trainer.budget(MICRO_BATCH_TOKENS)
     settings = config.settings()
     for setting in settings:  # the trainer's numerics are train's: its dtype resolution, its forward
         setting["trainer_dtype"] = resolve_dtype(setting["trainer_dtype"], device)[0]
@@ -954,25 +963,69 @@ def _sampled_reports(config: DiagnoseConfig, console) -> list[dict[str, Any]]:
     prompts = _prompts(config, tokenizer)
     server = config.server()
     if server is not None:
-        trainer = TrainerSide(model_path, sampling, settings[0]["trainer_dtype"], device, config.micro_batch_tokens)
+        trainer = TrainerSide(model_path, config.sampling_config(), settings[0]["trainer_dtype"], device, budget,
+                              config.trainer.cpu_linear)
         return [_server_report(config, console, server, trainer, tokenizer, prompts)]
+    _resolve_auto_engines(config, settings, model_path, device, console)
     out, reports = Path(config.out), []
     for setting in settings:
+        sampling = config.sampling_config(engine=setting["engine"])
         name = f"{setting['engine']}-{setting['engine_dtype']}-vs-{setting['trainer_dtype']}"
         if setting["logit_noise"]:
             name += f"-noise{setting['logit_noise']}"
         console.print(f"diagnose: {name} on {len(prompts)} samples ...")
-        trainer = TrainerSide(model_path, sampling, setting["trainer_dtype"], device, config.micro_batch_tokens)
+        trainer = TrainerSide(model_path, sampling, setting["trainer_dtype"], device, budget, config.trainer.cpu_linear)
         s = sample(trainer, tokenizer, prompts, setting["engine"], setting["engine_dtype"], seed=config.seed,
                    logit_noise=setting["logit_noise"], log_path=out / "engine.log",
-                   max_model_len=max(map(len, prompts)) + config.max_tokens,
-                   vllm_options=config.vllm_options() if setting["engine"] == "vllm" else None)
+                   max_model_len=max(map(len, prompts)) + sampling.max_tokens,
+                   vllm_options=config.vllm_options() if setting["engine"] == "vllm" else None,
+                   gpu_memory_utilization=config.engine.gpu_memory_utilization)
         print_on_record(console, s)
         checked = _self_check(config, console, s, trainer, setting["engine_dtype"])
         reports.append(report(s, {**setting, "name": name, "model": str(model_path), "sampling": sampling.__dict__},
                               out / name if len(settings) > 1 else out, self_check=checked,
                               settings=run_settings(config)))
     return reports
+
+
+def _resolve_auto_engines(config: DiagnoseConfig, settings: list[dict[str, Any]], model_path: Path, device,
+                          console) -> None:
+    """Each setting's engine ``auto`` as train resolves it (``offpolicy.engines.choice.choose``: by the device, the
+    model's parameters and its vocabulary), printed with its reason; the settings are updated in place."""
+    if all(setting["engine"] != "auto" for setting in settings):
+        return
+    from transformers import AutoConfig
+
+    from offpolicy.engines.choice import choose
+
+    model = AutoConfig.from_pretrained(model_path)
+    parameters = _parameter_count(model_path)
+    for setting in settings:
+        if setting["engine"] == "auto":
+            setting["engine"], why = choose(device, parameters, model.vocab_size, logit_noise=setting["logit_noise"],
+                                            vllm_options_set=bool(config.engine.vllm.set_options()))
+            console.print(f"diagnose: engine {setting['engine']} ({why})")
+
+
+def _parameter_count(model_path: Path) -> int:
+    """The model's parameters, from its safetensors headers (no weight is read)."""
+    import json
+    import struct
+
+    total = 0
+    for file in sorted(Path(model_path).glob("*.safetensors")):
+        with open(file, "rb") as f:
+            header = json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
+        for name, entry in header.items():
+            if name != "__metadata__":
+                count = 1
+                for n in entry["shape"]:
+                    count *= n
+                total += count
+    if total == 0:
+        raise ConfigError(f"{model_path}: no *.safetensors weights to count for --engine auto; name the engine "
+                          "(--engine vllm or --engine hf)")
+    return total
 
 
 def _prompts(config: DiagnoseConfig, tokenizer) -> list[list[int]]:
@@ -1027,7 +1080,8 @@ def _server_report(config: DiagnoseConfig, console, server, trainer: TrainerSide
     setting = {"engine": "server", "engine_dtype": "as served", "trainer_dtype": dtype, "name": f"server-vs-{dtype}",
                "label": f"server {info['served_model']} vs trainer {dtype}", "model": str(trainer.model_path),
                "sampling": trainer.sampling.__dict__, "server": info}
-    return report(s, setting, Path(config.out), self_check=_self_check(config, console, s, trainer, config.engine_dtype),
+    return report(s, setting, Path(config.out), self_check=_self_check(config, console, s, trainer,
+                                                                        config.settings()[0]["engine_dtype"]),
                   settings=run_settings(config))
 
 

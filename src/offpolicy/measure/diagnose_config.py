@@ -1,8 +1,11 @@
 """``offpolicy diagnose`` configuration: every option of ``diagnose.run``, with its default and rule.
 
-The fields are the command line's flags: ``cli.build_parser`` generates each one from its field (``--engine-dtype``
-is ``engine_dtype``; its type, choices and default, its help from the description, a metavar and a section of the
-help from ``json_schema_extra``), so a new field is a new flag and this file holds the only copy of each default.
+The fields are the command line's flags: ``cli.build_parser`` generates each one from its field (its type, choices
+and default, its help from the description, a metavar and a section of the help from ``json_schema_extra``), so a new
+field is a new flag. The engine, the sampling and the trainer are the sections train shares (``EngineConfig``,
+``SamplingSettings``, ``ScorerConfig``: one name and one default each, issue #68); their flags follow one rule,
+``FLAG_PREFIX`` (``engine.dtype`` is ``--engine-dtype``, ``engine.kind`` is ``--engine``, ``sampling.top_p`` is
+``--top-p``, ``trainer.dtype`` is ``--trainer-dtype``, ``engine.vllm.max_num_seqs`` is ``--vllm-max-num-seqs``).
 A refused value is one ``ConfigError`` that names the flag, as the CLI prints it. Everything here is checked
 before transformers, an engine or a server is touched.
 """
@@ -11,37 +14,102 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field, ValidationError, model_validator
 
-from offpolicy.core.config import ConfigError, _Strict
-from offpolicy.engines.config import VLLMConfig
-from offpolicy.core.sampling import RULES, MaxTokens, MinP, SamplingConfig, Temperature, TopK, TopP
+from offpolicy.core.config import _NESTING, ConfigError, _Strict
+from offpolicy.core.sampling import DIAGNOSE_MAX_TOKENS, HEAD_LOGPROBS_MAX, RULES, SamplingConfig, SamplingSettings
+from offpolicy.engines.config import EngineConfig
+from offpolicy.policy.scorer_config import MICRO_BATCH_TOKENS, TRAINER_DTYPES, ScorerConfig
 from offpolicy.tasks.dataset import DataConfig
 
-COMPARED = ("engine", "engine_dtype", "trainer_dtype", "logit_noise")  # what --compare may vary
 SERVER_FLAGS = (("api_key_env", "--api-key-env"), ("served_model_name", "--served-model-name"),
                 ("no_cache_salt", "--no-cache-salt"), ("sampling_mask", "--sampling-mask"),
                 ("sampling_mask_logprobs", "--sampling-mask-logprobs"), ("head_logprobs", "--head-logprobs"))
-HEAD_LOGPROBS_MAX = 20  # vLLM's default --max-logprobs (ModelConfig.max_logprobs, 0.32): a request above it is refused
-# padded tokens of one trainer micro-batch: train's micro_batch_tokens for a pretrained model (2,048 bound
-# SmolLM2-135M's activations on a 24 GB host: train/config.py, PRETRAINED_DEFAULTS)
-MICRO_BATCH_TOKENS = 2048
-VLLM_FLAGS = ("max_num_batched_tokens", "max_num_seqs", "enable_chunked_prefill", "enforce_eager")
-TRAINER_DTYPES = ("auto", "fp32", "bf16")
 # the flags' groups on the command line (a field's json_schema_extra "group"; cli.build_parser): the prompts'
-# sources exclude one another; the vLLM and server flags are a section of the help each (title, description)
-SOURCE, VLLM, SERVER = "source", "vllm", "server"
+# sources exclude one another; the sections and the server flags are a section of the help each (title, description)
+SOURCE, ENGINE, VLLM, SAMPLING, TRAINER, SERVER = "source", "engine", "vllm", "sampling", "trainer", "server"
+# a shared section's flags: its path → (the flags' prefix, the help's group). engine.kind is --engine itself
+SECTIONS: dict[str, tuple[str, str]] = {"engine": ("engine", ENGINE), "engine.vllm": ("vllm", VLLM),
+                                        "sampling": ("", SAMPLING), "trainer": ("trainer", TRAINER)}
+SECTION_NAME_FIELD = {"engine": "kind"}  # a section whose flag without a suffix is one field (--engine)
+# the diagnose flags that left for a section's (issue #68): refused with the new flag's name
+MOVED_FLAGS = {"logit_noise": "engine_logit_noise", "device": "trainer_device",
+               "micro_batch_tokens": "trainer_micro_batch_tokens"}
 GROUPS: dict[str, tuple[str, str | None] | None] = {
     SOURCE: None,  # mutually exclusive, no section of its own
-    VLLM: ("vLLM (--engine vllm; train's vllm.* options; unset = the platform's default)", None),
+    ENGINE: ("the engine (train's engine.*)", "auto = train's rule (offpolicy.engines.choice) on the loaded model; "
+             "its dtype auto = bf16, the precision RL engines sample in"),
+    SAMPLING: ("the sampling (train's sampling.*)", None),
+    TRAINER: ("the trainer that scores the tokens (train's trainer.*)", None),
+    VLLM: ("vLLM (--engine vllm; train's engine.vllm.* options; unset = the platform's default)", None),
     SERVER: ("a running inference server (--engine-url)",
              "Sample through the server's OpenAI-compatible /v1/completions (vllm serve, trl vllm-serve, SGLang) "
              "instead of starting an engine — or, with --sampling-mask, vLLM's /inference/v1/generate or SGLang's "
              "/generate, which return each token's kept set; --model is the trainer's local copy of the served "
              "weights, prompts are rendered here and sent as token ids."),
 }
+
+
+def section_flags() -> dict[str, tuple[str, str, Any]]:
+    """Every flag of a shared section diagnose reads: its name (``engine_dtype``, as argparse's dest) → (the dotted
+    key, the help's group, the field). A field marked for train only (``json_schema_extra`` commands) has none."""
+    sections = {"engine": EngineConfig, "engine.vllm": EngineConfig.model_fields["vllm"].annotation,
+                "sampling": SamplingSettings, "trainer": ScorerConfig}
+    flags: dict[str, tuple[str, str, Any]] = {}
+    for path, model in sections.items():
+        prefix, group = SECTIONS[path]
+        for name, field in model.model_fields.items():
+            extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
+            if f"{path}.{name}" in sections:
+                continue  # a section of its own (engine.vllm)
+            if "diagnose" not in extra.get("commands", ("diagnose",)):
+                continue
+            flag = prefix if SECTION_NAME_FIELD.get(path) == name else "_".join(p for p in (prefix, name) if p)
+            flags[flag] = (f"{path}.{name}", group, field)
+    return flags
+
+
+SECTION_FLAGS = section_flags()
+COMPARED = ("engine", "engine_dtype", "trainer_dtype", "engine_logit_noise")  # what --compare may vary (flag names)
+
+
+def flag_name(loc: tuple) -> str:
+    """The flag of a validation error's location (``("engine", "logit_noise")`` → ``--engine-logit-noise``)."""
+    key = ".".join(str(p) for p in loc)
+    for flag, (dotted, _, _) in SECTION_FLAGS.items():
+        if dotted == key:
+            return "--" + flag.replace("_", "-")
+    return "--" + str(loc[-1] if loc else "").replace("_", "-")
+
+
+def into_sections(flags: dict[str, Any]) -> dict[str, Any]:
+    """The command line's flags as ``DiagnoseConfig``'s fields: each shared section's flag into its section (a flag
+    left at None, argparse's "not given", is left out; ``--engine vllm`` is ``engine.kind``), the rest as they are.
+
+    Raises:
+        ConfigError: a flag that moved into a section (``MOVED_FLAGS``), with its new name.
+    """
+    moved = [k for k in flags if k in MOVED_FLAGS]
+    if moved:
+        pairs = ", ".join(f"--{k.replace('_', '-')} → --{MOVED_FLAGS[k].replace('_', '-')}" for k in moved)
+        raise ConfigError(f"{'this flag has' if len(moved) == 1 else 'these flags have'} moved into the engine / "
+                          f"trainer sections train shares (issue #68): {pairs}")
+    out: dict[str, Any] = {}
+    for key, value in flags.items():
+        if key not in SECTION_FLAGS or key == "engine" and isinstance(value, (dict, BaseModel)):
+            out[key] = value  # a field of its own, or a whole section
+            continue
+        node = out
+        *path, last = SECTION_FLAGS[key][0].split(".")
+        for part in path:
+            node = node.setdefault(part, {})
+            if isinstance(node, BaseModel):
+                raise ConfigError(f"--{key.replace('_', '-')} with a whole {part} section given: pass one of them")
+        node[last] = value
+    return out
 
 
 # ServerConfig's fields under the names of the flags that set them
@@ -56,10 +124,15 @@ def flag_error(err: ValidationError, flags: dict[str, str] | None = None) -> Con
     …``; no other value is echoed: a server's URL or key may hold a secret); any other names the field as its
     flag (``flags``, else ``--field-name``)."""
     first = err.errors()[0]
-    field = str(first["loc"][0]) if first["loc"] else None
+    field = str(first["loc"][-1]) if first["loc"] else None
     if first["type"] == "value_error" and field not in RULES:
-        return ConfigError(first["msg"].removeprefix("Value error, "))
-    flag = (flags or {}).get(field, "--" + field.replace("_", "-"))
+        message = first["msg"].removeprefix("Value error, ")
+        nonfinite = re.match(r"(\w+): got (\S+), which is not a finite number", message)  # _Strict's, in a section
+        if nonfinite and first["loc"]:
+            return ConfigError(f"{flag_name(tuple(first['loc']) + (nonfinite[1],))} {nonfinite[2]}: expected a finite "
+                               "number")
+        return ConfigError(message)
+    flag = (flags or {}).get(field) or flag_name(tuple(first["loc"]))
     if first["type"] == "value_error":
         value = first["input"]
         shown = f"{value:g}" if isinstance(value, float) else value
@@ -72,14 +145,10 @@ class DiagnoseConfig(_Strict):
     scores them, and where the report goes (``out``) and what it gates (``fail_above``, ``fail_below``)."""
 
     model: str = Field("default", description="local HF model path, or 'default' (embedded tiny model)")
-    engine: Literal["vllm", "hf"] = Field("vllm", description="the engine that samples: vllm (in-process vLLM) or "
-                                          "hf (the transformers model)")
-    engine_dtype: Literal["bf16", "fp16", "fp32"] = Field("bf16", description="the precision the engine "
-                                                          "samples in")
-    trainer_dtype: str = Field("auto", description="as train's trainer_dtype: fp32 master weights, bf16 = autocast; "
-                               "auto = bf16 on CUDA with bf16", json_schema_extra={"choices": list(TRAINER_DTYPES)})
-    device: str = Field("auto", description="auto | cpu | cuda | cuda:N: where the trainer (and the hf engine) run; "
-                        "auto = cuda when available")
+    # the sections train shares (flags: SECTION_FLAGS)
+    engine: EngineConfig = Field(default_factory=EngineConfig, description="the engine that samples")
+    sampling: SamplingSettings = Field(default_factory=SamplingSettings, description="the sampling")
+    trainer: ScorerConfig = Field(default_factory=ScorerConfig, description="the trainer that scores the tokens")
     # where the prompts come from: one of these (SOURCE)
     prompts: str | None = Field(None, description="one JSON object per line with a 'prompt' field",
                                 json_schema_extra={"metavar": "FILE.jsonl", "group": SOURCE})
@@ -96,31 +165,7 @@ class DiagnoseConfig(_Strict):
     system_prompt: str | None = Field(None, description="--data: a system message (train's data.system_prompt)")
     chat_template: Literal["auto", "none"] = Field("auto", description="--data: train's data.chat_template")
     max_prompt_tokens: int = Field(512, description="--data: longer prompts are refused")
-    # the sampling (rules: offpolicy.core.sampling.RULES, as train's keys and the engines' SamplingConfig)
     n: int = Field(512, description="number of samples")
-    max_tokens: MaxTokens = Field(64, description="response limit, in tokens")
-    temperature: Temperature = Field(1.0, description="τ, > 0")
-    top_p: TopP = Field(1.0, description="nucleus mass in (0, 1]; 1 keeps everything")
-    top_k: TopK = Field(-1, description="tokens kept by top-k; -1 = no top-k")
-    min_p: MinP = Field(0.0, description="min-p in [0, 1); 0 = off. Its place among the truncations follows the "
-                        "engine: vLLM (in-process or a server) first, the hf engine and an SGLang server (named by "
-                        "its sampling-mask flag) after top-k and top-p")
-    logit_noise: float = Field(0.0, description="additive engine logit noise σ (hf engine)")
-    micro_batch_tokens: int | None = Field(
-        MICRO_BATCH_TOKENS, gt=0, description="the trainer's micro-batches, in padded tokens, as train's "
-        "micro_batch_tokens (train's for a pretrained model); null = one batch", json_schema_extra={"metavar": "N"})
-    # train's vllm.* options (VLLM_FLAGS)
-    vllm_max_num_batched_tokens: int | None = Field(
-        None, description="tokens per engine step (vllm.max_num_batched_tokens)",
-        json_schema_extra={"metavar": "N", "group": VLLM})
-    vllm_max_num_seqs: int | None = Field(None, description="sequences per engine step (vllm.max_num_seqs)",
-                                          json_schema_extra={"metavar": "N", "group": VLLM})
-    vllm_enable_chunked_prefill: bool | None = Field(
-        None, description="split long prompts over steps (vllm.enable_chunked_prefill; refused on the CPU)",
-        json_schema_extra={"group": VLLM})
-    vllm_enforce_eager: bool | None = Field(
-        None, description="no CUDA graphs or compilation (vllm.enforce_eager; default: on the CPU only)",
-        json_schema_extra={"group": VLLM})
     compare: str | None = Field(None, description="several settings side by side, e.g. engine_dtype=bf16,fp16,fp32",
                                 json_schema_extra={"metavar": "KEY=V1,V2"})
     seed: int = Field(0, description="the seed of the prompts drawn and of the engine's sampling")
@@ -174,12 +219,20 @@ class DiagnoseConfig(_Strict):
                                 "first token whose log-probs differ: row, position, log π_train and log μ")
 
     def __init__(self, **flags: Any) -> None:
-        """Raises ConfigError: one line in the CLI's words — the flag, the value's problem (``--n and
-        --max-tokens must be positive``, ``--concurrency: Input should be greater than or equal to 1``)."""
+        """``flags``: the command line's, by their argparse names (``engine_dtype=bf16``, ``top_p=0.9``: each
+        shared section's flag goes into its section, ``SECTION_FLAGS``), or the sections themselves
+        (``engine={...}``).
+
+        Raises ConfigError: one line in the CLI's words — the flag, the value's problem (``--n and
+        --max-tokens must be positive``, ``--concurrency: Input should be greater than or equal to 1``), or a
+        flag that moved into a section, with its new name."""
+        token = _NESTING.set(_NESTING.get() + 1)  # the sections' errors come up here, with their paths
         try:
-            BaseModel.__init__(self, **flags)  # not _Strict's: its message names the class, not the flag
+            BaseModel.__init__(self, **into_sections(flags))  # not _Strict's: its message names the class
         except ValidationError as err:
             raise flag_error(err) from None
+        finally:
+            _NESTING.reset(token)
 
     @model_validator(mode="before")
     @classmethod
@@ -194,9 +247,9 @@ class DiagnoseConfig(_Strict):
         STAT=VALUE bounds: ``diagnose.bounds``)."""
         self.server()  # --engine-url: a wrong flag fails before transformers even imports
         vllm = self.vllm_flags()
-        if vllm and self.engine_url is None and not self.batch and all(s["engine"] != "vllm" for s in self.settings()):
-            raise ValueError(f"{vllm[0]} is read with --engine vllm only (engine is {self.engine!r}). "
-                             "Fix: --engine vllm, or drop it")
+        if vllm and self.engine_url is None and not self.batch and \
+                all(s["engine"] == "hf" for s in self.settings()):
+            raise ValueError(f"{vllm[0]} is read with --engine vllm only (engine is hf). Fix: --engine vllm, or drop it")
         if self.batch and self.compare:
             raise ValueError("--batch reports on the dumped tensors as they are; --compare needs an engine to sample with")
         if self.batch and self.self_check:
@@ -207,49 +260,63 @@ class DiagnoseConfig(_Strict):
         return self
 
     def _check_sampling(self) -> None:
-        """``--n`` a sampler can use, and each setting's trainer dtype and noise (``--compare`` varies them).
-        ``--max-tokens``, ``--temperature``, ``--top-p`` and ``--top-k`` are checked by their types' rules
-        (``sampling.RULES``), as train's keys are."""
+        """``--n`` a sampler can use, and each setting's engine, trainer dtype and noise (``--compare`` varies them,
+        each through its section's rules). ``--max-tokens``, ``--temperature``, ``--top-p``, ``--top-k`` and
+        ``--min-p`` are checked by their types' rules (``sampling.RULES``), as train's keys are."""
         if self.n <= 0:
             raise ValueError("--n must be positive")
         for setting in self.settings():
             if setting["trainer_dtype"] not in TRAINER_DTYPES:
-                raise ValueError(f"--trainer-dtype {setting['trainer_dtype']!r}: expected auto, fp32 or bf16")
+                raise ValueError(f"--trainer-dtype {setting['trainer_dtype']!r}: expected {', '.join(TRAINER_DTYPES)}")
             noise = setting["logit_noise"]
             if not (math.isfinite(noise) and noise >= 0):  # the hf engine adds noise only where σ > 0
-                raise ValueError(f"--logit-noise {noise:g}: expected a finite σ ≥ 0 (0: no noise)")
+                raise ValueError(f"--engine-logit-noise {noise:g}: expected a finite σ ≥ 0 (0: no noise)")
+            if noise > 0 and setting["engine"] == "vllm":
+                raise ValueError("--engine-logit-noise is added by the hf engine; with --engine vllm drop it")
 
-    @property
-    def sampling(self) -> SamplingConfig:
-        """What the engine samples with and the trainer renormalises over (``--max-tokens``, ``--temperature``,
-        ``--top-p``, ``--top-k``), and the head the server is asked for (``--head-logprobs``)."""
+    def sampling_config(self, engine: str | None = None) -> SamplingConfig:
+        """The engines' contract (``SamplingSettings.config``): ``--max-tokens`` (unset: ``DIAGNOSE_MAX_TOKENS``),
+        ``--temperature``, ``--top-p``, ``--top-k``, ``--min-p`` with min-p's place as ``engine`` (default: this
+        config's; auto counts as vLLM's, its first choice) applies it, and the head the server is asked for
+        (``--head-logprobs``)."""
         from offpolicy.engines import min_p_order
 
-        return SamplingConfig(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
-                              top_k=self.top_k, min_p=self.min_p, head_logprobs=self.head_logprobs,
-                              min_p_order=min_p_order("sglang" if self.sampling_mask == "sglang" else self.engine)
-                              if self.min_p > 0 else "min_p_last")  # without min-p the order is moot
+        kind = "sglang" if self.sampling_mask == "sglang" else engine or self.engine.kind
+        order = min_p_order("vllm" if kind == "auto" else kind) if self.sampling.min_p > 0 else "min_p_last"
+        return self.sampling.config(max_tokens=DIAGNOSE_MAX_TOKENS, head_logprobs=self.head_logprobs,
+                                    min_p_order=order)  # without min-p the order is moot
+
+    @property
+    def max_tokens(self) -> int:
+        """The response limit this run samples to (``--max-tokens``, else ``DIAGNOSE_MAX_TOKENS``)."""
+        return self.sampling_config().max_tokens
 
     def settings(self) -> list[dict[str, Any]]:
-        """The engine settings to sample in: this config's, or one per value of ``--compare KEY=V1,V2``."""
-        base = {key: getattr(self, key) for key in COMPARED}
+        """The engine settings to sample in: this config's, or one per value of ``--compare KEY=V1,V2`` (KEY a
+        flag's name: engine, engine-dtype, trainer-dtype, engine-logit-noise). The engine dtype auto is bf16 here
+        (``EngineConfig.dtype``); the engine auto is resolved on the loaded model (``diagnose``)."""
+        base = {"engine": self.engine.kind, "engine_dtype": "bf16" if self.engine.dtype == "auto" else self.engine.dtype,
+                "trainer_dtype": self.trainer.dtype, "logit_noise": self.engine.logit_noise}
         if not self.compare:
             return [base]
         key, _, values = self.compare.partition("=")
         key = key.strip().replace("-", "_")
-        if key not in base or not values:
-            raise ConfigError(f"--compare {self.compare!r}: expected KEY=V1,V2,... with KEY one of {', '.join(base)}")
-        return [{**base, key: float(raw) if key == "logit_noise" else raw.strip()} for raw in values.split(",")]
+        if key in MOVED_FLAGS:
+            raise ConfigError(f"--compare {key}=…: the flag is now --{MOVED_FLAGS[key].replace('_', '-')} (issue #68)")
+        if key not in COMPARED or not values:
+            raise ConfigError(f"--compare {self.compare!r}: expected KEY=V1,V2,... with KEY one of "
+                              f"{', '.join(k.replace('_', '-') for k in COMPARED)}")
+        field = {"engine_logit_noise": "logit_noise"}.get(key, key)
+        return [{**base, field: float(raw) if field == "logit_noise" else raw.strip()} for raw in values.split(",")]
 
     def vllm_flags(self) -> list[str]:
-        """The ``--vllm-*`` flags given (train's ``vllm.*`` options), as typed."""
-        given = {n: getattr(self, f"vllm_{n}") for n in VLLM_FLAGS}
-        return [("--no-vllm-" if v is False else "--vllm-") + n.replace("_", "-") for n, v in given.items()
-                if v is not None]
+        """The ``--vllm-*`` flags given (train's ``engine.vllm.*`` options), as typed."""
+        return [("--no-vllm-" if v is False else "--vllm-") + n.replace("_", "-")
+                for n, v in self.engine.vllm.set_options().items()]
 
     def vllm_options(self) -> dict[str, Any]:
-        """``--vllm-*`` under train's ``vllm.*`` rules (``VLLMConfig``)."""
-        return VLLMConfig(**{n: getattr(self, f"vllm_{n}") for n in VLLM_FLAGS}).model_dump()
+        """``--vllm-*`` as vLLM's options (``VLLMConfig``, validated with the section)."""
+        return self.engine.vllm.model_dump()
 
     def data_config(self) -> DataConfig:
         """``--data`` and its rendering flags as train's ``data.*``."""
@@ -266,7 +333,7 @@ class DiagnoseConfig(_Strict):
         from offpolicy.tasks import make_task
 
         return SimpleNamespace(task=self.task, task_params={}, max_new_tokens=make_task(self.task).max_new_tokens,
-                               warm_start=task_warm_start(self.task))
+                               warm_start=task_warm_start(self.task))  # the task's limit, not --max-tokens: one cache
 
     def server(self):
         """The ``ServerConfig`` of ``--engine-url`` (None without it).
@@ -290,8 +357,8 @@ class DiagnoseConfig(_Strict):
         if self.compare:
             raise ConfigError("--compare starts engines in several settings; --engine-url measures the one server as "
                               "it runs (run diagnose once per server)")
-        if self.logit_noise:
-            raise ConfigError("--logit-noise is added by the hf engine; a server samples as it is configured")
+        if self.engine.logit_noise:
+            raise ConfigError("--engine-logit-noise is added by the hf engine; a server samples as it is configured")
         if self.vllm_flags():
             raise ConfigError(f"{self.vllm_flags()[0]} configures the in-process vLLM engine; a server batches as it "
                               "was started (pass the option to the server instead)")
@@ -306,8 +373,9 @@ class DiagnoseConfig(_Strict):
                               "sends the sampled id plus K − 1 others when the sampled one ranks below K), above "
                               f"vLLM's default --max-logprobs of {HEAD_LOGPROBS_MAX}. Fix: --head-logprobs "
                               f"{HEAD_LOGPROBS_MAX - 1} or less")
-        if self.sampling_mask and self.top_k < 1:
-            raise ConfigError(f"--sampling-mask {self.sampling_mask} needs --top-k K ≥ 1 (top-k is {self.top_k}): "
+        if self.sampling_mask and self.sampling.top_k < 1:
+            raise ConfigError(f"--sampling-mask {self.sampling_mask} needs --top-k K ≥ 1 (top-k is "
+                              f"{self.sampling.top_k}): "
                               "vLLM refuses a mask request without top_k > 0 ('sampling distribution replay "
                               "requires top_k > 0') and SGLang without a finite top_k (SGLang PR #35205)")
         try:

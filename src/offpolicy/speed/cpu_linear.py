@@ -117,7 +117,7 @@ def use_onednn_linear(model: torch.nn.Module, mode: Literal["auto", "onednn", "t
     header.
 
     Raises:
-        ValueError: ``cpu_linear=onednn`` where this torch has no oneDNN linear.
+        ValueError: ``trainer.cpu_linear=onednn`` where this torch has no oneDNN linear.
     """
     if mode == "torch":
         return "torch's F.linear (set in the config)"
@@ -125,13 +125,14 @@ def use_onednn_linear(model: torch.nn.Module, mode: Literal["auto", "onednn", "t
         return f"torch's F.linear ({device.type}, {dtype}: oneDNN's linear here is for an fp32 CPU trainer)"
     if not onednn_available():
         if mode == "onednn":
-            raise ValueError("cpu_linear=onednn: this torch has no oneDNN linear (torch.ops.mkldnn._linear_pointwise; "
-                             "torch.backends.mkldnn.is_available() is False). Fix: cpu_linear=auto or torch")
+            raise ValueError("trainer.cpu_linear=onednn: this torch has no oneDNN linear (torch.ops.mkldnn."
+                             "_linear_pointwise; torch.backends.mkldnn.is_available() is False). Fix: "
+                             "trainer.cpu_linear=auto or torch (diagnose: --trainer-cpu-linear)")
         return "torch's F.linear (this torch has no oneDNN linear)"
     gate = decide(ONEDNN_LINEAR)
     if not gate.fast:
-        return f"{gate.reason} (cpu_linear={mode})"
+        return f"{gate.reason} (trainer.cpu_linear={mode})"
     layers = [m for m in model.modules() if type(m) is torch.nn.Linear]
     for layer in layers:
         layer.__class__ = OneDNNLinear
-    return f"oneDNN ({len(layers)} layers; cpu_linear={mode}; {gate.checked}: checked)"
+    return f"oneDNN ({len(layers)} layers; trainer.cpu_linear={mode}; {gate.checked}: checked)"

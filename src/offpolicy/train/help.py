@@ -1,7 +1,7 @@
 """``offpolicy train --help [SECTION]``: every key ``offpolicy train key=value`` (or a config.yaml) takes, with its
 type, default and description, generated from ``TrainConfig`` and the configs it nests — as diagnose's flags are
 generated from ``DiagnoseConfig`` — grouped by ``HELP_SECTIONS``. A nested config's fields are dotted keys
-(``vllm.max_num_seqs``, ``loss.correction.weight.high``); a list of rules (``loss.correction.reject``) shows each
+(``engine.vllm.max_num_seqs``, ``loss.correction.weight.high``); a list of rules (``loss.correction.reject``) shows each
 rule's fields under it, as a mapping of the list is written.
 
 The ``loss`` section's defaults are the default preset's loss (``preset_loss``: what runs when no ``loss.*`` key

@@ -137,13 +137,13 @@ class GracefulStop:
 
 def resolve_model(cfg: TrainConfig, console: Console) -> Path:
     """The model to start from: the warm-started default, or a local HF model directory."""
-    path = model_dir(cfg.model, cfg, warm_start_progress(console))
+    path = model_dir(cfg.model, cfg.warm_start_spec(), warm_start_progress(console))
     if cfg.task == "dataset":  # prompt + response must fit the model's context (RoPE past it is untrained)
         context = json.loads((path / "config.json").read_text()).get("max_position_embeddings")
-        if context is not None and cfg.max_prompt_tokens + cfg.max_new_tokens > context:
-            raise ConfigError(f"max_prompt_tokens={cfg.max_prompt_tokens} + max_new_tokens={cfg.max_new_tokens} "
+        if context is not None and cfg.max_prompt_tokens + cfg.sampling.max_tokens > context:
+            raise ConfigError(f"max_prompt_tokens={cfg.max_prompt_tokens} + sampling.max_tokens={cfg.sampling.max_tokens} "
                               f"exceeds the model's context ({context} positions, {path / 'config.json'}). "
-                              "Fix: lower max_prompt_tokens or max_new_tokens")
+                              "Fix: lower max_prompt_tokens or sampling.max_tokens")
     return path
 
 
@@ -155,7 +155,7 @@ def make_train_task(cfg: TrainConfig, tokenizer):
         return ChatRendered.of(task, tokenizer) if getattr(task, "needs_model_dir", False) else task
     # the model's vocabulary, against which the tokenizer files are checked (an incomplete set loads a tiny one)
     vocab_size = json.loads((Path(cfg.model).expanduser() / "config.json").read_text()).get("vocab_size")
-    return load_dataset_task(cfg.data, tokenizer, cfg.reward, cfg.max_prompt_tokens, cfg.max_new_tokens, vocab_size)
+    return load_dataset_task(cfg.data, tokenizer, cfg.reward, cfg.max_prompt_tokens, cfg.sampling.max_tokens, vocab_size)
 
 
 def new_run_dir(cfg: TrainConfig, resolved: dict[str, Any]) -> Path:
@@ -184,16 +184,16 @@ def engine_weights(policy, cfg: TrainConfig, version: int, snapshot: bool):
     """The trainer's weights as the engine gets them (with the configured noise); ``snapshot``
     copies them, for an engine that loads them later in its own thread."""
     weights = [(name, t.detach().clone() if snapshot else t.detach()) for name, t in policy.state_dict().items()]
-    return perturb(weights, cfg.engine_weight_noise, seed=cfg.seed * 104_729 + version)
+    return perturb(weights, cfg.engine.weight_noise, seed=cfg.seed * 104_729 + version)
 
 
 def cpu_threads(cfg: TrainConfig) -> tuple[int | None, str]:
-    """torch's intra-op thread count for this run and why; None = leave torch's as it is (``threads=auto``:
+    """torch's intra-op thread count for this run and why; None = leave torch's as it is (``trainer.threads=auto``:
     OMP_NUM_THREADS, else one a core). On the 2-core box one thread made the embedded model's step 1.5×
     faster under load 10–14 and 9 % slower on the quiet box (docs/performance.md): a choice for the
-    machine, not the model, so it is the user's (``threads=1`` on a busy machine)."""
-    if cfg.threads != "auto":
-        return cfg.threads, "set in the config"
+    machine, not the model, so it is the user's (``trainer.threads=1`` on a busy machine)."""
+    if cfg.trainer.threads != "auto":
+        return cfg.trainer.threads, "set in the config"
     return None, "auto: torch's default (OMP_NUM_THREADS, else one a core)"
 
 
@@ -435,7 +435,7 @@ def setup(cfg: TrainConfig, resume: Path | None, console: Console, progress: boo
         "engine_dtype": engine_dtype, "engine_dtype_reason": dtype_reason, "device": str(device),
         "trainer_dtype": trainer_dtype, "trainer_dtype_reason": trainer_dtype_reason,
         "loss": loss_cfg.model_dump(mode="json")})  # the preset with the loss.* keys on top: what runs
-    run = Run(cfg, console, run_dir, resume is None, device, trainer_dtype, engine_dtype, loss_cfg, cfg.sampling,
+    run = Run(cfg, console, run_dir, resume is None, device, trainer_dtype, engine_dtype, loss_cfg, cfg.sampling_config(),
               recorded)
     try:
         load(run, latest_checkpoint(run_dir) if resume is not None else None, progress)
@@ -465,7 +465,7 @@ def load(run: Run, checkpoint: Path | None, progress: bool) -> None:
         console.print(f"  data: {note}")
     # fp32 master weights on the device; bf16 is autocast compute (policy.score.precision)
     run.policy = policy = load_policy(load_from, run.device).train()
-    linear = use_onednn_linear(policy, cfg.cpu_linear, run.device, run.trainer_dtype)
+    linear = use_onednn_linear(policy, cfg.trainer.cpu_linear, run.device, run.trainer_dtype)
     engine_name, engine_reason = resolve_engine(  # a resumed run keeps the engine auto chose at its start
         cfg, run.device, parameter_count(policy), policy.get_output_embeddings().weight.shape[0],
         recorded=run.recorded)
@@ -477,7 +477,7 @@ def load(run: Run, checkpoint: Path | None, progress: bool) -> None:
         run.sampling = run.sampling.model_copy(update={"min_p_order": min_p_order(engine_name)})
     if run.created:  # beside the engine dtype's choice, in the run's config.yaml
         add_resolved(run.run_dir, {"engine": engine_name, "engine_reason": engine_reason})
-    if cfg.gradient_checkpointing:
+    if cfg.trainer.gradient_checkpointing:
         checkpoint_activations(policy)  # under the name the installed transformers has
         policy.config.use_cache = False
     # on the CPU torch's fused AdamW: one kernel a parameter instead of ~10 ops (the embedded default: 1.5 →
@@ -485,7 +485,7 @@ def load(run: Run, checkpoint: Path | None, progress: bool) -> None:
     run.optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=0.0,
                                       fused=True if run.device.type == "cpu" else None)
     # one way to score, all run
-    run.scorer = Scorer(policy, run.sampling, run.device, run.trainer_dtype, cfg.micro_batch_tokens)
+    run.scorer = Scorer(policy, run.sampling, run.device, run.trainer_dtype, cfg.trainer.micro_batch_tokens)
     state = load_trainer_state(checkpoint) if checkpoint else {"step": 0, "version": 0, "pending": []}
     state.setdefault("pipeline", {})  # staleness policy's queue cursor (issue #25); older checkpoints lack it
     if checkpoint:
@@ -520,21 +520,21 @@ def print_header(run: Run, engine_name: str, engine_reason: str, threads: str) -
     if defaults:  # chosen by the model, not the task: say which applied
         console.print(f"  {defaults}")
     console.print(f"  threads: {threads}")
-    if cfg.engine == "auto":
+    if cfg.engine.kind == "auto":
         console.print(f"  engine {engine_name}: {engine_reason.removeprefix('auto: ')} (engine=auto)")
 
 
 def start_engine(run: Run, engine_name: str, load_from: Path, linear: str) -> None:
     """The rollout engine on the model at ``load_from``, with the trainer's weights (at ``run.version``) synced."""
     cfg, device = run.cfg, run.device
-    context = cfg.max_prompt_tokens + cfg.max_new_tokens if cfg.task == "dataset" else 1024
+    context = cfg.max_prompt_tokens + cfg.sampling.max_tokens if cfg.task == "dataset" else 1024
     before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
     run.engine = make_engine(engine_name, str(load_from), run.tokenizer, run.engine_dtype, seed=cfg.seed,
-                             logit_noise=cfg.engine_logit_noise, max_model_len=context,
+                             logit_noise=cfg.engine.logit_noise, max_model_len=context,
                              log_path=run.run_dir / "engine.log", device=device,
-                             gpu_memory_utilization=cfg.engine_gpu_memory_utilization,
-                             sleep=cfg.engine_sleep and cfg.max_staleness == 0, vllm_options=cfg.vllm.model_dump(),
-                             cpu_linear=cfg.cpu_linear, sampling=run.sampling)
+                             gpu_memory_utilization=cfg.engine.gpu_memory_utilization,
+                             sleep=cfg.engine.sleep and cfg.max_staleness == 0, vllm_options=cfg.engine.vllm.model_dump(),
+                             cpu_linear=cfg.trainer.cpu_linear, sampling=run.sampling)
     blocker = getattr(run.engine, "sampling_mask_blocker", None)
     if run.sampling.truncates and blocker is not None:  # vLLM without its sampling masks
         run.console.print(f"  sampling masks: not returned ({blocker}); the trainer recomputes top-k/top-p on its "
@@ -725,7 +725,7 @@ def evaluate(run: Run, step: int, timer: StageTimer) -> dict[str, float]:
     if not run.eval_set or not (step % cfg.eval_every == 0 or step == cfg.steps - 1):
         return {}
     with timer("eval"):  # held-out tasks: greedy reward, truncation, length, answer log-prob (train/evaluate.py)
-        return held_out_eval(run.policy, run.tokenizer, task, run.eval_set, cfg.max_new_tokens, run.trainer_dtype)
+        return held_out_eval(run.policy, run.tokenizer, task, run.eval_set, cfg.sampling.max_tokens, run.trainer_dtype)
 
 
 def checkpoint(run: Run) -> None:
