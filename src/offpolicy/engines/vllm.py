@@ -793,10 +793,10 @@ class VLLMEngine:
         (``direct_sync_blockers`` empty: an unquantized dense model up to ``DIRECT_SYNC_MAX_BYTES`` of linear
         weights), directly: the model's ``load_weights`` into the unpacked weights kept at start, then vLLM's
         dispatch packs each linear layer for oneDNN again (``_direct_reload``; the embedded model: 14 → 7 ms
-        a sync on one thread, docs/performance.md). Otherwise vLLM's layerwise reload (``load_weights`` alone
-        fails there: vLLM dropped the unpacked weights it loads into), through vLLM's public weight-transfer API
-        and the in-process backend (``_transfer``), or where this vLLM has none, its private ``reload_weights``
-        (``_reload``). ``sync_route`` says which.
+        a sync on one thread, docs/performance-journal.md, issue #49's round 2). Otherwise vLLM's layerwise
+        reload (``load_weights`` alone fails there: vLLM dropped the unpacked weights it loads into), through
+        vLLM's public weight-transfer API and the in-process backend (``_transfer``), or where this vLLM has none,
+        its private ``reload_weights`` (``_reload``). ``sync_route`` says which.
 
         The tensors are converted to the engine's device and dtype one at a time, as vLLM reads them,
         after the weights are awake: never a second full copy of the model (a list built up front held

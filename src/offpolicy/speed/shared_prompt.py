@@ -204,7 +204,8 @@ def prefill(model, input_ids: torch.Tensor, attention: torch.Tensor, whole: bool
 # whatever their length). Inside a pack every token attends under a dense [W, W] mask, so attention costs ~4·W·d a
 # token against the linear layers' ~24·d² (d the width): packs of ≤ 1,024 tokens keep it a fraction of the GEMMs the
 # packing saves at the widths packed here (SmolLM2's 576: 1,024 tokens ≈ 0.3 of the linears a token;
-# docs/performance.md). A long prompt's responses may span as many tokens as the prompt itself (``spans``).
+# docs/performance-journal.md, issue #57's third session). A long prompt's responses may span as many tokens as
+# the prompt itself (``spans``).
 PACK_TOKENS = 1024
 
 

@@ -6,8 +6,8 @@ is one pure tensor function, which torch.compile (inductor: C++/OpenMP on CPU, T
 fuses into a handful of loops. Sums accumulate in fp64 inside those loops, counts of a bool in int32
 (exact). Same formulas and derivatives as ``kernels/eager.py`` (see its docstring).
 
-What a loop over the tokens costs on the CPU (issue #44, the loss guard of docs/performance.md): each
-fp64 accumulator is two vector registers and two conversions a step, and each exp a call into
+What a loop over the tokens costs on the CPU (issue #44; docs/performance-journal.md, 2026-11-26, the CPU
+loss guard): each fp64 accumulator is two vector registers and two conversions a step, and each exp a call into
 Sleef across which the live accumulators are spilled. So the core derives what it can from sums it
 already has (Σ π_old·m from the rows' sums, expm1 and max(ρ, 1/ρ) from ρ), counts in integers, and for
 token-mean keeps the loss's sum in the loop over the tokens, which then stores only the derivative:
