@@ -344,7 +344,7 @@ def test_cli_self_check(tiny_model, tmp_path):
     """``--self-check`` on the hf engine with a bf16 trainer: the three comparisons and the per-layer table.
     In fp32 an fp32 head changes nothing; the micro-batch comparison is the trainer's own scoring twice."""
     result = diag("--model", str(tiny_model), "--engine", "hf", "--n", "12", "--max-tokens", "6", "--trainer-dtype",
-                  "bf16", "--micro-batch-tokens", "64", "--self-check", "--out", str(tmp_path / "s"))
+                  "bf16", "--trainer-micro-batch-tokens", "64", "--self-check", "--out", str(tmp_path / "s"))
     assert result.returncode == 0, result.stderr[-2000:]
     check = json.loads((tmp_path / "s" / "report.json").read_text())["self_check"]
     trainer = check["trainer"]

@@ -769,12 +769,12 @@ def test_impossible_sampling_flags_are_refused_before_anything(flags, message, t
     assert not (tmp_path / "d").exists()
 
 
-@pytest.mark.parametrize("flags", [["--logit-noise", "-0.5"], ["--compare", "logit_noise=0,nan"]])
+@pytest.mark.parametrize("flags", [["--engine-logit-noise", "-0.5"], ["--compare", "engine_logit_noise=0,nan"]])
 def test_an_impossible_logit_noise_is_refused_before_anything(flags, capsys):
     """The hf engine adds noise only where σ > 0: on 3be706e a negative σ measured a noiseless engine."""
     code, _, err = run(capsys, "--engine", "hf", "--model", "/nonexistent/model", *flags)
     (line,) = error_lines(err)
-    assert code == 2 and "--logit-noise " in line and "expected a finite σ ≥ 0" in line, line
+    assert code == 2 and "--engine-logit-noise " in line and "expected a finite σ ≥ 0" in line, line
 
 
 def test_ids_beyond_the_models_vocabulary_are_one_line(tiny_qwen2_dir, tok, prompts, tmp_path, capsys):

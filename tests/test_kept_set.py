@@ -326,7 +326,7 @@ def test_cli_diagnose_replays_the_hf_engines_set(tmp_path):
     trainer scores on the engine's sets (no engine token outside), and the report says what the trainer's
     own sets would have left out."""
     out = tmp_path / "d"
-    result = run_cli("diagnose", "--engine", "hf", "--engine-dtype", "bf16", "--logit-noise", "1.0", "--top-p",
+    result = run_cli("diagnose", "--engine", "hf", "--engine-dtype", "bf16", "--engine-logit-noise", "1.0", "--top-p",
                      "0.8", "--temperature", "0.7", "--n", "16", "--max-tokens", "8", "--out", str(out))
     assert result.returncode == 0, result.stderr[-2000:]
     report = json.loads((out / "report.json").read_text())

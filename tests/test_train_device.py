@@ -194,7 +194,7 @@ def test_device_cuda_without_cuda_is_refused_before_anything_is_written(tmp_path
     if torch.cuda.is_available():
         pytest.skip("CUDA is available here: the error is for machines without it")
     cfg = load_train_config(None, [*FAST, "steps=1", f"out_dir={tmp_path / 'run'}", "trainer.device=cuda"])
-    with pytest.raises(ConfigError, match=r"trainer.device=cuda: CUDA is not available.*Fix: device=cpu"):
+    with pytest.raises(ConfigError, match=r"trainer.device=cuda: CUDA is not available.*Fix: trainer.device=cpu"):
         train(cfg, progress=False)
     assert not (tmp_path / "run").exists()
     assert resolve_device(load_train_config(None, ["trainer.device=auto"])) == torch.device("cpu")
@@ -208,9 +208,9 @@ def test_diagnose_device_cuda_without_cuda_is_one_clear_line(tmp_path, capsys):
         pytest.skip("CUDA is available here: the error is for machines without it")
     from offpolicy.cli import main
 
-    assert main(["diagnose", "--device", "cuda", "--engine", "hf", "--out", str(tmp_path / "d")]) == 2
+    assert main(["diagnose", "--trainer-device", "cuda", "--engine", "hf", "--out", str(tmp_path / "d")]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("offpolicy diagnose: error: device=cuda: CUDA is not available") and "\n" not in err
+    assert err.startswith("offpolicy diagnose: error: trainer.device=cuda: CUDA is not available") and "\n" not in err
     assert not (tmp_path / "d").exists()
 
 

@@ -86,7 +86,7 @@ def diagnosed(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("diag")
     # logit noise on the engine: a mismatch some presets reject part of (a tiny model's bf16 one is too small)
     result = run_cli("diagnose", "--model", str(model), "--engine", "hf", "--n", "24", "--max-tokens", "12",
-                     "--logit-noise", "0.3", "--out", str(out))
+                     "--engine-logit-noise", "0.3", "--out", str(out))
     assert result.returncode == 0, result.stderr[-3000:]
     assert (out / "report.html").is_file() and "report.html" in result.stdout
     return out

@@ -229,7 +229,7 @@ def test_diagnose_vllm_flags_reach_the_engine(monkeypatch, tiny_qwen2_dir, tmp_p
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "What is 2 + 3?"}\n{"prompt": "Name a prime."}\n')
     base = ["diagnose", "--model", str(tiny_qwen2_dir), "--engine", "vllm", "--engine-dtype", "fp32", "--prompts",
-            str(prompts), "--n", "4", "--max-tokens", "3", "--device", "cpu"]
+            str(prompts), "--n", "4", "--max-tokens", "3", "--trainer-device", "cpu"]
     assert main([*base, "--out", str(tmp_path / "d"), "--vllm-max-num-batched-tokens", "2048",
                  "--vllm-max-num-seqs", "8", "--no-vllm-enforce-eager"]) == 0
     kwargs = fake.instances[-1].kwargs

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from offpolicy.core.config import _Strict
 
@@ -73,6 +73,14 @@ class EngineConfig(_Strict):
                         "with staleness ≥ 1 both run at once and the fixed share applies", json_schema_extra=TRAIN_ONLY)
     vllm: VLLMConfig = Field(default_factory=VLLMConfig, description="vLLM's batching and compilation options "
                              "(read with the vllm engine only)")
+
+    @field_validator("weight_noise", "logit_noise", mode="before")
+    @classmethod
+    def _a_sigma(cls, value: Any) -> Any:
+        """A noise σ in the words of both commands (before pydantic's ``ge``): negative noise would be none at all."""
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value < 0:
+            raise ValueError("expected a finite σ ≥ 0 (0: no noise)")
+        return value
 
     @model_validator(mode="before")
     @classmethod

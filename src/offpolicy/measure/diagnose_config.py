@@ -125,7 +125,8 @@ def flag_error(err: ValidationError, flags: dict[str, str] | None = None) -> Con
     flag (``flags``, else ``--field-name``)."""
     first = err.errors()[0]
     field = str(first["loc"][-1]) if first["loc"] else None
-    if first["type"] == "value_error" and field not in RULES:
+    in_section = len(first["loc"]) > 1  # a section's field (engine.logit_noise): its own check, said with its flag
+    if first["type"] == "value_error" and field not in RULES and not in_section:
         message = first["msg"].removeprefix("Value error, ")
         nonfinite = re.match(r"(\w+): got (\S+), which is not a finite number", message)  # _Strict's, in a section
         if nonfinite and first["loc"]:

@@ -23,17 +23,18 @@ import torch
 
 from offpolicy.core.config import ConfigError
 from offpolicy.core.metrics import Metrics
+from offpolicy.policy.scorer_config import TRAINER_DTYPES
 from offpolicy.policy.batch import TENSORS, Batch, Counted, shared_prompts
 from offpolicy.policy.head import trainer_logprobs
 from offpolicy.core.sampling import SamplingConfig
 from offpolicy.speed import shared_prompt
 
-DTYPES = ("fp32", "bf16")
+DTYPES = tuple(d for d in TRAINER_DTYPES if d != "auto")  # what auto resolves to (ScorerConfig.dtype)
 
 
 def resolve_device(name: str) -> torch.device:
-    """The ``torch.device`` named ``name`` (``auto`` = CUDA when available): train's ``device=`` and
-    diagnose's ``--device`` alike.
+    """The ``torch.device`` named ``name`` (``auto`` = CUDA when available): train's ``trainer.device=`` and
+    diagnose's ``--trainer-device`` alike.
 
     Raises:
         ConfigError: CUDA asked for but absent, or a CUDA index past the visible devices.
@@ -45,11 +46,13 @@ def resolve_device(name: str) -> torch.device:
         if not torch.cuda.is_available():
             build = f"torch {torch.__version__} " + ("has CUDA " + torch.version.cuda + " but sees no GPU"
                                                       if torch.version.cuda else "is a CPU-only build")
-            raise ConfigError(f"device={name}: CUDA is not available ({build}). Fix: device=cpu (or auto), "
-                              "or install a CUDA build of torch on a machine with a GPU")
+            raise ConfigError(f"trainer.device={name}: CUDA is not available ({build}). Fix: trainer.device=cpu (or "
+                              "auto; diagnose: --trainer-device), or install a CUDA build of torch on a machine with "
+                              "a GPU")
         if device.index is not None and device.index >= torch.cuda.device_count():
-            raise ConfigError(f"device={name}: only {torch.cuda.device_count()} CUDA device(s) visible "
-                              f"(cuda:0 … cuda:{torch.cuda.device_count() - 1}). Fix: a visible index, or device=cuda")
+            raise ConfigError(f"trainer.device={name}: only {torch.cuda.device_count()} CUDA device(s) visible "
+                              f"(cuda:0 … cuda:{torch.cuda.device_count() - 1}). Fix: a visible index, or "
+                              "trainer.device=cuda")
     return device
 
 

@@ -375,33 +375,12 @@ class TrainConfig(_Strict):
 
     @model_validator(mode="after")
     def _score_centering_has_its_support(self) -> TrainConfig:
-        # the support score centering reads (docs/estimators.md#score-centering): the engine's kept sets with q_v
-        # (exact: only truncated sampling has sets smaller than the vocabulary) or the engine's top-k head (head:
-        # p over the full vocabulary, so untruncated sampling only: under top-k/top-p the trainer's p is renormalised
-        # over its kept set, and exact is the form that matches it)
         form = self.loss_config().score_centering
-        if form is None:
-            if self.score_centering_head != type(self).model_fields["score_centering_head"].default:
-                raise ValueError("score_centering_head applies only with loss.score_centering=head")
-            return self
-        if self.prox_logp == "loglinear":
-            raise ValueError(f"loss.score_centering={form!r} with prox_logp=loglinear: the centring reads log π_old of "
-                             "every support id, which AReaL's interpolation does not give. Fix: prox_logp=forward")
-        truncates = self.sampling.truncates  # SamplingConfig's one rule
-        if form == "exact" and not truncates:
-            raise ValueError("loss.score_centering=exact centres over the engine's kept sets, and untruncated sampling "
-                             "keeps the whole vocabulary (sampling.top_k=-1, top_p=1, min_p=0). Fix: loss.score_centering=head, "
-                             "or sampling.top_k / top_p < 1")
-        if form == "exact" and self.engine.kind == "vllm":
-            raise ValueError("loss.score_centering=exact needs each kept id's log q_v, which vLLM does not return "
-                             "with its sampling mask. Fix: engine=hf, or loss.score_centering=head with untruncated "
-                             "sampling")
-        if form == "head" and truncates:
-            raise ValueError(f"loss.score_centering=head with sampling.top_k={self.sampling.top_k}, sampling.top_p="
-                             f"{self.sampling.top_p}, sampling.min_p={self.sampling.min_p}: under truncated "
-                             "sampling the trainer's p is renormalised over the kept set, not the full vocabulary the "
-                             "head's tail is modelled on. Fix: loss.score_centering=exact (engine=hf records each kept "
-                             "id's q_v), or sampling.top_k=-1 sampling.top_p=1 sampling.min_p=0")
+        if form is None and self.score_centering_head != type(self).model_fields["score_centering_head"].default:
+            raise ValueError("score_centering_head applies only with loss.score_centering=head")
+        problem = score_centering_problem(form, self.engine.kind, self.sampling, self.prox_logp)
+        if problem:
+            raise ValueError(problem)
         return self
 
     @model_validator(mode="after")
@@ -462,6 +441,36 @@ def _native_bf16() -> tuple[bool, str]:
     if native:
         return True, f"CPU has native bf16 ({', '.join(native)})"
     return False, "CPU has no native bf16 (no avx512_bf16/amx_bf16): bf16 is emulated and 2–2.5× slower than fp32"
+
+
+def score_centering_problem(form: str | None, engine: str, sampling: SamplingSettings, prox_logp: str,
+                            why: str = "") -> str | None:
+    """The one statement of score centering's cross-section rule (loss × engine × sampling × π_old): what is wrong
+    with centring ``form`` on this engine (``engine``: hf, vllm, or auto before it is resolved) and sampling, or
+    None. The config checks it when it loads; the loop again once ``engine=auto`` is resolved (``why``: the
+    choice's reason, for the message). The support centring reads (docs/estimators.md#score-centering): the
+    engine's kept sets with q_v (exact: only truncated sampling has sets smaller than the vocabulary) or the
+    engine's top-k head (head: p over the full vocabulary, so untruncated sampling only: under top-k/top-p the
+    trainer's p is renormalised over its kept set, and exact is the form that matches it)."""
+    if form is None:
+        return None
+    if prox_logp == "loglinear":
+        return (f"loss.score_centering={form!r} with prox_logp=loglinear: the centring reads log π_old of every "
+                "support id, which AReaL's interpolation does not give. Fix: prox_logp=forward")
+    if form == "exact" and not sampling.truncates:
+        return ("loss.score_centering=exact centres over the engine's kept sets, and untruncated sampling keeps the "
+                "whole vocabulary (sampling.top_k=-1, top_p=1, min_p=0). Fix: loss.score_centering=head, or "
+                "sampling.top_k / top_p < 1")
+    if form == "exact" and engine == "vllm":
+        chose = f"; engine=auto chose vllm ({why})" if why else ""
+        return ("loss.score_centering=exact needs each kept id's log q_v, which vLLM does not return with its "
+                f"sampling mask{chose}. Fix: engine=hf, or loss.score_centering=head with untruncated sampling")
+    if form == "head" and sampling.truncates:
+        return (f"loss.score_centering=head with sampling.top_k={sampling.top_k}, sampling.top_p={sampling.top_p}, "
+                f"sampling.min_p={sampling.min_p}: under truncated sampling the trainer's p is renormalised over the "
+                "kept set, not the full vocabulary the head's tail is modelled on. Fix: loss.score_centering=exact "
+                "(engine=hf records each kept id's q_v), or sampling.top_k=-1 sampling.top_p=1 sampling.min_p=0")
+    return None
 
 
 def resolve_engine(cfg: TrainConfig, device, parameters: int, vocabulary: int,

@@ -69,7 +69,7 @@ from offpolicy.tasks.tokenizer import ensure_pad_token, load_tokenizer
 from offpolicy.train.advantages import grpo_advantages, tied_groups
 from offpolicy.train.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint
 from offpolicy.train.config import (TrainConfig, resolve_device, resolve_engine, resolve_engine_dtype,
-                                    resolve_trainer_dtype)
+                                    resolve_trainer_dtype, score_centering_problem)
 from offpolicy.train.evaluate import evaluate as held_out_eval
 from offpolicy.train.logger import RunLogger, StageTimer, sample_records
 from offpolicy.train.memory import memory_metrics, reset_memory_peaks
@@ -469,9 +469,10 @@ def load(run: Run, checkpoint: Path | None, progress: bool) -> None:
     engine_name, engine_reason = resolve_engine(  # a resumed run keeps the engine auto chose at its start
         cfg, run.device, parameter_count(policy), policy.get_output_embeddings().weight.shape[0],
         recorded=run.recorded)
-    if run.loss_cfg.score_centering == "exact" and engine_name != "hf":  # engine=vllm is refused when the config loads
-        raise ConfigError(f"loss.score_centering=exact needs each kept id's log q_v, which only the hf engine records; "
-                          f"engine=auto chose {engine_name} ({engine_reason}). Fix: engine=hf")
+    problem = score_centering_problem(run.loss_cfg.score_centering, engine_name, cfg.sampling, cfg.prox_logp,
+                                      why=engine_reason)  # the config's rule again, on the engine auto chose
+    if problem:
+        raise ConfigError(problem)
     # min-p's place among the truncations is the engine's (offpolicy.core.sampling): the trainer's kept set follows it
     if run.sampling.min_p > 0:
         run.sampling = run.sampling.model_copy(update={"min_p_order": min_p_order(engine_name)})
