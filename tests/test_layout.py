@@ -33,7 +33,7 @@ def imported(path: Path, modules: set[str] = frozenset()) -> set[str]:
 
 
 BELOW_TRAIN = [*sorted((SRC / "policy").glob("*.py")), *sorted((SRC / "tasks").glob("*.py")),
-               *sorted((SRC / "engines").glob("*.py")), *sorted((SRC / "speed").glob("*.py")),
+               *sorted((SRC / "engines").rglob("*.py")), *sorted((SRC / "speed").glob("*.py")),
                *sorted((SRC / "measure").glob("*.py")), *sorted((SRC / "core").rglob("*.py"))]
 
 
@@ -147,3 +147,25 @@ def test_the_engines_import_nothing_of_the_policy_room():
     reached = sorted(f"{a} → {b}" for a, targets in graph().items() if room(a) == "engines"
                      for b in targets if room(b) == "policy")
     assert not reached
+
+
+# engines/server/, one module a job (its __init__'s doc), bottom up: a module imports only those before it; the
+# package's __init__ re-exports, and no module of it imports the package's own name (the facade) back
+SERVER_JOBS = ("transport", "head", "completions", "masks", "concurrency", "sample", "")
+
+
+def test_the_server_jobs_import_down_only():
+    """On 891fd15 ``engines/server.py`` was one 1,179-line module doing six jobs (issue #68 item 4); split, the
+    transport knows no protocol, the head no endpoint, and ``/v1/completions`` no sampling mask."""
+    package = "offpolicy.engines.server"
+    on_disk = {module_name(p).removeprefix(package).lstrip(".") for p in (SRC / "engines" / "server").glob("*.py")}
+    assert on_disk == set(SERVER_JOBS), f"engines/server/ holds {sorted(on_disk)}: place each module in SERVER_JOBS"
+    order = {job: rank for rank, job in enumerate(SERVER_JOBS)}
+    upward = []
+    for a, targets in graph().items():
+        if a == package or a.startswith(package + "."):
+            job = a.removeprefix(package).lstrip(".")
+            upward += [f"{a} → {b}" for b in targets if (b == package or b.startswith(package + "."))
+                       and order[b.removeprefix(package).lstrip(".")] >= order[job]]
+    assert not upward, f"imports up or across the server's jobs: {upward}"
+

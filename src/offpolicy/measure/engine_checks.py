@@ -172,7 +172,7 @@ def retokenization(tokenizer, prompts: list[list[int]], responses: list[list[int
     """Re-encode each row's prompt + response text with the trainer's ``tokenizer`` and compare with the sampled ids
     ``prompts[i] + responses[i]``. ``texts``: each response's text as the engine returned it (None: that row came
     without); ``prompt_texts``: the prompt's text where the host kept it, else the prompt ids decoded here (special
-    tokens kept: they re-encode to their ids); ``forms``: the server's text forms (``engines.server.text_form``) —
+    tokens kept: they re-encode to their ids); ``forms``: the server's text forms (``engines.server.completions.text_form``) —
     a response whose stop token the server left out of its text is compared without that token (a chat template
     puts it back), one cut inside a multi-byte character is not (its text cannot hold the held-back bytes).
 
