@@ -120,19 +120,6 @@ class UpcastSaturating(torch.autograd.Function):
         return to_input_dtype(grad, ctx.dtype)
 
 
-_C_APPLY = torch._C._FunctionBase.__dict__["apply"]  # what Function.apply ends in
-
-
-def attach(function: type[torch.autograd.Function], logprobs: torch.Tensor, *args: torch.Tensor) -> torch.Tensor:
-    """``function.apply(logprobs, *args)`` without the Python wrapper's per-call work where it has
-    none to do (issue #44: ~3–5 µs of a loss call's host time): outside functorch transforms and
-    torch.compile's tracing, ``Function.apply`` only unwraps a dead functorch wrapper — only
-    ``logprobs`` can be one, the other arguments are the rung's own fresh tensors — and calls this."""
-    if torch._C._are_functorch_transforms_active() or torch.compiler.is_compiling():
-        return function.apply(logprobs, *args)
-    return _C_APPLY.__get__(None, function)(torch._C._functorch.unwrap_if_dead(logprobs), *args)
-
-
 class CoefLoss(torch.autograd.Function):
     """forward(logprobs, loss_value, coef, scale) → loss_value; backward: grad · coef · scale."""
 

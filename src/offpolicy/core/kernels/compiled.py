@@ -33,7 +33,6 @@ from offpolicy.core.kernels.common import (
     RATIO_LOG_CLAMP,
     CoefLoss,
     CoefTokens,
-    attach,
     bounds_of,
     bounds_tensor,
     per_config,
@@ -448,6 +447,6 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, rollout_logprobs, conf
     metrics = Metrics.from_flat(torch.cat([out["metrics"], loss_parts]), _layout(config, spec))
     scale = (row_scale / count.clamp(min=1)).to(f32).unsqueeze(-1)
     if not reduce:
-        return attach(CoefTokens, logprobs, out["per_token"], out["coef"]), out["den"].clone(), metrics
+        return CoefTokens.apply(logprobs, out["per_token"], out["coef"]), out["den"].clone(), metrics
     loss_value = (numerator / count.clamp(min=1)).to(f32)
-    return attach(CoefLoss, logprobs, loss_value, out["coef"], scale), metrics
+    return CoefLoss.apply(logprobs, loss_value, out["coef"], scale), metrics

@@ -36,7 +36,7 @@ from offpolicy.core.correction import (
     validate_inputs,
     weight_fn,
 )
-from offpolicy.core.kernels.common import RATIO_LOG_CLAMP, CoefLoss, CoefTokens, attach, row_aggregation
+from offpolicy.core.kernels.common import RATIO_LOG_CLAMP, CoefLoss, CoefTokens, row_aggregation
 from offpolicy.core.metrics import Metrics
 
 NAME = "eager"
@@ -199,9 +199,9 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, rollout_logprobs, conf
             metrics.ratio("loss", numerator, count)
 
     if not reduce:
-        return attach(CoefTokens, logprobs, per_token, coef), denominator_mask.clone(), metrics
+        return CoefTokens.apply(logprobs, per_token, coef), denominator_mask.clone(), metrics
     loss_value = numerator / count.clamp(min=1)
-    return attach(CoefLoss, logprobs, loss_value, coef, scale), metrics
+    return CoefLoss.apply(logprobs, loss_value, coef, scale), metrics
 
 
 

@@ -52,7 +52,6 @@ from offpolicy.core.kernels.common import (
     RATIO_LOG_CLAMP,
     CoefLoss,
     CoefTokens,
-    attach,
     bounds_of,
     bounds_tensor,
     per_config,
@@ -983,5 +982,5 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, rollout_logprobs, conf
         metrics = Metrics.from_flat(flat, structure.flat_global if global_count is not None else structure.flat)
         metrics.defer_check(flat[-len(_CHECKS):], functools.partial(_check_message, spec, tuple(shape)))
     if unreduced:
-        return attach(CoefTokens, logprobs, per_token, coef), den, metrics
-    return attach(CoefLoss, logprobs, loss, coef, scale), metrics
+        return CoefTokens.apply(logprobs, per_token, coef), den, metrics
+    return CoefLoss.apply(logprobs, loss, coef, scale), metrics
