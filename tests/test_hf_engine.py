@@ -552,14 +552,30 @@ def test_length_dependent_rotary_samples_through_generate_without_sharing(rope, 
     assert len(rollouts.response_ids) == 6
 
 
-def test_neutral_covers_every_field_of_the_installed_generation_config():
-    """engines/generation.py's NEUTRAL is written by hand (issue #68): every field of the installed transformers'
-    GenerationConfig() is either neutralised there or listed as one that cannot change the sampled distribution."""
+def unreviewed_generation_fields(neutral, not_sampling) -> tuple[list[str], list[str]]:
+    """The installed transformers' ``GenerationConfig()`` fields in neither table, and the tables' names that are no
+    field of it (a renamed field: the table would neutralise a name transformers no longer reads)."""
     from transformers import GenerationConfig
 
-    from offpolicy.engines.generation import NEUTRAL, NOT_SAMPLING
+    fields = set(GenerationConfig().to_dict())
+    return sorted(fields - set(neutral) - set(not_sampling)), sorted((set(neutral) | set(not_sampling)) - fields)
 
-    unreviewed = sorted(set(GenerationConfig().to_dict()) - set(NEUTRAL) - NOT_SAMPLING)
+
+def test_neutral_covers_every_field_of_the_installed_generation_config():
+    """engines/generation.py's NEUTRAL is written by hand (issue #68): every field of the installed transformers'
+    GenerationConfig() is either neutralised there or listed as one that cannot change the sampled distribution,
+    every name in either table is a field of it, and explicit_config sets each neutral value it holds."""
+    from offpolicy.engines.generation import NEUTRAL, NOT_SAMPLING, explicit_config
+
+    unreviewed, stale = unreviewed_generation_fields(NEUTRAL, NOT_SAMPLING)
     assert not unreviewed, (f"GenerationConfig fields neither neutralised (NEUTRAL) nor listed as not sampling "
                             f"(NOT_SAMPLING): {unreviewed}")
+    assert not stale, f"names in NEUTRAL or NOT_SAMPLING that the installed GenerationConfig does not have: {stale}"
     assert not set(NEUTRAL) & NOT_SAMPLING
+    applied = explicit_config(do_sample=True, max_new_tokens=4, stop=[0], pad=0).to_dict()
+    assert {k: applied[k] for k, v in NEUTRAL.items() if v is not None} == {k: v for k, v in NEUTRAL.items()
+                                                                           if v is not None}
+    # the check fails on a field left out of both tables, and on a name the installed transformers does not have
+    assert unreviewed_generation_fields({k: v for k, v in NEUTRAL.items() if k != "top_k"}, NOT_SAMPLING)[0] == [
+        "top_k"]
+    assert unreviewed_generation_fields({**NEUTRAL, "top_q": 1.0}, NOT_SAMPLING)[1] == ["top_q"]
