@@ -31,8 +31,9 @@ def test_a_version_matches_only_as_checked(monkeypatch, installed, fast):
     decision = gates.decide(gates.HF_OWN_LOOP, "qwen2")
     assert decision.fast is fast
     if not fast:
-        assert decision.reason == (f"transformers' model.generate: transformers {installed} is not a version this "
-                                   "path was checked against (5.19.0, 5.24.0)")
+        listed = ", ".join(gates.HF_OWN_LOOP.versions["transformers"])
+        assert decision.reason == (f"{gates.HF_OWN_LOOP.fallback}: transformers {installed} is not a version this "
+                                   f"path was checked against ({listed})")
 
 
 def unchecked_neighbours(version: str) -> list[str]:
@@ -60,23 +61,27 @@ def test_no_gate_takes_a_version_it_does_not_list(monkeypatch, gate):
                 versions(monkeypatch, **{**listed, package: other})
                 decision = gates.decide(gate, family)
                 assert not decision.fast, (gate.name, package, other)
-                assert decision.reason == (f"{gate.fallback}: {package} {other} is not a version this path was checked "
-                                           f"against ({', '.join(checked)})")
+                assert decision.reason == f"{gate.fallback}: {gates.unchecked_version(gate, package, other)}"
+                assert decision.reason.endswith(f"{package} {other} is not a version this path was checked against "
+                                                f"({', '.join(checked)})")
 
 
 def test_a_local_build_tag_is_the_same_version(monkeypatch):
-    versions(monkeypatch, torch="2.13.0+cpu")
+    checked = gates.ONEDNN_LINEAR.versions["torch"][0]
+    versions(monkeypatch, torch=f"{checked}+cpu")
     decision = gates.decide(gates.ONEDNN_LINEAR)
-    assert decision.fast and decision.checked == "torch 2.13.0+cpu as 2.13.0"
-    assert decision.reason.endswith("(torch 2.13.0+cpu as 2.13.0: checked)")
+    assert decision.fast and decision.checked == f"torch {checked}+cpu as {checked}"
+    assert decision.reason == f"{gates.ONEDNN_LINEAR.fast} (torch {checked}+cpu as {checked}: checked)"
 
 
 def test_an_unchecked_family_or_a_refusal_takes_the_public_path():
     assert gates.decide(gates.HF_OWN_LOOP, "qwen2").fast  # this environment's versions are the checked ones
     decision = gates.decide(gates.HF_OWN_LOOP, "falcon_h1")
-    assert not decision.fast and "model family 'falcon_h1' is not one this path was checked against" in decision.reason
+    assert not decision.fast
+    assert decision.reason == f"{gates.HF_OWN_LOOP.fallback}: {gates.unchecked_family(gates.HF_OWN_LOOP, 'falcon_h1')}"
+    assert "model family 'falcon_h1' is not one this path was checked against" in decision.reason
     refused = gates.decide(gates.HF_OWN_LOOP, "qwen2", "its cache layers cannot copy rows")
-    assert refused.reason == "transformers' model.generate: its cache layers cannot copy rows"
+    assert refused.reason == f"{gates.HF_OWN_LOOP.fallback}: its cache layers cannot copy rows"
 
 
 def test_every_gate_names_its_versions_and_fallback():
@@ -104,15 +109,16 @@ def test_the_hf_engine_on_an_unchecked_transformers_samples_through_generate(mon
     prompts = [[5, 6, 7, 8], [9, 10, 11]] * 3
     sampling = SamplingConfig(max_tokens=8, top_k=5)
     checked = HFEngine(str(tiny_dir), tok)
-    assert checked._own_loop and checked.speed_paths["hf_own_loop"].startswith("the hf engine's own sampling loop")
-    assert checked.speed_paths["hf_shared_prefill"].startswith("each repeated prompt computed once")
+    assert checked._own_loop and checked.speed_paths["hf_own_loop"].startswith(gates.HF_OWN_LOOP.fast)
+    assert checked.speed_paths["hf_shared_prefill"].startswith(gates.SHARED_PROMPT.fast)
     want = checked.generate(prompts, sampling, seed=1, version=0)
     versions(monkeypatch, transformers="5.99.0")
     engine = HFEngine(str(tiny_dir), tok)
     assert not engine._own_loop
-    assert engine.speed_paths["hf_own_loop"] == ("transformers' model.generate: transformers 5.99.0 is not a version "
-                                                 "this path was checked against (5.19.0, 5.24.0)")
-    assert engine.speed_paths["hf_shared_prefill"].startswith("every row computes its whole prompt: transformers 5.99.0")
+    assert engine.speed_paths["hf_own_loop"] == (
+        f"{gates.HF_OWN_LOOP.fallback}: {gates.unchecked_version(gates.HF_OWN_LOOP, 'transformers', '5.99.0')}")
+    assert engine.speed_paths["hf_shared_prefill"] == (
+        f"{gates.SHARED_PROMPT.fallback}: {gates.unchecked_version(gates.SHARED_PROMPT, 'transformers', '5.99.0')}")
     forward = engine.model.forward
     shapes = []
 
@@ -151,8 +157,8 @@ def test_the_onednn_linear_on_an_unchecked_torch_stays_f_linear(monkeypatch):
     versions(monkeypatch, torch="2.99.0")
     for mode in ("auto", "onednn"):
         note = use_onednn_linear(model, mode, torch.device("cpu"), "fp32")
-        assert note == (f"torch's F.linear: torch 2.99.0 is not a version this path was checked against (2.13.0) "
-                        f"(cpu_linear={mode})")
+        why = gates.unchecked_version(gates.ONEDNN_LINEAR, "torch", "2.99.0")
+        assert note == f"{gates.ONEDNN_LINEAR.fallback}: {why} (cpu_linear={mode})"
         assert not any(isinstance(m, OneDNNLinear) for m in model)
     monkeypatch.undo()
     assert use_onednn_linear(model, "auto", torch.device("cpu"), "fp32").startswith("oneDNN (2 layers; cpu_linear=auto")
@@ -189,19 +195,51 @@ def test_the_vllm_direct_sync_on_an_unchecked_vllm_or_model_is_vllms_reload(monk
     monkeypatch.setattr(fake, "__init__", recording)
     if unchecked == "vllm":
         versions(monkeypatch, vllm="0.99.0")
-        why = "vllm 0.99.0 is not a version this path was checked against (0.32.0)"
+        why = gates.unchecked_version(gates.VLLM_DIRECT_SYNC, "vllm", "0.99.0")
     else:
         monkeypatch.setattr(engine_module, "model_family", lambda config: "gemma3")
-        why = "model family 'gemma3' is not one this path was checked against (llama, qwen2)"
+        why = gates.unchecked_family(gates.VLLM_DIRECT_SYNC, "gemma3")
     engine = engine_module.VLLMEngine(str(tiny_qwen2_dir), dtype="fp32")
     assert seen == [dispatch]  # vLLM's own dispatch while it started
     assert engine.direct_sync_blockers == [why]
+    backend = engine_module.TRANSFER_BACKEND
     assert engine.speed_paths == {"vllm_direct_sync": "vLLM's weight-transfer API (LLM.start_weight_update / "
-                                  f"update_weights / finish_weight_update, backend 'offpolicy_inprocess'): {why}"}
+                                  f"update_weights / finish_weight_update, backend {backend!r}): {why}"}
     llm = fake.instances[-1]
     engine.sync_weights([("embed", torch.ones(2))])
     assert ("update_weights",) in llm.calls and ("collective_rpc", "_direct_reload") not in llm.calls
     assert ("collective_rpc", "reload_weights") not in llm.calls
+    engine.close()
+
+
+@needs_vllm
+@pytest.mark.xdist_group("real-model")
+@pytest.mark.parametrize("installed", ["checked", "0.99.0"])
+def test_vllms_own_reload_runs_on_any_vllm_and_the_header_says_whether_it_was_checked(monkeypatch, tiny_qwen2_dir,
+                                                                                      installed):
+    """Issue #68 item 7: where vLLM's public weight-transfer API cannot run, the sync is vLLM's private reload_weights
+    (collective_rpc, its warning read by logger name and text). On a version ``VLLM_RELOAD`` lists the header says it
+    was checked; on another — a GPU user's newer, unpinned vllm — it still runs and syncs, and the header names the
+    unchecked version: never an error that stops the run."""
+    import vllm_fakes
+
+    from offpolicy.engines import vllm as engine_module
+
+    fake = vllm_fakes.install(monkeypatch, "cuda")
+    monkeypatch.setattr(engine_module, "weight_transfer_blocker", lambda: "this vLLM has no weight_transfer_config")
+    version = gates.VLLM_RELOAD.versions["vllm"][0] if installed == "checked" else installed
+    versions(monkeypatch, vllm=version)
+    engine = engine_module.VLLMEngine(str(tiny_qwen2_dir), dtype="fp32")
+    engine.device = torch.device("cpu")
+    assert engine.sync_route == "reload_weights"
+    line = engine.speed_paths[gates.VLLM_RELOAD.name]
+    if installed == "checked":
+        assert line == f"{gates.VLLM_RELOAD.fast} (vllm {version}: checked)"
+    else:
+        assert line.startswith(f"{gates.VLLM_RELOAD.fast}, unchecked: "
+                               f"{gates.unchecked_version(gates.VLLM_RELOAD, 'vllm', version)};")
+    engine.sync_weights([("embed", torch.ones(2))])
+    assert ("collective_rpc", "reload_weights") in fake.instances[-1].calls
     engine.close()
 
 
@@ -266,9 +304,12 @@ def test_the_run_header_and_config_say_which_path_ran(offpolicy_cache, tmp_path,
     train(cfg, console=console, progress=False)
     paths = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["resolved"]["speed_paths"]
     assert set(paths) == {"trainer_linear", "trainer_shared_prompt", "hf_own_loop", "hf_shared_prefill", "hf_linear"}
-    assert paths["hf_own_loop"].startswith("transformers' model.generate: transformers 5.99.0 is not a version")
-    assert paths["trainer_shared_prompt"].startswith("every row computes its whole prompt: transformers 5.99.0")
-    assert paths["trainer_linear"].startswith("torch's F.linear: torch 2.99.0 is not a version")
+    assert paths["hf_own_loop"] == (
+        f"{gates.HF_OWN_LOOP.fallback}: {gates.unchecked_version(gates.HF_OWN_LOOP, 'transformers', '5.99.0')}")
+    assert paths["trainer_shared_prompt"].startswith(
+        f"{gates.SHARED_PROMPT.fallback}: {gates.unchecked_version(gates.SHARED_PROMPT, 'transformers', '5.99.0')}")
+    assert paths["trainer_linear"].startswith(
+        f"{gates.ONEDNN_LINEAR.fallback}: {gates.unchecked_version(gates.ONEDNN_LINEAR, 'torch', '2.99.0')}")
     text = console.export_text()
     for gate, reason in paths.items():
         assert f"  {gate}: {reason}" in text

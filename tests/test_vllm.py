@@ -173,8 +173,7 @@ def test_a_fused_parameter_counts_as_synced_only_with_all_its_shards():
             self.layers = torch.nn.ModuleList([Attention() for _ in range(2)])
 
     model = Model()
-    worker = type("Worker", (), {"model_runner": type("Runner", (), {"get_model": lambda self: model})()})()
-    fused = _fused_shards(worker)
+    fused = _fused_shards(model)
     assert fused == {f"layers.{i}.qkv_proj.{p}": [f"layers.{i}.{s}_proj.{p}" for s in "qkv"]
                      for i in range(2) for p in ("weight", "bias")}
     everything = {n for shards in fused.values() for n in shards} | {"layers.0.o_proj.weight", "layers.1.o_proj.weight"}

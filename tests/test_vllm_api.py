@@ -26,6 +26,7 @@ from conftest import LazyModule  # noqa: E402
 from offpolicy.cli import main  # noqa: E402
 from offpolicy.engines import EngineError, SamplingConfig  # noqa: E402
 from offpolicy.engines.vllm import VLLMEngine, check_engine_args, llm_kwargs  # noqa: E402
+from offpolicy.speed.gates import VLLM_RELOAD  # noqa: E402
 
 vllm_fakes = LazyModule(lambda: importlib.import_module("vllm_fakes"))  # it imports vLLM's engine and runner
 DATA = Path(__file__).parents[1] / "examples" / "data" / "arith_word_problems.jsonl"
@@ -107,13 +108,13 @@ def test_sync_wakes_the_weights_then_loads_a_lazy_iterator_through_the_worker(mo
 
     engine.sync_weights(trainer_weights())
     engine.generate([[1, 2]], SAMPLING, seed=0, version=1)
-    assert llm.calls == [("collective_rpc", "_fused_shards"),  # at start: the fused parameters' shards
+    assert llm.calls == [("apply_model", "_fused_shards"),  # at start: the fused parameters' shards
                          ("init_weight_transfer_engine",),  # and the transfer's channel, once
                          ("generate",), ("sleep", 1), ("wake_up", ["weights"]),
                          ("start_weight_update",), ("update_weights",),
                          ("trainer yields", "embed"), ("loaded", "embed"),
                          ("trainer yields", "head"), ("loaded", "head"), ("finish_weight_update",),
-                         ("collective_rpc", "_read_back"),  # the sync's check: the 1-D weights read back
+                         ("apply_model", "_read_back"),  # the sync's check: the 1-D weights read back
                          ("wake_up", None), ("reset_prefix_cache",), ("generate",), ("sleep", 1)]
     assert all(t.dtype == torch.bfloat16 for _, t in llm.worker.loaded)  # the engine's dtype
     engine.close()
@@ -132,7 +133,8 @@ def test_a_vllm_without_the_weight_transfer_api_syncs_through_its_reload(monkeyp
     assert "weight_transfer_config" not in llm.kwargs and engine.sync_route == "reload_weights"
     assert engine.speed_paths == {"vllm_direct_sync": "vLLM's own reload_weights (collective_rpc; its weight-"
                                   "transfer API cannot run here: vLLM 0.20.0 has no weight_transfer_config): not on "
-                                  "the CPU"}
+                                  "the CPU", VLLM_RELOAD.name: engine.speed_paths[VLLM_RELOAD.name]}
+    assert engine.speed_paths[VLLM_RELOAD.name].startswith(VLLM_RELOAD.fast)  # checked or not: test_speed_gates
 
     def trainer_weights():
         for name in ("embed", "head"):
@@ -141,11 +143,11 @@ def test_a_vllm_without_the_weight_transfer_api_syncs_through_its_reload(monkeyp
 
     engine.generate([[1, 2]], SAMPLING, seed=0, version=0)
     engine.sync_weights(trainer_weights())
-    assert llm.calls == [("collective_rpc", "_fused_shards"), ("generate",), ("sleep", 1), ("wake_up", ["weights"]),
+    assert llm.calls == [("apply_model", "_fused_shards"), ("generate",), ("sleep", 1), ("wake_up", ["weights"]),
                          ("collective_rpc", "reload_weights"), ("reload_weights",),
                          ("trainer yields", "embed"), ("loaded", "embed"),
                          ("trainer yields", "head"), ("loaded", "head"),
-                         ("collective_rpc", "_read_back"), ("wake_up", None), ("reset_prefix_cache",)]
+                         ("apply_model", "_read_back"), ("wake_up", None), ("reset_prefix_cache",)]
     engine.close()
 
 

@@ -1,7 +1,8 @@
 """Fakes of ``vllm.LLM`` and of the worker it reaches through ``collective_rpc``, for tests that must not
 start vLLM. They cannot drift from the real API: every call offpolicy makes is bound to the installed
 vLLM's own signature (``inspect.signature`` of ``LLM.__init__``, ``generate``, ``sleep``, ``wake_up``,
-``reset_prefix_cache``, ``collective_rpc``, the weight-transfer methods ``init_weight_transfer_engine``,
+``reset_prefix_cache``, ``collective_rpc``, ``apply_model``, the weight-transfer methods
+``init_weight_transfer_engine``,
 ``start_weight_update``, ``update_weights``, ``finish_weight_update``, and the model runner's
 ``reload_weights``, to which the worker forwards), so a wrong name or argument raises ``TypeError`` as it
 would against vLLM, and the ``LLM(...)`` keywords must each be a field of the installed ``EngineArgs``.
@@ -202,6 +203,12 @@ class FakeLLM:
     def finish_weight_update(self, *args, **kwargs) -> None:
         bind(LLM, "finish_weight_update", *args, **kwargs)
         self.worker.finish_weight_update()
+
+    def apply_model(self, *args, **kwargs) -> list:
+        """vLLM's ``LLM.apply_model``: the function on the worker's model (``Worker.apply_model`` → ``get_model``)."""
+        func = bind(LLM, "apply_model", *args, **kwargs).arguments["func"]
+        self.calls.append(("apply_model", getattr(func, "__name__", None) or func.func.__name__))
+        return [func(self.worker.model_runner.get_model())]
 
     def collective_rpc(self, *args, **kwargs) -> list:
         bound = bind(LLM, "collective_rpc", *args, **kwargs).arguments

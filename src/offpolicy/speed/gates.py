@@ -73,7 +73,18 @@ VLLM_DIRECT_SYNC = Gate(
     versions={"vllm": ("0.32.0",), "torch": ("2.13.0",)},
     families=frozenset({"qwen2", "llama"}),
 )
-GATES = (HF_OWN_LOOP, SHARED_PROMPT, ONEDNN_LINEAR, VLLM_DIRECT_SYNC)
+# vLLM's own reload is the sync's last resort, where its public weight-transfer API cannot run (a vLLM without it, or
+# whose init failed): private (collective_rpc("reload_weights"), its unloaded-weights warning read by logger name and
+# message text), so checked like a fast path; outside the versions listed it still runs, and the header names the
+# unchecked version (engines/vllm.py, VLLMEngine.sync_route): a newer vLLM never stops a run
+VLLM_RELOAD = Gate(
+    name="vllm_reload",
+    fast="vLLM's own reload_weights (collective_rpc), its unloaded-weights warning read from its logger",
+    fallback="vLLM's weight-transfer API",
+    versions={"vllm": ("0.32.0",)},
+    families=None,  # vLLM's reload of whatever model it loaded
+)
+GATES = (HF_OWN_LOOP, SHARED_PROMPT, ONEDNN_LINEAR, VLLM_DIRECT_SYNC, VLLM_RELOAD)
 
 
 def installed_version(package: str) -> str | None:
@@ -106,6 +117,20 @@ def model_family(model) -> str:
     return str(getattr(config, "model_type", "") or "")
 
 
+def unchecked_version(gate: Gate, package: str, have: str | None) -> str:
+    """Why ``gate``'s fast path is off for ``package`` at version ``have`` (None: not installed), without the
+    fallback's name (``decide`` puts it in front)."""
+    if have is None:
+        return f"{package} is not installed"
+    return f"{package} {have} is not a version this path was checked against ({', '.join(gate.versions[package])})"
+
+
+def unchecked_family(gate: Gate, family: str) -> str:
+    """Why ``gate``'s fast path is off for a model of ``family`` (``decide`` puts the fallback's name in front)."""
+    return (f"model family {family or '(none)'!r} is not one this path was checked against "
+            f"({', '.join(sorted(gate.families or ()))})")
+
+
 def decide(gate: Gate, family: str | None = None, refusal: str | None = None) -> Decision:
     """``gate``'s path for this process and a model of ``family`` (None: not about a model): fast where every
     package is at a checked version, the family is checked and nothing else refused it (``refusal``, the path's
@@ -115,17 +140,12 @@ def decide(gate: Gate, family: str | None = None, refusal: str | None = None) ->
     checked = []
     for package, versions in gate.versions.items():
         have = installed_version(package)
-        known = ", ".join(versions)
-        if have is None:
-            return Decision(gate.name, False, f"{gate.fallback}: {package} is not installed")
-        same = matched(have, versions)
+        same = None if have is None else matched(have, versions)
         if same is None:
-            return Decision(gate.name, False, f"{gate.fallback}: {package} {have} is not a version this path was "
-                                              f"checked against ({known})")
+            return Decision(gate.name, False, f"{gate.fallback}: {unchecked_version(gate, package, have)}")
         checked.append(f"{package} {have}" if have == same else f"{package} {have} as {same}")
     if family is not None and gate.families is not None and family not in gate.families:
-        return Decision(gate.name, False, f"{gate.fallback}: model family {family or '(none)'!r} is not one this path "
-                                          f"was checked against ({', '.join(sorted(gate.families))})")
+        return Decision(gate.name, False, f"{gate.fallback}: {unchecked_family(gate, family)}")
     if refusal:
         return Decision(gate.name, False, f"{gate.fallback}: {refusal}")
     model = "" if family is None else f", {family}"
