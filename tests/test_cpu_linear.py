@@ -87,7 +87,7 @@ def test_a_model_s_linear_layers_become_onednn_ones_with_the_same_outputs(tiny_q
     keys = list(model.state_dict())
     linears = [m for m in model.modules() if type(m) is torch.nn.Linear]
     note = use_onednn_linear(model, "auto", torch.device("cpu"), "fp32")
-    assert note.startswith(f"oneDNN ({len(linears)} layers; cpu_linear=auto; torch ") and note.endswith(": checked)")
+    assert note.startswith(f"oneDNN ({len(linears)} layers; trainer.cpu_linear=auto; torch ") and note.endswith(": checked)")
     assert linears
     assert all(type(m) is OneDNNLinear for m in linears) and list(model.state_dict()) == keys
     after = model(ids).logits

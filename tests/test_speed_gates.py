@@ -158,10 +158,10 @@ def test_the_onednn_linear_on_an_unchecked_torch_stays_f_linear(monkeypatch):
     for mode in ("auto", "onednn"):
         note = use_onednn_linear(model, mode, torch.device("cpu"), "fp32")
         why = gates.unchecked_version(gates.ONEDNN_LINEAR, "torch", "2.99.0")
-        assert note == f"{gates.ONEDNN_LINEAR.fallback}: {why} (cpu_linear={mode})"
+        assert note == f"{gates.ONEDNN_LINEAR.fallback}: {why} (trainer.cpu_linear={mode})"
         assert not any(isinstance(m, OneDNNLinear) for m in model)
     monkeypatch.undo()
-    assert use_onednn_linear(model, "auto", torch.device("cpu"), "fp32").startswith("oneDNN (2 layers; cpu_linear=auto")
+    assert use_onednn_linear(model, "auto", torch.device("cpu"), "fp32").startswith("oneDNN (2 layers; trainer.cpu_linear=auto")
     assert all(isinstance(m, OneDNNLinear) for m in model)
 
 
