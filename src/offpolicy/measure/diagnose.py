@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import json
 import math
+import weakref
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -149,7 +150,7 @@ class TrainerSide:
         from offpolicy.speed.cpu_linear import use_onednn_linear
 
         policy = load_policy(self.model_path, self.device).eval()
-        use_onednn_linear(policy, self.cpu_linear, self.device, self.dtype)
+        _LINEAR_NOTES[policy] = use_onednn_linear(policy, self.cpu_linear, self.device, self.dtype)
         return Scorer(policy, self.sampling, self.device, self.dtype, self.budget)
 
 
@@ -183,7 +184,9 @@ def sample(trainer: TrainerSide, tokenizer, prompts: list[list[int]], engine: st
 
 BACKENDS = {"hf": "transformers", "vllm": "vllm"}  # an in-process engine's backend, as the sides compare it
 # the trainer's linear layers in diagnose: load_policy's model as loaded (train's cpu_linear is not applied)
-DIAGNOSE_LINEAR = "torch's F.linear (diagnose's trainer scores with the model as loaded; cpu_linear is train's)"
+# what the trainer's linear layers ran through, by model: TrainerSide.scorer applies trainer.cpu_linear as train does
+_LINEAR_NOTES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+DIAGNOSE_LINEAR = "torch's F.linear (a scorer built outside TrainerSide: the model as it was loaded)"
 
 
 def trainer_side(trainer: TrainerSide) -> dict[str, Any]:
@@ -218,7 +221,7 @@ def score(rollouts: Rollouts, trainer: TrainerSide, tokenizer, seconds: float | 
     # each response token as text, and each prompt, for the per-token viewer (report.html)
     return replace(s, token_text=[[tokenizer.decode([t]) for t in ids] for ids in rollouts.response_ids],
                    prompt_text=[tokenizer.decode(ids) for ids in rollouts.prompt_ids],
-                   speed_paths=run_paths(scorer.model, DIAGNOSE_LINEAR, engine),
+                   speed_paths=run_paths(scorer.model, _LINEAR_NOTES.get(scorer.model, DIAGNOSE_LINEAR), engine),
                    engine_entropy=engine_checks.engine_entropy(rollouts.kept, rollouts.head, batch.mask.shape[1]))
 
 
