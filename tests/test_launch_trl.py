@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -152,10 +153,13 @@ def test_trl_vllm_server_embedded(tmp_path):
     command = build_command(ScriptArguments(model=model, host="127.0.0.1", port=port))
     serve = command.index("serve")
     assert command[1:serve] == ["-m", "vllm.entrypoints.cli.main"], command  # what trl vllm-serve runs
-    server_cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", *command[serve + 2:]]
+    # `serve MODEL ARGS...` → the API server module with `--model MODEL ARGS...`
+    server_cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", *command[serve + 1:]]
     env = {**_env(), "VLLM_SERVER_DEV_MODE": "1"}
     log = (tmp_path / "server.log").open("w")
-    server = subprocess.Popen(server_cmd, cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT)
+    # its own session: the server and its engine-core process are stopped together (killpg) whatever happens
+    server = subprocess.Popen(server_cmd, cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT,
+                              start_new_session=True)
     try:
         url = f"http://127.0.0.1:{port}"
         for _ in range(600):  # vLLM's CPU start (compile) takes minutes on a loaded machine
@@ -176,11 +180,12 @@ def test_trl_vllm_server_embedded(tmp_path):
                str(tmp_path / "trl"), "--out", str(out), "--dump-dir", str(tmp_path / "dump"), *SMALL]
         proc = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=1500)
     finally:
-        server.terminate()
+        os.killpg(server.pid, signal.SIGTERM)
         try:
             server.wait(timeout=60)
         except subprocess.TimeoutExpired:
-            server.kill()
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
         log.close()
     if proc.returncode == 0:  # the refusal is gone: the launch must now train with offpolicy's loss
         rows = json.loads(out.read_text())["log"]
