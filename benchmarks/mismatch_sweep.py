@@ -45,11 +45,11 @@ METHODS: dict[str, tuple[str | None, dict]] = {
     "bypass": ("verl:bypass_ppo_clip", {}),
     "recommended": ("recommended", {}),
 }
-CONDITIONS: dict[str, dict] = {
-    "bf16": {"engine_dtype": "bf16"},
-    "stale4": {"engine_dtype": "bf16", "max_staleness": 4},
-    "noise0.5": {"engine_dtype": "bf16", "engine_logit_noise": 0.5},
-    "noise1.0+stale4": {"engine_dtype": "bf16", "engine_logit_noise": 1.0, "max_staleness": 4},
+CONDITIONS: dict[str, dict] = {  # the engine section's keys (engine.kind hf for all) and the staleness
+    "bf16": {"engine": {"dtype": "bf16"}},
+    "stale4": {"engine": {"dtype": "bf16"}, "max_staleness": 4},
+    "noise0.5": {"engine": {"dtype": "bf16", "logit_noise": 0.5}},
+    "noise1.0+stale4": {"engine": {"dtype": "bf16", "logit_noise": 1.0}, "max_staleness": 4},
 }
 
 
@@ -62,9 +62,10 @@ def run_one(method: str, condition: str, seed: int, steps: int, out: Path) -> di
     correction = CorrectionConfig() if preset is None else presets.correction(preset)  # none = measure only
     loss = {"kind": "ppo", "clip_low": 0.2, "clip_high": 0.2, "agg": "token-mean",
             "correction": correction.model_dump(), **loss_extra}
-    cfg = TrainConfig(engine="hf", steps=steps, seed=seed, eval_every=steps, preset=None, loss=loss,
+    condition_keys = CONDITIONS[condition]
+    cfg = TrainConfig(steps=steps, seed=seed, eval_every=steps, preset=None, loss=loss,
                       checkpoint_every=steps, out_dir=str(out / f"{condition}-{method}-s{seed}"),
-                      **CONDITIONS[condition])
+                      **{**condition_keys, "engine": {"kind": "hf", **condition_keys["engine"]}})
     start = time.perf_counter()
     result = train(cfg, progress=False, console=Console(quiet=True))
     rows = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -222,7 +222,7 @@ def train_config(job: Job, out: Path, steps: int | None = None, overrides: dict 
     run = {**TASK_RUNS[job.task], **(method.train or {}), **(overrides or {})}
     if steps is not None:
         run["steps"] = steps
-    return TrainConfig(engine="hf", task=job.task, engine_dtype=job.dtype, max_staleness=job.staleness,
+    return TrainConfig(engine={"kind": "hf", "dtype": job.dtype}, task=job.task, max_staleness=job.staleness,
                        seed=job.seed, preset=None, loss=loss, eval_every=run["steps"],
                        checkpoint_every=run["steps"], out_dir=str(out / "runs" / job.name), **run)
 

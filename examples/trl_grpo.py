@@ -232,7 +232,7 @@ def main(argv: list[str] | None = None) -> dict:
         if not held_out:
             return None
         return exact_match_accuracy(trainer.model, trainer.processing_class, make_task(args.task), held_out,
-                                    TrainConfig(task=args.task).max_new_tokens, sample_seed=None)
+                                    TrainConfig(task=args.task).sampling.max_tokens, sample_seed=None)
 
     accuracy_before = accuracy()
     trainer.train()

@@ -223,7 +223,7 @@ def test_engine_dtype_auto_is_resolved_with_a_reason(monkeypatch):
     from offpolicy.train import config as train_config
 
     cfg = load_train_config(None, [])
-    assert cfg.engine_dtype == "auto"
+    assert cfg.engine.dtype == "auto"
     monkeypatch.setattr(train_config, "_native_bf16", lambda: (False, "CPU has no native bf16"))
     assert resolve_engine_dtype(cfg) == ("fp32", "auto: CPU has no native bf16")
     monkeypatch.setattr(train_config, "_native_bf16", lambda: (True, "CPU has native bf16 (amx_bf16)"))

@@ -62,7 +62,7 @@ def test_larger_needs_a_model_directory():
     with pytest.raises(ConfigError, match="task=larger renders its prompts with a model's chat template"):
         load_train_config(None, ["task=larger"])
     cfg = load_train_config(None, ["task=larger", "model=/models/any"])
-    assert cfg.max_new_tokens == 16 and cfg.policy_kl_rows == 0
+    assert cfg.sampling.max_tokens == 16 and cfg.policy_kl_rows == 0
 
 
 def test_update_kl_and_spread_by_hand():

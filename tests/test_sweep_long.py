@@ -85,9 +85,9 @@ def test_every_method_builds_a_train_config(sweep, tmp_path):
     for name in sweep.METHODS:
         for task in ("reverse", "walk"):
             cfg = sweep.train_config(sweep.Job("screen", task, name, 4, "bf16", 0), tmp_path)
-            assert cfg.engine == "hf" and cfg.max_staleness == 4 and cfg.preset is None
+            assert cfg.engine.kind == "hf" and cfg.max_staleness == 4 and cfg.preset is None
     walk = sweep.train_config(sweep.Job("screen", "walk", "none", 4, "bf16", 0), tmp_path)
-    assert walk.max_new_tokens >= 151  # the longest walk answer and its EOS fit
+    assert walk.sampling.max_tokens >= 151  # the longest walk answer and its EOS fit
 
 
 def test_register_adds_a_method(sweep, tmp_path):

@@ -92,8 +92,8 @@ def test_walk_is_seeded_long_verifiable_and_fits_the_response_limit():
     assert all(sorted(task.table[x][y] for x in range(26)) == list(range(26)) for y in range(26))
     cfg = load_train_config(None, ["task=walk"])
     longest_prompt = max(len(p.prompt) for p in batch) + 1  # + BOS
-    assert cfg.max_new_tokens >= 151 and longest_prompt + cfg.max_new_tokens <= context_length(cfg.max_new_tokens)
-    assert load_train_config(None, []).max_new_tokens == 10  # the short tasks keep their limit
+    assert cfg.sampling.max_tokens >= 151 and longest_prompt + cfg.sampling.max_tokens <= context_length(cfg.sampling.max_tokens)
+    assert load_train_config(None, []).sampling.max_tokens == 10  # the short tasks keep their limit
     assert make_task("walk", min_len=20, max_len=40).max_new_tokens == 50
     with pytest.raises(ValueError, match="min_len"):
         Walk(min_len=60, max_len=50)
@@ -146,4 +146,4 @@ def test_count_needs_a_model_directory_and_takes_its_limit():
     with pytest.raises(ConfigError, match="task=count renders its prompts with a model's chat template"):
         load_train_config(None, ["task=count"])
     cfg = load_train_config(None, ["task=count", "model=/models/any", "task_params={n_held_out: 130}"])
-    assert cfg.max_new_tokens == 128 and make_task(cfg.task, **cfg.task_params).n_held_out == 130
+    assert cfg.sampling.max_tokens == 128 and make_task(cfg.task, **cfg.task_params).n_held_out == 130

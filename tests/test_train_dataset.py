@@ -65,7 +65,7 @@ def test_dataset_defaults_fit_a_real_model():
 
     base = ["model=/models/any", "task=dataset", f"data.path={DATA}", "reward=number"]
     cfg = load_train_config(None, base)
-    assert (cfg.lr, cfg.prompts_per_step, cfg.group_size, cfg.micro_batch_tokens) == (1e-6, 4, 8, 2048)
+    assert (cfg.lr, cfg.prompts_per_step, cfg.group_size, cfg.trainer.micro_batch_tokens) == (1e-6, 4, 8, 2048)
     assert PRETRAINED_DEFAULTS == {"lr": 1e-6, "prompts_per_step": 4, "group_size": 8, "micro_batch_tokens": 2048}
     mine = load_train_config(None, [*base, "lr=3e-5", "prompts_per_step=2"])
     assert (mine.lr, mine.prompts_per_step, mine.group_size) == (3e-5, 2, 8)
@@ -80,16 +80,16 @@ def test_a_pretrained_model_on_a_synthetic_task_takes_the_pretrained_defaults(ta
     """Issue #43: the defaults follow the model, not the task — SmolLM2 on task=reverse ran at the embedded
     model's lr 3e-4 at 3be706e; the console line says which defaults applied."""
     cfg = load_train_config(None, ["model=/models/any", f"task={task}"])
-    assert (cfg.lr, cfg.prompts_per_step, cfg.group_size, cfg.micro_batch_tokens) == (1e-6, 4, 8, 2048)
+    assert (cfg.lr, cfg.prompts_per_step, cfg.group_size, cfg.trainer.micro_batch_tokens) == (1e-6, 4, 8, 2048)
     assert cfg.model_defaults() == ("a pretrained model's (model=DIR) defaults: lr 1e-06, prompts_per_step 4, "
                                     "group_size 8, micro_batch_tokens 2048 (set any of them to override)")
     embedded = load_train_config(None, [f"task={task}", "lr=1e-3"])
-    assert (embedded.lr, embedded.prompts_per_step, embedded.micro_batch_tokens) == (1e-3, 32, None)
+    assert (embedded.lr, embedded.prompts_per_step, embedded.trainer.micro_batch_tokens) == (1e-3, 32, None)
     assert embedded.model_defaults() == ("the embedded model's defaults: prompts_per_step 32, group_size 8, "
                                          "micro_batch_tokens None (set any of them to override)")
     mine = load_train_config(None, ["model=/models/any", f"task={task}", "lr=3e-4", "prompts_per_step=8",
                                     "group_size=4", "trainer.micro_batch_tokens=null"])
-    assert (mine.lr, mine.prompts_per_step, mine.group_size, mine.micro_batch_tokens) == (3e-4, 8, 4, None)
+    assert (mine.lr, mine.prompts_per_step, mine.group_size, mine.trainer.micro_batch_tokens) == (3e-4, 8, 4, None)
     assert mine.model_defaults() is None
 
 
