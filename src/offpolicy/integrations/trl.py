@@ -207,8 +207,13 @@ class OffpolicyGRPOTrainer(GRPOTrainer):
             self.vllm_importance_sampling_correction = False
             a.vllm_importance_sampling_correction = False
         if self.use_vllm and a.vllm_mode == "colocate" and _vllm_on_cpu():
+            from offpolicy.speed.gates import VLLM_RELOAD, decide
+
             generation = self.vllm_generation
             generation.sync_weights = lambda: _reload_sync(generation)  # this trainer's engine only
+            gate = decide(VLLM_RELOAD)  # the private reload's versions (speed/gates.py); run either way: TRL's own
+            logger.warning("offpolicy: TRL's colocated vLLM on the CPU syncs through %s%s", VLLM_RELOAD.fast,
+                           "" if gate.fast else f" ({gate.reason.split(': ', 1)[-1]}; TRL's own sync fails there)")
         self.offpolicy_config = config
         self.offpolicy_dumper = (BatchDumper(dump_dir, dump_steps, dump_every, host="trl", host_version=trl.__version__)
                                  if dump_dir is not None else None)
