@@ -61,19 +61,22 @@ install_hosts() {
   #   (the test loads it around skyrl.backends), hence --ignore-requires-python (the other pins allow 3.11).
   # - AReaL 1.0.4 for tests/test_areal_parity.py: its loss module needs only colorlog ... aiofiles; skyrl-gym ...
   #   loguru: SkyRL's imports.
-  pip_install --no-deps --ignore-requires-python trl==1.16.0 verl==0.9.1 accelerate==1.15.0 tensordict==0.15.3 \
+  # - TransferQueue 0.1.11 (import transfer_queue): verl's v1 trainer (main_ppo, trainer.use_v1) imports it and
+  #   verl 0.9.1 declares it only in its verl-core extra, whose resolve would lower transformers (<5.11).
+  pip_install --no-deps --ignore-requires-python trl==1.16.0 verl==0.9.1 transferqueue==0.1.11 accelerate==1.15.0 tensordict==0.15.3 \
     openrlhf==0.11.2 peft==0.18.1 pylatexenc==2.10 skyrl==0.4.0 \
     areal==1.0.4 colorlog==6.12.0 tenacity==9.2.1 torchdata==0.11.0 aiofiles==25.1.0 \
     skyrl-gym==0.4.0 cloudpathlib==0.26.0 jaxtyping==0.3.11 wadler-lindig==0.1.8 loguru==0.7.3
   # datasets/pandas/pyarrow: `from trl import GRPOTrainer`; ray, pyvers (tensordict), hydra-core, codetiming:
   # `import verl` and its actor config; orjson: verl.utils.tracking, which verl's tensordict_utils imports;
-  # flask: areal/__init__ imports its inference server
-  pip_install -c "$pins" datasets pandas pyarrow ray "pyvers>=0.2,<0.3" hydra-core codetiming orjson flask
+  # flask: areal/__init__ imports its inference server; pyzmq, msgspec, prometheus_client: TransferQueue's imports
+  pip_install -c "$pins" datasets pandas pyarrow ray "pyvers>=0.2,<0.3" hydra-core codetiming orjson flask \
+    pyzmq msgspec prometheus_client
   rm -f "$pins"
   # every host module the suite imports; one that fails makes its tests skip, so say it here, loudly
   python3 - <<'PY'
 import importlib
-mods = ["trl", "verl.utils.tensordict_utils", "verl.workers.utils.losses", "areal.utils.functional.functional",
+mods = ["trl", "verl.utils.tensordict_utils", "verl.workers.utils.losses", "transfer_queue", "areal.utils.functional.functional",
         "areal.api.cli_args", "openrlhf", "skyrl"]
 bad = []
 for m in mods:

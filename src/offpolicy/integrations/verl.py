@@ -180,3 +180,124 @@ def _guard_bypass_loss() -> None:
 
 _guard_bypass_loss()
 HOST_VERSION = getattr(verl, "__version__", "unknown")
+
+
+# --- An offpolicy CPU platform for verl (opt-in: docs/hosts-end-to-end.md, "## verl") ---------------------------
+# verl 0.9.1 knows the platforms cuda, npu and rocm and falls back to "nvidia" without an accelerator. Its public
+# platform registry (verl.plugin.platform: PlatformRegistry.register, chosen by VERL_PLATFORM) takes more; this
+# one is registered at import under CPU_PLATFORM and used only where VERL_PLATFORM names it. It never
+# auto-detects (is_platform_available is False), so a GPU machine is untouched.
+
+CPU_PLATFORM = "offpolicy_cpu"
+SETUP_HOOK = "offpolicy.integrations.verl.cpu_worker_setup"
+
+
+def _cpu_device_module():
+    """What verl calls on ``get_torch_device()`` (its ``torch.cuda`` stand-in), answered for the CPU:
+    ``torch.cpu``'s functions, and no-ops or zeros for the memory and RNG calls ``torch.cpu`` lacks."""
+    import types
+
+    def nothing(*args, **kwargs):
+        return None
+
+    def zero(*args, **kwargs):
+        return 0
+
+    return types.SimpleNamespace(
+        is_available=lambda: True, is_initialized=lambda: True, current_device=lambda: "cpu", device_count=lambda: 1,
+        get_device_name=lambda *a: "CPU", set_device=nothing, synchronize=nothing, empty_cache=nothing,
+        ipc_collect=nothing, set_per_process_memory_fraction=nothing, reset_peak_memory_stats=nothing,
+        manual_seed=torch.manual_seed, manual_seed_all=torch.manual_seed, get_rng_state=torch.get_rng_state,
+        set_rng_state=torch.set_rng_state, max_memory_allocated=zero, max_memory_reserved=zero,
+        memory_allocated=zero, memory_reserved=zero, mem_get_info=lambda *a: (0, 0),
+        current_stream=torch.cpu.current_stream, stream=torch.cpu.stream, Stream=torch.cpu.Stream,
+        Event=torch.cpu.Event)
+
+
+def _register_cpu_platform() -> None:
+    import contextlib
+
+    from verl.plugin.platform.platform_base import PlatformBase
+    from verl.plugin.platform.platform_manager import PlatformRegistry
+
+    @PlatformRegistry.register(platform=CPU_PLATFORM)
+    class CPUPlatform(PlatformBase):
+        """The CPU as a verl platform. ``current_device`` is "cpu" (verl moves modules with
+        ``.to(get_device_id())``, where an integer names an accelerator). Ray resource "GPU": verl's
+        placement bundles and its resource check count that name, so a CPU Ray cluster declares logical
+        GPUs (``ray.init(num_gpus=N)``) that only schedule verl's workers."""
+
+        device_name = "cpu"
+        vendor_name = "cpu"
+        device_module = _cpu_device_module()
+
+        def is_available(self): return True
+        def is_platform_available(self, use_smi_check=False): return False  # only ever chosen by VERL_PLATFORM
+        def current_device(self): return "cpu"
+        def device_count(self): return 1
+        def set_device(self, device_index): return None
+        def synchronize(self, device_index=None): return None
+        def manual_seed(self, seed): torch.manual_seed(seed)
+        def manual_seed_all(self, seed): torch.manual_seed(seed)
+        def set_allocator_settings(self, settings): return None
+        def empty_cache(self): return None
+        def get_device_capability(self, device_index=0): return (None, None)
+        def communication_backend_name(self): return "gloo"
+        def visible_devices_envvar(self): return "CUDA_VISIBLE_DEVICES"
+        @contextlib.contextmanager
+        def nvtx_range(self, msg): yield
+        def profiler_start(self): return None
+        def profiler_stop(self): return None
+        def ray_resource_name(self): return "GPU"
+        def ray_noset_envvars(self): return []
+        def is_ipc_supported(self): return False
+        def cudart(self): return None
+
+
+def cpu_env_vars() -> dict[str, str]:
+    """The environment verl's Ray workers need on a CPU machine (with ``cpu_worker_setup`` as Ray's
+    ``worker_process_setup_hook``): the platform, and ``VERL_ENGINE_DEVICE=cuda`` — verl's own override
+    of its engine lookup, whose FSDP engine is registered for cuda/npu only; the engine then runs on this
+    platform's device, the CPU; ``VLLM_TARGET_DEVICE=cpu``, vLLM's own choice of its CPU platform for the
+    rollout servers."""
+    return {"VERL_PLATFORM": CPU_PLATFORM, "VERL_ENGINE_DEVICE": "cuda", "VLLM_TARGET_DEVICE": "cpu"}
+
+
+def cpu_worker_setup() -> None:
+    """Ray ``worker_process_setup_hook`` for verl on the CPU platform, run in every Ray worker before its task.
+
+    * A verl worker (``WG_BACKEND=ray``, with RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT from its worker
+      group) gets its gloo process group here: verl asks ``init_process_group`` for
+      ``cpu:gloo,<device>:<backend>``, which for this platform is ``cpu:gloo,cpu:gloo`` and torch refuses
+      ("Duplicate device type cpu"); verl skips its own when one exists.
+    * With trl >= 1.16 installed next to verl 0.9.1, verl's model patching imports trl's
+      ``AutoModelForCausalLMWithValueHead``, which trl removed: verl is told trl is absent (verl's
+      ``monkey_patch.is_trl_available``), as when trl is not installed.
+    """
+    if os.environ.get("VERL_PLATFORM") != CPU_PLATFORM:
+        return
+    _trl_without_value_head()
+    needed = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    if os.environ.get("WG_BACKEND") == "ray" and all(k in os.environ for k in needed):
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            dist.init_process_group("gloo", rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+
+
+def _trl_without_value_head() -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("trl") is None:
+        return
+    try:
+        from trl import AutoModelForCausalLMWithValueHead  # noqa: F401
+        return
+    except ImportError:
+        pass
+    import verl.models.transformers.monkey_patch as verl_patch
+
+    verl_patch.is_trl_available = lambda: False
+
+
+_register_cpu_platform()
