@@ -115,6 +115,20 @@ def dry_run(argv: list[str]) -> dict[str, Any]:
             "token_level_loss": loss.token_level_loss, "worker": {k: worker[k] for k in ("models", "ppo_actor")}}
 
 
+def ray_bounds(argv: list[str]) -> tuple[dict[str, int], list[str]]:
+    """``--ray-num-cpus N`` and ``--ray-object-store-mb M`` (this script's, taken out of ``argv``): a local Ray
+    bounded to fit beside other work, e.g. on a CPU machine; the rest is OpenRLHF's."""
+    bounds, rest, it = {}, [], iter(argv)
+    for arg in it:
+        if arg == "--ray-num-cpus":
+            bounds["num_cpus"] = int(next(it))
+        elif arg == "--ray-object-store-mb":
+            bounds["object_store_memory"] = int(next(it)) << 20
+        else:
+            rest.append(arg)
+    return bounds, rest
+
+
 def main(argv: list[str]) -> None:
     if argv[:1] == ["--dry-run"]:
         print(json.dumps(dry_run(argv[1:])))
@@ -123,8 +137,10 @@ def main(argv: list[str]) -> None:
 
     from offpolicy.integrations import openrlhf as op_openrlhf
 
+    bounds, argv = ray_bounds(argv)
     cfg = loss_config()
-    ray.init(runtime_env=op_openrlhf.runtime_env(cfg))  # workers: PolicyLoss replaced, rollout log-probs on
+    local = {"include_dashboard": False, **bounds} if bounds else {}  # a cluster's own Ray takes no bounds
+    ray.init(runtime_env=op_openrlhf.runtime_env(cfg), **local)  # workers: PolicyLoss replaced, rollout log-probs on
     op_openrlhf.install(cfg)                             # driver: vLLM engines return processed log-probs
     sys.argv = [ENTRY, *argv]
     runpy.run_module(ENTRY, run_name="__main__")

@@ -107,15 +107,19 @@ def main(argv: list[str]) -> None:
         return
     import ray
     from skyrl.train.config import SkyRLTrainConfig
-    from skyrl.train.entrypoints.main_base import skyrl_entrypoint
     from skyrl.train.utils import validate_cfg
-    from skyrl.train.utils.utils import initialize_ray
 
     from offpolicy.integrations import skyrl as op_skyrl
 
     op_skyrl.register(loss_config())  # before initialize_ray: SkyRL syncs its registries to every worker
     cfg = op_skyrl.configure(SkyRLTrainConfig.from_cli_overrides(argv))  # policy_loss_type offpolicy, logprobs 1
     validate_cfg(cfg)
+    print(json.dumps({"skyrl_config": "validated", "policy_loss_type": cfg.trainer.algorithm.policy_loss_type}),
+          flush=True)
+    # SkyRL's entry point and its Ray start (skyrl.train.entrypoints.main_base imports skyrl.backends: Python >= 3.12)
+    from skyrl.train.entrypoints.main_base import skyrl_entrypoint
+    from skyrl.train.utils.utils import initialize_ray
+
     initialize_ray(cfg)
     ray.get(skyrl_entrypoint.remote(cfg))
 
