@@ -225,7 +225,7 @@ def test_diagnose_scores_as_train_does_in_token_budget_micro_batches(tiny_model,
     ({"top_k": 0}, "--top-k 0: expected -1"),
     ({"temperature": float("nan")}, "--temperature nan: expected a finite number > 0"),
     ({"compare": "seed=1,2"}, "--compare 'seed=1,2': expected KEY=V1,V2,..."),
-    ({"micro_batch_tokens": 0}, "--micro-batch-tokens: Input should be greater than 0"),
+    ({"trainer_micro_batch_tokens": 0}, "--trainer-micro-batch-tokens: Input should be greater than 0"),
     ({"batch": "d", "compare": "engine=hf,vllm"}, "--batch reports on the dumped tensors as they are"),
     ({"served_model_name": "m"}, "--served-model-name needs --engine-url URL"),
 ])

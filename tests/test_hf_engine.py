@@ -15,6 +15,7 @@ import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
 from offpolicy.measure import diagnose
+from offpolicy.measure.diagnose_config import DiagnoseConfig
 from offpolicy.engines import SamplingConfig, perturb
 from offpolicy.engines.base import left_pad
 from offpolicy.engines.generation import generate, explicit_config, without_model_defaults

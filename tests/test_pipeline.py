@@ -250,7 +250,7 @@ def test_run_config_records_the_dtype_and_resumes_from_it(offpolicy_cache, tmp_p
     first = _run(tmp_path, "auto", "steps=2", "engine.dtype=auto", "max_staleness=1")
     saved = yaml.safe_load((first.run_dir / "config.yaml").read_text())
     assert saved["resolved"]["engine_dtype"] in ("fp32", "bf16") and saved["resolved"]["engine_dtype_reason"]
-    assert saved["train"]["engine_dtype"] == "auto"
+    assert saved["train"]["engine"]["dtype"] == "auto"
     again = load_train_config(first.run_dir / "config.yaml", ["steps=3"])  # what --resume reads
     resumed = train(again, resume=first.run_dir, progress=False)
     assert [r["step"] for r in _records(resumed.run_dir)] == [0, 1, 2]
@@ -261,7 +261,7 @@ def test_threads_auto_leaves_torchs_default_and_a_set_number_is_taken():
     from offpolicy.train import loop
 
     cfg = load_train_config(None, [])
-    assert cfg.threads == "auto" and loop.cpu_threads(cfg)[0] is None
+    assert cfg.trainer.threads == "auto" and loop.cpu_threads(cfg)[0] is None
     assert loop.cpu_threads(load_train_config(None, ["trainer.threads=3"])) == (3, "set in the config")
     with pytest.raises(Exception, match="trainer.threads=0"):
         load_train_config(None, ["trainer.threads=0"])

@@ -177,7 +177,7 @@ def test_to_batch_names_the_engine_that_records_a_missing_support(tiny_dir):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["loss.score_centering=head", "sampling.top_k=5"], "score_centering=head with top_k=5.*Fix: loss.score_centering=exact"),
+    (["loss.score_centering=head", "sampling.top_k=5"], "score_centering=head with sampling.top_k=5.*Fix: loss.score_centering=exact"),
     (["loss.score_centering=exact"], "keeps the whole vocabulary.*Fix: loss.score_centering=head"),
     (["loss.score_centering=exact", "sampling.top_k=5", "engine=vllm"], "vLLM does not return.*Fix: engine=hf"),
     (["loss.score_centering=head", "prox_logp=loglinear"], "AReaL's interpolation.*Fix: prox_logp=forward"),

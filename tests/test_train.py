@@ -122,7 +122,7 @@ def test_any_local_hf_model_by_path(offpolicy_cache, tmp_path):
     result = train(cfg, console=console, progress=False)
     assert [r["step"] for r in records(result.run_dir)] == [0, 1]
     # a pretrained model on a synthetic task takes a pretrained model's defaults, and says so (issue #43)
-    assert "a pretrained model's (model=DIR) defaults: lr 1e-06, micro_batch_tokens 2048" in console.export_text()
+    assert "a pretrained model's (model=DIR) defaults: lr 1e-06, trainer.micro_batch_tokens 2048" in console.export_text()
     import yaml
 
     assert yaml.safe_load((result.run_dir / "config.yaml").read_text())["train"]["lr"] == 1e-6

@@ -54,7 +54,7 @@ def test_the_issue_command_trains_a_local_model(tiny_qwen2_dir, tmp_path):
     assert "truncated_share" in result.stdout  # the run summary reports it
     assert (out / "checkpoints" / "latest").read_text() == "step-2"
     saved = yaml_load(out / "config.yaml")["train"]
-    assert (saved["max_prompt_tokens"], saved["max_new_tokens"]) == (512, 256)
+    assert (saved["max_prompt_tokens"], saved["sampling"]["max_tokens"]) == (512, 256)
     assert (saved["lr"], saved["group_size"]) == (1e-6, 8)  # task=dataset's defaults (issue #30)
 
 
@@ -66,7 +66,7 @@ def test_dataset_defaults_fit_a_real_model():
     base = ["model=/models/any", "task=dataset", f"data.path={DATA}", "reward=number"]
     cfg = load_train_config(None, base)
     assert (cfg.lr, cfg.prompts_per_step, cfg.group_size, cfg.trainer.micro_batch_tokens) == (1e-6, 4, 8, 2048)
-    assert PRETRAINED_DEFAULTS == {"lr": 1e-6, "prompts_per_step": 4, "group_size": 8, "micro_batch_tokens": 2048}
+    assert PRETRAINED_DEFAULTS == {"lr": 1e-6, "prompts_per_step": 4, "group_size": 8, "trainer.micro_batch_tokens": 2048}
     mine = load_train_config(None, [*base, "lr=3e-5", "prompts_per_step=2"])
     assert (mine.lr, mine.prompts_per_step, mine.group_size) == (3e-5, 2, 8)
     again = TrainConfig(**yaml.safe_load(yaml.safe_dump(mine.model_dump(mode="json"))))  # what --resume reads
@@ -82,11 +82,11 @@ def test_a_pretrained_model_on_a_synthetic_task_takes_the_pretrained_defaults(ta
     cfg = load_train_config(None, ["model=/models/any", f"task={task}"])
     assert (cfg.lr, cfg.prompts_per_step, cfg.group_size, cfg.trainer.micro_batch_tokens) == (1e-6, 4, 8, 2048)
     assert cfg.model_defaults() == ("a pretrained model's (model=DIR) defaults: lr 1e-06, prompts_per_step 4, "
-                                    "group_size 8, micro_batch_tokens 2048 (set any of them to override)")
+                                    "group_size 8, trainer.micro_batch_tokens 2048 (set any of them to override)")
     embedded = load_train_config(None, [f"task={task}", "lr=1e-3"])
     assert (embedded.lr, embedded.prompts_per_step, embedded.trainer.micro_batch_tokens) == (1e-3, 32, None)
     assert embedded.model_defaults() == ("the embedded model's defaults: prompts_per_step 32, group_size 8, "
-                                         "micro_batch_tokens None (set any of them to override)")
+                                         "trainer.micro_batch_tokens None (set any of them to override)")
     mine = load_train_config(None, ["model=/models/any", f"task={task}", "lr=3e-4", "prompts_per_step=8",
                                     "group_size=4", "trainer.micro_batch_tokens=null"])
     assert (mine.lr, mine.prompts_per_step, mine.group_size, mine.trainer.micro_batch_tokens) == (3e-4, 8, 4, None)
@@ -219,4 +219,4 @@ def test_reward_that_returns_a_non_number(tiny_qwen2_dir, tmp_path, capsys, monk
 
 def test_limits_beyond_the_model_context(tiny_qwen2_dir, tmp_path, capsys):
     err = refused(tmp_path, capsys, f"model={tiny_qwen2_dir}", "max_prompt_tokens=1000", "sampling.max_tokens=100")
-    assert "max_prompt_tokens=1000 + max_new_tokens=100 exceeds the model's context (1024 positions" in err
+    assert "max_prompt_tokens=1000 + sampling.max_tokens=100 exceeds the model's context (1024 positions" in err

@@ -504,7 +504,7 @@ def test_micro_batched_run_matches_the_plain_run(offpolicy_cache, tmp_path, sett
 
     plain, config, cfg = first("plain")
     split, _, _ = first("split", "trainer.micro_batch_tokens=24")
-    assert config["train"]["device"] == "cpu" and config["resolved"]["trainer_dtype"] == "fp32"
+    assert config["train"]["trainer"]["device"] == "cpu" and config["resolved"]["trainer_dtype"] == "fp32"
     assert config["resolved"]["loss"] == config["train"]["loss"] == cfg.loss_config().model_dump(mode="json")
     if "preset=recommended" in setting:  # the README's clip, not PPO's ε = 0.2
         assert (config["resolved"]["loss"]["clip_low"], config["resolved"]["loss"]["clip_high"]) == (0.4, 0.4)

@@ -74,7 +74,7 @@ def test_vllm_options_reach_llm_and_bad_ones_are_refused(monkeypatch, tiny_qwen2
     with pytest.raises(ValueError, match=r"max_num_batched_tokens=512 is below the engine's context \(1024"):
         llm_kwargs(**common, on_cpu=True, max_num_batched_tokens=512)  # chunked prefill is off on the CPU
     llm_kwargs(**common, on_cpu=False, max_num_batched_tokens=512)  # chunked (vLLM's CUDA default): fine
-    with pytest.raises(ValueError, match=r"max_num_batched_tokens=64 < vllm.max_num_seqs=128"):
+    with pytest.raises(ValueError, match=r"engine.vllm.max_num_batched_tokens=64 < engine.vllm.max_num_seqs=128"):
         llm_kwargs(**common, on_cpu=False, max_num_batched_tokens=64, max_num_seqs=128)
     with pytest.raises(RuntimeError, match=r"has no engine argument 'enable_warp_drive'"):
         check_engine_args({"enable_warp_drive": True})
@@ -243,7 +243,7 @@ def test_diagnose_vllm_flags_reach_the_engine(monkeypatch, tiny_qwen2_dir, tmp_p
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "engine.vllm.enable_chunked_prefill=true" in err and "on the CPU" in err
     assert main([*base, "--out", str(tmp_path / "f"), "--vllm-max-num-seqs", "0"]) == 2
-    assert "max_num_seqs" in capsys.readouterr().err
+    assert "--vllm-max-num-seqs" in capsys.readouterr().err
 
 
 def test_train_config_vllm_options():
@@ -251,14 +251,16 @@ def test_train_config_vllm_options():
     from offpolicy.train.config import load_train_config
 
     cfg = load_train_config(None, ["engine.vllm.max_num_batched_tokens=8192", "engine.vllm.enforce_eager=false"])
-    assert cfg.vllm.max_num_batched_tokens == 8192 and cfg.vllm.enforce_eager is False
-    assert cfg.vllm.max_num_seqs is None and cfg.vllm.enable_chunked_prefill is None
-    with pytest.raises(ConfigError, match=r"max_num_batched_tokens=16 < vllm.max_num_seqs=32"):
+    assert cfg.engine.vllm.max_num_batched_tokens == 8192 and cfg.engine.vllm.enforce_eager is False
+    assert cfg.engine.vllm.max_num_seqs is None and cfg.engine.vllm.enable_chunked_prefill is None
+    with pytest.raises(ConfigError, match=r"engine.vllm.max_num_batched_tokens=16 < engine.vllm.max_num_seqs=32"):
         load_train_config(None, ["engine.vllm.max_num_batched_tokens=16", "engine.vllm.max_num_seqs=32"])
-    with pytest.raises(ConfigError, match=r"vllm.\* options are read with engine=vllm only"):
+    with pytest.raises(ConfigError, match=r"engine.vllm.\* options .* are read with the vllm engine only"):
         load_train_config(None, ["engine=hf", "engine.vllm.max_num_seqs=32"])
     with pytest.raises(ConfigError, match=r"unknown key 'max_num_seq'"):
-        load_train_config(None, ["vllm.max_num_seq=32"])
+        load_train_config(None, ["engine.vllm.max_num_seq=32"])
+    with pytest.raises(ConfigError, match=r"vllm → engine.vllm"):  # the old section's place: refused, named
+        load_train_config(None, ["vllm.max_num_seqs=32"])
 
 
 def test_an_engine_failure_is_one_line_and_its_dump_stays_in_engine_log(monkeypatch, tiny_qwen2_dir, tmp_path,

@@ -37,8 +37,9 @@ log = logging.getLogger(__name__)
 
 
 class WarmStartSpec(Protocol):
-    """What names a warm start: train's ``TrainConfig`` has these fields, and so has ``diagnose``'s
-    ``DiagnoseConfig.warm_start_spec()`` (the same task, the same cached model)."""
+    """What names a warm start: ``TrainConfig.warm_start_spec()`` and ``DiagnoseConfig.warm_start_spec()`` give
+    these fields (the same task, the same cached model); a config that has ``warm_start_spec`` may be passed
+    itself (``spec_of``)."""
 
     task: str
     task_params: dict[str, Any]
@@ -105,7 +106,15 @@ def context_length(max_new_tokens: int) -> int:
     return max(128, 64 * -(-(max_new_tokens + 64) // 64))
 
 
+def spec_of(cfg: Any) -> WarmStartSpec:
+    """``cfg``'s warm-start spec: ``cfg.warm_start_spec()`` where the config has one (train's, diagnose's: the
+    response limit sits in their sampling section), else ``cfg`` itself."""
+    make = getattr(cfg, "warm_start_spec", None)
+    return make() if callable(make) else cfg
+
+
 def warm_start_key(cfg: WarmStartSpec) -> str:
+    cfg = spec_of(cfg)
     ws = cfg.warm_start.model_dump()
     seed = ws.pop("seed")
     spec = {"v": WARMSTART_VERSION, "task": cfg.task, "task_params": cfg.task_params, "seed": seed,
@@ -140,6 +149,7 @@ def model_dir(model: str, spec: WarmStartSpec, progress=None) -> Path:
 
 def default_model(cfg: WarmStartSpec, progress=None) -> Path:
     """Path of the warm-started default model for ``cfg`` (trained now if not cached)."""
+    cfg = spec_of(cfg)
     target = cache_root() / "warmstart" / f"{cfg.task}-{warm_start_key(cfg)}"
     if (target / "warmstart.json").exists():
         log.info("warm start: reusing %s", target)
