@@ -61,7 +61,7 @@ def _before_backward(ctx, grad_lp, _grad_extra):
 def step(weight, hidden, tokens, bf16: bool, device: str):
     weight.grad = hidden.grad = None
     with torch.autocast(device, dtype=torch.bfloat16, enabled=bf16):
-        lp, _, _ = token_logprobs(hidden, tokens, LinearHead(weight, None, None), SamplingConfig())
+        lp = token_logprobs(hidden, tokens, LinearHead(weight, None, None), SamplingConfig()).logprobs
     lp.sum().backward()
     return weight.grad, hidden.grad
 

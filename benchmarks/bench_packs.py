@@ -61,10 +61,7 @@ def micro_batches(model, batch, budget: int | None, variant: str) -> list:
         mbs = [scorer.to_device(batch, part) for part in scorer.micro_batches(batch, rows)]
     finally:
         shared_prompt.spans = spans
-    if variant == "rows":
-        for mb in mbs:
-            mb.counted = mb.counted._replace(shared=None)
-    return mbs
+    return mbs  # "rows": micro-batches of whole rows run whole (they cut through the step's packs)
 
 
 def counts(mbs) -> tuple[int, int]:

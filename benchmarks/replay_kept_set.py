@@ -61,10 +61,10 @@ def three_ways(policy, batch, sampling) -> dict[str, torch.Tensor]:
         r, c = mb.mask.bool().nonzero(as_tuple=True)
         hidden = decoder_hidden(policy, mb.input_ids, mb.attention_mask)[r, mb.positions[r, c]]  # [N, H]
         tokens = mb.response_ids[r, c]
-        out["full"].append(token_logprobs(hidden, tokens, head, full_vocab)[0])
-        out["recomputed"].append(token_logprobs(hidden, tokens, head, sampling)[0])
+        out["full"].append(token_logprobs(hidden, tokens, head, full_vocab).logprobs)
+        out["recomputed"].append(token_logprobs(hidden, tokens, head, sampling).logprobs)
         kept = None if mb.kept is None else mb.kept[r, c]
-        out["replayed"].append(token_logprobs(hidden, tokens, head, sampling, kept=kept)[0])
+        out["replayed"].append(token_logprobs(hidden, tokens, head, sampling, kept=kept).logprobs)
         out["rollout"].append(mb.rollout_logprobs[r, c])
     return {k: torch.cat(v) for k, v in out.items()}
 

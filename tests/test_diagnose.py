@@ -217,7 +217,7 @@ def test_diagnose_scores_as_train_does_in_token_budget_micro_batches(tiny_model,
     counted = batch.mask.bool()
     torch.testing.assert_close(split.trainer[counted], whole.trainer[counted], rtol=0, atol=1e-5)
     model = score.load_policy(tiny_model, torch.device("cpu")).eval()
-    trains = score.Scorer(model, sampling, torch.device("cpu"), "fp32", budget).score(batch)
+    trains = score.Scorer(model, sampling, torch.device("cpu"), "fp32", budget).score(batch).logprobs
     assert torch.equal(split.trainer[counted], trains.float()[counted])
 
 
@@ -370,7 +370,7 @@ def test_cli_self_check(tiny_model, tmp_path):
     configured, fp32_head = self_check.fp32_head_score(scorer, s)
     counted = s.mask.bool()
     assert torch.equal(configured[counted], fp32_head[counted])
-    torch.testing.assert_close(configured[counted], scorer.score(s).float()[counted], rtol=0, atol=1e-5)
+    torch.testing.assert_close(configured[counted], scorer.score(s).logprobs.float()[counted], rtol=0, atol=1e-5)
 
 
 def bf16_batch(tiny_model):

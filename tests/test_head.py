@@ -283,8 +283,8 @@ def test_the_bf16_backward_casts_w_once_and_adds_no_vh_temporary_per_chunk():
         weight = master.to(dtype, copy=True).requires_grad_(True)
         hidden = hidden0.to(dtype, copy=True).requires_grad_(True)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
-            lp, _, _ = token_logprobs(hidden, tokens, LinearHead(weight, None, None), SAMPLINGS["temperature"],
-                                      chunk=chunk)
+            lp = token_logprobs(hidden, tokens, LinearHead(weight, None, None), SAMPLINGS["temperature"],
+                                      chunk=chunk).logprobs
         with _WeightTraffic(weight) as seen:
             (lp * weights.to(lp.dtype)).sum().backward()
         if precision == "bf16":
@@ -312,23 +312,39 @@ def grouped_batch(vocab: int, groups: int = 3, group_size: int = 4, seed: int = 
     return to_batch(Rollouts(rows, responses, [[-1.0] * len(r) for r in responses], [True] * len(rows), version=0), 0)
 
 
+def with_packs(batch: Batch) -> Batch:
+    """``batch`` on the CPU scored as one micro-batch: with the packs of its ``pack_layout`` (the step's one plan)."""
+    from offpolicy.policy.batch import pack_layout
+    from offpolicy.policy.score import to_device
+
+    return to_device(batch, torch.device("cpu"), pack_layout(batch))
+
+
+def plan(input_ids, attention, prompt, **kw):
+    """The packs' tensors of rows laid out as one step (``layout``, then ``PackLayout.build``), or None."""
+    from offpolicy.speed.shared_prompt import layout
+
+    found = layout(input_ids, attention, prompt, **kw)
+    return None if found is None else found.build(input_ids)
+
+
 @pytest.mark.parametrize(("family", "name", "precision", "shape"), [
     ("llama", "plain", "fp32", {}), ("qwen2", "all", "fp32", {}), ("qwen3", "top_p", "fp32", {}),
     ("llama", "plain", "fp64", {}), ("qwen2", "temperature", "bf16", {}),
     ("llama", "all", "fp32", {"one_token_prompt": True}), ("qwen2", "plain", "fp32", {"longest": 1})])
 def test_a_repeated_prompt_computed_once_scores_as_the_whole_rows(family, name, precision, shape):
     """Issues #49 and #57: where prompts repeat (GRPO's groups), the forward packs each distinct prompt with its
-    rows' responses (``SharedPrompts``, planned on the host by ``to_device``) and runs the packs once. Against the
+    rows' responses (``SharedPrompts``, made on the host by ``to_device`` from the batch's ``pack_layout``) and runs
+    the packs once. Against the
     same batch scored row by row: the same log π̃ and the same gradients, to the dtype's rounding; also with a
     one-token prompt, and with no response longer than a token (packs of prompts alone)."""
     from offpolicy.policy.head import shared_plan
-    from offpolicy.policy.score import to_device
 
     sampling = SAMPLINGS[name]
     model = tiny_causal_lm(family, 97).train()
     if precision == "fp64":
         model = model.double()
-    batch = to_device(grouped_batch(97, **shape), torch.device("cpu"))
+    batch = with_packs(grouped_batch(97, **shape))
     plan = shared_plan(model, batch)
     assert plan.ids.shape[0] == 3  # the 3 distinct prompts, each with its 4 rows' responses in one pack
     assert (plan.gather.shape[1] == 1) == (shape.get("longest") == 1)
@@ -365,12 +381,12 @@ def test_the_shared_prompt_plan_only_where_it_saves_work_and_serves():
     those scores the whole rows. Gradient checkpointing keeps the packs (they need no cache)."""
     from dataclasses import replace
 
-    from offpolicy.policy.batch import shared_prompts
+    from offpolicy.policy.batch import pack_layout
     from offpolicy.policy.head import shared_plan
-    from offpolicy.policy.score import checkpoint_activations, to_device
+    from offpolicy.policy.score import checkpoint_activations
 
-    assert shared_prompts(grouped_batch(97, group_size=1)) is None
-    batch = to_device(grouped_batch(97), torch.device("cpu"))
+    assert pack_layout(grouped_batch(97, group_size=1)) is None
+    batch = with_packs(grouped_batch(97))
     assert shared_plan(tiny_causal_lm("gemma2", 97), batch) is None
     assert shared_plan(tiny_causal_lm("llama", 97, attn_implementation="eager"), batch) is None
     model = tiny_causal_lm("llama", 97).train()
@@ -388,7 +404,7 @@ def test_the_packs_by_hand():
     starts a new pack; a row with no response never does. With ``cap`` 3 and no budget each prompt, past half the
     cap, lets its responses span its own length (``spans``): 2 tokens for [8, 9], so its responses, starting 0 and 1
     tokens in, share one pack again."""
-    from offpolicy.speed.shared_prompt import attention_mask, plan
+    from offpolicy.speed.shared_prompt import attention_mask
 
     rows = [[5, 6, 7, 11, 12, 13], [8, 9, 21, 22], [5, 6, 7, 14], [8, 9, 23, 24, 25, 26]]
     input_ids = torch.tensor([r + [0] * (6 - len(r)) for r in rows])
@@ -420,7 +436,7 @@ def test_packs_of_random_batches_score_as_the_whole_rows(seed, monkeypatch):
     RMSNorm computes in float32 whatever the model's dtype)."""
     from offpolicy.engines import Rollouts
     from offpolicy.policy.batch import to_batch
-    from offpolicy.policy.score import checkpoint_activations, to_device
+    from offpolicy.policy.score import checkpoint_activations
     from offpolicy.speed import shared_prompt
 
     g = torch.Generator().manual_seed(seed)
@@ -432,8 +448,8 @@ def test_packs_of_random_batches_score_as_the_whole_rows(seed, monkeypatch):
     batch = to_batch(Rollouts(rows, responses, [[-1.0] * len(r) for r in responses], [True] * len(rows),
                               version=0), 0)
     cap = draw(2, 40)
-    monkeypatch.setattr("offpolicy.policy.batch.plan", lambda *args, **kw: shared_prompt.plan(*args, **kw, cap=cap))
-    batch = to_device(batch, torch.device("cpu"))
+    monkeypatch.setattr("offpolicy.policy.batch.layout", lambda *args, **kw: shared_prompt.layout(*args, **kw, cap=cap))
+    batch = with_packs(batch)
     family = ("llama", "qwen2", "qwen3", "mistral", "phi3")[seed % 5]
     extra = {"mistral": {"sliding_window": None}, "phi3": {"pad_token_id": 0}}.get(family, {})
     model = tiny_causal_lm(family, 97, seed=seed, **extra).double().train()
@@ -493,11 +509,10 @@ def test_rotary_frequencies_that_follow_the_length_are_not_shared(rope):
     packs now put every position in one forward, but their largest position is the longest response's last but
     one where the whole rows' is the padded width's last, so the frequencies could still differ: refused too.)"""
     from offpolicy.policy.head import shared_plan
-    from offpolicy.policy.score import to_device
     from offpolicy.speed.shared_prompt import refusal
 
     model = rope_lm(rope)
-    batch = to_device(grouped_batch(97, longest=12), torch.device("cpu"))
+    batch = with_packs(grouped_batch(97, longest=12))
     assert batch.input_ids.shape[1] > 8 and int(batch.positions[:, 0].max()) + 1 < 8  # rows pass it, prompts not
     assert shared_plan(model, batch) is None
     assert "changes its frequencies with the forward's length" in refusal(model, "packed")
@@ -523,10 +538,9 @@ def test_rotary_frequencies_fixed_by_the_config_still_share(rope):
     log-probs and gradients equal the whole rows' (float64; the gradients to transformers' float32 RMSNorm, ~1e-7 of
     the largest, against the 0.5–5 % of a length-dependent rope shared)."""
     from offpolicy.policy.head import shared_plan
-    from offpolicy.policy.score import to_device
 
     model = rope_lm(rope)
-    batch = to_device(grouped_batch(97, longest=12), torch.device("cpu"))
+    batch = with_packs(grouped_batch(97, longest=12))
     assert shared_plan(model, batch) is not None
     plain = Batch(*(getattr(batch, f) for f in ("input_ids", "attention_mask", "positions", "response_ids", "mask",
                                                    "rollout_logprobs", "versions")))
@@ -561,9 +575,10 @@ def test_micro_batches_of_whole_packs_by_hand(monkeypatch):
     input_ids = torch.tensor([r + [0] * (6 - len(r)) for r in rows])
     attention = (torch.arange(6) < torch.tensor([len(r) for r in rows])[:, None]).long()
     prompt = torch.tensor([3, 2, 3, 2, 3])
-    of_row, tokens, group = shared_prompt.pack_sizes(input_ids, attention, prompt)
-    assert tokens.tolist() == [6, 6] and of_row.tolist() == [0, 1, 0, 1, 0] and group.tolist() == [0, 1]
-    assert shared_prompt.pack_sizes(input_ids[:2], attention[:2], prompt[:2]) is None  # no prompt repeats
+    found = shared_prompt.layout(input_ids, attention, prompt)
+    assert found.pack_tokens().tolist() == [6, 6] and found.pack_of_rows().tolist() == [0, 1, 0, 1, 0]
+    assert found.group_of.tolist() == [0, 1]
+    assert shared_prompt.layout(input_ids[:2], attention[:2], prompt[:2]) is None  # no prompt repeats
 
     class B:  # the fields micro_batches reads, as to_batch lays them out (positions[:, 0] = len(prompt) − 1)
         pass
@@ -571,67 +586,89 @@ def test_micro_batches_of_whole_packs_by_hand(monkeypatch):
     batch.input_ids, batch.attention_mask, batch.positions = input_ids, attention, (prompt - 1)[:, None]
 
     def split(budget, rows=torch.arange(5)):
-        return [p.tolist() for p in micro_batches(batch, rows, budget, packed=True)]
+        return [p.rows.tolist() for p in micro_batches(batch, rows, budget, packed=True)]
     assert split(12) == [[0, 1, 2, 3, 4]] and split(11) == [[0, 2, 4], [1, 3]] and split(3) == [[0, 2, 4], [1, 3]]
     subset = torch.tensor([4, 3, 2, 1])  # any rows of a batch: indices into the batch come back, in its order
     assert split(9, subset) == [[4, 2], [3, 1]]
-    # the whole-row rule (a model that does not pack): shortest first, groups mixed
-    assert [g.tolist() for g in micro_batches(batch, subset, 9, packed=False)] == [[2, 1], [4], [3]]
+    # the whole-row rule (a model that does not pack): shortest first, groups mixed, no packs
+    whole = micro_batches(batch, subset, 9, packed=False)
+    assert [p.rows.tolist() for p in whole] == [[2, 1], [4], [3]] and all(p.packs is None for p in whole)
     # with cap 4 each prompt is past half the cap, so its responses may span its own length, as far as the budget
     # allows (``spans``: max(4 − P, min(P, budget − P − longest + 1))): under 10 both groups stay one pack (spans 3
     # and 2), 6 tokens each; under 6 the first group's span is 2, so row 4 (its response starts 2 tokens in) leaves
     # rows 0 and 2 (5 tokens) for a pack of its own (4 tokens), and the second group stays one pack of 6
-    real = shared_prompt.pack_sizes
-    monkeypatch.setattr(shared_prompt, "pack_sizes", lambda *args, **kw: real(*args, **kw, cap=4))
+    real = shared_prompt.layout
+    monkeypatch.setattr("offpolicy.policy.batch.layout", lambda *args, **kw: real(*args, **kw, cap=4))
     assert split(10) == [[0, 2, 4], [1, 3]] and split(6) == [[4], [0, 2], [1, 3]]
     # with the short prompts' span alone, cap − len(prompt), the first group splits under any budget (b = 4 − 3 = 1):
     # rows 0 and 2 (5 tokens), row 4 (4 tokens); the second stays one pack (b = 2: both responses start within 2
-    # tokens), 6 tokens. Two packs of a group never share a micro-batch (beside each other a micro-batch's own plan
-    # would pack them otherwise): [row 4], then [0, 2] though 2 · 5 ≤ 10, then [1, 3]; under 12 the second group's
-    # pack joins [0, 2] (2 · 6 ≤ 12)
+    # tokens), 6 tokens. Two packs of a group never share a micro-batch: [row 4], then [0, 2] though 2 · 5 ≤ 10, then
+    # [1, 3]; under 12 the second group's pack joins [0, 2] (2 · 6 ≤ 12)
     monkeypatch.setattr(shared_prompt, "spans", lambda prompt, longest, cap, budget: (cap - prompt).clamp(min=1))
     assert split(10) == [[4], [0, 2], [1, 3]] and split(12) == [[4], [0, 1, 2, 3]]
     assert split(100) == [[4], [0, 1, 2, 3]]
 
 
-@pytest.mark.parametrize("seed", range(8))
-def test_micro_batches_of_packs_cover_the_rows_within_the_budget(seed, monkeypatch):
-    """Random groups, caps (so a group spans several packs) and budgets: the micro-batches of whole packs hold every
-    row once, each one's own plan (as ``to_device`` makes it for the trimmed micro-batch) remakes exactly the packs
-    the whole batch's plan has for those rows — together the same packs, no prompt computed again — and holds at
-    most the budget's tokens unless it is one pack."""
+def pack_members(shared, rows: torch.Tensor) -> list[tuple[tuple[int, int], ...]]:
+    """Each pack of ``shared`` (``SharedPrompts`` of a micro-batch whose row i is ``rows[i]``) as its rows' (row,
+    column where its response starts), sorted: what a pack is, whoever laid it out."""
+    packs = []
+    for segments in shared.segments:
+        members = {}
+        for column, segment in enumerate(segments.tolist()):
+            if segment > 0:
+                members.setdefault(int(rows[segment - 1]), column)
+        packs.append(tuple(sorted(members.items())))
+    return packs
+
+
+@pytest.mark.parametrize("seed", range(32))
+def test_the_micro_batches_packs_are_slices_of_the_steps_one_plan(seed, monkeypatch):
+    """Issue #68 item 5 (ff06b67's bug was a micro-batch's own second plan packing two packs of one group otherwise):
+    random groups, caps (so a group spans several packs), budgets and PPO mini-batches of shuffled rows. The step
+    lays its rows out in packs once (``pack_layout``); every micro-batch of whole packs (``score.micro_batches``)
+    holds the rows of its packs, and the packs its forward runs (``to_device``, from ``Part.packs``) are those very
+    packs of the step's plan — the same rows at the same columns — or, where none of its packs holds two rows, its
+    whole rows. Together they hold every row once and every pack of the step's plan once, and each micro-batch at
+    most the budget's tokens unless it is one pack. (Checked to fail: with each micro-batch planning its own rows
+    again and two packs of a group allowed in one micro-batch — ff06b67's bug — seeds 9, 12, 15, 23, 27 and 28
+    do.)"""
+    from offpolicy.policy.batch import pack_layout
     from offpolicy.policy.score import micro_batches, to_device, trim
     from offpolicy.speed import shared_prompt
 
     g = torch.Generator().manual_seed(seed)
     draw = lambda lo, hi: int(torch.randint(lo, hi + 1, (1,), generator=g))  # noqa: E731
     cap = draw(8, 60)
-    real_plan, real_sizes = shared_prompt.plan, shared_prompt.pack_sizes
-    monkeypatch.setattr("offpolicy.policy.batch.plan", lambda *args, **kw: real_plan(*args, **kw, cap=cap))
-    monkeypatch.setattr(shared_prompt, "pack_sizes", lambda *args, **kw: real_sizes(*args, **kw, cap=cap))
+    real = shared_prompt.layout
+    monkeypatch.setattr("offpolicy.policy.batch.layout", lambda *args, **kw: real(*args, **kw, cap=cap))
     batch = grouped_batch(97, groups=draw(2, 5), group_size=draw(2, 8), seed=seed, longest=draw(1, 40))
     rows = torch.arange(len(batch.mask))
     rows = rows[batch.mask.sum(dim=1) > 0]  # as the update takes them
     rows = rows[torch.randperm(len(rows), generator=g)] if seed % 2 else rows  # a PPO mini-batch's shuffled rows
     budget = draw(8, 200)
 
-    def packs(part):  # planned under the budget, as ``Scorer.to_device`` plans a micro-batch
-        shared = to_device(trim(batch.select(part)), torch.device("cpu"), budget).counted.shared
-        return shared, [] if shared is None else sorted((shared.segments != -1).sum(dim=1).tolist())
-
-    whole, want = packs(rows)
+    step = pack_layout(batch, rows, budget)  # the step's one plan: its row i is rows[i]
+    want = sorted(pack_members(step.build(batch.input_ids[rows]), rows))
     parts = micro_batches(batch, rows, budget, packed=True)
-    assert sorted(torch.cat(parts).tolist()) == sorted(rows.tolist())
+    assert sorted(torch.cat([p.rows for p in parts]).tolist()) == sorted(rows.tolist())
     got = []
     for part in parts:
-        shared, sizes = packs(part)
-        if shared is None:  # no prompt repeats in it (a lone row, or packs of one row each): its whole rows run,
-            # each the pack it would be plus its last token
-            sizes = sorted((batch.attention_mask[part].sum(dim=1) - 1).tolist())
-        n, width = len(sizes), max(sizes)
-        assert n * width <= budget or n == 1
-        got += sizes
+        mb = to_device(trim(batch.select(part.rows)), torch.device("cpu"), part.packs)
+        shared = mb.counted.shared
+        if shared is None:  # no pack of its holds two rows: its whole rows run, each the one-row pack it is
+            assert part.packs is None
+            alone = [((int(r), int(batch.positions[r, 0]) + 1),) for r in part.rows]
+            assert all(pack in want for pack in alone)
+            got += alone
+            sizes = (batch.attention_mask[part.rows].sum(dim=1) - 1).tolist()
+        else:
+            assert shared.input_ids is mb.input_ids
+            got += pack_members(shared, part.rows)
+            sizes = (shared.segments != -1).sum(dim=1).tolist()
+        assert len(sizes) * max(sizes) <= budget or len(sizes) == 1
     assert sorted(got) == want
+
 
 def test_a_prompt_over_the_pack_cap_is_computed_once_per_pack():
     """Issue #67: a prompt longer than the pack cap (1,024 tokens) left its responses a span of 1 token
@@ -643,7 +680,7 @@ def test_a_prompt_over_the_pack_cap_is_computed_once_per_pack():
     log-probs and gradients equal the whole rows' (float64)."""
     from offpolicy.engines import Rollouts
     from offpolicy.policy.batch import to_batch
-    from offpolicy.policy.score import Scorer, to_device
+    from offpolicy.policy.score import Scorer
     from offpolicy.speed.shared_prompt import PACK_TOKENS
 
     g = torch.Generator().manual_seed(0)
@@ -653,10 +690,10 @@ def test_a_prompt_over_the_pack_cap_is_computed_once_per_pack():
     batch = to_batch(Rollouts([prompt] * 8, responses, [[-1.0] * 30] * 8, [True] * 8, version=0), 0)
     model = tiny_causal_lm("qwen2", 97).double().train()
 
-    whole = to_device(batch, torch.device("cpu"))
+    whole = with_packs(batch)
     assert (whole.counted.shared.segments == 0).sum(dim=1).tolist() == [1100]  # one pack: the prompt once
     scorer = Scorer(model, SAMPLINGS["plain"], torch.device("cpu"), budget=1300)
-    parts = [scorer.to_device(batch, rows) for rows in scorer.micro_batches(batch, torch.arange(8))]
+    parts = [scorer.to_device(batch, part) for part in scorer.micro_batches(batch, torch.arange(8))]
     assert [len(mb.mask) for mb in parts] == [2, 6]  # shortest first
     assert [(mb.counted.shared.segments == 0).sum().item() for mb in parts] == [1100, 1100]
     assert [(mb.counted.shared.segments >= 0).sum().item() for mb in parts] == [1158, 1274]  # each ≤ the budget
@@ -670,7 +707,7 @@ def test_a_prompt_over_the_pack_cap_is_computed_once_per_pack():
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
     for a, b in zip(grads, want_grads):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-6 * (float(b.abs().max()) + 1e-30))
-    torch.testing.assert_close(scorer.score(batch), want, rtol=1e-12, atol=1e-12)  # the two packs, micro-batched
+    torch.testing.assert_close(scorer.score(batch).logprobs, want, rtol=1e-12, atol=1e-12)  # the two packs, split
 
 
 def test_the_self_check_s_each_row_alone_is_rows_not_packs():
@@ -686,4 +723,5 @@ def test_the_self_check_s_each_row_alone_is_rows_not_packs():
     scorer = Scorer(model, SAMPLINGS["plain"], torch.device("cpu"), budget=1)
     assert len(scorer.micro_batches(batch, rows)) == 3  # the 3 packs, each alone
     alone = replace(scorer, by_packs=False).micro_batches(batch, rows)
-    assert len(alone) == len(rows) and sorted(torch.cat(alone).tolist()) == rows.tolist()
+    assert len(alone) == len(rows) and sorted(torch.cat([p.rows for p in alone]).tolist()) == rows.tolist()
+    assert all(p.packs is None for p in alone)  # whole rows: they cut through the step's packs, so they run whole

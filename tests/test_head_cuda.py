@@ -49,7 +49,7 @@ def test_the_bf16_head_backward_on_cuda_equals_float64(vocab):
         weight = master.to(device, dtype, copy=True).requires_grad_(True)
         hidden = hidden0.to(device, dtype, copy=True).requires_grad_(True)
         with torch.autocast(device, dtype=torch.bfloat16, enabled=precision == "bf16"):
-            lp, _, _ = token_logprobs(hidden, tokens.to(device), LinearHead(weight, None, None), sampling, chunk=256)
+            lp = token_logprobs(hidden, tokens.to(device), LinearHead(weight, None, None), sampling, chunk=256).logprobs
         (lp * weights.to(device, lp.dtype)).sum().backward()
         assert weight.grad.dtype == dtype
         grads[precision] = (weight.grad.cpu().double(), hidden.grad.cpu().double())
@@ -69,7 +69,7 @@ def test_the_packs_on_cuda_score_as_the_whole_rows(family, precision):
 
     from test_head import SAMPLINGS, grouped_batch, tiny_causal_lm, trainer_logprobs, value_and_grads
 
-    from offpolicy.policy.batch import Batch
+    from offpolicy.policy.batch import Batch, pack_layout
     from offpolicy.policy.head import shared_plan
     from offpolicy.policy.score import to_device
     from offpolicy.speed.shared_prompt import decision
@@ -77,7 +77,7 @@ def test_the_packs_on_cuda_score_as_the_whole_rows(family, precision):
     cuda = torch.device("cuda")
     model = tiny_causal_lm(family, 97, hidden=64).train().to(cuda)
     host = grouped_batch(97, groups=3, group_size=4, longest=12)
-    batch = to_device(host, cuda)
+    batch = to_device(host, cuda, pack_layout(host))
     found = decision(model, "packed")
     if not found.fast and "is not a version this path was checked against" in found.reason:
         pytest.skip(f"the gate keeps the whole rows here: {found.reason}")  # the packs never run on this version

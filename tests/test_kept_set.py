@@ -224,8 +224,8 @@ def test_the_train_path_carries_the_sets_and_says_which_applied():
     t = moved.mask.shape[1]
     assert torch.equal(moved.kept.dense(VOCAB), keep[[2, 0], :t])
     scorer = Scorer(model, SAMPLING, torch.device("cpu"), "fp32", 12)  # π_old, as train scores it
-    own = scorer.score(batch)
-    engine = scorer.score(replayed)
+    own = scorer.score(batch).logprobs
+    engine = scorer.score(replayed).logprobs
     counted = batch.mask.bool()
     assert torch.isneginf(own[counted]).any() and torch.isfinite(engine[counted]).all()
     for sample, flag in ((replayed, 1.0), (batch, 0.0)):

@@ -99,7 +99,7 @@ def test_micro_batched_step_drops_outside_tokens_exactly_as_the_whole_batch(pres
     loss_cfg = op.LossConfig() if preset is None else op.LossConfig.from_preset(preset)
     with torch.no_grad():
         other, _, _ = tiny_setup(seed=1)
-        old = Scorer(other, TOP3, torch.device("cpu"), "fp32", 20).score(batch)  # π_old's support too
+        old = Scorer(other, TOP3, torch.device("cpu"), "fp32", 20).score(batch).logprobs  # π_old's support too
         assert torch.isneginf(old).any()
     whole, m_whole = step_gradient(model, batch, adv, loss_cfg, None, old)
     split, m_split = step_gradient(model, batch, adv, loss_cfg, budget, old)
@@ -134,8 +134,8 @@ def assert_same_metrics(whole: dict[str, float], split: dict[str, float]) -> Non
 def test_old_logprobs_puts_each_micro_batch_back_in_its_rows():
     model, batch, _ = tiny_setup()
     with torch.no_grad():
-        whole = Scorer(model, TOP3, torch.device("cpu"), "fp32", None).score(batch)
-        split = Scorer(model, TOP3, torch.device("cpu"), "fp32", 20).score(batch)  # 4 groups, reordered
+        whole = Scorer(model, TOP3, torch.device("cpu"), "fp32", None).score(batch).logprobs
+        split = Scorer(model, TOP3, torch.device("cpu"), "fp32", 20).score(batch).logprobs  # 4 groups, reordered
     assert torch.equal(torch.isneginf(whole), torch.isneginf(split))
     torch.testing.assert_close(torch.where(torch.isfinite(whole), whole, 0), torch.where(torch.isfinite(split), split, 0),
                                rtol=1e-12, atol=1e-12)

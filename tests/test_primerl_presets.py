@@ -59,8 +59,8 @@ def test_ipo_score_centering_golden():
     logp = torch.log_softmax(z, -1)
     sup_q = torch.log(torch.tensor([[[0.2, 0.45, 0.35]]]))
     loss, _ = op.policy_loss(logp[:1].view(1, 1), None, torch.tensor([[2.0]]), torch.ones(1, 1), sup_q[..., 0],
-                             "prime-rl:ipo_score_centering", support_logprobs=logp.view(1, 1, 3),
-                             support_rollout_logprobs=sup_q)
+                             "prime-rl:ipo_score_centering",
+                             support=op.Support(torch.arange(3).view(1, 1, 3), sup_q, "exact", logprobs=logp.view(1, 1, 3)))
     loss.backward()
     assert loss.item() == pytest.approx(2 * (0.3 * LN(0.3) + 0.1 * LN(0.1)), rel=1e-5)
     torch.testing.assert_close(z.grad, torch.tensor([-0.48, 0.36, 0.12]), rtol=1e-5, atol=1e-6)
@@ -140,10 +140,11 @@ def test_presets_match_prime_rls_code(kind, seed):
 
     z_ours = logits.clone().float().requires_grad_(True)
     lp, sup_p = trainer_side(z_ours)
-    support = {}
-    if kind == "ipo_score_centering":
-        support = dict(support_logprobs=sup_p, support_rollout_logprobs=sup_q.float())
-    ours, _ = op.policy_loss(lp, None, adv.float(), mask.float(), mu.float(), f"prime-rl:{kind}", **support)
+    support = None
+    if kind == "ipo_score_centering":  # the vocabulary is the K ids: the support's ids are 0 … K − 1
+        support = op.Support(torch.arange(sup_q.shape[-1]).expand(sup_q.shape), sup_q.float(), "exact",
+                             logprobs=sup_p)
+    ours, _ = op.policy_loss(lp, None, adv.float(), mask.float(), mu.float(), f"prime-rl:{kind}", support=support)
     ours.backward()
 
     z_ref = logits.clone().requires_grad_(True)

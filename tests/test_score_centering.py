@@ -35,7 +35,7 @@ OLD = torch.tensor([0.25, 0.15, 0.30, 0.20, 0.10], dtype=F64)  # π_old (anchor 
 
 def _batch(theta, q, support, old=None):
     """Rows a ∈ support sample token a; the support of every row is ``support`` (exact: p and q, old
-    renormalised over it). Returns the policy_loss tensors ([n, 1] and [n, 1, K])."""
+    renormalised over it). Returns the policy_loss tensors ([n, 1]) and the support's ([n, 1, K])."""
     ids = torch.tensor(support)
     logp = torch.log_softmax(theta[ids], -1)  # trainer, renormalised over the set
     logq = torch.log(q[ids] / q[ids].sum())
@@ -45,13 +45,14 @@ def _batch(theta, q, support, old=None):
         rollout_logprobs=logq.unsqueeze(-1).float(),
         advantages=ADV[ids].unsqueeze(-1).float(),
         mask=torch.ones(n, 1),
+        support_ids=ids.expand(n, -1).unsqueeze(1),
         support_logprobs=logp.expand(n, -1).unsqueeze(1).float(),
-        support_rollout_logprobs=logq.expand(n, -1).unsqueeze(1).float(),
+        support_logq=logq.expand(n, -1).unsqueeze(1).float(),
     )
     if old is not None:
         logo = torch.log(old[ids] / old[ids].sum())
         tensors["old_logprobs"] = logo.unsqueeze(-1).float()
-        tensors["support_old_logprobs"] = logo.expand(n, -1).unsqueeze(1).float()
+        tensors["support_logo"] = logo.expand(n, -1).unsqueeze(1).float()
     return tensors
 
 
@@ -62,10 +63,10 @@ def expected_grad(cfg, support, centred, theta=THETA, q=Q, old=None):
     ids = torch.tensor(support)
     qs = (q[ids] / q[ids].sum()).float()
     config = cfg if centred else cfg.model_copy(update={"score_centering": None})
-    support = dict(support_logprobs=t["support_logprobs"], support_rollout_logprobs=t["support_rollout_logprobs"],
-                   support_old_logprobs=t.get("support_old_logprobs")) if centred else {}
+    support = op.Support(t["support_ids"], t["support_logq"], "exact", logprobs=t["support_logprobs"],
+                         old_logprobs=t.get("support_logo")) if centred else None
     per_token, _, _ = op.policy_loss(t["logprobs"], t.get("old_logprobs"), t["advantages"], t["mask"],
-                                     t["rollout_logprobs"], config, reduce=False, **support)
+                                     t["rollout_logprobs"], config, reduce=False, support=support)
     (per_token.squeeze(-1) * qs).sum().backward()
     return theta.grad
 
@@ -99,6 +100,12 @@ def _split(grad_fn_cfg, support, coef, old=None):
 
 
 FULL = [0, 1, 2, 3, 4]
+
+
+def scored(logprobs, rollout_logprobs, form="exact", old_logprobs=None):
+    """A support of K ids 0 … K − 1 at each position, scored: ``op.Support`` over ``[B, T, K]`` log-probs."""
+    ids = torch.arange(logprobs.shape[-1]).expand(logprobs.shape)
+    return op.Support(ids, rollout_logprobs, form, logprobs=logprobs, old_logprobs=old_logprobs)
 
 
 def test_reinforce_with_truncated_token_weight():
@@ -199,8 +206,8 @@ def test_head_with_a_proportional_tail_equals_exact_over_the_vocabulary():
         per_token, _, _ = op.policy_loss(
             logp_all[rows].unsqueeze(-1).float(), None, ADV.unsqueeze(-1).float(), torch.ones(5, 1),
             q.log()[rows].unsqueeze(-1).float(), cfg, reduce=False,
-            support_logprobs=logp_all[sup].expand(5, -1).unsqueeze(1).float(),
-            support_rollout_logprobs=q.log()[sup].expand(5, -1).unsqueeze(1).float())
+            support=op.Support(sup.expand(5, -1).unsqueeze(1), q.log()[sup].expand(5, -1).unsqueeze(1).float(),
+                               cfg.score_centering, logprobs=logp_all[sup].expand(5, -1).unsqueeze(1).float()))
         (per_token.squeeze(-1) * q.float()).sum().backward()
         return theta.grad
 
@@ -229,7 +236,7 @@ def test_sequence_weight_is_the_rows_and_a_rejected_row_is_not_centred():
                                     "reject": [{"stat": "ratio", "level": "sequence", "low": 0.5, "high": 2.5}]})
     sp = sup_p.clone().requires_grad_(True)
     per_token, _, _ = op.policy_loss(lp, None, adv, torch.ones(2, 2), lq, cfg, reduce=False,
-                                     support_logprobs=sp, support_rollout_logprobs=sup_q)
+                                     support=scored(sp, sup_q))
     per_token.sum().backward()
     # row 0: Π ρ = (0.5/0.4)(0.3/0.3) = 1.25 kept, w = 1.25; row 1: (0.2/0.5)(0.6/0.2) = 1.2 kept, w = 1.2
     expected = torch.zeros(2, 2, 2)
@@ -241,7 +248,7 @@ def test_sequence_weight_is_the_rows_and_a_rejected_row_is_not_centred():
         update={"reject": [RatioRule(stat="ratio", level="sequence", low=1.22, high=2.5)]})})
     sp = sup_p.clone().requires_grad_(True)
     per_token, _, _ = op.policy_loss(lp, None, adv, torch.ones(2, 2), lq, cfg2, reduce=False,
-                                     support_logprobs=sp, support_rollout_logprobs=sup_q)
+                                     support=scored(sp, sup_q))
     per_token.sum().backward()
     torch.testing.assert_close(sp.grad[1], torch.zeros(2, 2))
     torch.testing.assert_close(sp.grad[0], expected[0], **TOL)
@@ -258,7 +265,7 @@ def test_a_token_the_rule_rejected_is_still_centred_and_padding_counts_nowhere()
     sup_q = torch.log(torch.tensor([[[0.3, 0.7, 0.0]]]))  # the third entry is padding (q = 0, −inf)
     sp = sup_p.clone().requires_grad_(True)
     per_token, _, _ = op.policy_loss(lp, None, torch.tensor([[2.0]]), torch.ones(1, 1), lq, cfg, reduce=False,
-                                     support_logprobs=sp, support_rollout_logprobs=sup_q)
+                                     support=scored(sp, sup_q))
     per_token.sum().backward()
     # v = 0: ρ = 2 rejected (c = 0); v = 1: ρ = 0.4/0.7 kept (c = 1) → ∂/∂log p_1 = A·q_1 = 1.4
     torch.testing.assert_close(sp.grad, torch.tensor([[[0.0, 1.4, 0.0]]]), **TOL)
@@ -271,19 +278,26 @@ def test_only_the_reference_computes_it_and_the_config_is_checked():
     for rung in ("eager", "compiled"):
         with pytest.raises(ValueError, match="does not cover"):
             op.policy_loss(lp, None, torch.ones(1, 1), torch.ones(1, 1), lp, cfg, implementation=rung,
-                           support_logprobs=lp.unsqueeze(-1), support_rollout_logprobs=lp.unsqueeze(-1))
-    with pytest.raises(ValueError, match="needs both support_logprobs"):
-        op.policy_loss(lp, None, torch.ones(1, 1), torch.ones(1, 1), lp, cfg, support_logprobs=lp.unsqueeze(-1))
+                           support=scored(lp.unsqueeze(-1), lp.unsqueeze(-1)))
+    unscored = op.Support(torch.zeros(1, 1, 1, dtype=torch.long), lp.unsqueeze(-1), "exact")
+    with pytest.raises(ValueError, match="needs the trainer's log p_v.*Support.logprobs"):
+        op.policy_loss(lp, None, torch.ones(1, 1), torch.ones(1, 1), lp, cfg, support=unscored)
+    with pytest.raises(ValueError, match="support.form is 'head' but loss.score_centering is 'exact'"):
+        op.policy_loss(lp, None, torch.ones(1, 1), torch.ones(1, 1), lp, cfg,
+                       support=scored(lp.unsqueeze(-1), lp.unsqueeze(-1), "head"))
+    with pytest.raises(ValueError, match=r"\[B, T\] = \(1, 1\)"):
+        op.policy_loss(lp, None, torch.ones(1, 1), torch.ones(1, 1), lp, cfg,
+                       support=scored(torch.zeros(2, 1, 1), torch.zeros(2, 1, 1)))
     # no support recorded (a host, diagnose, an engine without sets): no centring, and the metric says so
     plain, _ = op.policy_loss(lp, None, torch.ones(1, 1), torch.ones(1, 1), lp, cfg.model_copy(update={"score_centering": None}))
     bare, metrics = op.policy_loss(lp, None, torch.ones(1, 1), torch.ones(1, 1), lp, cfg)
     assert bare.item() == plain.item() and metrics["score_centering/applied"] == 0.0
-    _, metrics = op.policy_loss(lp, None, torch.ones(1, 1), torch.ones(1, 1), lp, cfg, support_logprobs=lp.unsqueeze(-1),
-                                support_rollout_logprobs=lp.unsqueeze(-1))
+    _, metrics = op.policy_loss(lp, None, torch.ones(1, 1), torch.ones(1, 1), lp, cfg,
+                                support=scored(lp.unsqueeze(-1), lp.unsqueeze(-1)))
     assert metrics["score_centering/applied"] == 1.0
     with pytest.raises(ValueError, match="which is off"):
         op.policy_loss(lp, None, torch.ones(1, 1), torch.ones(1, 1), lp, {"correction": {"anchor": "rollout"}},
-                       support_logprobs=lp.unsqueeze(-1), support_rollout_logprobs=lp.unsqueeze(-1))
+                       support=scored(lp.unsqueeze(-1), lp.unsqueeze(-1)))
     with pytest.raises(ConfigError, match="kinds ppo, cispo and reinforce"):
         op.LossConfig(kind="gspo", score_centering="exact")
     with pytest.raises(ConfigError, match="resolve_thresholds"):
@@ -291,6 +305,47 @@ def test_only_the_reference_computes_it_and_the_config_is_checked():
                       correction={"anchor": "current", "reject": [{"stat": "m2", "high": 0.04}]})
     with pytest.raises(ConfigError, match="ratio_value_cap"):
         op.LossConfig(kind="cispo", ratio_value_cap=10.0)
+
+
+def test_the_loose_support_arguments_of_0_1_name_the_support_bundle():
+    """Issue #68: ``policy_loss`` takes score centering's support as one ``offpolicy.Support``; the three loose
+    tensors it took before raise a TypeError naming ``support=`` and the field each became (0.x: no alias), and any
+    other unknown keyword still fails as Python's would."""
+    cfg = op.LossConfig(kind="reinforce", score_centering="exact", correction={"anchor": "current"})
+    lp = torch.log(torch.tensor([[0.5]]))
+    for name, field in (("support_logprobs", "logprobs"), ("support_rollout_logprobs", "rollout_logprobs"),
+                        ("support_old_logprobs", "old_logprobs")):
+        with pytest.raises(TypeError, match=rf"no longer takes {name}.*support=offpolicy.Support.*Support.{field}"):
+            op.policy_loss(lp, None, torch.ones(1, 1), torch.ones(1, 1), lp, cfg, **{name: lp.unsqueeze(-1)})
+    with pytest.raises(TypeError, match="unexpected keyword argument 'suport'"):
+        op.policy_loss(lp, None, torch.ones(1, 1), torch.ones(1, 1), lp, cfg, suport=None)
+    assert "Support" in op.__all__ and op.Support is op.core.centering.Support
+
+
+def test_a_support_checks_its_own_shapes_and_form():
+    """``Support`` is a frozen bundle: ids ``[B, T, K]`` int, every log-prob tensor of the ids' shape and float, a
+    form ``exact`` or ``head``; ``mask`` is where log q > −inf; ``select``/``cut``/``scored`` keep the fields."""
+    import dataclasses
+
+    ids = torch.tensor([[[3, 5, 0]], [[4, 0, 0]]])
+    lq = torch.log(torch.tensor([[[0.6, 0.4, 0.0]], [[1.0, 0.0, 0.0]]]))
+    support = op.Support(ids, lq, "exact")
+    assert support.mask.tolist() == [[[True, True, False]], [[True, False, False]]]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        support.form = "head"
+    with pytest.raises(ValueError, match="form must be one of exact, head"):
+        op.Support(ids, lq, "top_k")
+    with pytest.raises(ValueError, match="ids must be an integer"):
+        op.Support(ids.float(), lq, "exact")
+    with pytest.raises(ValueError, match=r"Support.logprobs must have the ids' shape"):
+        op.Support(ids, lq, "exact", logprobs=torch.zeros(2, 1, 2))
+    with pytest.raises(ValueError, match="Support.rollout_logprobs must be a float"):
+        op.Support(ids, ids, "exact")
+    lp = torch.full_like(lq, -0.5)
+    done = support.scored(lp, lp - 1)
+    assert done.ids is ids and done.logprobs is lp and support.logprobs is None
+    first = done.select(torch.tensor([1])).cut(1)  # row 1 uses one slot
+    assert first.ids.tolist() == [[[4]]] and first.old_logprobs.tolist() == [[[-1.5]]] and first.form == "exact"
 
 
 def test_support_logprobs_from_logits_match_the_replayed_and_full_distributions():
@@ -357,12 +412,12 @@ def test_head_form_is_skyrl_2244s_with_anchor_old_token_tis_and_ppo_clip(seed):
         z = z_p.clone().requires_grad_(True)
         lp_full = torch.log_softmax(z, -1)
         pick = sampled.unsqueeze(-1)
-        support = dict(support_logprobs=lp_full.gather(-1, head), support_rollout_logprobs=lq_full.gather(-1, head),
-                       support_old_logprobs=lo_full.gather(-1, head)) if centred else {}
+        support = op.Support(head, lq_full.gather(-1, head), "head", logprobs=lp_full.gather(-1, head),
+                             old_logprobs=lo_full.gather(-1, head)) if centred else None
         per_token, _, _ = op.policy_loss(
             lp_full.gather(-1, pick).squeeze(-1), lo_full.gather(-1, pick).squeeze(-1), adv, mask.float(),
             lq_full.gather(-1, pick).squeeze(-1), cfg if centred else cfg.model_copy(update={"score_centering": None}),
-            reduce=False, **support)
+            reduce=False, support=support)
         per_token.sum().backward()
         return per_token.detach(), z.grad
 
@@ -378,7 +433,7 @@ def test_head_form_is_skyrl_2244s_with_anchor_old_token_tis_and_ppo_clip(seed):
     assert theirs.abs().max() > 1e-3
 
 
-@pytest.mark.parametrize("where", ["support_rollout_logprobs", "support_logprobs", "support_old_logprobs"])
+@pytest.mark.parametrize("where", ["rollout_logprobs", "logprobs", "old_logprobs"])
 def test_a_non_finite_support_value_follows_the_nonfinite_policy(where):
     """Only −inf pads a support. A NaN (or +inf) log q, trainer or π_old log-prob in the support of a centred token
     is an error under ``nonfinite: error`` (and without a correction); under ``mask_token``/``neutral`` that token is
@@ -391,26 +446,26 @@ def test_a_non_finite_support_value_follows_the_nonfinite_policy(where):
     mu = lp + 0.1 * torch.randn(b, t, generator=g)
     adv = torch.tensor([[1.0], [-1.0], [0.5]]).expand(b, t)
     sup = torch.randn(b, t, k, generator=g).log_softmax(-1)
-    tensors = {"support_logprobs": sup.clone(), "support_rollout_logprobs": (sup + 0.05).clone(),
-               "support_old_logprobs": (sup - 0.05).clone()}
+    tensors = {"logprobs": sup.clone(), "rollout_logprobs": (sup + 0.05).clone(), "old_logprobs": (sup - 0.05).clone()}
     tensors[where][1, 2, 3] = float("nan")
 
     def loss(policy, support):
         cfg = op.LossConfig(score_centering="head", correction={"anchor": "old", "nonfinite": policy,
                                                                   "weight": {"level": "token", "mode": "truncate", "high": 2.0}})
-        return op.policy_loss(lp, old, adv, torch.ones(b, t), mu, cfg, **support)
+        return op.policy_loss(lp, old, adv, torch.ones(b, t), mu, cfg, support=scored(form="head", **support))
 
-    with pytest.raises(ValueError, match=f"{where} has 1 non-finite value.*correction.nonfinite"):
+    with pytest.raises(ValueError, match=f"Support.{where} has 1 non-finite value.*correction.nonfinite"):
         loss("error", tensors)
-    with pytest.raises(ValueError, match=where):
-        op.policy_loss(lp, old, adv, torch.ones(b, t), mu, op.LossConfig(score_centering="head"), **tensors)
+    with pytest.raises(ValueError, match=f"Support.{where}"):
+        op.policy_loss(lp, old, adv, torch.ones(b, t), mu, op.LossConfig(score_centering="head"),
+                       support=scored(form="head", **tensors))
     padded = {name: value.clone() for name, value in tensors.items()}
-    padded["support_rollout_logprobs"][1, 2] = float("-inf")  # the token's support: all padding
-    padded[where][1, 2] = 0.0 if where != "support_rollout_logprobs" else float("-inf")
+    padded["rollout_logprobs"][1, 2] = float("-inf")  # the token's support: all padding
+    padded[where][1, 2] = 0.0 if where != "rollout_logprobs" else float("-inf")
     for policy, rows in (("mask_token", None), ("neutral", None), ("mask_sequence", 1)):
         got, metrics = loss(policy, tensors)
         if rows is not None:
-            padded["support_rollout_logprobs"][rows] = float("-inf")
+            padded["rollout_logprobs"][rows] = float("-inf")
         want, _ = loss(policy, padded)
         assert torch.isfinite(got) and float(got) == pytest.approx(float(want), abs=1e-7)
         assert metrics["score_centering/nonfinite_tokens"] == (t if policy == "mask_sequence" else 1)

@@ -38,6 +38,12 @@ import offpolicy as op
 TOL = dict(rtol=1e-5, atol=2e-7)  # the library computes in fp32 from fp32 log-probs of the numbers below
 
 
+def head_support(lq, lp, old=None, form="head", ids=None):
+    """The support ``op.Support`` of one position ``[1, 1, K]``: ids 0 … K − 1 (or ``ids``), scored."""
+    ids = torch.arange(lq.shape[-1]) if ids is None else torch.tensor(ids)
+    return op.Support(ids.view(lq.shape), lq, form, logprobs=lp, old_logprobs=old)
+
+
 def coefficients(cfg, p_head, q_head, adv=1.0, anchor_old=False):
     """(coef_v over the head, ``score_centering/coef_mass``) of one position whose sampler head is ``q_head``
     and whose trainer log-probs over the same ids are ``p_head`` (full-vocabulary probabilities); the
@@ -48,8 +54,7 @@ def coefficients(cfg, p_head, q_head, adv=1.0, anchor_old=False):
     old = lp[..., 0] if anchor_old or cfg.kind != "reinforce" else None
     per_token, _, metrics = op.policy_loss(
         lp[..., 0].clone(), old, torch.tensor([[adv]]), torch.ones(1, 1), lq[..., 0], cfg, reduce=False,
-        support_logprobs=support, support_rollout_logprobs=lq,
-        support_old_logprobs=lp.clone() if old is not None else None)
+        support=head_support(lq, support, lp.clone() if old is not None else None))
     per_token.sum().backward()
     return (support.grad / adv).view(-1), metrics["score_centering/coef_mass"]
 
@@ -179,7 +184,7 @@ def _logit_grads(cfg, probs, head, q_head, adv, paper_alpha):
     lp = torch.log_softmax(z, -1)[head].float().view(1, 1, -1)
     lq = torch.log(q).view(1, 1, -1)
     with_term, _, _ = op.policy_loss(lp[..., 0].detach(), None, torch.tensor([[adv]]), torch.ones(1, 1),
-                                     lq[..., 0], cfg, reduce=False, support_logprobs=lp, support_rollout_logprobs=lq)
+                                     lq[..., 0], cfg, reduce=False, support=head_support(lq, lp, ids=head))
     with_term.sum().backward()
     ours = z.grad.clone()
     z = z0.clone().requires_grad_(True)
@@ -225,7 +230,7 @@ def test_head_is_exact_where_the_tail_is_truly_proportional():
             lq = torch.log(q[ids]).view(1, 1, -1)
             per_token, _, _ = op.policy_loss(lp[..., 0].detach(), None, torch.tensor([[1.0]]), torch.ones(1, 1),
                                              lq[..., 0], cfg.model_copy(update={"score_centering": form}),
-                                             reduce=False, support_logprobs=lp, support_rollout_logprobs=lq)
+                                             reduce=False, support=head_support(lq, lp, form=form, ids=ids))
             per_token.sum().backward()
             grads.append(z.grad)
         torch.testing.assert_close(grads[0], grads[1], rtol=1e-5, atol=1e-6)

@@ -26,7 +26,7 @@ from offpolicy.engines.hf import HFEngine
 from offpolicy.core.metrics import Metrics
 from offpolicy.policy import head
 from offpolicy.policy.batch import to_batch
-from offpolicy.policy.score import Scorer
+from offpolicy.policy.score import Part, Scorer
 from offpolicy.core.sampling import renormalize_logprobs
 from offpolicy.tasks import make_task, problems
 from offpolicy.tasks.tokenizer import build_char_tokenizer, prompt_ids
@@ -91,11 +91,10 @@ def reference_grads(model, batch, adv, cfg, sampling, old, old_support):
                                   top_p=sampling.top_p, keep=keep)
     lp = torch.gather(lp_all, -1, batch.response_ids.unsqueeze(-1)).squeeze(-1) * batch.mask
     sup = batch.support
-    present = torch.isfinite(sup.rollout)
+    present = torch.isfinite(sup.rollout_logprobs)
     sp = centering.support_logprobs(z, sup.ids, present, sup.form)
     loss, _ = op.policy_loss(lp, old, adv, batch.mask, rollout_logprobs=batch.rollout_logprobs, config=cfg,
-                             support_logprobs=sp, support_rollout_logprobs=sup.rollout,
-                             support_old_logprobs=old_support)
+                             support=sup.scored(sp, old_support))
     loss.backward()
     return loss.detach(), [p.grad.clone() for p in model.parameters()]
 
@@ -130,9 +129,7 @@ def test_the_trainers_centred_gradient_is_the_references(tiny_dir, form, samplin
     with torch.no_grad():
         for p in stale.parameters():
             p.add_(0.05 * torch.randn_like(p))
-    sup_old: list[torch.Tensor] = []
-    old = Scorer(stale, sampling, torch.device("cpu"), "fp32").score(batch, support_out=sup_old)
-    old_support = sup_old[0]
+    old, _, old_support = Scorer(stale, sampling, torch.device("cpu"), "fp32").score(batch, support=True)
     adv = torch.randn(len(batch.mask), generator=torch.Generator().manual_seed(0))
     adv = (adv - adv.mean()).unsqueeze(-1).expand_as(batch.mask).contiguous().double()
     cfg = op.LossConfig.from_preset(preset, score_centering=form) if preset else op.LossConfig(score_centering=form)
@@ -285,13 +282,12 @@ def test_at_a_real_vocabulary_with_long_responses_the_trainer_still_equals_the_r
                         head=KeptIds.from_rows(heads, head_lps))
     batch = to_batch(rollouts, 0, support="head")
     sampling = SamplingConfig(max_tokens=96, temperature=0.9, head_logprobs=20)
-    sup_old: list[torch.Tensor] = []
-    old = Scorer(stale, sampling, torch.device("cpu"), "fp32").score(batch, support_out=sup_old)
+    old, _, old_support = Scorer(stale, sampling, torch.device("cpu"), "fp32").score(batch, support=True)
     adv = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0], dtype=torch.float64)
     adv = adv.unsqueeze(-1).expand_as(batch.mask).contiguous()
     cfg = op.LossConfig(score_centering="head")
-    want_loss, want = reference_grads(model, batch, adv, cfg, sampling, old, sup_old[0])
-    loss, got = trainer_grads(model, batch, adv, cfg, sampling, old, sup_old[0], None)
+    want_loss, want = reference_grads(model, batch, adv, cfg, sampling, old, old_support)
+    loss, got = trainer_grads(model, batch, adv, cfg, sampling, old, old_support, None)
     assert float(loss) == pytest.approx(float(want_loss), rel=1e-5, abs=1e-7)
     scale = max(float(t.abs().max()) for t in want)
     assert max(float((a - b).abs().max()) for a, b in zip(got, want)) <= 2e-6 * scale
@@ -307,13 +303,12 @@ def test_under_bf16_autocast_the_support_follows_the_sampled_tokens_precision(ti
     values = {}
     for dtype in ("fp32", "bf16"):
         model.zero_grad(set_to_none=True)
-        out: list[torch.Tensor] = []
         scorer = Scorer(model, sampling, torch.device("cpu"), dtype)
-        lp = scorer.forward(scorer.to_device(batch, torch.arange(4)), support_out=out)
-        (lp.sum() + out[0].sum()).backward()
-        values[dtype] = out[0].detach()
+        lp, _, support_lp = scorer.forward(scorer.to_device(batch, Part(torch.arange(4))), support=True)
+        (lp.sum() + support_lp.sum()).backward()
+        values[dtype] = support_lp.detach()
         assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
-    present = torch.isfinite(batch.support.rollout)[:, : values["fp32"].shape[1], : values["fp32"].shape[2]]
+    present = batch.support.mask[:, : values["fp32"].shape[1], : values["fp32"].shape[2]]
     assert present.any()
     assert torch.allclose(values["bf16"][present], values["fp32"][present], atol=0.1, rtol=0)
     assert not torch.equal(values["bf16"], values["fp32"])  # autocast did run
@@ -323,12 +318,11 @@ def test_a_micro_batch_cuts_the_support_at_its_padding_only():
     """``Support.cut`` keeps as many K slots as the largest set among its columns uses, counting every entry but
     −inf padding: a NaN log q (which ``correction.nonfinite`` must see) is a slot, not padding, so neither it nor
     the finite entry after it is cut away."""
-    from offpolicy.policy.batch import Support
-
     nan, pad = float("nan"), float("-inf")
     rollout = torch.tensor([[[nan, -1.0, pad, pad], [-0.5, pad, pad, pad]],
                             [[-0.2, pad, pad, pad], [-0.7, -0.9, -2.0, pad]]])
     ids = torch.arange(16).view(2, 2, 4)
-    first = Support(ids, rollout, "exact").cut(1)  # column 0: the NaN row uses two slots
-    assert first.ids.shape == (2, 1, 2) and torch.isnan(first.rollout[0, 0, 0]) and first.rollout[0, 0, 1] == -1.0
-    assert Support(ids, rollout, "exact").cut(2).ids.shape == (2, 2, 3)
+    first = op.Support(ids, rollout, "exact").cut(1)  # column 0: the NaN row uses two slots
+    assert first.ids.shape == (2, 1, 2) and torch.isnan(first.rollout_logprobs[0, 0, 0])
+    assert first.rollout_logprobs[0, 0, 1] == -1.0
+    assert op.Support(ids, rollout, "exact").cut(2).ids.shape == (2, 2, 3)

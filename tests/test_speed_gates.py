@@ -138,9 +138,11 @@ def test_the_trainers_shared_prompt_on_an_unchecked_transformers_runs_the_whole_
     from test_head import grouped_batch, tiny_causal_lm
 
     from offpolicy.policy.head import shared_plan
+    from offpolicy.policy.batch import pack_layout
     from offpolicy.policy.score import to_device
 
-    batch = to_device(grouped_batch(97), torch.device("cpu"))
+    host = grouped_batch(97)
+    batch = to_device(host, torch.device("cpu"), pack_layout(host))
     assert shared_plan(tiny_causal_lm("llama", 97), batch) is not None
     versions(monkeypatch, transformers="5.99.0")
     assert shared_plan(tiny_causal_lm("llama", 97), batch) is None

@@ -91,7 +91,7 @@ def test_engine_kl_to_initial_by_hand(tiny):
     scorer = Scorer(model, SamplingConfig(max_tokens=4), torch.device("cpu"))
     prompts, responses = [[1, 5, 6], [1, 7]], [[8, 9, 10], [11, 12]]
     probe = to_batch(Rollouts(prompts, responses, [[-1.0] * 3, [-1.0] * 2], [True, True], version=0), 0)
-    pi0 = scorer.score(probe).float()
+    pi0 = scorer.score(probe).logprobs.float()
     own = to_batch(Rollouts(prompts, responses, [pi0[0, :3].tolist(), pi0[1, :2].tolist()], [True, True], 0), 0)
     initial = sync_check.InitialPolicy(tiny, scorer)
     rows = torch.arange(2)

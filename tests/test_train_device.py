@@ -81,7 +81,7 @@ def near_setup():
     model, batch, adv = tiny_setup()
     g = torch.Generator().manual_seed(100)
     with torch.no_grad():
-        lp = Scorer(model, SAMPLING, torch.device("cpu"), "fp32", None).score(batch)
+        lp = Scorer(model, SAMPLING, torch.device("cpu"), "fp32", None).score(batch).logprobs
     mask = batch.mask.bool()
     zero = torch.zeros((), dtype=lp.dtype)
     sigma = torch.tensor(ROW_NOISE, dtype=lp.dtype).unsqueeze(1)
@@ -155,9 +155,9 @@ def test_data_chosen_bounds_are_not_per_micro_batch():
     cfg = op.LossConfig.from_preset("areal:m2po")
     whole = grads_after_step(model, batch, adv, cfg, None, old)
     per_call = Metrics()
-    for g in score.micro_batches(batch, torch.arange(6), 20):
+    for g, _ in score.micro_batches(batch, torch.arange(6), 20):
         mb = score.trim(batch.select(g))
-        lp = Scorer(model, SAMPLING, torch.device("cpu"), "fp32").forward(mb)
+        lp = Scorer(model, SAMPLING, torch.device("cpu"), "fp32").forward(mb).logprobs
         per_call.update(op.policy_loss(lp, old[g, : mb.mask.shape[1]], adv[g, : mb.mask.shape[1]], mb.mask,
                                        mb.rollout_logprobs, cfg)[1])
     assert per_call["masked_fraction"] != pytest.approx(whole[1]["offpolicy/masked_fraction"], abs=1e-3)
@@ -225,12 +225,12 @@ def test_micro_batches_by_padded_tokens():
     _, batch, _ = tiny_setup()
     lengths = batch.attention_mask.sum(1).tolist()
     assert lengths == [9, 8, 11, 9, 11, 10]  # prompt (bos + n) + response: 4+5, 7+1, 3+8, 6+3, 5+6, 8+2
-    groups = score.micro_batches(batch, torch.arange(6), 20)
+    groups = [part.rows for part in score.micro_batches(batch, torch.arange(6), 20)]
     # shortest first: 8 (row 1), 9 (row 0), 9 (row 3), 10, 11, 11 → [1, 0] costs 2·9 = 18 ≤ 20, adding row 3
     # costs 3·9 = 27 > 20; [3, 5] costs 2·10 = 20; [2, 4] costs 2·11 = 22 > 20, so 2 and 4 go alone
     assert [g.tolist() for g in groups] == [[1, 0], [3, 5], [2], [4]]
-    assert [g.tolist() for g in score.micro_batches(batch, torch.arange(6), None)] == [list(range(6))]
-    assert [g.tolist() for g in score.micro_batches(batch, torch.arange(6), 5)] == [[1], [0], [3], [5], [2], [4]]
+    assert [p.rows.tolist() for p in score.micro_batches(batch, torch.arange(6), None)] == [list(range(6))]
+    assert [p.rows.tolist() for p in score.micro_batches(batch, torch.arange(6), 5)] == [[1], [0], [3], [5], [2], [4]]
     mb = score.trim(batch.select(torch.tensor([1, 0])))
     assert mb.input_ids.shape == (2, 9) and mb.mask.shape == (2, 5)  # longest row 9, longest response 5
 
@@ -241,12 +241,12 @@ def test_micro_batch_losses_add_up_to_the_whole_loss():
     cpu = torch.device("cpu")
     with torch.no_grad():
         whole_mb = score.trim(batch)
-        lp = Scorer(model, SAMPLING, cpu, "fp32").forward(whole_mb)
+        lp = Scorer(model, SAMPLING, cpu, "fp32").forward(whole_mb).logprobs
         whole, _ = op.policy_loss(lp, lp, adv[:, : lp.shape[1]], whole_mb.mask, whole_mb.rollout_logprobs,
                                   loss_cfg)
-        groups = score.micro_batches(batch, torch.arange(6), 20)
+        groups = [part.rows for part in score.micro_batches(batch, torch.arange(6), 20)]
         mbs = [score.trim(batch.select(g)) for g in groups]
-        lps = [Scorer(model, SAMPLING, cpu, "fp32").forward(mb) for mb in mbs]
+        lps = [Scorer(model, SAMPLING, cpu, "fp32").forward(mb).logprobs for mb in mbs]
         advs = [adv[g][:, : mb.mask.shape[1]] for g, mb in zip(groups, mbs)]
         parts = [{"mask": mb.mask, "rollout_logprobs": mb.rollout_logprobs, "old_logprobs": x, "logprobs": x,
                   "advantages": a} for mb, x, a in zip(mbs, lps, advs)]
@@ -275,8 +275,8 @@ def test_bf16_is_autocast_compute_over_fp32_master_weights():
     cpu = torch.device("cpu")
     mb = score.trim(batch)
     with torch.no_grad():
-        fp32 = Scorer(model, SAMPLING, cpu, "fp32").forward(mb)
-        bf16 = Scorer(model, SAMPLING, cpu, "bf16").forward(mb)
+        fp32 = Scorer(model, SAMPLING, cpu, "fp32").forward(mb).logprobs
+        bf16 = Scorer(model, SAMPLING, cpu, "bf16").forward(mb).logprobs
     assert bf16.dtype == torch.float32  # log-probs (and every ratio after them) stay fp32
     gap = ((bf16 - fp32).abs() * mb.mask).max().item()
     assert 1e-5 < gap < 0.2  # bf16 compute really ran (8-bit mantissa: ~1e-2 on these logits), close to fp32
@@ -349,7 +349,7 @@ def test_the_loss_path_reads_nothing_on_the_host(monkeypatch, replay):
     monkeypatch.setattr(torch, "nonzero", refuse)
     for name in names:
         monkeypatch.setattr(torch.Tensor, name, refuse)
-    logprobs = Scorer(model, sampling, cpu, "fp32").forward(mb, metrics)
+    logprobs = Scorer(model, sampling, cpu, "fp32").forward(mb, metrics).logprobs
     update.accumulate(logprobs, logprobs.detach(), a, mb, op.LossConfig.from_preset("recommended"), metrics)
     update.apply(model, opt, 1.0, metrics)
     monkeypatch.undo()
@@ -558,10 +558,10 @@ def test_cuda_loss_path_does_not_synchronise():
     a = adv[:, : mb.mask.shape[1]].float().to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     cfg = op.LossConfig.from_preset("recommended")
-    logprobs = Scorer(model, SAMPLING, device, "bf16").forward(mb)
+    logprobs = Scorer(model, SAMPLING, device, "bf16").forward(mb).logprobs
     update.accumulate(logprobs, logprobs.detach(), a, mb, cfg, Metrics())  # warm-up: kernels compiled, state made
     update.apply(model, opt, 1.0, Metrics())
-    logprobs = Scorer(model, SAMPLING, device, "bf16").forward(mb)
+    logprobs = Scorer(model, SAMPLING, device, "bf16").forward(mb).logprobs
     metrics = Metrics()
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")

@@ -4,6 +4,7 @@ Public API (docs/specification.md §8); everything else is internal.
 """
 
 from offpolicy.core import presets
+from offpolicy.core.centering import Support
 from offpolicy.core.config import ConfigError, CorrectionConfig, LossConfig
 from offpolicy.core.correction import Correction, correct, split_metrics
 from offpolicy.core.kl import kl_penalty
@@ -61,6 +62,7 @@ __all__ = [
     "CorrectionConfig",
     "LossConfig",
     "Metrics",
+    "Support",
     "correct",
     "kl_penalty",
     "loglinear_proximal",

@@ -27,57 +27,139 @@ E_q[A]·E_q[c·∇log p]. Two supports S_t:
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
+
 import torch
 
 from offpolicy.core import ops
 from offpolicy.core.config import LossConfig
 from offpolicy.core.correction import Correction, RuleInputs, _RULES, is_token_rule, weight_fn
+from offpolicy.core.kept_set import KeptIds
 from offpolicy.core.kernels.common import RATIO_LOG_CLAMP, UpcastSaturating
 from offpolicy.core.metrics import Metrics
 
-
-def _check(name: str, tensor: torch.Tensor | None, like: torch.Tensor) -> None:
-    if tensor is None:
-        return
-    if tensor.dim() != 3 or tensor.shape[:2] != like.shape:
-        raise ValueError(f"{name} must be [B, T, K] with [B, T] = {tuple(like.shape)}; got {tuple(tensor.shape)}")
-    if not tensor.is_floating_point():
-        raise ValueError(f"{name} must be a float tensor; got dtype {tensor.dtype}")
+FORMS = ("exact", "head")
 
 
-def validate_support(cfg: LossConfig, mask: torch.Tensor, support_logprobs, support_rollout_logprobs,
-                     support_old_logprobs) -> None:
-    """The support tensors are given only when ``score_centering`` is set, together and with one shape.
-    With ``score_centering`` set and none given, the loss is not centred (prime-rl: "samples without
-    sampler mask logprobs get no centering"): a host, ``diagnose`` or a trainer that records no support
-    runs the rest of the loss, and the metric ``score_centering/applied`` says 0.
+@dataclass(frozen=True)
+class Support:
+    """Score centering's support S_t of each response token, as one bundle (docs/estimators.md#score-centering):
+    K token ids v per position, what the sampler gave each, and — once a model scored them — the trainer's.
+
+    ``ids``               ``[B, T, K]`` int64: the support's token ids, each position's in its first slots, 0 where
+                          padded (K: the largest set).
+    ``rollout_logprobs``  ``[B, T, K]`` float: log q_v of the sampler; −inf exactly where padded (``mask``).
+    ``form``              which support and how p is normalised over it: ``exact``, the engine's kept set
+                          (top-k/top-p; p renormalised over it, as replay scores y_t), or ``head``, the sampler's
+                          top-k head of the untruncated distribution (p over the full vocabulary; the tail is
+                          modelled). It must be the loss's ``score_centering``.
+    ``logprobs``          ``[B, T, K]`` float: the trainer's log p_v, with grad (0 where padded); None until a
+                          model scored the ids (``offpolicy.policy.head``; a host: ``support_logprobs``).
+                          ``policy_loss`` needs it.
+    ``old_logprobs``      ``[B, T, K]`` float: log π_old(v), for kinds ppo / cispo under anchor old; else None.
+
+    ``mask`` ``[B, T, K]`` bool: True on the ids that are there (log q > −inf), False on padding.
+
+    Raises (on construction):
+        ValueError: a form other than ``exact``/``head``, a tensor that is not ``[B, T, K]``, shapes that differ,
+            int ids or float log-probs of another kind.
+    """
+
+    ids: torch.Tensor
+    rollout_logprobs: torch.Tensor
+    form: str
+    logprobs: torch.Tensor | None = None
+    old_logprobs: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.form not in FORMS:
+            raise ValueError(f"Support.form must be one of {', '.join(FORMS)}; got {self.form!r}")
+        if self.ids.dim() != 3 or self.ids.is_floating_point():
+            raise ValueError(f"Support.ids must be an integer [B, T, K] tensor; got {self.ids.dtype} "
+                             f"{tuple(self.ids.shape)}")
+        for name in ("rollout_logprobs", "logprobs", "old_logprobs"):
+            tensor = getattr(self, name)
+            if tensor is None:
+                continue
+            if tensor.shape != self.ids.shape:
+                raise ValueError(f"Support.{name} must have the ids' shape [B, T, K] = {tuple(self.ids.shape)}; "
+                                 f"got {tuple(tensor.shape)}")
+            if not tensor.is_floating_point():
+                raise ValueError(f"Support.{name} must be a float tensor; got dtype {tensor.dtype}")
+
+    @property
+    def mask(self) -> torch.Tensor:
+        """``[B, T, K]`` bool: the support's ids (True), not its padding (log q = −inf)."""
+        return self.rollout_logprobs != float("-inf")
+
+    @staticmethod
+    def of(sets: KeptIds, form: str) -> Support:
+        """``[B, T]`` sets that carry their log q_v (``KeptIds.logprobs``) as a dense support.
+
+        Raises:
+            ValueError: sets without log q_v."""
+        ids, logq = sets.padded()
+        if logq is None:
+            raise ValueError("score centering needs the sampler's log q_v of each support id; these sets carry none")
+        return Support(ids, logq, form)
+
+    def scored(self, logprobs: torch.Tensor, old_logprobs: torch.Tensor | None = None) -> Support:
+        """This support with the trainer's log p_v (and log π_old(v)) of its ids, ``[B, T, K]`` each."""
+        return replace(self, logprobs=logprobs, old_logprobs=old_logprobs)
+
+    def select(self, rows: torch.Tensor) -> Support:
+        """The support of ``rows`` (an index of B)."""
+        return Support(*(None if t is None else t[rows] for t in (self.ids, self.rollout_logprobs)), self.form,
+                       *(None if t is None else t[rows] for t in (self.logprobs, self.old_logprobs)))
+
+    def cut(self, width: int) -> Support:
+        """The first ``width`` response columns, and only as many of the K slots as the largest set among them
+        uses (each position's ids fill its first slots): a micro-batch of short sets does not carry the
+        batch's largest K. A CPU support (its sizes are read on the host)."""
+        rollout = self.rollout_logprobs[:, :width]
+        k = int((rollout != float("-inf")).sum(dim=-1).max()) if rollout.numel() else 0  # only −inf pads
+        return Support(self.ids[:, :width, :k], rollout[..., :k], self.form,
+                       *(None if t is None else t[:, :width, :k] for t in (self.logprobs, self.old_logprobs)))
+
+    def to(self, device: torch.device, non_blocking: bool = False) -> Support:
+        """On ``device``."""
+        return Support(*(None if t is None else t.to(device, non_blocking=non_blocking)
+                         for t in (self.ids, self.rollout_logprobs)), self.form,
+                       *(None if t is None else t.to(device, non_blocking=non_blocking)
+                         for t in (self.logprobs, self.old_logprobs)))
+
+
+def validate_support(cfg: LossConfig, mask: torch.Tensor, support: Support | None) -> None:
+    """A support is given only when ``score_centering`` is set, of its form, scored by the trainer, and ``[B, T, K]``
+    over the loss's ``[B, T]``. With ``score_centering`` set and none given, the loss is not centred (prime-rl:
+    "samples without sampler mask logprobs get no centering"): a host, ``diagnose`` or a trainer that records no
+    support runs the rest of the loss, and the metric ``score_centering/applied`` says 0.
 
     Raises:
-        ValueError: a missing or extra tensor, or a shape or dtype that does not fit.
+        ValueError: a support with centering off, of the other form, without the trainer's log p_v or (kinds ppo /
+            cispo under anchor old) log π_old(v), or of another [B, T].
     """
-    given = [t is not None for t in (support_logprobs, support_rollout_logprobs, support_old_logprobs)]
+    if support is None:
+        return  # none recorded: no centring (as prime-rl), reported as score_centering/applied = 0
+    if not isinstance(support, Support):
+        raise ValueError(f"support must be an offpolicy.Support; got {type(support).__name__}")
     if cfg.score_centering is None:
-        if any(given):
-            raise ValueError("support_logprobs / support_rollout_logprobs / support_old_logprobs feed score centering, "
-                             "which is off: set loss.score_centering to 'exact' or 'head', or leave them out")
-        return
-    if support_logprobs is None and support_rollout_logprobs is None and support_old_logprobs is None:
-        return  # no support recorded: no centring (as prime-rl), reported as score_centering/applied = 0
-    if support_logprobs is None or support_rollout_logprobs is None:
-        raise ValueError(f"score_centering '{cfg.score_centering}' needs both support_logprobs (log p_v of the trainer, "
-                         "with grad) and support_rollout_logprobs (log q_v of the sampler, −inf where a row is padded), "
-                         "[B, T, K] over the same token ids")
-    for name, tensor in (("support_logprobs", support_logprobs), ("support_rollout_logprobs", support_rollout_logprobs),
-                         ("support_old_logprobs", support_old_logprobs)):
-        _check(name, tensor, mask)
-    if support_rollout_logprobs.shape != support_logprobs.shape or (
-            support_old_logprobs is not None and support_old_logprobs.shape != support_logprobs.shape):
-        raise ValueError("support_logprobs, support_rollout_logprobs and support_old_logprobs must have one shape; got "
-                         f"{tuple(support_logprobs.shape)}, {tuple(support_rollout_logprobs.shape)}"
-                         + ("" if support_old_logprobs is None else f", {tuple(support_old_logprobs.shape)}"))
+        raise ValueError("support= feeds score centering, which is off: set loss.score_centering to 'exact' or "
+                         "'head', or leave support out")
+    if support.form != cfg.score_centering:
+        raise ValueError(f"support.form is {support.form!r} but loss.score_centering is {cfg.score_centering!r}: "
+                         "exact centres over the whole kept set, head models the tail outside a top-k head. Record "
+                         "the support the loss centres over, or set loss.score_centering to the support's form")
+    if support.logprobs is None:
+        raise ValueError(f"score_centering '{cfg.score_centering}' needs the trainer's log p_v of the support ids, "
+                         "with grad: Support.logprobs (support.scored(logprobs); offpolicy.core.centering."
+                         "support_logprobs gathers them from logits)")
+    if support.ids.shape[:2] != mask.shape:
+        raise ValueError(f"support must be [B, T, K] with [B, T] = {tuple(mask.shape)}; got "
+                         f"{tuple(support.ids.shape)}")
     anchor = cfg.correction.anchor if cfg.correction is not None else "old"
-    if cfg.kind in ("ppo", "cispo") and anchor == "old" and support_old_logprobs is None:
-        raise ValueError(f"score centering with kind '{cfg.kind}' and anchor 'old' needs support_old_logprobs "
+    if cfg.kind in ("ppo", "cispo") and anchor == "old" and support.old_logprobs is None:
+        raise ValueError(f"score centering with kind '{cfg.kind}' and anchor 'old' needs Support.old_logprobs "
                          "(log π_old of the support's ids): the ratio π_θ/π_old of every support token")
 
 
@@ -137,9 +219,9 @@ def score_coefficients(cfg: LossConfig, corr: Correction | None, lp: torch.Tenso
 
 
 def score_centering_term(cfg: LossConfig, corr: Correction | None, valid: torch.Tensor, advantages: torch.Tensor,
-                         support_logprobs: torch.Tensor, support_rollout_logprobs: torch.Tensor,
-                         support_old_logprobs: torch.Tensor | None, metrics: Metrics) -> torch.Tensor:
-    """C_t ``[B, T]`` (0 off the centred tokens), with its gradient through ``support_logprobs``.
+                         support: Support, metrics: Metrics) -> torch.Tensor:
+    """C_t ``[B, T]`` (0 off the centred tokens), with its gradient through ``support.logprobs`` (a support
+    ``validate_support`` passed).
 
     The centred tokens are the valid tokens of the rows every row-level reject rule kept — a token a
     token-level rule rejected is centred too (its own term c_a·log p_a is 0; the expectation over the
@@ -155,14 +237,15 @@ def score_centering_term(cfg: LossConfig, corr: Correction | None, valid: torch.
     """
     centred = corr.row_mask.bool() if corr is not None else valid
     zero = torch.zeros((), dtype=torch.float32, device=valid.device)
-    lq_in = support_rollout_logprobs.float()
-    lp_in = UpcastSaturating.apply(support_logprobs) if support_logprobs.dtype in (torch.float16, torch.bfloat16) \
-        else support_logprobs.float()
-    filled = lq_in != float("-inf")  # [B, T, K]: what is not padding
+    trainer_lp, old_lp = support.logprobs, support.old_logprobs
+    lq_in = support.rollout_logprobs.float()
+    lp_in = UpcastSaturating.apply(trainer_lp) if trainer_lp.dtype in (torch.float16, torch.bfloat16) \
+        else trainer_lp.float()
+    filled = lq_in != float("-inf")  # [B, T, K]: what is not padding (``Support.mask``)
     entry = centred.unsqueeze(-1) & filled
     broken = [(name, entry & ~torch.isfinite(tensor)) for name, tensor in (
-        ("support_rollout_logprobs", lq_in), ("support_logprobs", support_logprobs),
-        ("support_old_logprobs", support_old_logprobs)) if tensor is not None]
+        ("Support.rollout_logprobs", lq_in), ("Support.logprobs", trainer_lp),
+        ("Support.old_logprobs", old_lp)) if tensor is not None]
     bad_token = torch.zeros_like(centred)
     for _, bad in broken:
         bad_token |= bad.any(dim=-1)
@@ -182,7 +265,7 @@ def score_centering_term(cfg: LossConfig, corr: Correction | None, valid: torch.
     lp = torch.where(present, lp_in, zero)  # the gradient path
     lp_sg = lp.detach()
     lq = torch.where(present, lq_in, zero)
-    lo = None if support_old_logprobs is None else torch.where(present, support_old_logprobs.float(), zero)
+    lo = None if old_lp is None else torch.where(present, old_lp.float(), zero)
     adv = torch.where(centred, advantages.float().detach(), zero)
     row_weight = None
     corr_cfg = cfg.correction

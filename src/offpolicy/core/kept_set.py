@@ -105,9 +105,9 @@ class KeptIds:
 
     def padded(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The sets as ``[*shape, K]`` tensors, K the largest set: the ids (int64, 0 where a row is padded)
-        and their log q_v (fp32, −inf where padded; None when not recorded) — ``policy_loss``'s
-        ``support_rollout_logprobs`` for exact score centering (``centering.support_logprobs`` gives the
-        trainer's side from the same ids)."""
+        and their log q_v (fp32, −inf where padded; None when not recorded) — the ``ids`` and
+        ``rollout_logprobs`` of exact score centering's ``Support`` (``Support.of``; ``centering.support_logprobs``
+        gives the trainer's side from the same ids)."""
         position, source, count = self._flat()
         width = int(count.max()) if count.numel() else 0
         first = torch.cumsum(count, 0) - count

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from offpolicy.core import centering, kernels
+from offpolicy.core.centering import Support
 from offpolicy.core.config import CorrectionConfig, LossConfig
 from offpolicy.core.correction import correct
 from offpolicy.core.errors import ConfigError
@@ -65,9 +66,8 @@ def policy_loss(
     ref_logprobs: torch.Tensor | None = None,
     reduce: bool = True,
     implementation: str = "auto",
-    support_logprobs: torch.Tensor | None = None,
-    support_rollout_logprobs: torch.Tensor | None = None,
-    support_old_logprobs: torch.Tensor | None = None,
+    support: Support | None = None,
+    **removed: Any,
 ) -> tuple[torch.Tensor, Metrics] | tuple[torch.Tensor, torch.Tensor, Metrics]:
     """The corrected policy loss — the formulas are docs/specification.md §5's table.
 
@@ -88,13 +88,14 @@ def policy_loss(
                           configuration and suits the batch), or a rung by name: "reference"
                           (the readable oracle), "eager", "compiled", "triton" (raise if it does
                           not cover the configuration; non-finite inputs go to the reference).
-        support_logprobs: [B, T, K] score centering (``loss.score_centering``): log p_v of the trainer,
-                          with grad, for K token ids v of each token's support — the engine's kept set
-                          (``exact``: renormalised over it, ``sampling.renormalize_logprobs(keep=...)``)
-                          or a top-k head (``head``: over the full vocabulary). ``centering.support_logprobs``
-                          gathers them from logits.
-        support_rollout_logprobs: [B, T, K] log q_v of the sampler for the same ids; −inf pads a row.
-        support_old_logprobs: [B, T, K] log π_old(v) (kinds ppo / cispo under anchor old).
+        support:          score centering's support (``loss.score_centering``; docs/estimators.md#score-centering),
+                          one ``offpolicy.Support`` over K token ids v of each token's support — the engine's
+                          kept set (``exact``: p renormalised over it, ``sampling.renormalize_logprobs(keep=...)``)
+                          or a top-k head (``head``: over the full vocabulary): ``ids`` [B, T, K], the sampler's
+                          ``rollout_logprobs`` log q_v (−inf pads), the trainer's ``logprobs`` log p_v with grad
+                          (``centering.support_logprobs`` gathers them from logits) and, for kinds ppo / cispo
+                          under anchor old, ``old_logprobs`` log π_old(v). None: the loss is not centred
+                          (``score_centering/applied`` reads 0).
 
     Returns:
         reduce=True:  (loss scalar, metrics).
@@ -103,8 +104,12 @@ def policy_loss(
                        tokens under ``fixed`` — and metrics).
 
     Raises:
+        TypeError: an argument this function does not take; the loose ``support_logprobs``,
+            ``support_rollout_logprobs`` and ``support_old_logprobs`` of 0.1 name ``support=`` (no alias: 0.x).
         ValueError: invalid inputs (see ``correct``) or a tensor the config needs is missing.
     """
+    if removed:
+        raise TypeError(_removed_arguments(removed))
     cfg = as_loss_config(config)
     corr_cfg = cfg.correction
     if cfg.kl_to == "rollout":
@@ -129,17 +134,34 @@ def policy_loss(
         old_logprobs = rollout_logprobs  # bypass: PPO's ratio becomes π_θ/μ
     if old_logprobs is None and cfg.kind != "reinforce":
         raise ValueError(f"kind '{cfg.kind}' needs old_logprobs (or correction.anchor 'rollout' to use μ as π_old)")
-    centering.validate_support(cfg, mask, support_logprobs, support_rollout_logprobs, support_old_logprobs)
+    centering.validate_support(cfg, mask, support)
     for rung in kernels.choose(cfg, ref_logprobs, mask, implementation):
         if cfg.score_centering is not None:  # only the reference computes it (the fast rungs' supports refuse it)
             out = rung.policy_loss(logprobs, old_logprobs, advantages, mask, rollout_logprobs, cfg, reduce, ref_logprobs,
-                                   support=(support_logprobs, support_rollout_logprobs, support_old_logprobs))
+                                   support=support)
         else:
             out = rung.policy_loss(logprobs, old_logprobs, advantages, mask, rollout_logprobs, cfg, reduce,
                                    ref_logprobs)
         if out is not None:
             return out
     raise AssertionError("the reference implementation always returns")  # pragma: no cover
+
+
+# the loose score-centering tensors of 0.1, now the fields of one ``Support`` (issue #68)
+_SUPPORT_FIELDS = {"support_logprobs": "logprobs", "support_rollout_logprobs": "rollout_logprobs",
+                   "support_old_logprobs": "old_logprobs"}
+
+
+def _removed_arguments(given: dict[str, Any]) -> str:
+    """The TypeError's text for keyword arguments ``policy_loss`` does not take: the old support tensors name the
+    ``Support`` field each became; any other name is unknown."""
+    old = [name for name in given if name in _SUPPORT_FIELDS]
+    if not old:
+        return f"policy_loss() got an unexpected keyword argument {next(iter(given))!r}"
+    fields = ", ".join(f"{name} → Support.{_SUPPORT_FIELDS[name]}" for name in old)
+    return (f"policy_loss() no longer takes {', '.join(old)}: score centering's support is one argument, "
+            f"support=offpolicy.Support(ids, rollout_logprobs, form, logprobs=..., old_logprobs=...) ({fields}; "
+            "ids [B, T, K] are the support's token ids, form the loss's score_centering)")
 
 
 _MICRO_BATCH_KEYS = ("old_logprobs", "rollout_logprobs", "mask", "logprobs", "advantages")

@@ -236,7 +236,7 @@ def score_batch(trainer: TrainerSide, batch: Batch, seconds: float | None = None
     statistics, as they leave train's loss, and are counted (``Sample.outside_support``). ``scorer``: one
     already loaded (else ``trainer.scorer()`` loads the model)."""
     seen = Metrics()  # the trainer's token entropy, from its logits (the denominator of kl_over_entropy)
-    lp, entropy = (scorer or trainer.scorer()).score(batch, seen, entropy=True)  # and per token, for the viewer (report.html)
+    lp, entropy, _ = (scorer or trainer.scorer()).score(batch, seen, entropy=True)  # and per token, for the viewer (report.html)
     lp = lp.float().cpu()
     outside = (lp == float("-inf")) & batch.mask.bool()  # [B, T]
     batch = replace(batch, mask=batch.mask * ~outside)

@@ -66,32 +66,32 @@ def fp32_head_score(scorer: Scorer, batch: Batch) -> tuple[torch.Tensor, torch.T
     width = batch.mask.shape[1]
     configured, full = torch.zeros(batch.mask.shape), torch.zeros(batch.mask.shape)
     head = linear_head(scorer.model)
-    for rows in scorer.micro_batches(batch, torch.arange(len(batch.mask))):
-        mb = scorer.to_device(batch, rows)
+    for part in scorer.micro_batches(batch, torch.arange(len(batch.mask))):
+        mb = scorer.to_device(batch, part)
         r, c = counted_positions(mb)
         kept = replayed_sets(mb, scorer.sampling, r, c)
         tokens = mb.response_ids[r, c]
         with precision(scorer.device, scorer.dtype):
             hidden = decoder_hidden(scorer.model, mb.input_ids, mb.attention_mask)[r, mb.positions[r, c]]
-            lp_configured, _, _ = token_logprobs(hidden, tokens, head, scorer.sampling, kept=kept)
+            lp_configured = token_logprobs(hidden, tokens, head, scorer.sampling, kept=kept).logprobs
         with torch.autocast(scorer.device.type, enabled=False):
             fp32_head = replace(head, weight=head.weight.float(), bias=None if head.bias is None else head.bias.float())
-            lp_fp32, _, _ = token_logprobs(hidden.float(), tokens, fp32_head, scorer.sampling, kept=kept)
+            lp_fp32 = token_logprobs(hidden.float(), tokens, fp32_head, scorer.sampling, kept=kept).logprobs
         for out, lp in ((configured, lp_configured), (full, lp_fp32)):
-            part = torch.zeros(mb.mask.shape, dtype=torch.float32)
-            part[r.cpu(), c.cpu()] = lp.float().cpu()
-            out[rows] = widen(part, width)
+            values = torch.zeros(mb.mask.shape, dtype=torch.float32)
+            values[r.cpu(), c.cpu()] = lp.float().cpu()
+            out[part.rows] = widen(values, width)
     return configured, full
 
 
 def trainer_against_itself(scorer: Scorer, batch: Batch) -> dict[str, Any]:
     """The three comparisons of the module doc on ``batch`` (CPU), under ``scorer``'s configuration."""
     mask = batch.mask
-    configured = scorer.score(batch).float().cpu()
+    configured = scorer.score(batch).logprobs.float().cpu()
     # a row longer than the budget goes alone (whole rows: by packs, a budget of 1 would leave each pack whole)
-    one = replace(scorer, budget=1, by_packs=False, packs=False).score(batch).float().cpu()
-    unpacked = replace(scorer, packs=False).score(batch).float().cpu()  # the same micro-batches, whole rows
-    rows = replace(scorer, packs=False, by_packs=False).score(batch).float().cpu()  # micro-batches of whole rows
+    one = replace(scorer, budget=1, by_packs=False, packs=False).score(batch).logprobs.float().cpu()
+    unpacked = replace(scorer, packs=False).score(batch).logprobs.float().cpu()  # the same micro-batches, whole rows
+    rows = replace(scorer, packs=False, by_packs=False).score(batch).logprobs.float().cpu()  # micro-batches of whole rows
     out: dict[str, Any] = {"configured": {"dtype": scorer.dtype, "micro_batch_tokens": scorer.budget,
                                           "micro_batches": len(scorer.micro_batches(batch, torch.arange(len(mask))))},
                            "packing": {"against": "the same micro-batches of whole rows",
@@ -106,7 +106,7 @@ def trainer_against_itself(scorer: Scorer, batch: Batch) -> dict[str, Any]:
         head_configured, head_fp32 = fp32_head_score(scorer, batch)
         out["fp32_head"] = {"against": f"the same {scorer.dtype} decoder with an fp32 head",
                             **compare(head_configured, head_fp32, mask)}
-        fp32 = replace(scorer, dtype="fp32").score(batch).float().cpu()
+        fp32 = replace(scorer, dtype="fp32").score(batch).logprobs.float().cpu()
         out["fp32"] = {"against": "a whole fp32 forward", **compare(configured, fp32, mask)}
     return out
 

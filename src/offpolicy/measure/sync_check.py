@@ -106,7 +106,7 @@ class InitialPolicy:
         ``sync/trainer_kl_to_initial``) on ``rows`` of the CPU ``batch``; tokens where a log-prob is not
         finite (outside a top-k/top-p support) are left out."""
         sub = batch.select(rows)
-        initial = self.scorer.score(sub).float().cpu()
+        initial = self.scorer.score(sub).logprobs.float().cpu()
         mu = sub.rollout_logprobs.float()
         valid = sub.mask.bool() & torch.isfinite(initial) & torch.isfinite(mu)
         out = {"sync/engine_kl_to_initial": kl_k3(initial, mu, valid)}

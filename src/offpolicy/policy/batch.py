@@ -14,30 +14,32 @@ from typing import NamedTuple
 import torch
 
 from offpolicy.engines import Rollouts
+from offpolicy.core.centering import Support
 from offpolicy.core.kept_set import FlatKept, KeptIds
-from offpolicy.speed.shared_prompt import SharedPrompts, plan
+from offpolicy.speed.shared_prompt import PackLayout, SharedPrompts, layout
 
-__all__ = ["Batch", "Counted", "SharedPrompts", "Support", "TENSORS", "shared_prompts", "to_batch"]
+__all__ = ["Batch", "Counted", "PackLayout", "SharedPrompts", "Support", "TENSORS", "pack_layout", "to_batch"]
 
 
 TENSORS = ("input_ids", "attention_mask", "positions", "response_ids", "mask", "rollout_logprobs", "versions")
 
 
-def shared_prompts(batch: Batch, budget: int | None = None) -> SharedPrompts | None:
-    """The plan of a forward that computes each repeated prompt once (``SharedPrompts``), from a CPU
-    ``batch``; None where it would save nothing (no prompt repeats). The one planner's
-    (``offpolicy.speed.shared_prompt.plan``; ``budget``: the micro-batches' tokens, which bound a long prompt's
-    packs)."""
+def pack_layout(batch: Batch, rows: torch.Tensor | None = None, budget: int | None = None) -> PackLayout | None:
+    """The one pack plan of a step: which pack each of ``rows`` (default: all) of the CPU ``batch`` goes in, row i
+    of the layout being ``rows[i]`` (``offpolicy.speed.shared_prompt.layout``; ``budget``: the micro-batches'
+    tokens, which bound a long prompt's packs). Its micro-batches take whole packs of it (``PackLayout.take``,
+    ``policy.score.micro_batches``); None where no prompt repeats."""
+    rows = slice(None) if rows is None else rows
     # positions[:, 0] = len(prompt) − 1 (``to_batch``)
-    return plan(batch.input_ids, batch.attention_mask, batch.positions[:, 0] + 1, budget=budget)
+    return layout(batch.input_ids[rows], batch.attention_mask[rows], batch.positions[rows, 0] + 1, budget=budget)
 
 
 class Counted(NamedTuple):
     """What the host works out for a micro-batch's forward before it goes to the device (``score.to_device``):
     the positions (``rows``, ``cols``, ``[N]`` each, on the device) where ``mask`` is 1, when the batch
     carries ``kept`` those positions' kept sets expanded (``FlatKept``, on the device, its bounds on the
-    host), and where prompts repeat the plan that computes each once (``shared``). The head uses them while
-    ``mask``, ``kept`` and ``input_ids`` are the batch's (``head.counted_positions``)."""
+    host), and where prompts repeat the packs that compute each once (``shared``: the step's, ``PackLayout.build``).
+    The head uses them while ``mask``, ``kept`` and ``input_ids`` are the batch's (``head.counted_positions``)."""
 
     mask: torch.Tensor
     rows: torch.Tensor
@@ -45,40 +47,6 @@ class Counted(NamedTuple):
     kept: KeptIds | None = None
     flat: FlatKept | None = None
     shared: SharedPrompts | None = None  # the forward with each repeated prompt once, made on the host
-
-
-class Support(NamedTuple):
-    """Score centering's support of each response token (``offpolicy.core.centering``; docs/estimators.md#score-centering):
-    K token ids and the sampler's log q_v of each, dense ``[B, T, K]`` (K: the batch's largest set), padded with id 0
-    and log q = −inf. ``form`` says which support and how the trainer normalises p over it: ``exact``, the engine's
-    kept set (p renormalised over it), or ``head``, the sampler's top-k head (p over the full vocabulary)."""
-
-    ids: torch.Tensor  # [B, T, K] int64
-    rollout: torch.Tensor  # [B, T, K] fp32, −inf where padded
-    form: str
-
-    @staticmethod
-    def of(sets: KeptIds, form: str) -> Support:
-        """``[B, T]`` kept sets that carry their log q_v (``KeptIds.logprobs``) as a dense support."""
-        ids, logq = sets.padded()
-        if logq is None:
-            raise ValueError("score centering needs the sampler's log q_v of each support id; these sets carry none")
-        return Support(ids, logq, form)
-
-    def select(self, rows: torch.Tensor) -> Support:
-        return Support(self.ids[rows], self.rollout[rows], self.form)
-
-    def cut(self, width: int) -> Support:
-        """The first ``width`` response columns, and only as many of the K slots as the largest set among them
-        uses (each position's ids fill its first slots): a micro-batch of short sets does not carry the
-        batch's largest K. A CPU support (its sizes are read on the host)."""
-        rollout = self.rollout[:, :width]
-        k = int((rollout != float("-inf")).sum(dim=-1).max()) if rollout.numel() else 0  # only −inf pads
-        return Support(self.ids[:, :width, :k], rollout[..., :k], self.form)
-
-    def to(self, device: torch.device, non_blocking: bool = False) -> Support:
-        return Support(self.ids.to(device, non_blocking=non_blocking),
-                       self.rollout.to(device, non_blocking=non_blocking), self.form)
 
 
 @dataclass
@@ -96,7 +64,8 @@ class Batch:
     # [B, T] the engine's kept set of each response token (``offpolicy.core.kept_set``), replayed by the trainer's
     # head; None: the engine recorded none and the trainer recomputes top-k/top-p on its own logits
     kept: KeptIds | None = field(default=None, repr=False, compare=False)
-    # score centering's support of each response token (``Support``); None where centering is off
+    # score centering's support of each response token (``offpolicy.Support``: ids and log q, not yet scored); None
+    # where centering is off
     support: Support | None = field(default=None, repr=False, compare=False)
 
     def select(self, rows: torch.Tensor) -> Batch:

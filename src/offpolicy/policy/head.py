@@ -58,6 +58,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -389,11 +390,19 @@ def _add_weight_grad(d_weight: torch.Tensor, d_lin: torch.Tensor, h: torch.Tenso
         d_weight.addmm_(d_lin.t().to(d_weight.dtype), h.to(d_weight.dtype))
 
 
+class TokenScores(NamedTuple):
+    """What ``token_logprobs`` computes for ``[N]`` tokens, flat in N."""
+
+    logprobs: torch.Tensor  # [N] log π̃(y_n): −inf exactly outside the kept support, NaN any other non-finite value
+    entropy: torch.Tensor | None = None  # [N] token entropy, detached; None without ``stats``
+    outside: torch.Tensor | None = None  # [N] mass outside the kept set, detached; None without ``stats`` or truncation
+    support_logprobs: torch.Tensor | None = None  # [N, K] log π̃ of each support id, with grad, 0 at padding
+
+
 def token_logprobs(hidden: torch.Tensor, tokens: torch.Tensor, head: LinearHead, sampling: SamplingConfig, *,
                    stats: bool = False, chunk: int | None = None, kept: KeptIds | FlatKept | None = None,
-                   support: torch.Tensor | None = None, support_out: list[torch.Tensor] | None = None
-                   ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """log π̃(y_n) ``[N]`` of tokens ``[N]`` from their hidden states ``[N, H]``, flat in N.
+                   support: torch.Tensor | None = None) -> TokenScores:
+    """log π̃(y_n) ``[N]`` of tokens ``[N]`` from their hidden states ``[N, H]``, flat in N (``TokenScores``).
 
     ``stats``: also the token entropy ``[N]`` and, under top-k/top-p, the outside mass ``[N]``
     (detached; else None). A token outside the kept support gets exactly −inf; NaN marks any other
@@ -401,10 +410,10 @@ def token_logprobs(hidden: torch.Tensor, tokens: torch.Tensor, head: LinearHead,
     (``KeptIds`` ``[N]``, or its ``FlatKept``): the engine's kept set of each token, the support instead of
     the trainer's own top-k/top-p set (``offpolicy.core.kept_set``); None recomputes it from the trainer's
     logits. ``KeptIds`` are expanded here (two host reads: a wait on CUDA); the trainer passes the
-    ``FlatKept`` it made on the host (``Batch.counted``). ``support`` ``[N, K]`` ids (−1: padding), with
-    ``support_out``: log π̃ of each support id ``[N, K]`` (with grad, 0 at padding) is appended to it, taken from
-    the same chunk's log-probs as log π̃(y) and differentiated in the same backward (score centering's support:
-    the replayed kept set for ``exact``, any ids of the untruncated distribution for ``head``).
+    ``FlatKept`` it made on the host (``Batch.counted``). ``support`` ``[N, K]`` ids (−1: padding): also log π̃ of
+    each support id ``[N, K]`` (``support_logprobs``, with grad, 0 at padding), taken from the same chunk's
+    log-probs as log π̃(y) and differentiated in the same backward (score centering's support: the replayed kept
+    set for ``exact``, any ids of the untruncated distribution for ``head``).
 
     Raises:
         ValueError: a kept id outside the head's vocabulary.
@@ -414,11 +423,10 @@ def token_logprobs(hidden: torch.Tensor, tokens: torch.Tensor, head: LinearHead,
         kept = kept.flat()
     token_lp, extra, support_lp = _ChunkedHead.apply(hidden, head.weight, head.bias, tokens, sampling, head.softcap,
                                                      chunk, stats, kept, support, head.onednn)
-    if support_out is not None and support is not None:
-        support_out.append(support_lp)
+    support_lp = None if support is None else support_lp
     if not stats:
-        return token_lp, None, None
-    return token_lp, extra[:, 0], extra[:, 1] if sampling.truncates else None
+        return TokenScores(token_lp, support_logprobs=support_lp)
+    return TokenScores(token_lp, extra[:, 0], extra[:, 1] if sampling.truncates else None, support_lp)
 
 
 def counted_positions(batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -430,9 +438,24 @@ def counted_positions(batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
     return batch.mask.bool().nonzero(as_tuple=True)
 
 
+class Scores(NamedTuple):
+    """What the trainer's head computes for a batch (``trainer_scores``), ``[B, T]`` response-aligned."""
+
+    logprobs: torch.Tensor  # [B, T] log π(y_t) fp32 (float64 for a float64 model), 0 where the mask is 0
+    entropy: torch.Tensor | None = None  # [B, T] each token's entropy, 0 where the mask is 0; None unless asked
+    # [B, T, K] log p_v of the batch's score-centering support ids (``Batch.support``), with grad, 0 where padded or
+    # the mask is 0; None unless asked for and the batch carries a support
+    support_logprobs: torch.Tensor | None = None
+
+
 def trainer_logprobs(model, batch: Batch, sampling: SamplingConfig, metrics: Metrics | None = None, *,
-                     chunk: int | None = None, entropy_out: list[torch.Tensor] | None = None,
-                     support_out: list[torch.Tensor] | None = None) -> torch.Tensor:
+                     chunk: int | None = None) -> torch.Tensor:
+    """log π(y_t) ``[B, T]``: ``trainer_scores``' log-probs alone."""
+    return trainer_scores(model, batch, sampling, metrics, chunk=chunk).logprobs
+
+
+def trainer_scores(model, batch: Batch, sampling: SamplingConfig, metrics: Metrics | None = None, *,
+                   chunk: int | None = None, entropy: bool = False, support: bool = False) -> Scores:
     """log π(y_t) ``[B, T]`` (fp32; float64 for a float64 model) under ``model`` on the engine's
     sampling support (docs/specification.md §6), 0 where ``batch.mask`` is 0; −inf exactly where the sampled token
     lies outside the trainer's top-k/top-p support (the caller masks those, see
@@ -444,11 +467,11 @@ def trainer_logprobs(model, batch: Batch, sampling: SamplingConfig, metrics: Met
     With ``metrics`` given, the mean token entropy of the sampling distribution is recorded as
     ``entropy`` (``token_entropy``; the denominator of prime-rl's mismatch KL / entropy, issue #25)
     and, with top-k/top-p, the mass the sampler truncated away (``outside_mass``,
-    ``outside_mass_max``; see ``outside_mass_metrics``). With ``entropy_out`` given, each token's entropy
-    ``[B, T]`` (0 where ``batch.mask`` is 0) is appended to it: the per-token viewer shows it. With
-    ``support_out`` given and the batch carrying score centering's support (``Batch.support``), log p_v of
-    each support id ``[B, T, K]`` (with grad; 0 where padded or ``batch.mask`` is 0) is appended to it, from
-    the same chunks and backward as log π(y_t) (``centring_support``, ``token_logprobs``).
+    ``outside_mass_max``; see ``outside_mass_metrics``). ``entropy``: also each token's entropy ``[B, T]``
+    (``Scores.entropy``, 0 where ``batch.mask`` is 0): the per-token viewer shows it. ``support`` and the batch
+    carrying score centering's support (``Batch.support``): also log p_v of each support id ``[B, T, K]``
+    (``Scores.support_logprobs``, with grad; 0 where padded or ``batch.mask`` is 0), from the same chunks and
+    backward as log π(y_t) (``centring_support``, ``token_logprobs``).
 
     Raises:
         ConfigError: a head this module does not reproduce (``linear_head``, ``check_head``).
@@ -463,27 +486,24 @@ def trainer_logprobs(model, batch: Batch, sampling: SamplingConfig, metrics: Met
         hidden = decoder_hidden(model, batch.input_ids, batch.attention_mask)[rows, batch.positions[rows, cols]]
     else:  # each repeated prompt once: column t predicts response token t
         hidden = shared_decoder_hidden(model, plan)[rows, cols]
-    support, fused = None, []
-    if support_out is not None and batch.support is not None:
-        support = centring_support(batch, sampling, kept, rows, cols)
-    token_lp, entropy, outside = token_logprobs(hidden,  # [N, H]
-                                                batch.response_ids[rows, cols], head, sampling,
-                                                stats=metrics is not None or entropy_out is not None, chunk=chunk,
-                                                kept=kept, support=support, support_out=fused)
-    if fused:
-        (lp,) = fused  # [N, K]
-        out = torch.zeros((*batch.mask.shape, lp.shape[-1]), dtype=lp.dtype, device=lp.device)
-        support_out.append(out.index_put((rows, cols), lp))
-    if entropy_out is not None:
-        per_token = torch.zeros(batch.mask.shape, dtype=entropy.dtype, device=entropy.device)
-        entropy_out.append(per_token.index_put((rows, cols), entropy))
+    ids = centring_support(batch, sampling, kept, rows, cols) if support and batch.support is not None else None
+    out = token_logprobs(hidden, batch.response_ids[rows, cols], head, sampling,  # hidden: [N, H]
+                         stats=metrics is not None or entropy, chunk=chunk, kept=kept, support=ids)
     if metrics is not None:
-        metrics.mean("entropy", entropy)
-        if outside is not None:
-            outside_mass_metrics(outside, torch.ones_like(outside, dtype=torch.bool), metrics)
-            metrics.mean("kept_set_replayed", torch.full_like(outside, float(kept is not None)))
-    out = torch.zeros(batch.mask.shape, dtype=token_lp.dtype, device=token_lp.device)
-    return out.index_put((rows, cols), token_lp)  # [B, T]
+        metrics.mean("entropy", out.entropy)
+        if out.outside is not None:
+            outside_mass_metrics(out.outside, torch.ones_like(out.outside, dtype=torch.bool), metrics)
+            metrics.mean("kept_set_replayed", torch.full_like(out.outside, float(kept is not None)))
+    return Scores(per_token(out.logprobs, batch.mask, rows, cols),  # [B, T]
+                  per_token(out.entropy, batch.mask, rows, cols) if entropy else None,
+                  None if ids is None else per_token(out.support_logprobs, batch.mask, rows, cols))  # [B, T, K]
+
+
+def per_token(values: torch.Tensor, mask: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    """``values`` ``[N, ...]`` of the counted tokens (``rows``, ``cols``) placed in ``mask``'s ``[B, T, ...]``, 0
+    elsewhere."""
+    out = torch.zeros((*mask.shape, *values.shape[1:]), dtype=values.dtype, device=values.device)
+    return out.index_put((rows, cols), values)
 
 
 def centring_support(batch: Batch, sampling: SamplingConfig, kept: FlatKept | None, rows: torch.Tensor,
@@ -502,7 +522,7 @@ def centring_support(batch: Batch, sampling: SamplingConfig, kept: FlatKept | No
         raise ValueError("score centering 'head' takes p over the full vocabulary, which truncated sampling does not "
                          "give the trainer: use 'exact' over the replayed kept sets")
     ids = sup.ids[rows, cols]
-    return torch.where(sup.rollout[rows, cols] == float("-inf"), torch.full_like(ids, -1), ids)
+    return torch.where(sup.mask[rows, cols], ids, torch.full_like(ids, -1))
 
 
 def replayed_sets(batch: Batch, sampling: SamplingConfig, rows: torch.Tensor, cols: torch.Tensor

@@ -5,10 +5,11 @@ the mismatch) both call.
 A ``Scorer`` holds what travels together — the model, the engine's sampling support, the device, the
 compute dtype and the token budget of a micro-batch — frozen, so every caller scores the same way:
 
-    score(batch) = log π̃(y_t) ``[B, T]`` fp32, the rows split into micro-batches of ≤ ``budget``
-                   padded tokens (``micro_batches``; whole packs where the forward packs each group),
-                   each trimmed of the padding no row uses (``trim``) and moved to the device with its
-                   counted positions (``to_device``).
+    score(batch) = log π̃(y_t) ``[B, T]`` fp32 (``Scores``; the entropy and the support's log-probs as asked),
+                   the rows split into micro-batches of ≤ ``budget`` padded tokens (``micro_batches``; whole
+                   packs of the step's one pack plan where the forward packs each group), each trimmed of the
+                   padding no row uses (``trim``) and moved to the device with its counted positions and its
+                   packs' tensors (``to_device``).
 
 A micro-batch's columns past its longest response are 0 (masked everywhere); a row's log-probs do not
 depend on the split beyond the last bit of the matmuls.
@@ -18,14 +19,15 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import torch
 
 from offpolicy.core.config import ConfigError
 from offpolicy.core.metrics import Metrics
+from offpolicy.policy.batch import TENSORS, Batch, Counted, PackLayout, pack_layout
+from offpolicy.policy.head import Scores, trainer_scores
 from offpolicy.policy.scorer_config import TRAINER_DTYPES
-from offpolicy.policy.batch import TENSORS, Batch, Counted, shared_prompts
-from offpolicy.policy.head import trainer_logprobs
 from offpolicy.core.sampling import SamplingConfig
 from offpolicy.speed import shared_prompt
 
@@ -96,30 +98,38 @@ def precision(device: torch.device, trainer_dtype: str) -> contextlib.AbstractCo
     return contextlib.nullcontext()
 
 
-def micro_batches(batch: Batch, rows: torch.Tensor, budget: int | None, packed: bool = False) -> list[torch.Tensor]:
+class Part(NamedTuple):
+    """One micro-batch of a step (``micro_batches``): its ``rows`` ``[b]`` of the CPU batch, and ``packs``, those
+    rows' packs as the step's one pack plan has them (``PackLayout.take``: row i of the layout is ``rows[i]``), or
+    None: their whole rows run."""
+
+    rows: torch.Tensor
+    packs: PackLayout | None = None
+
+
+def micro_batches(batch: Batch, rows: torch.Tensor, budget: int | None, packed: bool = False) -> list[Part]:
     """``rows`` split into groups of at most ``budget`` padded tokens each (rows × the group's
     longest prompt + response); a row longer than the budget goes alone. Rows are taken
     shortest first, so rows of similar length share a group and little is padding. ``batch``
     must be on the CPU (its lengths are read on the host). ``budget=None``: one group.
 
-    ``packed`` (the model's forward takes the packs: ``offpolicy.speed.shared_prompt``) and some prompt repeats:
-    whole packs instead, shortest first, each micro-batch at most ``budget`` tokens of packs padded to its longest
-    and at most one pack of a group, its rows in the order ``rows`` gives them — so its own plan makes those very
-    packs (``shared_prompt.pack_sizes``; ``to_device`` under the same budget). Split by whole rows, the groups mix and
-    each micro-batch computes again the prompt of every group it touches; and the budget then counts the tokens the
-    packed forward holds. A long prompt's packs grow only as far as the budget allows (``shared_prompt.spans``)."""
-    if budget is None:
-        return [rows]
+    ``packed`` (the model's forward takes the packs: ``offpolicy.speed.shared_prompt``) and some prompt repeats: the
+    step's rows are laid out in packs once (``pack_layout``, under ``budget``: a long prompt's packs grow only as far
+    as the budget allows, ``shared_prompt.spans``), and the micro-batches take whole packs of that one plan, shortest
+    first, each at most ``budget`` tokens of packs padded to its longest and at most one pack of a group — each
+    micro-batch's packs are the step's slice (``PackLayout.take``), never planned again. Split by whole rows, the
+    groups mix and each micro-batch computes again the prompt of every group it touches; and the budget then counts
+    the tokens the packed forward holds."""
     if packed:
-        sizes = shared_prompt.pack_sizes(batch.input_ids[rows], batch.attention_mask[rows],
-                                         batch.positions[rows, 0] + 1,  # positions[:, 0] = len(prompt) − 1
-                                         budget=budget)
-        if sizes is not None:
-            pack_of_row, tokens, group = sizes
-            return [rows[torch.isin(pack_of_row, torch.tensor(part)).nonzero().squeeze(1)]
-                    for part in fill(tokens, budget, apart=group)]
+        found = pack_layout(batch, rows, budget)
+        if found is not None:
+            parts = [torch.arange(len(found.prompt))] if budget is None else [
+                torch.tensor(part) for part in fill(found.pack_tokens(), budget, apart=found.group_of)]
+            return [Part(rows[local], packs) for local, packs in (found.take(part) for part in parts)]
+    if budget is None:
+        return [Part(rows)]
     lengths = batch.attention_mask[rows].sum(dim=1)  # [b] prompt + response tokens
-    return [rows[torch.tensor(part, dtype=torch.long)] for part in fill(lengths, budget)]
+    return [Part(rows[torch.tensor(part, dtype=torch.long)]) for part in fill(lengths, budget)]
 
 
 def fill(lengths: torch.Tensor, budget: int, apart: torch.Tensor | None = None) -> list[list[int]]:
@@ -157,12 +167,12 @@ def trim(batch: Batch) -> Batch:
                  support=None if batch.support is None else batch.support.cut(t_max))
 
 
-def to_device(batch: Batch, device: torch.device, budget: int | None = None, packs: bool = True) -> Batch:
+def to_device(batch: Batch, device: torch.device, packs: PackLayout | None = None) -> Batch:
     """The batch's tensors on ``device``, with the positions of its counted tokens and their kept sets
     (``Batch.counted``) worked out here while the mask is on the host: the forward then gathers them
     without reading the device (a ``nonzero`` of a CUDA mask waits for every kernel queued before it).
-    ``budget``: the micro-batches' tokens (``micro_batches``), under which the packs are planned; ``packs``
-    False: no pack plan, every row computes its whole prompt (``diagnose --self-check``'s packing row)."""
+    ``packs``: the batch's rows' packs, as the step laid them out (``Part.packs``; ``pack_layout`` of the whole
+    batch for a batch scored at once), whose tensors are made here; None: every row computes its whole prompt."""
     moved = Batch(*(getattr(batch, f).to(device, non_blocking=True) for f in TENSORS),
                   kept=None if batch.kept is None else batch.kept.to(device, non_blocking=True),
                   support=None if batch.support is None else batch.support.to(device, non_blocking=True))
@@ -172,7 +182,7 @@ def to_device(batch: Batch, device: torch.device, budget: int | None = None, pac
         if batch.kept is not None:  # the counted tokens' sets, expanded here (``FlatKept``): host reads are free
             where = batch.kept.start.device
             flat = batch.kept[rows.to(where), cols.to(where)].flat().to(device, non_blocking=True)
-        shared = shared_prompts(batch, budget) if packs else None
+        shared = None if packs is None else packs.build(batch.input_ids)
         moved.counted = Counted(moved.mask, device_index(rows, device), device_index(cols, device), moved.kept, flat,
                                 None if shared is None else shared.to(device, moved.input_ids))
     return moved
@@ -183,10 +193,10 @@ class Scorer:
     """The trained model as ``train`` and ``diagnose`` score it: ``model`` (fp32 master weights,
     ``load_policy``) on ``device``, the engine's ``sampling`` support, the compute ``dtype`` (``fp32``,
     or ``bf16`` autocast: ``precision``) and ``budget``, the padded tokens of one micro-batch
-    (``micro_batches``; None: the whole batch at once). ``by_packs``: micro-batches of whole packs where the model's
-    forward packs (False: of whole rows, e.g. each row alone for ``diagnose --self-check``); ``packs``: the forward
-    packs each group where the model allows it (False: whole rows in the same micro-batches, the self-check's
-    packing row)."""
+    (``micro_batches``; None: the whole batch at once). ``by_packs``: micro-batches of whole packs of the step's one
+    pack plan where the model's forward packs (False: of whole rows, which then run whole — e.g. each row alone for
+    ``diagnose --self-check``); ``packs``: the forward runs those packs (False: whole rows in the same
+    micro-batches, the self-check's packing row)."""
 
     model: torch.nn.Module
     sampling: SamplingConfig
@@ -205,56 +215,53 @@ class Scorer:
         """This scorer without a token budget: a few rows in one forward."""
         return replace(self, budget=None)
 
-    def forward(self, mb: Batch, metrics: Metrics | None = None,
-                entropy_out: list[torch.Tensor] | None = None,
-                support_out: list[torch.Tensor] | None = None) -> torch.Tensor:
-        """log π(y_t) ``[b, T']`` fp32 of a device micro-batch under the configured precision
-        (``metrics``, ``entropy_out``, ``support_out``: see ``head.trainer_logprobs``)."""
+    def forward(self, mb: Batch, metrics: Metrics | None = None, *, entropy: bool = False,
+                support: bool = False) -> Scores:
+        """``head.trainer_scores`` of a device micro-batch under the configured precision: log π(y_t) ``[b, T']``
+        fp32 and, as asked (``entropy``, ``support``), each token's entropy and log p_v of its support ids."""
         with precision(self.device, self.dtype):
-            logprobs = trainer_logprobs(self.model, mb, self.sampling, metrics, entropy_out=entropy_out,
-                                        support_out=support_out)
-        return logprobs.to(torch.promote_types(logprobs.dtype, torch.float32))
+            scores = trainer_scores(self.model, mb, self.sampling, metrics, entropy=entropy, support=support)
+        return scores._replace(logprobs=scores.logprobs.to(torch.promote_types(scores.logprobs.dtype, torch.float32)))
 
-    def micro_batches(self, batch: Batch, rows: torch.Tensor) -> list[torch.Tensor]:
-        """``rows`` of the CPU ``batch`` in groups of at most ``budget`` padded tokens (whole packs, where the model
-        takes them and ``by_packs``)."""
+    def micro_batches(self, batch: Batch, rows: torch.Tensor) -> list[Part]:
+        """``rows`` of the CPU ``batch`` in micro-batches of at most ``budget`` padded tokens (whole packs of the
+        step's one pack plan, where the model takes them and ``by_packs``)."""
         packed = self.by_packs and shared_prompt.refusal(self.model, "packed") is None
         return micro_batches(batch, rows, self.budget, packed=packed)
 
-    def to_device(self, batch: Batch, rows: torch.Tensor) -> Batch:
-        """``rows`` of the CPU ``batch``, trimmed of unused padding, on the device."""
-        return to_device(trim(batch.select(rows)), self.device, self.budget, self.packs)
+    def to_device(self, batch: Batch, part: Part) -> Batch:
+        """``part``'s rows of the CPU ``batch``, trimmed of unused padding, on the device with their packs (unless
+        ``packs`` is False)."""
+        return to_device(trim(batch.select(part.rows)), self.device, part.packs if self.packs else None)
 
     @torch.no_grad()
-    def score(self, batch: Batch, metrics: Metrics | None = None, entropy: bool = False,
-              support_out: list[torch.Tensor] | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """log π ``[B, T]`` fp32 on the device for the whole CPU ``batch``, in micro-batches; the
+    def score(self, batch: Batch, metrics: Metrics | None = None, *, entropy: bool = False,
+              support: bool = False) -> Scores:
+        """``Scores`` ``[B, T]`` fp32 on the device for the whole CPU ``batch``, in micro-batches; the
         columns past a micro-batch's longest response stay 0 (masked everywhere). The rows' order
         goes to the device once, after the last forward, without a host wait (``device_index``).
         ``metrics``: the forward's own (mean token entropy, outside mass); ``entropy``: also each
-        token's entropy ``[B, T]`` (0 off the mask), returned second; ``support_out``: log π of the batch's
-        score-centering support ids ``[B, T, K]`` (``Batch.support``) is appended to it."""
-        groups = self.micro_batches(batch, torch.arange(len(batch.mask)))
+        token's entropy ``[B, T]`` (0 off the mask); ``support`` and the batch carrying score centering's support
+        (``Batch.support``): also log π of its ids ``[B, T, K]``."""
+        parts = self.micro_batches(batch, torch.arange(len(batch.mask)))
         width = batch.mask.shape[1]
-        parts, entropies, supports = [], [], []
-        for rows in groups:
-            out: list[torch.Tensor] | None = [] if entropy else None
-            support: list[torch.Tensor] | None = [] if support_out is not None else None
-            logprobs = self.forward(self.to_device(batch, rows), metrics, out, support)  # [b, T'] fp32
-            parts.append(widen(logprobs, width))
+        support = support and batch.support is not None
+        logprobs, entropies, supports = [], [], []
+        for part in parts:
+            out = self.forward(self.to_device(batch, part), metrics, entropy=entropy, support=support)  # [b, T'] fp32
+            logprobs.append(widen(out.logprobs, width))
             if entropy:
-                entropies.append(widen(out[0], width))
-            if support is not None:  # back to the batch's K (a micro-batch carries only the slots it uses)
-                part = widen(support[0], width)
-                supports.append(torch.nn.functional.pad(part, (0, batch.support.ids.shape[-1] - part.shape[-1])))
-        order = torch.cat(groups)  # row of each stacked part
+                entropies.append(widen(out.entropy, width))
+            if support:  # back to the batch's K (a micro-batch carries only the slots it uses)
+                lp = widen(out.support_logprobs, width)
+                supports.append(torch.nn.functional.pad(lp, (0, batch.support.ids.shape[-1] - lp.shape[-1])))
+        order = torch.cat([part.rows for part in parts])  # row of each stacked part
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(len(order))
         index = device_index(inverse, self.device)
-        logprobs = torch.cat(parts)[index]  # [B, T]
-        if support_out is not None:
-            support_out.append(torch.cat(supports)[index])
-        return (logprobs, torch.cat(entropies)[index]) if entropy else logprobs
+        return Scores(torch.cat(logprobs)[index],  # [B, T]
+                      torch.cat(entropies)[index] if entropy else None,
+                      torch.cat(supports)[index] if support else None)  # [B, T, K]
 
 
 def widen(x: torch.Tensor, width: int, value: float = 0.0) -> torch.Tensor:

@@ -222,15 +222,15 @@ def spans(prompt: torch.Tensor, longest: torch.Tensor, cap: int = PACK_TOKENS, b
     Σ r² = Σ (P + r)², as s² ≤ P² ≤ (k − 1)·P² — and fewer linear FLOPs (P + s tokens, not k·P + s; the last
     response may run past the span, by less than a response). The growth past the cap stops where a pack would pass
     ``budget`` tokens (the micro-batch's, ``policy.score.micro_batches``): the last response starts at most span − 1
-    after the first and holds at most ``longest``, so P + span − 1 + longest ≤ budget. A subset of a group's rows (a
-    micro-batch) has no longer response, so its span is never shorter: its own plan remakes its packs
-    (``pack_sizes``)."""
+    after the first and holds at most ``longest``, so P + span − 1 + longest ≤ budget. The spans are the step's: its
+    micro-batches take whole packs of the step's one layout (``PackLayout.take``), never a plan of their own."""
     grown = prompt if budget is None else torch.minimum(prompt, budget - prompt - longest + 1)
     return torch.maximum(cap - prompt, grown).clamp(min=1)
 
 
 class SharedPrompts(NamedTuple):
-    """A micro-batch's forward with each repeated prompt computed once, packed (``plan``; ``decoder_hidden``).
+    """A micro-batch's forward with each repeated prompt computed once, packed (``PackLayout.build``;
+    ``decoder_hidden``).
     Each row is its prompt and its response; the response's last token predicts nothing. A *pack* is one
     distinct prompt followed by the responses (but their last tokens) of some of its rows, back to back, with no
     padding between them; ``ids`` ``[n, W]`` holds the packs (0-padded at the right), ``positions`` ``[n, W]`` each
@@ -254,10 +254,12 @@ class SharedPrompts(NamedTuple):
 
 
 class PackLayout(NamedTuple):
-    """Which pack each row of a batch goes in (``layout``), before any tensor of the packs is made: rows in
-    group order (``order`` ``[B]``: each group's rows in batch order), each row's response length but its last
-    token (``length``, by ``order``), ``pack`` (by ``order``) and start column in it (``column``, by ``order``); per pack its prompt's length (``prompt`` ``[n]``) and group (``group_of``
-    ``[n]``), and per distinct prompt its ids (``distinct`` ``[D, L]``)."""
+    """Which pack each row of a step goes in (``layout``), before any tensor of the packs is made — the step's one
+    pack plan, of which each micro-batch takes whole packs (``take``) and makes its tensors (``build``). Rows in
+    group order (``order`` ``[B]``: each group's rows in batch order), each row's response length but its last token
+    (``length``, by ``order``), ``pack`` (by ``order``) and start column in it (``column``, by ``order``); per pack
+    its prompt's length (``prompt`` ``[n]``) and group (``group_of`` ``[n]``), and per distinct prompt its ids
+    (``distinct`` ``[D, L]``, −1 past the prompt). Host tensors."""
 
     order: torch.Tensor
     length: torch.Tensor
@@ -275,6 +277,53 @@ class PackLayout(NamedTuple):
         """Each row's pack ``[B]``, in batch order."""
         return torch.empty_like(self.pack).scatter_(0, self.order, self.pack)
 
+    def take(self, packs: torch.Tensor) -> tuple[torch.Tensor, PackLayout | None]:
+        """The rows of ``packs`` (indices of this layout's packs) and those packs alone, as they are here: (the
+        rows ``[b]``, indices of this layout's rows in their order; the layout of those rows, row i the i-th of
+        them, its packs renumbered in their order here), or (rows, None) where no pack of them holds two rows —
+        nothing shared, so their whole rows run. A micro-batch's packs are the step's by construction: the same
+        rows in the same order at the same columns, whatever else the micro-batch holds."""
+        chosen = torch.zeros(len(self.prompt), dtype=torch.bool)
+        chosen[packs] = True
+        inside = chosen[self.pack]  # by order
+        members = self.order[inside]  # this layout's rows, in group order
+        rows = members.sort().values
+        if len(members) == int(chosen.sum()):  # one row a pack: no prompt computed once for two rows
+            return rows, None
+        local = torch.empty(len(self.order), dtype=torch.long)
+        local[rows] = torch.arange(len(rows))
+        renumber = chosen.long().cumsum(0) - 1  # each chosen pack's index among them
+        return rows, PackLayout(local[members], self.length[inside], renumber[self.pack[inside]], self.column[inside],
+                                self.prompt[chosen], self.group_of[chosen], self.distinct)
+
+    def build(self, input_ids: torch.Tensor) -> SharedPrompts:
+        """The packs' tensors (``SharedPrompts``, on the host) serving ``input_ids`` ``[B, L]``, the right-padded
+        rows this layout is of (any width that holds every row's tokens: a trimmed micro-batch's)."""
+        order, length, pack, column, pack_prompt = self.order, self.length, self.pack, self.column, self.prompt
+        rows, width = input_ids.shape
+        packs = len(pack_prompt)
+        packed = int(self.pack_tokens().max())
+        # the prompts
+        cols = torch.arange(packed)
+        in_prompt = cols[None, :] < pack_prompt[:, None]  # [n, W]
+        prompt_ids = self.distinct[self.group_of].gather(1, cols.clamp(max=self.distinct.shape[1] - 1).expand(packs, -1))
+        ids = torch.where(in_prompt, prompt_ids, 0)
+        positions = torch.where(in_prompt, cols, 0)
+        segments = torch.where(in_prompt, 0, -1)
+        # the responses (but their last tokens), each after its pack's prompt and the responses before it
+        width_s = int(length.max())
+        t = torch.arange(width_s)
+        valid = t[None, :] < length[:, None]  # [B, S], rows in group order
+        target = pack[:, None] * packed + column[:, None] + t  # flat index into [n·W]
+        source = (pack_prompt[pack][:, None] + t).clamp(max=width - 1)  # the tokens' columns in their whole rows
+        ids.view(-1)[target[valid]] = input_ids[order].gather(1, source)[valid]
+        positions.view(-1)[target[valid]] = source[valid]
+        segments.view(-1)[target[valid]] = (order[:, None] + 1).expand(-1, width_s)[valid]
+        last = pack * packed + pack_prompt[pack] - 1  # each row's prompt's last token
+        gather = torch.empty((rows, width_s + 1), dtype=torch.long)
+        gather[order] = torch.cat([last[:, None], torch.where(valid, target, last[:, None])], dim=1)
+        return SharedPrompts(input_ids, ids, positions, segments, gather)
+
 
 def layout(input_ids: torch.Tensor, attention: torch.Tensor, prompt: torch.Tensor,
            cap: int = PACK_TOKENS, budget: int | None = None) -> PackLayout | None:
@@ -282,7 +331,8 @@ def layout(input_ids: torch.Tensor, attention: torch.Tensor, prompt: torch.Tenso
     None where no prompt repeats. Rows whose prompts are equal token for token share a prompt. A group's rows fill
     packs in batch order, each pack's responses starting within its group's ``spans`` of its first: ``cap`` −
     len(prompt) (so such a pack ends at most one response past ``cap``), or for a long prompt up to len(prompt),
-    within ``budget`` tokens a pack."""
+    within ``budget`` tokens a pack (the micro-batches' budget: the trainer lays out a step's rows once, and its
+    micro-batches take whole packs, ``PackLayout.take``)."""
     rows, width = input_ids.shape
     if rows < 2 or int(prompt.min()) < 1:
         return None
@@ -310,54 +360,6 @@ def layout(input_ids: torch.Tensor, attention: torch.Tensor, prompt: torch.Tenso
     column = offset - torch.full((packs,), rows * width).scatter_reduce(0, pack, offset, "amin")[pack]
     column = column + pack_prompt[pack]  # where each row's response starts in its pack
     return PackLayout(order, length, pack, column, pack_prompt, pack_group, distinct)
-
-
-def plan(input_ids: torch.Tensor, attention: torch.Tensor, prompt: torch.Tensor,
-         cap: int = PACK_TOKENS, budget: int | None = None) -> SharedPrompts | None:
-    """The trainer's plan for right-padded rows ``[B, L]`` whose prompts are ``prompt`` ``[B]`` tokens long, made
-    on the host (CPU tensors), with the packs of ``layout`` (``budget``: the micro-batches' tokens, which bounds how
-    far a long prompt's packs grow); None where it would save nothing (no prompt repeats)."""
-    found = layout(input_ids, attention, prompt, cap, budget)
-    if found is None:
-        return None
-    order, length, pack, column, pack_prompt = found.order, found.length, found.pack, found.column, found.prompt
-    rows, width = input_ids.shape
-    packs = len(pack_prompt)
-    packed = int(found.pack_tokens().max())
-    # the prompts
-    cols = torch.arange(packed)
-    in_prompt = cols[None, :] < pack_prompt[:, None]  # [n, W]
-    ids = torch.where(in_prompt, found.distinct[found.group_of].gather(1, cols.clamp(max=width - 1).expand(packs, -1)),
-                      0)
-    positions = torch.where(in_prompt, cols, 0)
-    segments = torch.where(in_prompt, 0, -1)
-    # the responses (but their last tokens), each after its pack's prompt and the responses before it
-    width_s = int(length.max())
-    t = torch.arange(width_s)
-    valid = t[None, :] < length[:, None]  # [B, S], rows in group order
-    target = pack[:, None] * packed + column[:, None] + t  # flat index into [n·W]
-    source = (prompt[order][:, None] + t).clamp(max=width - 1)  # the tokens' columns in their whole rows
-    ids.view(-1)[target[valid]] = input_ids[order].gather(1, source)[valid]
-    positions.view(-1)[target[valid]] = source[valid]
-    segments.view(-1)[target[valid]] = (order[:, None] + 1).expand(-1, width_s)[valid]
-    last = pack * packed + pack_prompt[pack] - 1  # each row's prompt's last token
-    gather = torch.empty((rows, width_s + 1), dtype=torch.long)
-    gather[order] = torch.cat([last[:, None], torch.where(valid, target, last[:, None])], dim=1)
-    return SharedPrompts(input_ids, ids, positions, segments, gather)
-
-
-def pack_sizes(input_ids: torch.Tensor, attention: torch.Tensor, prompt: torch.Tensor,
-               cap: int = PACK_TOKENS, budget: int | None = None
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """(each row's pack ``[B]``, each pack's tokens ``[n]``, each pack's group ``[n]``) of ``layout``'s packs, for
-    micro-batches of whole packs (``policy.score.micro_batches``); None where no prompt repeats.
-
-    A micro-batch's own plan (under the same ``budget``) remakes a pack exactly when it holds that pack's rows in the
-    same order and no other pack of its group: a pack's responses all start within its group's span of its first,
-    and those rows alone have a span no shorter (``spans``), so alone they are one pack again; beside another pack
-    of the group the offsets run on and the boundaries move."""
-    found = layout(input_ids, attention, prompt, cap, budget)
-    return None if found is None else (found.pack_of_rows(), found.pack_tokens(), found.group_of)
 
 
 def serves(model, shared: SharedPrompts | None, input_ids: torch.Tensor) -> bool:

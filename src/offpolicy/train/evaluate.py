@@ -156,7 +156,7 @@ def answer_logprobs(policy, tokenizer, problems: list, trainer_dtype: str = "fp3
             check_head(policy, head, ids[:1, :PROBE_TOKENS])
             with precision(policy.device, trainer_dtype):
                 hidden = decoder_hidden(policy, ids, attention)[row.to(policy.device), col.to(policy.device)]
-                logp, _, _ = token_logprobs(hidden, tokens.to(policy.device), head, SamplingConfig())  # [N] fp32
+                logp = token_logprobs(hidden, tokens.to(policy.device), head, SamplingConfig()).logprobs  # [N] fp32
             for answer_lp in torch.split(logp.float(), [len(a) for _, a in part]):
                 totals.append(float(answer_lp.sum()))
                 counts.append(len(answer_lp))

@@ -304,7 +304,7 @@ def step_samples(cfg: TrainConfig, scorer: Scorer, tokenizer, item, batch, texts
             if r in update_logprobs:
                 trainer[i, : update_logprobs[r].shape[0]] = update_logprobs[r].float().cpu()
     else:
-        trainer = scorer.whole().score(batch.select(rows)).float().cpu()
+        trainer = scorer.whole().score(batch.select(rows)).logprobs.float().cpu()
     # −inf where a token lies outside the trainer's top-k/top-p support (sample_records leaves it out)
     log_ratio = torch.where(batch.mask[rows].bool(), trainer - batch.rollout_logprobs[rows], 0.0)  # [k, T]
     # each response token as text, for the per-token viewer (offpolicy view)
@@ -574,9 +574,8 @@ def train_step(run: Run, step: int, stop: GracefulStop) -> None:
         s = score(run, item)
     with timer("pi_old"):  # π_old: the trainer before this step (no forward where it is skipped, or loglinear)
         # with score centering, log π_old of the support ids too (else the update's own, detached: ``optimizer_step``)
-        old_support: list[torch.Tensor] | None = [] if s.batch.support is not None else None
-        old = None if run.skip_old or cfg.prox_logp == "loglinear" else run.scorer.score(s.batch,
-                                                                                          support_out=old_support)
+        scored = None if run.skip_old or cfg.prox_logp == "loglinear" else run.scorer.score(s.batch, support=True)
+        old, old_support = (None, None) if scored is None else (scored.logprobs, scored.support_logprobs)
     # which rows' log ρ are shown as text (samples.jsonl), and π_old as the update reads it
     shown = set(spread_rows(len(s.rewards), cfg.group_size, cfg.samples_per_step).tolist())
     old_of, update_lp = choose_old(run, s, old, shown)
@@ -593,7 +592,7 @@ def train_step(run: Run, step: int, stop: GracefulStop) -> None:
     skipped = bool((s.advantages == 0).all()) and run.loss_cfg.kl_coef == 0
     trained_on = run.version  # the weights this step starts from (the version does not advance on a skip)
     stop.updating = True  # from here until the step is logged, the weights are mid-update
-    kl_update = update(run, step, s, old_of, metrics, skipped, timer, old_support[0] if old_support else None)
+    kl_update = update(run, step, s, old_of, metrics, skipped, timer, old_support)
     if update_lp is not None:
         with timer("samples"):  # log π_old from the update's own forward (choose_old)
             samples = step_samples(cfg, run.scorer, run.tokenizer, item, s.batch, s.texts, s.rewards, s.advantages,
@@ -675,7 +674,7 @@ def update(run: Run, step: int, s: Scored, old_of: Callable, metrics: Metrics, s
     order = torch.Generator().manual_seed(cfg.seed * 31 + step)
     kl_rows = spread_rows(n_rows, cfg.group_size, cfg.policy_kl_rows) if cfg.policy_kl_rows else None
     with timer("policy_kl"):  # the policy before the update, on a few rows (policy/kl_k3_update)
-        kl_before = None if kl_rows is None or skipped else scorer.whole().score(batch.select(kl_rows))
+        kl_before = None if kl_rows is None or skipped else scorer.whole().score(batch.select(kl_rows)).logprobs
     with timer("train"):
         step_args = dict(old_of=old_of, loss_cfg=run.loss_cfg, max_grad_norm=cfg.max_grad_norm, metrics=metrics,
                          split_metrics=cfg.split_metrics, old_support=old_support)
@@ -691,7 +690,7 @@ def update(run: Run, step: int, s: Scored, old_of: Callable, metrics: Metrics, s
                 start = False
     with timer("policy_kl"):
         return None if kl_rows is None else 0.0 if skipped else update_kl_k3(
-            kl_before, scorer.whole().score(batch.select(kl_rows)), batch.mask[kl_rows].to(run.device))
+            kl_before, scorer.whole().score(batch.select(kl_rows)).logprobs, batch.mask[kl_rows].to(run.device))
 
 
 def step_values(run: Run, s: Scored, metrics: Metrics, skipped: bool, trained_on: int,

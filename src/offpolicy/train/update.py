@@ -37,6 +37,7 @@ import torch
 
 import offpolicy as op
 from offpolicy.core import ops
+from offpolicy.core.centering import Support
 from offpolicy.core.config import M2Rule
 from offpolicy.core.kernels.common import row_aggregation
 from offpolicy.core.metrics import Metrics
@@ -87,7 +88,7 @@ def step_config(loss_cfg: op.LossConfig, parts: list[dict[str, torch.Tensor]],
 
 def accumulate(logprobs: torch.Tensor, old_logprobs: torch.Tensor | None, advantages: torch.Tensor, mb: Batch,
                loss_cfg: op.LossConfig, metrics: Metrics, backward: bool = True, split: bool = False,
-               support: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None) -> torch.Tensor:
+               support: Support | None = None) -> torch.Tensor:
     """One micro-batch's corrected loss, backpropagated (gradients add up in ``.grad``; not with
     ``backward=False``, which only measures); returns its value, detached, in float64.
 
@@ -95,13 +96,12 @@ def accumulate(logprobs: torch.Tensor, old_logprobs: torch.Tensor | None, advant
     loss's own rule (``row_aggregation``: Σ / N_tokens, or the row means over N_rows) in float64,
     so that the micro-batches' values add up to the whole step's to float64 rounding whatever the
     split. The per-call ``loss`` metric is left out: ``optimizer_step`` records the step's. ``support``: score
-    centering's (log p_v with grad, log q_v, log π_old(v)) ``[b, T, K]`` of the micro-batch's support ids.
+    centering's support of the micro-batch, scored (``Support``: log p_v with grad, log q_v, log π_old(v)
+    ``[b, T, K]``).
     """
-    centring = {} if support is None else dict(zip(
-        ("support_logprobs", "support_rollout_logprobs", "support_old_logprobs"), support))
     per_token, agg_mask, m = op.policy_loss(logprobs, old_logprobs, advantages, mb.mask,
                                             rollout_logprobs=mb.rollout_logprobs, config=loss_cfg, reduce=False,
-                                            **centring)
+                                            support=support)
     numerator, count, _ = row_aggregation(per_token.double().sum(-1), agg_mask.double().sum(-1), loss_cfg,
                                           per_token.shape[-1])
     loss = numerator / count.clamp(min=1)
@@ -187,7 +187,7 @@ def optimizer_step(scorer: Scorer, optimizer, batch: Batch, rows: torch.Tensor, 
     log-linear proximal. ``split_metrics`` adds ``op.split_metrics`` (``drift_and_split_metrics``).
 
     Score centering (``loss.score_centering``, the batch carrying its ``Batch.support``): each micro-batch's forward
-    also gives log p_v of the support ids (``Scorer.forward``'s ``support_out``), and ``old_support`` ``[B, T, K]``
+    also gives log p_v of the support ids (``Scores.support_logprobs``), and ``old_support`` ``[B, T, K]``
     (device) log π_old(v) from the π_old forward; None: the update's own, detached, as ``old_of`` does for π_old.
 
     Whatever the split, the step computes and reports the same numbers (issue #32): the config is
@@ -241,8 +241,9 @@ def _step(scorer: Scorer, batch: Batch, rows: torch.Tensor, advantages: torch.Te
     if rows.numel() == 0:
         return None
     width = int(batch.mask[rows].sum(dim=1).max())  # the step's response width (the CPU batch: no sync)
-    groups = scorer.micro_batches(batch, rows)
-    mbs = [scorer.to_device(batch, g) for g in groups]
+    micro = scorer.micro_batches(batch, rows)  # whole packs of the step's one pack plan
+    groups = [part.rows for part in micro]
+    mbs = [scorer.to_device(batch, part) for part in micro]
     advs = [advantages[g][:, :width].to(scorer.device, non_blocking=True) for g in groups]
     truncated = scorer.sampling.truncates
 
@@ -253,14 +254,17 @@ def _step(scorer: Scorer, batch: Batch, rows: torch.Tensor, advantages: torch.Te
         view = replace(mb, mask=widen(mb.mask, width), rollout_logprobs=widen(mb.rollout_logprobs, width))
         return view, widen(logprobs, width), None if old is None else widen(old, width)
 
-    def centring(g, mb, support_out):
-        """Score centering's (log p_v, log q_v, log π_old(v)) ``[b, width, K]`` of the micro-batch, or None."""
+    def centring(g, mb, scores):
+        """Score centering's support of the micro-batch, scored (log p_v, log π_old(v)), ``[b, width, K]``; or
+        None."""
         if mb.support is None:
             return None
-        (lp,) = support_out
+        lp = scores.support_logprobs
         old = lp.detach() if old_support is None else \
             old_support[device_index(g, scorer.device), : lp.shape[1], : lp.shape[2]]
-        return widen(lp, width), widen(mb.support.rollout, width, float("-inf")), widen(old, width)
+        sup = mb.support
+        return Support(widen(sup.ids, width), widen(sup.rollout_logprobs, width, float("-inf")), sup.form,
+                       logprobs=widen(lp, width), old_logprobs=widen(old, width))
 
     def counts(view: Batch) -> bool:
         # under top-k/top-p a micro-batch can lose every token to the support (one host read, only then)
@@ -270,15 +274,14 @@ def _step(scorer: Scorer, batch: Batch, rows: torch.Tensor, advantages: torch.Te
     total = torch.zeros((), dtype=torch.float64, device=scorer.device)
     if len(groups) == 1:  # the update's own forward gives π_θ for the step's bounds: no extra forward
         (g,), (mb,), (adv,) = groups, mbs, advs
-        support_out: list[torch.Tensor] = []
-        view, logprobs, old = loss_inputs(g, mb, scorer.forward(mb, metrics, support_out=support_out),
-                                          metrics if truncated else None)
+        scores = scorer.forward(mb, metrics, support=True)
+        view, logprobs, old = loss_inputs(g, mb, scores.logprobs, metrics if truncated else None)
         if step_start:
             mismatch_k3(logprobs, view, metrics)
         if counts(view):
             parts = [{"mask": view.mask}] if loss_cfg.correction is None else [_part(view, adv, logprobs.detach(), old)]
             total = accumulate(logprobs, old, adv, view, step_config(loss_cfg, parts, step), step, backward, split,
-                               centring(g, mb, support_out))
+                               centring(g, mb, scores))
     else:
         # the step's count and bounds need each micro-batch's surviving tokens before any backward:
         # a correction's inputs, and under top-k/top-p the tokens inside the trainer's support
@@ -293,7 +296,7 @@ def _step(scorer: Scorer, batch: Batch, rows: torch.Tensor, advantages: torch.Te
                 kept.append(True)
                 continue
             with torch.no_grad():  # π_θ is the same for every micro-batch of this step
-                view, current, old = loss_inputs(g, mb, scorer.forward(mb, metrics),
+                view, current, old = loss_inputs(g, mb, scorer.forward(mb, metrics).logprobs,
                                                  metrics if truncated else None)
             kept.append(counts(view))
             if kept[-1]:
@@ -304,12 +307,11 @@ def _step(scorer: Scorer, batch: Batch, rows: torch.Tensor, advantages: torch.Te
                 continue
             # π_old from the update's own forward where it is sg(π_θ), as in the unsplit step (the
             # no-grad forward above may take other kernels and differ in the last bit)
-            support_out = []
-            view, logprobs, old = loss_inputs(g, mb, scorer.forward(mb, None if first_pass else metrics,
-                                                                    support_out=support_out))
+            scores = scorer.forward(mb, None if first_pass else metrics, support=True)
+            view, logprobs, old = loss_inputs(g, mb, scores.logprobs)
             if step_start:
                 mismatch_k3(logprobs, view, metrics)
             total = total + accumulate(logprobs, old, adv, view, cfg, step, backward, split,
-                                       centring(g, mb, support_out))
+                                       centring(g, mb, scores))
     metrics.update(step.renamed(rule_names(loss_cfg)))
     return total

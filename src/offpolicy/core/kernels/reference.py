@@ -176,9 +176,9 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, cfg: LossConfig) -> t
 
 
 def policy_loss(logprobs, old_logprobs, advantages, mask, rollout_logprobs, config: LossConfig, reduce: bool,
-                ref_logprobs: torch.Tensor | None = None, support: tuple | None = None):
+                ref_logprobs: torch.Tensor | None = None, support: centering.Support | None = None):
     """The readable policy loss; arguments as ``offpolicy.policy_loss`` (already checked there).
-    ``support``: (support_logprobs, support_rollout_logprobs, support_old_logprobs) of score centering."""
+    ``support``: score centering's ``Support``, scored by the trainer."""
     cfg = config
     corr_cfg = cfg.correction
     if corr_cfg is not None:
@@ -235,11 +235,11 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, rollout_logprobs, conf
     if cfg.score_centering is not None:
         # sg(A_t)·Σ_v sg(q_v c_v)·log p_v on every valid token of a kept row (offpolicy.core.centering); without a
         # recorded support, none (as prime-rl), and the metric says so
-        applied = support is not None and support[0] is not None
+        applied = support is not None
         metrics.mean("score_centering/applied", torch.full_like(valid, applied), valid)
         if applied:
             per_token = per_token + centering.score_centering_term(
-                cfg, corr if corr_cfg is not None else None, valid, advantages, *support, metrics)
+                cfg, corr if corr_cfg is not None else None, valid, advantages, support, metrics)
     if old is not None:
         log_r = (lp - old).detach().clamp(-RATIO_LOG_CLAMP, RATIO_LOG_CLAMP)
         metrics.mean("approx_kl", torch.expm1(log_r) - log_r, loss_mask)  # k3 of π_θ vs π_old (expm1: no fp32 floor)
