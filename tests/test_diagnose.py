@@ -207,8 +207,8 @@ def test_diagnose_scores_as_train_does_in_token_budget_micro_batches(tiny_model,
     sampling = SamplingConfig(max_tokens=10)
     whole = diagnose.score_batch(diagnose.TrainerSide(tiny_model, sampling, budget=None), batch)
     shapes = []
-    real = score.trainer_logprobs
-    monkeypatch.setattr(score, "trainer_logprobs", lambda model, mb, *a, **k: shapes.append(
+    real = score.trainer_scores
+    monkeypatch.setattr(score, "trainer_scores", lambda model, mb, *a, **k: shapes.append(
         (tuple(mb.input_ids.shape), int(mb.attention_mask.sum(1).max()))) or real(model, mb, *a, **k))
     budget = 3 * 19  # a few rows a micro-batch (the longest row is 19 tokens)
     split = diagnose.score_batch(diagnose.TrainerSide(tiny_model, sampling, budget=budget), batch)

@@ -306,7 +306,7 @@ def test_diagnose_scores_with_trains_loader_and_forward(tiny_dir):
     s = diagnose.sample(diagnose.TrainerSide(tiny_dir, sampling, "bf16"), tok, prompts, "hf", "fp32", seed=0)
     cpu = torch.device("cpu")
     with torch.no_grad():
-        want = Scorer(score.load_policy(tiny_dir, cpu).eval(), sampling, cpu, "bf16").forward(s.batch)
+        want = Scorer(score.load_policy(tiny_dir, cpu).eval(), sampling, cpu, "bf16").forward(s.batch).logprobs
     counted = s.batch.mask.bool()
     assert torch.equal(s.trainer[counted], want[counted])
     assert 0 < float((s.trainer - s.batch.rollout_logprobs)[counted].abs().max()) < 0.5  # bf16 compute really ran
