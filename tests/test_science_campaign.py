@@ -361,3 +361,19 @@ def test_the_vectorised_exact_test_matches_the_readable_one(science):
     assert always == {"gate": 1.0, "c_minus_n": 1.0, "path": 1.0}
     never = science.simulated_power(lambda rng, cell, shape: rng.normal(0.5, 1e-3, shape), 4, sims=50)
     assert never["path"] == 0.0
+
+
+def test_the_campaigns_records_are_not_ignored_by_git():
+    """The runner commits each record (``commit_record``: ``git add`` of its directory); on 2026-11-29 the
+    top-level ``runs/`` rule of .gitignore made that ``git add`` fail for R seed 1's record, and the runner retried
+    until .gitignore let docs/science_long/runs through."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    if not (root / ".git").exists():
+        pytest.skip("not a git checkout (an export or a copy of the tree): nothing commits records here")
+    probe = "docs/science_long/runs/R/seed1/record.json"
+    ignored = subprocess.run(["git", "-C", str(root), "check-ignore", "-q", probe], capture_output=True)
+    assert ignored.returncode == 1, f"{probe} is ignored by git: the runner could not commit it"
+    assert subprocess.run(["git", "-C", str(root), "check-ignore", "-q", "runs/reverse-x/metrics.jsonl"]
+                          ).returncode == 0  # a user's own run directories stay ignored
