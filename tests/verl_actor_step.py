@@ -16,8 +16,9 @@ OUT.pt gets, per loss, the parameters after the update and verl's metrics.
 
 verl 0.9.1 has no CPU path, so four things are set up here, and only here (each is what stops a
 CPU run; docs/hosts-end-to-end.md lists them with file:line):
-* a ``cpu`` platform registered through verl's own plugin registry (``PlatformRegistry`` /
-  ``set_platform``): verl knows cuda/npu/rocm only and falls back to "nvidia";
+* offpolicy's CPU platform (``offpolicy.integrations.verl.cpu_platform``, registered through verl's own plugin
+  registry, as verl's Ray workers get it by ``VERL_PLATFORM``) set with ``set_platform``: verl knows
+  cuda/npu/rocm only and falls back to "nvidia";
 * ``VERL_ENGINE_DEVICE=cuda``: the FSDP engine is registered for devices cuda/npu only; the
   variable is verl's own override of the lookup key, the engine itself runs on the CPU platform;
 * a gloo process group, created before verl's (verl asks for ``cpu:gloo,<device>:nccl``);
@@ -36,7 +37,6 @@ to ``loss`` (OFFPOLICY_VERL_LOSS), ``overrides``, ``batches`` (one ``update_acto
 
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
 import types
@@ -48,56 +48,9 @@ os.environ["VERL_ENGINE_DEVICE"] = "cuda"
 for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "0"}.items():
     os.environ.setdefault(key, value)
 
-from verl.plugin.platform.platform_base import PlatformBase  # noqa: E402
-from verl.plugin.platform.platform_manager import PlatformRegistry, set_platform  # noqa: E402
+from verl.plugin.platform.platform_manager import set_platform  # noqa: E402
 
-
-def _cpu_device_module() -> types.SimpleNamespace:
-    """What verl calls on ``get_torch_device()`` during an actor update, answered for a CPU."""
-    def nothing(*args, **kwargs):
-        return None
-
-    def zero(*args, **kwargs):
-        return 0
-
-    return types.SimpleNamespace(
-        is_available=lambda: True, is_initialized=lambda: True, current_device=lambda: "cpu", device_count=lambda: 1,
-        get_device_name=lambda *a: "CPU", set_device=nothing, synchronize=nothing, empty_cache=nothing,
-        reset_peak_memory_stats=nothing, manual_seed=torch.manual_seed, manual_seed_all=torch.manual_seed,
-        get_rng_state=torch.get_rng_state, set_rng_state=torch.set_rng_state, max_memory_allocated=zero,
-        max_memory_reserved=zero, memory_allocated=zero, memory_reserved=zero, mem_get_info=lambda *a: (0, 0))
-
-
-@PlatformRegistry.register(platform="cpu")
-class PlatformCPU(PlatformBase):
-    """The CPU as a verl platform. ``current_device`` is "cpu" because verl moves modules with
-    ``.to(get_device_id())``, where an integer would name an accelerator."""
-
-    device_name = "cpu"
-    vendor_name = "cpu"
-    device_module = _cpu_device_module()
-
-    def is_available(self): return True
-    def is_platform_available(self, use_smi_check=False): return True
-    def current_device(self): return "cpu"
-    def device_count(self): return 1
-    def set_device(self, device_index): return None
-    def synchronize(self, device_index=None): return None
-    def manual_seed(self, seed): torch.manual_seed(seed)
-    def manual_seed_all(self, seed): torch.manual_seed(seed)
-    def set_allocator_settings(self, settings): return None
-    def empty_cache(self): return None
-    def get_device_capability(self, device_index=0): return (None, None)
-    def communication_backend_name(self): return "gloo"
-    def visible_devices_envvar(self): return "CUDA_VISIBLE_DEVICES"
-    @contextlib.contextmanager
-    def nvtx_range(self, msg): yield
-    def profiler_start(self): return None
-    def profiler_stop(self): return None
-    def ray_resource_name(self): return "CPU"
-    def ray_noset_envvars(self): return []
-    def is_ipc_supported(self): return False
-    def cudart(self): return None
+from offpolicy.integrations import verl as op_verl  # noqa: E402 - registers offpolicy's CPU platform with verl
 
 
 def compose(model_dir: str, job: dict):
@@ -130,7 +83,7 @@ def compose(model_dir: str, job: dict):
 
 def main(job_path: str, out_path: str) -> None:
     job = torch.load(job_path, weights_only=False)
-    set_platform(PlatformCPU())
+    set_platform(op_verl.cpu_platform())
     torch.distributed.init_process_group("gloo", rank=0, world_size=1, init_method=f"file://{out_path}.rendezvous")
     import verl.models.transformers.monkey_patch as verl_patch
 
@@ -173,7 +126,6 @@ def _rank_runs(rank: int, world: int, job: dict) -> dict:
     from verl.workers.engine_workers import ActorRolloutRefWorker
     from verl.workers.utils.padding import left_right_2_no_padding
 
-    from offpolicy.integrations import verl as op_verl
     from two_ranks import shard
 
     results = {}
@@ -211,7 +163,7 @@ def main_ranks(job_path: str, out_path: str) -> None:
     """``_rank_runs`` at two ranks and at one; OUT.pt = {world: [per rank]}."""
     torch.set_num_threads(1)
     job = torch.load(job_path, weights_only=False)
-    set_platform(PlatformCPU())
+    set_platform(op_verl.cpu_platform())
     import verl.models.transformers.monkey_patch as verl_patch
 
     verl_patch.is_trl_available = lambda: False

@@ -214,6 +214,15 @@ def _cpu_device_module():
         Event=torch.cpu.Event)
 
 
+_CPU_PLATFORM_CLASS: list[type] = []  # the class _register_cpu_platform registered (cpu_platform builds one)
+
+
+def cpu_platform():
+    """An instance of the CPU platform registered under ``CPU_PLATFORM``, for ``verl``'s ``set_platform`` in a
+    process that runs verl's worker code itself (the tests' actor step) rather than through ``VERL_PLATFORM``."""
+    return _CPU_PLATFORM_CLASS[0]()
+
+
 def _register_cpu_platform() -> None:
     import contextlib
 
@@ -252,6 +261,8 @@ def _register_cpu_platform() -> None:
         def ray_noset_envvars(self): return []
         def is_ipc_supported(self): return False
         def cudart(self): return None
+
+    _CPU_PLATFORM_CLASS.append(CPUPlatform)
 
 
 def cpu_env_vars() -> dict[str, str]:
