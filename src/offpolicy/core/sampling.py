@@ -71,6 +71,12 @@ def broken_rule(**values: Any) -> tuple[str, str] | None:
     return None
 
 
+def truncates(top_k: int, top_p: float, min_p: float) -> bool:
+    """The one answer to "is the sampler's support truncated?": top-k on (``top_k`` ≥ 1), top-p < 1 or min-p > 0
+    (``SamplingConfig.truncates``, ``SamplingSettings.truncates``)."""
+    return top_k > 0 or top_p < 1.0 or min_p > 0.0
+
+
 def _rule(name: str) -> AfterValidator:
     def check(value: Any) -> Any:
         if not RULES[name][0](value):
@@ -117,7 +123,7 @@ class SamplingConfig(_Strict):
         kept set (``Rollouts.kept``) is worth recording and replaying and the outside-mass metrics apply. A top-k
         of at least the vocabulary counts as on (the config does not know the vocabulary); it keeps every token,
         as ``renormalize_logprobs`` computes it, and leaves no mass outside."""
-        return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
+        return truncates(self.top_k, self.top_p, self.min_p)
 
     def support(self) -> dict[str, Any]:
         """The arguments ``renormalize_logprobs`` takes from this config: the sampler's support, as one bundle."""
@@ -151,8 +157,8 @@ class SamplingSettings(_Strict):
 
     @property
     def truncates(self) -> bool:
-        """``SamplingConfig.truncates`` of these values: the one answer to "is the support truncated?"."""
-        return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
+        """``SamplingConfig.truncates`` of these values (``truncates``)."""
+        return truncates(self.top_k, self.top_p, self.min_p)
 
     def config(self, max_tokens: int | None = None, head_logprobs: int = 0,
                min_p_order: str = "min_p_last") -> SamplingConfig:
