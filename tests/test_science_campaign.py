@@ -10,7 +10,6 @@ import io
 import json
 import math
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -200,31 +199,32 @@ def _partial_campaign(tmp_path: Path) -> Path:
     return campaign
 
 
-def test_the_report_refuses_while_blinded_and_status_shows_no_outcome(tmp_path):
+def test_the_report_refuses_while_blinded_and_status_shows_no_outcome(science, tmp_path, monkeypatch, capsys):
+    """``science_real.py --campaign C --report`` and ``--status`` through the script's own ``main`` (what
+    ``sys.exit(main())`` runs), in this process: the exit status and every byte each prints to stdout and stderr."""
     campaign = _partial_campaign(tmp_path)
-    env_cache = {"OFFPOLICY_CACHE": str(tmp_path / "cache")}
-    script = str(ROOT / "benchmarks" / "science_real.py")
-    import os
-
-    report = subprocess.run([sys.executable, script, "--campaign", str(campaign), "--report"], capture_output=True,
-                            text=True, timeout=120, env={**os.environ, **env_cache})
-    assert report.returncode == 2 and "blinded: 1 of 24" in report.stderr and report.stdout == ""
-    status = subprocess.run([sys.executable, script, "--campaign", str(campaign), "--status"], capture_output=True,
-                            text=True, timeout=120, env={**os.environ, **env_cache})
-    assert status.returncode == 0, status.stderr
-    shown = json.loads(status.stdout)
+    monkeypatch.setenv("OFFPOLICY_CACHE", str(tmp_path / "cache"))
+    capsys.readouterr()
+    assert science.main(["--campaign", str(campaign), "--report"]) == 2
+    report = capsys.readouterr()
+    assert "blinded: 1 of 24" in report.err and report.out == ""
+    assert science.main(["--campaign", str(campaign), "--status"]) == 0
+    status = capsys.readouterr()
+    shown = json.loads(status.out)
     assert shown["done"] == 1 and shown["of"] == 24 and shown["seconds_a_step"] == 2.0
     assert set(shown) == {"done", "of", "started", "left", "seconds_a_step", "hours_left_at_2_lanes"}
     for word in ("reward", "eval", "accuracy", "primary", "kl", "0.5"):
-        assert word not in status.stdout
+        assert word not in status.out
 
 
-def test_the_runner_refuses_outside_the_pinned_export(tmp_path):
+def test_the_runner_refuses_outside_the_pinned_export(science, tmp_path, capsys):
+    """``--run`` through the script's ``main`` in this process: refused (exit 3) before any run starts."""
     campaign = _partial_campaign(tmp_path)
     (campaign / "LOCK.json").write_text(json.dumps({"torch": "0.0"}))
-    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "science_real.py"), "--campaign", str(campaign),
-                           "--run"], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 3 and "not the pinned export" in done.stderr and "torch" in done.stderr
+    capsys.readouterr()
+    assert science.main(["--campaign", str(campaign), "--run"]) == 3
+    err = capsys.readouterr().err
+    assert "not the pinned export" in err and "torch" in err
 
 
 def test_committed_records_match_the_pin():
