@@ -5,6 +5,7 @@ warm start that two runs beside each other train once (issue #35)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -17,6 +18,10 @@ import pytest
 import parallel_plan as plan
 
 HERE = Path(__file__).resolve().parent
+# the inner pytest runs load pytest-xdist (where they use it) and no other installed plugin: the plan's groups are
+# pytest's and xdist's business, and each interpreter would otherwise import every plugin installed here (hydra's,
+# jaxtyping's, hypothesis', …: ~2 s of CPU a process, three processes in the two-worker run)
+ONLY_XDIST = {**os.environ, "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
 
 
 class FakeItem:
@@ -125,7 +130,7 @@ def test_tests_sharing_a_module_or_test_module_session_fixture_are_one_group(tmp
         "@pytest.mark.xdist_group('memory')\n"
         "def test_explicit(engine): pass\n")
     out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-s", "-p", "no:cacheprovider",
-                          "-p", "no:xdist", str(tmp_path)], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+                          str(tmp_path)], capture_output=True, text=True, cwd=tmp_path, timeout=120, env=ONLY_XDIST)
     groups = dict(line.split()[1:] for line in out.stdout.splitlines() if line.startswith("GROUP"))
     assert groups == {"test_engine": "test_a.py", "test_servers": "test_a.py", "test_plain": "None",
                       "test_explicit": "memory"}, out.stdout + out.stderr
@@ -161,8 +166,9 @@ def test_a_group_runs_on_one_worker_in_a_real_two_worker_run(tmp_path):
         "@pytest.mark.parametrize('i', range(6))\n"
         "def test_alone(i):\n"
         "    time.sleep(0.05)\n")
-    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2", "--dist",
-                          "loadgroup", str(tmp_path)], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "xdist", "-n", "2",
+                          "--dist", "loadgroup", str(tmp_path)], capture_output=True, text=True, cwd=tmp_path,
+                         timeout=120, env=ONLY_XDIST)
     assert out.returncode == 0, out.stdout + out.stderr
     log = (tmp_path / "log.txt").read_text().splitlines()
     built = [line for line in log if line.startswith("built")]
