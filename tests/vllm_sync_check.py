@@ -1,10 +1,14 @@
 """Run by tests/test_vllm.py in its own process (vLLM changes process-wide thread and seed
-state): checks that weight sync is real. Prints one JSON object.
+state): checks that weight sync is real. Prints one JSON object a check.
 
 ``vllm_sync_check.py DTYPE`` checks the sync the engine takes by default (the tiny Qwen2 on the CPU: the gated
 direct sync); ``vllm_sync_check.py DTYPE weight_transfer`` the route through vLLM's public weight-transfer API
 (issue #69 item 6), the direct sync's gate made to refuse the model (no families), and times its syncs against
-vLLM's private reload_weights on the same engine, interleaved."""
+vLLM's private reload_weights on the same engine, interleaved.
+
+``vllm_sync_check.py DTYPE ROUTE ROUTE ...`` runs several checks one after another in this one process (one
+interpreter start and one vLLM import for all, each check its own engines, one engine alive at a time), ``prefix``
+being tests/vllm_prefix_check.py's; each prints its own ``RESULT`` line, its name under ``"check"``."""
 
 from __future__ import annotations
 
@@ -16,8 +20,25 @@ import sys
 import tempfile
 import time
 
-if __name__ == "__main__":
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+
+def check(dtype: str, route: str = "default") -> dict:
+    """One route's check on a fresh tiny Qwen2 and engine (``weight_transfer``: the direct sync's gate refusing
+    the model while it runs)."""
+    if route != "weight_transfer":
+        return _check(dtype, route)
+    import dataclasses
+
+    from offpolicy.engines import vllm as engine_module
+
+    gate = engine_module.VLLM_DIRECT_SYNC
+    engine_module.VLLM_DIRECT_SYNC = dataclasses.replace(gate, families=frozenset())
+    try:
+        return _check(dtype, route)
+    finally:
+        engine_module.VLLM_DIRECT_SYNC = gate
+
+
+def _check(dtype: str, route: str) -> dict:
     import torch
 
     from offpolicy.engines import EngineError, SamplingConfig
@@ -27,14 +48,6 @@ if __name__ == "__main__":
     from offpolicy.policy.batch import to_batch
     from offpolicy.policy.head import trainer_logprobs
 
-    dtype = sys.argv[1] if len(sys.argv) > 1 else "fp32"
-    route = sys.argv[2] if len(sys.argv) > 2 else "default"
-    if route == "weight_transfer":
-        import dataclasses
-
-        from offpolicy.engines import vllm as engine_module
-
-        engine_module.VLLM_DIRECT_SYNC = dataclasses.replace(engine_module.VLLM_DIRECT_SYNC, families=frozenset())
     tok = build_char_tokenizer()
     trainer = build_tiny_qwen2(tok, seed=5)
     path = tempfile.mkdtemp()
@@ -125,8 +138,7 @@ if __name__ == "__main__":
         engine.close()
         shutil.rmtree(path, ignore_errors=True)
         shutil.rmtree(moved, ignore_errors=True)
-        print("RESULT " + json.dumps(out))
-        sys.exit(0)
+        return out
     out["sync_ms_by_route"] = {"direct": [timed() for _ in range(10)]}
     # One batch over vLLM's CPU token budget (4,096 tokens an engine step): 48 prompts of 100 tokens (the
     # model has 128 positions). With chunked prefill on, vLLM split a seeded prompt here and rewound its
@@ -144,7 +156,7 @@ if __name__ == "__main__":
                                       for a, b in zip(r, q)),
     })
     engine.close()  # one engine a process at a time (vLLM's process-wide parallel state)
-    del engine
+    engine = None  # the closures above hold the name: drop the engine itself
     gc.collect()
     fresh = VLLMEngine(moved, dtype=dtype, seed=0)
     started = fresh.generate(prompts, plain, seed=2, version=0)
@@ -153,4 +165,18 @@ if __name__ == "__main__":
     fresh.close()
     for directory in (path, moved):  # the saved models (a few MB each) do not outlive the check
         shutil.rmtree(directory, ignore_errors=True)
-    print("RESULT " + json.dumps(out))
+    return out
+
+
+if __name__ == "__main__":
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    dtype = sys.argv[1] if len(sys.argv) > 1 else "fp32"
+    for name in sys.argv[2:] or ["default"]:
+        if name == "prefix":
+            import vllm_prefix_check  # this script's folder is on sys.path
+
+            result = vllm_prefix_check.check()
+        else:
+            result = check(dtype, name)
+        gc.collect()
+        print("RESULT " + json.dumps({"check": name, **result}), flush=True)
