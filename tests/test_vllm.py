@@ -140,18 +140,32 @@ def test_train_cli_on_vllm_bf16(offpolicy_cache, tmp_path):
     assert words(f"vllm_direct_sync: {paths['vllm_direct_sync']}") in words(result.stdout)  # rich wraps at 120
 
 
-def test_train_cli_on_vllms_public_weight_transfer_api(offpolicy_cache, tmp_path):
+@pytest.mark.xdist_group("real-model")  # `train` on vLLM inside the worker that imports vLLM once a run
+def test_train_cli_on_vllms_public_weight_transfer_api(offpolicy_cache, tmp_path, monkeypatch):
     """Issue #69 item 6: a run whose model the direct sync's gate refuses (here its families emptied, as an
     unchecked model family would be) syncs every step through vLLM's public weight-transfer API, and its header
-    and config.yaml say so; the fp32 engine agrees with the trainer after every sync (``kl_k3_start``)."""
+    and config.yaml say so; the fp32 engine agrees with the trainer after every sync (``kl_k3_start``).
+
+    ``main()`` in this worker (tests/cli_inprocess.py; ``python -m offpolicy`` on vLLM as its own process is
+    ``test_train_cli_on_vllm_bf16``'s), or ``python -c`` with the same gate where this worker cannot start vLLM
+    (it has imported Flask: ``cli_inprocess.run_vllm_cli``)."""
+    import dataclasses
+
+    from cli_inprocess import run_cli
+    from offpolicy.engines import vllm
+
     out = tmp_path / "run"
     args = [a for a in FAST if not a.startswith("engine")] + ["engine=vllm", "engine.dtype=fp32", "steps=2"]
-    launch = ("import dataclasses, sys; from offpolicy.engines import vllm; "
-              "vllm.VLLM_DIRECT_SYNC = dataclasses.replace(vllm.VLLM_DIRECT_SYNC, families=frozenset()); "
-              "from offpolicy.cli import main; sys.exit(main(sys.argv[1:]))")
     env = {**os.environ, "OFFPOLICY_CACHE": str(offpolicy_cache)}
-    result = subprocess.run([sys.executable, "-c", launch, "train", *args, f"out_dir={out}", "--no-progress"],
-                            capture_output=True, text=True, timeout=900, env=env)
+    if "flask" in sys.modules:
+        launch = ("import dataclasses, sys; from offpolicy.engines import vllm; "
+                  "vllm.VLLM_DIRECT_SYNC = dataclasses.replace(vllm.VLLM_DIRECT_SYNC, families=frozenset()); "
+                  "from offpolicy.cli import main; sys.exit(main(sys.argv[1:]))")
+        result = subprocess.run([sys.executable, "-c", launch, "train", *args, f"out_dir={out}", "--no-progress"],
+                                capture_output=True, text=True, timeout=900, env=env)
+    else:
+        monkeypatch.setattr(vllm, "VLLM_DIRECT_SYNC", dataclasses.replace(vllm.VLLM_DIRECT_SYNC, families=frozenset()))
+        result = run_cli("train", *args, f"out_dir={out}", "--no-progress", env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     line = ("vLLM's weight-transfer API (LLM.start_weight_update / update_weights / finish_weight_update, backend "
             "'offpolicy_inprocess'): model family 'qwen2' is not one this path was checked against ()")
