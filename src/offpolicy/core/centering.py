@@ -27,6 +27,7 @@ E_q[A]·E_q[c·∇log p]. Two supports S_t:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -39,6 +40,7 @@ from offpolicy.core.kernels.common import RATIO_LOG_CLAMP, UpcastSaturating
 from offpolicy.core.metrics import Metrics
 
 FORMS = ("exact", "head")
+_TENSORS = ("ids", "rollout_logprobs", "logprobs", "old_logprobs")  # Support's [B, T, K] fields
 
 
 @dataclass(frozen=True)
@@ -77,7 +79,7 @@ class Support:
         if self.ids.dim() != 3 or self.ids.is_floating_point():
             raise ValueError(f"Support.ids must be an integer [B, T, K] tensor; got {self.ids.dtype} "
                              f"{tuple(self.ids.shape)}")
-        for name in ("rollout_logprobs", "logprobs", "old_logprobs"):
+        for name in _TENSORS[1:]:  # the log-probs
             tensor = getattr(self, name)
             if tensor is None:
                 continue
@@ -107,10 +109,14 @@ class Support:
         """This support with the trainer's log p_v (and log π_old(v)) of its ids, ``[B, T, K]`` each."""
         return replace(self, logprobs=logprobs, old_logprobs=old_logprobs)
 
+    def _map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> Support:
+        """This support with ``fn`` applied to each of its ``[B, T, K]`` tensors (those it has)."""
+        tensors = {name: getattr(self, name) for name in _TENSORS}
+        return replace(self, **{name: None if tensor is None else fn(tensor) for name, tensor in tensors.items()})
+
     def select(self, rows: torch.Tensor) -> Support:
         """The support of ``rows`` (an index of B)."""
-        return Support(*(None if t is None else t[rows] for t in (self.ids, self.rollout_logprobs)), self.form,
-                       *(None if t is None else t[rows] for t in (self.logprobs, self.old_logprobs)))
+        return self._map(lambda t: t[rows])
 
     def cut(self, width: int) -> Support:
         """The first ``width`` response columns, and only as many of the K slots as the largest set among them
@@ -118,15 +124,11 @@ class Support:
         batch's largest K. A CPU support (its sizes are read on the host)."""
         rollout = self.rollout_logprobs[:, :width]
         k = int((rollout != float("-inf")).sum(dim=-1).max()) if rollout.numel() else 0  # only −inf pads
-        return Support(self.ids[:, :width, :k], rollout[..., :k], self.form,
-                       *(None if t is None else t[:, :width, :k] for t in (self.logprobs, self.old_logprobs)))
+        return self._map(lambda t: t[:, :width, :k])
 
     def to(self, device: torch.device, non_blocking: bool = False) -> Support:
         """On ``device``."""
-        return Support(*(None if t is None else t.to(device, non_blocking=non_blocking)
-                         for t in (self.ids, self.rollout_logprobs)), self.form,
-                       *(None if t is None else t.to(device, non_blocking=non_blocking)
-                         for t in (self.logprobs, self.old_logprobs)))
+        return self._map(lambda t: t.to(device, non_blocking=non_blocking))
 
 
 def validate_support(cfg: LossConfig, mask: torch.Tensor, support: Support | None) -> None:

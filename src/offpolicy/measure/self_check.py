@@ -61,7 +61,14 @@ def fp32_head_score(scorer: Scorer, batch: Batch) -> tuple[torch.Tensor, torch.T
     """(configured head, fp32 head) log π ``[B, T]`` fp32 on the CPU, both from the same decoder hidden
     states (computed under the configured precision, the configured micro-batches), so their difference
     is the head's alone."""
-    from offpolicy.policy.head import counted_positions, decoder_hidden, linear_head, replayed_sets, token_logprobs
+    from offpolicy.policy.head import (
+        counted_positions,
+        decoder_hidden,
+        linear_head,
+        per_token,
+        replayed_sets,
+        token_logprobs,
+    )
 
     width = batch.mask.shape[1]
     configured, full = torch.zeros(batch.mask.shape), torch.zeros(batch.mask.shape)
@@ -78,9 +85,7 @@ def fp32_head_score(scorer: Scorer, batch: Batch) -> tuple[torch.Tensor, torch.T
             fp32_head = replace(head, weight=head.weight.float(), bias=None if head.bias is None else head.bias.float())
             lp_fp32 = token_logprobs(hidden.float(), tokens, fp32_head, scorer.sampling, kept=kept).logprobs
         for out, lp in ((configured, lp_configured), (full, lp_fp32)):
-            values = torch.zeros(mb.mask.shape, dtype=torch.float32)
-            values[r.cpu(), c.cpu()] = lp.float().cpu()
-            out[part.rows] = widen(values, width)
+            out[part.rows] = widen(per_token(lp.float(), mb.mask, r, c).cpu(), width)
     return configured, full
 
 
