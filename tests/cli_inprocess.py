@@ -102,14 +102,22 @@ def run_cli(*args: str, env: Mapping[str, str] | None = None, cwd: str | Path | 
     return subprocess.CompletedProcess(["offpolicy", *args], code, out.getvalue(), err.getvalue())
 
 
-def run_vllm_cli(*args: str) -> subprocess.CompletedProcess:
-    """``offpolicy ARGS`` that starts vLLM: in this process (one vLLM import per worker), or as its own
-    ``python -m offpolicy`` where this worker has imported Flask (AReaL's tests do). vLLM's CPU platform
-    walks every loaded module's attributes at start-up (``_rebind_kernels``), and Flask's context proxies
-    (``current_app``) raise RuntimeError there: "Working outside of application context"."""
+def vllm_starts_here() -> bool:
+    """Whether vLLM can start in this process: not where it has imported Flask (AReaL's tests do). vLLM's CPU
+    platform walks every loaded module's attributes at start-up (``_rebind_kernels``), and Flask's context proxies
+    (``current_app``) raise RuntimeError there: "Working outside of application context". Where it cannot, a test
+    runs the same vLLM code in a fresh interpreter (``run_vllm_cli``, tests/vllm_inprocess.py)."""
     import sys
 
-    if "flask" not in sys.modules:
+    return "flask" not in sys.modules
+
+
+def run_vllm_cli(*args: str) -> subprocess.CompletedProcess:
+    """``offpolicy ARGS`` that starts vLLM: in this process (one vLLM import per worker), or as its own
+    ``python -m offpolicy`` where vLLM cannot start here (``vllm_starts_here``)."""
+    import sys
+
+    if vllm_starts_here():
         return run_cli(*args)
     return subprocess.run([sys.executable, "-m", "offpolicy", *args], capture_output=True, text=True, timeout=900)
 

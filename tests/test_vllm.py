@@ -148,16 +148,16 @@ def test_train_cli_on_vllms_public_weight_transfer_api(offpolicy_cache, tmp_path
 
     ``main()`` in this worker (tests/cli_inprocess.py; ``python -m offpolicy`` on vLLM as its own process is
     ``test_train_cli_on_vllm_bf16``'s), or ``python -c`` with the same gate where this worker cannot start vLLM
-    (it has imported Flask: ``cli_inprocess.run_vllm_cli``)."""
+    (``cli_inprocess.vllm_starts_here``)."""
     import dataclasses
 
-    from cli_inprocess import run_cli
+    from cli_inprocess import run_cli, vllm_starts_here
     from offpolicy.engines import vllm
 
     out = tmp_path / "run"
     args = [a for a in FAST if not a.startswith("engine")] + ["engine=vllm", "engine.dtype=fp32", "steps=2"]
     env = {**os.environ, "OFFPOLICY_CACHE": str(offpolicy_cache)}
-    if "flask" in sys.modules:
+    if not vllm_starts_here():
         launch = ("import dataclasses, sys; from offpolicy.engines import vllm; "
                   "vllm.VLLM_DIRECT_SYNC = dataclasses.replace(vllm.VLLM_DIRECT_SYNC, families=frozenset()); "
                   "from offpolicy.cli import main; sys.exit(main(sys.argv[1:]))")

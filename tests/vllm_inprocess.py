@@ -4,9 +4,8 @@ tests/cli_inprocess.py's ``run_vllm_cli`` runs the CLI: the same script, the sam
 
 In this worker the tests that use it are in the ``real-model`` xdist group, whose worker imports vLLM once a run
 (tests/test_vllm_api.py, SmolLM2's runs): a fresh interpreter pays torch, transformers and vLLM's imports again
-(~10 s of CPU on the 2-core box) for each engine. It is a fresh interpreter where this worker has imported Flask
-(AReaL's tests do): vLLM's CPU platform walks every loaded module's attributes at start-up, and Flask's context
-proxies raise there ("Working outside of application context").
+(~10 s of CPU on the 2-core box) for each engine. It is a fresh interpreter where vLLM cannot start in this
+worker (``cli_inprocess.vllm_starts_here``: the worker imported Flask).
 
 Afterwards nothing leaks into the next test: the environment (the engine sets vLLM's variables) and torch's
 thread count are put back, and the script's names live in their own namespace.
@@ -22,13 +21,16 @@ import subprocess
 import sys
 from pathlib import Path
 
+from cli_inprocess import vllm_starts_here
+
 SRC = Path(__file__).resolve().parents[1] / "src"
 
 
 def run_engine_script(script: str, timeout: float = 600) -> dict:
-    """``script``'s last line of stdout, read as JSON: run here (see the module's docstring) or, where this worker
-    has imported Flask, by ``python -c`` with ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` and this checkout's ``src``."""
-    if "flask" in sys.modules:
+    """``script``'s last line of stdout, read as JSON: run here (see the module's docstring) or, where vLLM cannot
+    start in this worker (``cli_inprocess.vllm_starts_here``), by ``python -c`` with
+    ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` and this checkout's ``src``."""
+    if not vllm_starts_here():
         env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
                "PYTHONPATH": os.pathsep.join([str(SRC), *filter(None, [os.environ.get("PYTHONPATH")])])}
         done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env,
