@@ -937,6 +937,103 @@ def campaign_status(campaign: Path) -> dict[str, Any]:
             "hours_left_at_2_lanes": None if per_step is None else round(steps_left * per_step / 2 / 3600, 1)}
 
 
+# What a rerun is not expected to repeat: the wall clock, memory, and the split of an asynchronous run's staleness
+# into in-flight and in-queue (``staleness/in_flight``, ``staleness/in_queue``: when the engine thread finished a batch
+# against the trainer's progress). Everything else a step logs (samples, rewards, losses, the mismatch, the evals, the
+# staleness itself) follows from the seed and the code.
+VOLATILE = ("time/", "memory/", "step_seconds", "generate/tokens_per_s", "staleness/in_flight", "staleness/in_queue")
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal bit for bit as read back (a NaN equals a NaN: the same failure logged the same way)."""
+    nan = isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b)
+    return nan or a == b
+
+
+def replay_differences(recorded: list[dict[str, Any]], replayed: list[dict[str, Any]],
+                       steps: int) -> list[tuple[int, int, list[str]]]:
+    """Step by step over the first ``steps`` rows: (step, keys compared, the keys whose values differ, or that one
+    row has and the other lacks), ``VOLATILE`` keys aside. Values are compared bit for bit (NaN equals NaN) and
+    never returned: a replay of a confirmatory run tells only whether it repeated, not what it measured."""
+    out = []
+    for want, got in itertools.zip_longest(recorded[:steps], replayed[:steps]):
+        if want is None or got is None:
+            step = (want or got)["step"]
+            out.append((step, 0, ["<the row itself>"]))
+            continue
+        keys = sorted(k for k in set(want) | set(got) if not k.startswith(VOLATILE))
+        out.append((want["step"], len(keys), [k for k in keys if k not in want or k not in got
+                                               or not _same(want[k], got[k])]))
+    return out
+
+
+def campaign_replay(campaign: Path, name: str, steps: int, export: Path, keep: bool = False) -> int:
+    """Rerun the first ``steps`` steps of a committed run from the pinned export (``export``: its directory, as
+    ``scripts/science_campaign.sh export`` lays it) with the record's own overrides and the runner's environment
+    (one thread), then compare its metrics with the record's row by row (``replay_differences``). Prints which keys
+    differ at which step, never a value (blinding). Exit 0: every step repeated; 1: some differ; 3: cannot replay
+    (no such record, no export, the replay ran off the pin)."""
+    from offpolicy.measure import provenance
+
+    cell, _, seed = name.partition("/seed")
+    record_dir = campaign / "runs" / cell / f"seed{seed}"
+    if not (record_dir / "record.json").is_file():
+        print(f"replay: no record {name} under {campaign / 'runs'} (CELL/seedN, e.g. R/seed1)", file=sys.stderr)
+        return 3
+    commit, lock = pinned(campaign)
+    if not (export / "COMMIT").is_file() or (export / "COMMIT").read_text().split()[0] != commit:
+        print(f"replay: {export} is not the export of the pinned {commit[:12]} "
+              "(bash scripts/science_campaign.sh export lays it)", file=sys.stderr)
+        return 3
+    record = json.loads((record_dir / "record.json").read_text())
+    recorded = read_metrics(record_dir)
+    if len(recorded) < steps:
+        print(f"replay: {name} has {len(recorded)} steps, fewer than the {steps} asked", file=sys.stderr)
+        return 3
+    first = json.loads((record_dir / "provenance.json").read_text())["sessions"][0]
+    here = provenance.block()["cpu"]
+    cpu_note = ("the recorded CPU kind" if (here.get("model"), here.get("avx512_bf16"))
+                == (first["cpu"].get("model"), first["cpu"].get("avx512_bf16"))
+                else f"NOT the recorded CPU kind ({first['cpu'].get('model')}, avx512_bf16 "
+                     f"{first['cpu'].get('avx512_bf16')}): bit-identity is not expected")
+    out = cache_root() / "replay" / f"{cell}-seed{seed}"
+    shutil.rmtree(out, ignore_errors=True)
+    overrides = [o for o in record["overrides"] if not o.startswith("out_dir=")] + [f"out_dir={out}"]
+    env = run_env()
+    env["PYTHONPATH"] = str(export / "src")
+    print(f"replay {name}: its first {steps} steps from the export of {commit[:12]} on {cpu_note}", flush=True)
+    proc = subprocess.Popen([sys.executable, "-m", "offpolicy", "train", "--no-progress", *overrides], env=env,
+                            cwd=export, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        while proc.poll() is None and len(read_metrics(out) if (out / "metrics.jsonl").is_file() else []) < steps:
+            time.sleep(2)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, 9)  # the rows are written; the rest of the run is not needed
+        err = proc.communicate()[1]
+    replayed = read_metrics(out) if (out / "metrics.jsonl").is_file() else []
+    if len(replayed) < steps:
+        print(f"replay: the run ended after {len(replayed)} steps (exit {proc.returncode}):\n{err[-2000:]}",
+              file=sys.stderr)
+        return 3
+    sessions = json.loads((out / "provenance.json").read_text())["sessions"]
+    problems = [p for s in sessions for p in check_provenance(s, commit, lock)]
+    if problems:
+        print("replay: ran off the pin: " + "; ".join(problems), file=sys.stderr)
+        return 3
+    diffs = replay_differences(recorded, replayed, steps)
+    for step, compared, keys in diffs:
+        print(f"step {step}: " + (f"identical on all {compared} keys" if not keys else
+                                  f"{len(keys)} of {compared} keys differ: {', '.join(keys)}"))
+    if not keep:
+        shutil.rmtree(out, ignore_errors=True)
+    same = not any(keys for _, _, keys in diffs)
+    print(f"replay {name}: {'repeated bit for bit' if same else 'did NOT repeat'} "
+          f"({len(diffs)} steps; {', '.join(VOLATILE)} aside)")
+    return 0 if same else 1
+
+
 def campaign_report(campaign: Path, json_path: Path | None) -> int:
     """The registered report from the committed records, once all of tier 1's are in; exit 2 while blinded."""
     records = campaign_records(campaign)
@@ -1058,6 +1155,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                    "(docs/science_long): with --run, --status or --report (blinded until all its records are in)")
     p.add_argument("--run", action="store_true", help="--campaign: run its missing runs (from the pinned export only)")
     p.add_argument("--status", action="store_true", help="--campaign: done / running / left, s a step, hours left")
+    p.add_argument("--replay", default=None, metavar="CELL/seedN", help="--campaign: rerun a committed run's first "
+                   "--replay-steps steps from the pinned export and say, key by key, whether they repeated (no value)")
+    p.add_argument("--replay-steps", type=int, default=2, metavar="K")
+    p.add_argument("--export", type=Path, default=None, metavar="DIR", help="--replay: the pinned export's directory "
+                   "(default: the one scripts/science_campaign.sh lays in the cache)")
     p.add_argument("--commit", default=None, metavar="REPO", help="--campaign --run: commit each record in this "
                    "checkout at once")
     p.add_argument("--until", type=float, default=None, metavar="HOURS", help="--campaign --run: start no run after "
@@ -1075,8 +1177,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--cells: unknown {', '.join(unknown)}; cells are {', '.join(CELLS)}")
     args.cell_names = names
     args.seed_list = [int(s) for s in args.seeds.split(",")]
-    if args.campaign is not None and sum(map(bool, (args.run, args.status, args.report))) != 1:
-        p.error("--campaign: one of --run, --status and --report")
+    if args.campaign is not None and sum(map(bool, (args.run, args.status, args.report, args.replay))) != 1:
+        p.error("--campaign: one of --run, --status, --report and --replay")
+    if args.replay_steps < 1:
+        p.error("--replay-steps: at least 1")
     if args.model is None and args.from_json is None and args.campaign is None and not args.power:
         args.model = default_model()
     return args
@@ -1100,6 +1204,9 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.report:
             return campaign_report(args.campaign, args.json)
+        if args.replay:
+            export = args.export or cache_root() / f"export-{pinned(args.campaign)[0][:12]}"
+            return campaign_replay(args.campaign.resolve(), args.replay, args.replay_steps, export.resolve())
         try:
             return run_campaign(args)
         except CampaignError as err:

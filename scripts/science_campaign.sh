@@ -10,6 +10,8 @@
 #   bash scripts/science_campaign.sh stop      # no more runs; the running ones checkpoint (SIGTERM) and resume later
 #   bash scripts/science_campaign.sh status    # done / running / left, seconds a step, hours left
 #   bash scripts/science_campaign.sh export    # only lay the export (prints its directory)
+#   bash scripts/science_campaign.sh replay R/seed1 [--replay-steps 2]  # rerun a record's first steps from the
+#                                              # export: which keys repeated bit for bit (never a value)
 #
 # PYTHON: the interpreter (default: python3 on PATH; the project's virtualenv's, e.g. PYTHON=.venv/bin/python).
 set -euo pipefail
@@ -59,12 +61,17 @@ case "${1:-status}" in
     rm -f "$pidfile"
     echo "science campaign: stopped; \`start\` resumes it"
     ;;
+  replay)
+    shift
+    make_export
+    "$PY" benchmarks/science_real.py --campaign docs/science_long --export "$export_dir" --replay "$@"
+    ;;
   status)
     "$PY" benchmarks/science_real.py --campaign docs/science_long --status
     running && echo "runner: pid $(cat "$pidfile")" || echo "runner: not running"
     ;;
   *)
-    echo "usage: bash scripts/science_campaign.sh start|stop|status|export" >&2
+    echo "usage: bash scripts/science_campaign.sh start|stop|status|export|replay" >&2
     exit 2
     ;;
 esac

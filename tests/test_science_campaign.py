@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import json
 import math
+import re
 import subprocess
 from pathlib import Path
 
@@ -248,7 +249,7 @@ def test_committed_records_match_the_pin():
 
 
 @pytest.mark.slow
-def test_the_campaign_runs_records_and_commits_at_toy_scale(science, tiny_qwen2_dir, tmp_path, monkeypatch):
+def test_the_campaign_runs_records_and_commits_at_toy_scale(science, tiny_qwen2_dir, tmp_path, monkeypatch, capsys):
     """``run_campaign`` end to end on the tiny model (2 steps, one seed, the pin check stubbed: the work tree is no
     export): each run's record lands in the campaign's directory and is committed alone; a second call has nothing
     left to run."""
@@ -291,6 +292,53 @@ def test_the_campaign_runs_records_and_commits_at_toy_scale(science, tiny_qwen2_
                             text=True).stdout.split()
     assert staged == ["other.txt"]  # a record's commit takes its own files alone
     assert science.run_campaign(args) == 0  # nothing left
+    # a record's first steps rerun from "the export" (here the work tree's src) repeat bit for bit: the synchronous
+    # cell and an asynchronous one (staleness 1), each in a fresh process with the runner's one thread
+    export = tmp_path / "export"
+    export.mkdir()
+    (export / "COMMIT").write_text("b" * 40 + "\n")
+    (export / "src").symlink_to(ROOT / "src")
+    for name in ("R/seed1", "N/seed1"):
+        capsys.readouterr()
+        assert science.campaign_replay(campaign, name, 2, export) == 0, name
+        said = capsys.readouterr().out
+        compared = [int(n) for n in re.findall(r"step \d: identical on all (\d+) keys", said)]
+        assert len(compared) == 2 and min(compared) > 30 and "repeated bit for bit" in said, said
+    assert science.campaign_replay(campaign, "R/seed1", 2, tmp_path) == 3  # not an export of the pin
+
+
+def test_a_replay_names_the_keys_that_differ_and_no_value(science, capsys):
+    """``replay_differences``: bit-for-bit equality per key (NaN equal to NaN), the wall clock, memory and the
+    timing-dependent split of staleness aside, a key one row lacks counted as a difference, a missing row named;
+    nothing it returns carries a value."""
+    rows = rows_of(steps=3, evals=(0,))
+    rows[1]["offpolicy/loss"] = math.nan
+    same = [dict(r) for r in rows]
+    for r in same:
+        r.update({"step_seconds": 9.0, "time/train": 3.0, "memory/rss_gib": 1.0, "staleness/in_queue": 2.0})
+    assert [keys for _, _, keys in science.replay_differences(rows, same, 3)] == [[], [], []]
+    assert science.replay_differences(rows, same, 3)[0][1] == len(rows[0]) - 1  # step_seconds aside
+    moved = [dict(r) for r in rows]
+    moved[1]["reward"] = math.nextafter(0.3, 1.0)  # one ulp
+    del moved[2]["offpolicy/kl_k3"]
+    assert [keys for _, _, keys in science.replay_differences(rows, moved, 3)] == [
+        [], ["reward"], ["offpolicy/kl_k3"]]
+    assert science.replay_differences(rows, moved[:1], 2)[1] == (1, 0, ["<the row itself>"])
+    assert science.replay_differences(rows, moved, 1) == [(0, len(rows[0]) - 1, [])]
+
+
+def test_a_replay_refuses_what_it_cannot_rerun(science, tmp_path, monkeypatch, capsys):
+    """``--replay`` through ``main``: a record that does not exist, and a directory that is not the pinned export,
+    are refused (exit 3) before any run starts."""
+    campaign = _partial_campaign(tmp_path)
+    monkeypatch.setenv("OFFPOLICY_CACHE", str(tmp_path / "cache"))
+    capsys.readouterr()
+    assert science.main(["--campaign", str(campaign), "--replay", "N/seed3"]) == 3
+    assert "no record N/seed3" in capsys.readouterr().err
+    assert science.main(["--campaign", str(campaign), "--replay", "R/seed1", "--export", str(tmp_path)]) == 3
+    assert "not the export of the pinned" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        science.parse(["--campaign", str(campaign), "--replay", "R/seed1", "--report"])
 
 
 def _toy(science, args, tmp_path):
