@@ -425,13 +425,17 @@ def finished(run_dir: Path, steps: int) -> bool:
     return bool(rows) and rows[-1]["step"] >= steps - 1 and "eval/accuracy" in rows[-1]
 
 
+def train_command(*args: str) -> list[str]:
+    """``python -m offpolicy train ARGS`` in this interpreter, without the progress bar (a run's own process)."""
+    return [sys.executable, "-m", "offpolicy", "train", "--no-progress", *args]
+
+
 def command(cell: Cell, seed: int, args: argparse.Namespace, run_dir: Path) -> list[str]:
     """Resume a cut run (it has a checkpoint), else start it afresh (a directory without one is removed)."""
-    base = [sys.executable, "-m", "offpolicy", "train", "--no-progress"]
     if (run_dir / "checkpoints" / "latest").exists():
-        return [*base, "--resume", str(run_dir), f"steps={args.steps}"]  # --steps may have grown since
+        return train_command("--resume", str(run_dir), f"steps={args.steps}")  # --steps may have grown since
     shutil.rmtree(run_dir, ignore_errors=True)
-    return [*base, *run_overrides(cell, seed, args, run_dir)]
+    return train_command(*run_overrides(cell, seed, args, run_dir))
 
 
 def run_env() -> dict[str, str]:
@@ -967,9 +971,9 @@ def replay_differences(recorded: list[dict[str, Any]], replayed: list[dict[str, 
     return out
 
 
-def campaign_replay(campaign: Path, name: str, steps: int, export: Path, keep: bool = False) -> int:
-    """Rerun the first ``steps`` steps of a committed run from the pinned export (``export``: its directory, as
-    ``scripts/science_campaign.sh export`` lays it) with the record's own overrides and the runner's environment
+def campaign_replay(campaign: Path, name: str, steps: int, export: Path | None = None) -> int:
+    """Rerun the first ``steps`` steps of a committed run from the pinned export (``export``: its directory; default
+    the one ``scripts/science_campaign.sh export`` lays in the cache) with the record's own overrides and the runner's environment
     (one thread), then compare its metrics with the record's row by row (``replay_differences``). Prints which keys
     differ at which step, never a value (blinding). Exit 0: every step repeated; 1: some differ; 3: cannot replay
     (no such record, no export, the replay ran off the pin)."""
@@ -981,6 +985,7 @@ def campaign_replay(campaign: Path, name: str, steps: int, export: Path, keep: b
         print(f"replay: no record {name} under {campaign / 'runs'} (CELL/seedN, e.g. R/seed1)", file=sys.stderr)
         return 3
     commit, lock = pinned(campaign)
+    export = (export or cache_root() / f"export-{commit[:12]}").resolve()
     if not (export / "COMMIT").is_file() or (export / "COMMIT").read_text().split()[0] != commit:
         print(f"replay: {export} is not the export of the pinned {commit[:12]} "
               "(bash scripts/science_campaign.sh export lays it)", file=sys.stderr)
@@ -991,7 +996,7 @@ def campaign_replay(campaign: Path, name: str, steps: int, export: Path, keep: b
         print(f"replay: {name} has {len(recorded)} steps, fewer than the {steps} asked", file=sys.stderr)
         return 3
     first = json.loads((record_dir / "provenance.json").read_text())["sessions"][0]
-    here = provenance.block()["cpu"]
+    here = provenance.cpu()
     cpu_note = ("the recorded CPU kind" if (here.get("model"), here.get("avx512_bf16"))
                 == (first["cpu"].get("model"), first["cpu"].get("avx512_bf16"))
                 else f"NOT the recorded CPU kind ({first['cpu'].get('model')}, avx512_bf16 "
@@ -1002,17 +1007,20 @@ def campaign_replay(campaign: Path, name: str, steps: int, export: Path, keep: b
     env = run_env()
     env["PYTHONPATH"] = str(export / "src")
     print(f"replay {name}: its first {steps} steps from the export of {commit[:12]} on {cpu_note}", flush=True)
-    proc = subprocess.Popen([sys.executable, "-m", "offpolicy", "train", "--no-progress", *overrides], env=env,
-                            cwd=export, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(train_command(*overrides), env=env, cwd=export, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+    def replayed_rows() -> list[dict[str, Any]]:
+        return read_metrics(out) if (out / "metrics.jsonl").is_file() else []
+
     try:
-        while proc.poll() is None and len(read_metrics(out) if (out / "metrics.jsonl").is_file() else []) < steps:
+        while proc.poll() is None and len(replayed_rows()) < steps:
             time.sleep(2)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, 9)  # the rows are written; the rest of the run is not needed
         err = proc.communicate()[1]
-    replayed = read_metrics(out) if (out / "metrics.jsonl").is_file() else []
+    replayed = replayed_rows()
     if len(replayed) < steps:
         print(f"replay: the run ended after {len(replayed)} steps (exit {proc.returncode}):\n{err[-2000:]}",
               file=sys.stderr)
@@ -1026,8 +1034,7 @@ def campaign_replay(campaign: Path, name: str, steps: int, export: Path, keep: b
     for step, compared, keys in diffs:
         print(f"step {step}: " + (f"identical on all {compared} keys" if not keys else
                                   f"{len(keys)} of {compared} keys differ: {', '.join(keys)}"))
-    if not keep:
-        shutil.rmtree(out, ignore_errors=True)
+    shutil.rmtree(out, ignore_errors=True)
     same = not any(keys for _, _, keys in diffs)
     print(f"replay {name}: {'repeated bit for bit' if same else 'did NOT repeat'} "
           f"({len(diffs)} steps; {', '.join(VOLATILE)} aside)")
@@ -1205,8 +1212,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.report:
             return campaign_report(args.campaign, args.json)
         if args.replay:
-            export = args.export or cache_root() / f"export-{pinned(args.campaign)[0][:12]}"
-            return campaign_replay(args.campaign.resolve(), args.replay, args.replay_steps, export.resolve())
+            return campaign_replay(args.campaign.resolve(), args.replay, args.replay_steps, args.export)
         try:
             return run_campaign(args)
         except CampaignError as err:
