@@ -43,6 +43,7 @@ import json
 import math
 import os
 import random
+import re
 import shutil
 import statistics
 import subprocess
@@ -863,6 +864,9 @@ def run_campaign(args: argparse.Namespace) -> int:
     (or ``--until`` passes); the runs going on are stopped from outside (SIGTERM: each checkpoints and resumes)."""
     from offpolicy.measure import provenance
     campaign = args.campaign.resolve()
+    if (campaign / "STOPPED").exists():
+        raise CampaignError(f"the campaign was stopped early ({(campaign / 'STOPPED').read_text().strip()}): no run "
+                            "starts after that decision")
     commit, lock = pinned(campaign)
     block = provenance.block()
     tree = block["code"]["tree_hash"]
@@ -1041,23 +1045,87 @@ def campaign_replay(campaign: Path, name: str, steps: int, export: Path | None =
     return 0 if same else 1
 
 
-def campaign_report(campaign: Path, json_path: Path | None) -> int:
-    """The registered report from the committed records, once all of tier 1's are in; exit 2 while blinded."""
+# Stopping early (the amendment): only the calendar or the run count may stop the campaign. The decision is a
+# committed file, docs/science_long/STOPPED, one line "YYYY-MM-DD calendar|run-count: why" (scripts/science_campaign.sh
+# stop-early writes and commits it); no run starts after it, and the report then reads seeds 1..k, the largest k at
+# which all three cells have a record for every seed (seed-major order: the seeds the campaign ran first), k ≥ 5.
+STOPPED_REASONS = ("calendar", "run-count")
+TRUNCATED_MIN_SEEDS = 5
+_STOPPED_LINE = re.compile(r"(\d{4}-\d{2}-\d{2})\S*\s+(" + "|".join(STOPPED_REASONS) + r"):\s*(\S.*)")
+
+
+def early_stop(campaign: Path) -> str | None:
+    """The campaign's early stop, as committed (``STOPPED``'s line); None where it has none. ``CampaignError`` where
+    the file names another reason, or is not committed as it stands (the decision precedes the report's reading)."""
+    path = campaign / "STOPPED"
+    if not path.is_file():
+        return None
+    line = (path.read_text().strip().splitlines() or [""])[0].strip()
+    if not _STOPPED_LINE.fullmatch(line):
+        raise CampaignError(f"{path} must read 'YYYY-MM-DD calendar|run-count: why' (only the calendar or the run "
+                            f"count may stop the campaign, never its results); it reads {line!r}")
+    def git(*args: str) -> int:
+        return subprocess.run(["git", "-C", str(campaign), *args], capture_output=True, check=False).returncode
+
+    if git("ls-files", "--error-unmatch", "--", "STOPPED") != 0 or git("diff", "--quiet", "HEAD", "--", "STOPPED") != 0:
+        raise CampaignError(f"{path} is not committed as it stands: commit the decision to stop before the report "
+                            "reads a record (scripts/science_campaign.sh stop-early does both)")
+    return line
+
+
+def complete_seeds(records: dict[tuple[str, int], Path]) -> int:
+    """The largest k such that every tier-1 cell has a record for each of the seeds ``CAMPAIGN_SEEDS[:k]``."""
+    k = 0
+    while k < len(CAMPAIGN_SEEDS) and all((c, CAMPAIGN_SEEDS[k]) in records for c in CAMPAIGN_CELLS):
+        k += 1
+    return k
+
+
+def campaign_report(campaign: Path, json_path: Path | None, plot_path: Path | None = None) -> int:
+    """The registered report from the committed records, once all of tier 1's are in, or once the campaign was
+    stopped early by a committed ``STOPPED`` (then at seeds 1..k, labelled truncated, with the δ at k). Exit 2 while
+    blinded (before either, or where fewer than 5 seeds are complete in all three cells), 3 where ``STOPPED`` is not
+    a committed, registered reason."""
     records = campaign_records(campaign)
+    seeds, truncated = list(CAMPAIGN_SEEDS), None
     if len(records) < CAMPAIGN_RUNS:
-        print(f"blinded: {len(records)} of {CAMPAIGN_RUNS} tier-1 records are in; the report waits for all of them",
-              file=sys.stderr)
-        return 2
+        try:
+            stop = early_stop(campaign)
+        except CampaignError as err:
+            print(f"science campaign: {err}", file=sys.stderr)
+            return 3
+        if stop is None:
+            print(f"blinded: {len(records)} of {CAMPAIGN_RUNS} tier-1 records are in; the report waits for all of "
+                  "them", file=sys.stderr)
+            return 2
+        k = complete_seeds(records)
+        if k < TRUNCATED_MIN_SEEDS:
+            print(f"blinded: the campaign stopped early ({stop}) with {k} seeds complete in all three cells; the "
+                  f"registration gives a truncated verdict only at k ≥ {TRUNCATED_MIN_SEEDS}, so there is none",
+                  file=sys.stderr)
+            return 2
+        seeds, truncated = list(CAMPAIGN_SEEDS[:k]), {"k": k, "of": len(CAMPAIGN_SEEDS), "stopped": stop}
     untrained_path = campaign / "untrained.json"
     start = json.loads(untrained_path.read_text()).get("eval/accuracy") if untrained_path.is_file() else None
-    runs = collect(campaign / "runs", list(CAMPAIGN_CELLS), list(CAMPAIGN_SEEDS), RUN["steps"], start)
+    runs = collect(campaign / "runs", list(CAMPAIGN_CELLS), seeds, RUN["steps"], start)
     table, analysis, text = report(runs)
+    if truncated:
+        delta = {c["contrast"]: c["detectable"] for c in (analysis["gate"], analysis["rescue"])}
+        truncated["detectable"] = delta
+        analysis["truncated"] = truncated
+        text = (f"TRUNCATED at k = {truncated['k']} of {truncated['of']} seeds a cell (seeds "
+                f"{seeds[0]}–{seeds[-1]}; {stop}). The smallest effects these seeds detect (one-sided α {ALPHA}, "
+                f"power {POWER}): " + ", ".join(f"{name} δ {_fmt(d, '.3f')}" for name, d in delta.items())
+                + "\n\n" + text)
     print(text)
     print(f"collapse: {COLLAPSE_RULE}")
+    if plot_path:
+        plot(runs, plot_path, None if start is None else {"eval/accuracy": start})
     if json_path:
         json_path.parent.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps({"settings": RUN, "cells": {n: CELLS[n].__dict__ for n in CAMPAIGN_CELLS},
                                          "pinned": pinned(campaign)[0], "collapse_rule": COLLAPSE_RULE,
+                                         "seeds": seeds, "truncated": truncated,
                                          "table": table, "analysis": analysis, "runs": runs}, indent=1))
     return 0
 
@@ -1171,7 +1239,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                    "checkout at once")
     p.add_argument("--until", type=float, default=None, metavar="HOURS", help="--campaign --run: start no run after "
                    "this many hours (the calendar, never the results, may stop a campaign)")
-    p.add_argument("--plot", type=Path, default=None, help="write the plots here (default OUT/science_long.png)")
+    p.add_argument("--plot", type=Path, default=None, help="write the plots here (default OUT/science_long.png; "
+                   "--campaign --report: only where given, once the report is unblinded)")
     args = p.parse_args(argv)
     if sum(map(bool, (args.tier, args.cells, args.pilot))) > 1:
         p.error("one of --tier, --cells and --pilot")
@@ -1210,7 +1279,7 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(campaign_status(args.campaign), indent=1))
             return 0
         if args.report:
-            return campaign_report(args.campaign, args.json)
+            return campaign_report(args.campaign, args.json, args.plot)
         if args.replay:
             return campaign_replay(args.campaign.resolve(), args.replay, args.replay_steps, args.export)
         try:

@@ -12,6 +12,9 @@
 #   bash scripts/science_campaign.sh export    # only lay the export (prints its directory)
 #   bash scripts/science_campaign.sh replay R/seed1 [--replay-steps 2]  # rerun a record's first steps from the
 #                                              # export: which keys repeated bit for bit (never a value)
+#   bash scripts/science_campaign.sh stop-early calendar|run-count "why"   # the registered early stop: stops the
+#                                              # runner, writes docs/science_long/STOPPED and commits it alone; no run
+#                                              # starts after it, and `--report` reads seeds 1..k (k >= 5), truncated
 #
 # PYTHON: the interpreter (default: python3 on PATH; the project's virtualenv's, e.g. PYTHON=.venv/bin/python).
 set -euo pipefail
@@ -40,6 +43,10 @@ case "${1:-status}" in
     ;;
   start)
     shift
+    if [ -e docs/science_long/STOPPED ]; then
+      echo "science campaign: stopped early ($(head -n 1 docs/science_long/STOPPED)); no run starts after that" >&2
+      exit 3
+    fi
     make_export
     mkdir -p "$cache"
     if running; then echo "science campaign: already running (pid $(cat "$pidfile"), log $cache/runner.log)"; exit 0; fi
@@ -61,6 +68,24 @@ case "${1:-status}" in
     rm -f "$pidfile"
     echo "science campaign: stopped; \`start\` resumes it"
     ;;
+  stop-early)
+    # only the calendar or the run count may stop the campaign, never its results (docs/science.md, the amendment)
+    reason=${2:-}
+    why=${3:-}
+    if [ "$reason" != calendar ] && [ "$reason" != run-count ] || [ -z "$why" ]; then
+      echo 'usage: bash scripts/science_campaign.sh stop-early calendar|run-count "why"' >&2
+      exit 2
+    fi
+    if [ -e docs/science_long/STOPPED ]; then
+      echo "science campaign: already stopped early: $(head -n 1 docs/science_long/STOPPED)" >&2
+      exit 3
+    fi
+    bash "$repo/scripts/science_campaign.sh" stop
+    printf '%s %s: %s\n' "$(date -u +%Y-%m-%dT%H:%MZ)" "$reason" "$why" >docs/science_long/STOPPED
+    git add -- docs/science_long/STOPPED
+    git commit -q --no-verify -m "science campaign: stopped early ($reason: $why)" -- docs/science_long/STOPPED
+    echo "science campaign: stopped early, committed: $(cat docs/science_long/STOPPED)"
+    ;;
   replay)
     shift
     make_export
@@ -71,7 +96,7 @@ case "${1:-status}" in
     running && echo "runner: pid $(cat "$pidfile")" || echo "runner: not running"
     ;;
   *)
-    echo "usage: bash scripts/science_campaign.sh start|stop|status|export|replay" >&2
+    echo "usage: bash scripts/science_campaign.sh start|stop|status|export|replay|stop-early" >&2
     exit 2
     ;;
 esac

@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import json
 import math
+import os
 import re
 import subprocess
 from pathlib import Path
@@ -429,3 +430,146 @@ def test_the_campaigns_records_are_not_ignored_by_git():
     assert ignored.returncode == 1, f"{probe} is ignored by git: the runner could not commit it"
     assert subprocess.run(["git", "-C", str(root), "check-ignore", "-q", "runs/reverse-x/metrics.jsonl"]
                           ).returncode == 0  # a user's own run directories stay ignored
+
+
+# ------------------------------------------------------------------ the report from the records, whole or truncated
+
+# synthetic held-out rewards (no run's): seed s of a cell scores BASE + SLOPE·s at every eval
+SYNTHETIC = {"R": (0.90, 0.01), "N": (0.30, 0.02), "C": (0.60, 0.01)}
+
+
+def _synthetic_campaign(tmp_path: Path, pairs, git: bool = False) -> Path:
+    """A campaign directory with a record for each (cell, seed) in ``pairs`` (40 steps, evals at 0, 10, 20, 30, 39,
+    the held-out reward ``SYNTHETIC``'s line), in a git repository when ``git``."""
+    repo = tmp_path / "repo"
+    campaign = repo / "docs" / "science_long"
+    campaign.mkdir(parents=True)
+    (campaign / "PINNED").write_text("a" * 40 + "\n")
+    (campaign / "LOCK.json").write_text("{}")
+    for cell, seed in pairs:
+        base, slope = SYNTHETIC[cell]
+        score = {"eval/accuracy": round(base + slope * seed, 6)}
+        d = campaign / "runs" / cell / f"seed{seed}"
+        write_run(d, rows_of(steps=40, evals=(0, 10, 20, 30, 39), **{str(s): score for s in (10, 20, 30, 39)}))
+        (d / "record.json").write_text(json.dumps({"cell": cell, "seed": seed, "outcome": "done"}))
+    if git:
+        _git(repo, "init", "-q")
+        _git(repo, "add", ".")
+        _git(repo, "commit", "-q", "-m", "records")
+    return campaign
+
+
+def _git(repo: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["git", "-c", "user.email=t@t", "-c", "user.name=t", "-C", str(repo), *args],
+                          capture_output=True, text=True, check=True)
+
+
+def _mean_of(cell: str, seeds) -> float:
+    base, slope = SYNTHETIC[cell]
+    return sum(base + slope * s for s in seeds) / len(seeds)
+
+
+def test_the_report_recomputes_from_all_24_records(science, tmp_path, capsys):
+    """Once tier 1's 24 records are in, ``--report`` unblinds: the registered table and tests from the records alone
+    (no checkpoint, no model), the gate's difference the hand mean of the synthetic rewards."""
+    campaign = _synthetic_campaign(tmp_path, [(c, s) for s in range(1, 9) for c in ("R", "N", "C")])
+    out = tmp_path / "report.json"
+    capsys.readouterr()
+    assert science.main(["--campaign", str(campaign), "--report", "--json", str(out)]) == 0
+    said = capsys.readouterr()
+    assert "TRUNCATED" not in said.out and "gate" in said.out and "secondary family" in said.out
+    data = json.loads(out.read_text())
+    assert data["seeds"] == list(range(1, 9)) and data["truncated"] is None
+    gate, rescue = data["analysis"]["gate"], data["analysis"]["rescue"]
+    assert gate["n"] == [8, 8] and rescue["n"] == [8, 8]
+    assert gate["diff"] == pytest.approx(_mean_of("R", range(1, 9)) - _mean_of("N", range(1, 9)))
+    assert rescue["diff"] == pytest.approx(_mean_of("C", range(1, 9)) - _mean_of("N", range(1, 9)))
+    assert gate["p"] == pytest.approx(1 / math.comb(16, 8))  # every R above every N: the one extreme split
+
+
+def test_an_early_stop_is_committed_before_the_report_reads_seeds_1_to_k(science, tmp_path, capsys):
+    """The amendment's early stop: without ``STOPPED`` the report stays blinded (2); a ``STOPPED`` not committed, or
+    naming a reason other than the calendar or the run count, is refused (3); a committed one gives the report at
+    seeds 1..k — the largest k with all three cells complete (here 5: R and N have seed 6, C has not, and seed 6 is
+    left out of both) — labelled truncated with the δ at k, and no run starts after it."""
+    pairs = [(c, s) for s in range(1, 6) for c in ("R", "N", "C")] + [("R", 6), ("N", 6)]
+    campaign = _synthetic_campaign(tmp_path, pairs, git=True)
+    repo = campaign.parents[1]
+    capsys.readouterr()
+    assert science.main(["--campaign", str(campaign), "--report"]) == 2
+    assert "blinded: 17 of 24" in capsys.readouterr().err
+    stopped = campaign / "STOPPED"
+    stopped.write_text("2026-12-06T10:00Z calendar: the last working period ended\n")
+    assert science.main(["--campaign", str(campaign), "--report"]) == 3
+    said = capsys.readouterr()
+    assert "not committed" in said.err and said.out == ""
+    _git(repo, "add", str(stopped))
+    _git(repo, "commit", "-q", "-m", "stop")
+    stopped.write_text("2026-12-06T10:00Z results: N looked bad\n")
+    _git(repo, "commit", "-q", "-am", "another reason")
+    assert science.main(["--campaign", str(campaign), "--report"]) == 3
+    said = capsys.readouterr()
+    assert "calendar|run-count" in said.err and said.out == ""
+    stopped.write_text("2026-12-06T10:00Z run-count: 17 of 24 runs is what the sessions allow\n")
+    _git(repo, "commit", "-q", "-am", "stop by the run count")
+    out, figure = tmp_path / "truncated.json", tmp_path / "truncated.png"
+    assert science.main(["--campaign", str(campaign), "--report", "--json", str(out), "--plot", str(figure)]) == 0
+    said = capsys.readouterr().out
+    assert said.startswith("TRUNCATED at k = 5 of 8 seeds a cell (seeds 1–5; 2026-12-06T10:00Z run-count")
+    data = json.loads(out.read_text())
+    assert data["seeds"] == [1, 2, 3, 4, 5] and data["truncated"]["k"] == 5
+    gate = data["analysis"]["gate"]
+    assert gate["n"] == [5, 5] and set(data["runs"]["R"]) == {"1", "2", "3", "4", "5"}
+    assert gate["diff"] == pytest.approx(_mean_of("R", range(1, 6)) - _mean_of("N", range(1, 6)))
+    assert data["truncated"]["detectable"]["R − N"] == pytest.approx(gate["detectable"])
+    assert f"R − N δ {gate['detectable']:.3f}" in said
+    assert figure.stat().st_size > 0
+    assert science.main(["--campaign", str(campaign), "--run"]) == 3
+    assert "stopped early" in capsys.readouterr().err
+
+
+def test_an_early_stop_below_five_complete_seeds_gives_no_verdict(science, tmp_path, capsys):
+    """Four seeds complete in all three cells (and a fifth in two): the registration has no truncated verdict below
+    k = 5, so the report stays blinded and prints nothing to stdout."""
+    pairs = [(c, s) for s in range(1, 5) for c in ("R", "N", "C")] + [("R", 5), ("N", 5)]
+    campaign = _synthetic_campaign(tmp_path, pairs, git=True)
+    (campaign / "STOPPED").write_text("2026-12-06 calendar: the sessions ran out\n")
+    _git(campaign.parents[1], "add", ".")
+    _git(campaign.parents[1], "commit", "-q", "-m", "stop")
+    capsys.readouterr()
+    assert science.main(["--campaign", str(campaign), "--report"]) == 2
+    said = capsys.readouterr()
+    assert "4 seeds complete" in said.err and "k ≥ 5" in said.err and said.out == ""
+
+
+def test_stop_early_writes_and_commits_the_decision_and_start_refuses_after_it(tmp_path):
+    """``scripts/science_campaign.sh stop-early`` as a user types it, in a copy of the script in a scratch
+    repository: a reason other than the calendar or the run count is refused; the registered one stops the runner,
+    writes STOPPED and commits it alone; ``start`` then refuses, and a second stop-early too."""
+    repo = tmp_path / "repo"
+    (repo / "scripts").mkdir(parents=True)
+    (repo / "docs" / "science_long").mkdir(parents=True)
+    (repo / "scripts" / "science_campaign.sh").write_text((ROOT / "scripts" / "science_campaign.sh").read_text())
+    (repo / "docs" / "science_long" / "PINNED").write_text("c" * 40 + "\n")
+    _git(repo, "init", "-q")
+    _git(repo, "add", ".")
+    _git(repo, "commit", "-q", "-m", "pin")
+    env = {**os.environ, "OFFPOLICY_CACHE": str(tmp_path / "cache"), "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t",
+           "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t"}
+
+    def script(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["bash", str(repo / "scripts" / "science_campaign.sh"), *args], capture_output=True,
+                              text=True, env=env, cwd=tmp_path, check=False)
+
+    assert script("stop-early", "results", "N looked bad").returncode == 2
+    assert script("stop-early", "calendar").returncode == 2  # no reason given
+    assert not (repo / "docs" / "science_long" / "STOPPED").exists()
+    done = script("stop-early", "calendar", "the last session of the year")
+    assert done.returncode == 0, done.stderr
+    line = (repo / "docs" / "science_long" / "STOPPED").read_text().strip()
+    assert re.fullmatch(r"\d{4}-\d{2}-\d{2}T\d{2}:\d{2}Z calendar: the last session of the year", line)
+    assert _git(repo, "log", "-1", "--format=%s").stdout.strip().startswith("science campaign: stopped early")
+    assert _git(repo, "status", "--porcelain").stdout == ""
+    refused = script("start")
+    assert refused.returncode == 3 and "stopped early" in refused.stderr
+    assert script("stop-early", "run-count", "again").returncode == 3
