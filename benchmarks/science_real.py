@@ -1294,6 +1294,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.untrained:
         print(json.dumps(untrained(args, args.untrained)))
         return 0
+    held = sorted(f"{c}/{d.parent.name}" for c in args.cell_names for d in (args.out / c).glob("seed*/record.json"))
+    if held:  # the blinding holds on every path: the grid's --report (or a run) never reads the campaign's records
+        print(f"{args.out} holds the confirmatory campaign's records ({', '.join(held[:3])}"
+              f"{' …' if len(held) > 3 else ''}): read them with --campaign {args.out.parent} --report (blinded until "
+              f"all {CAMPAIGN_RUNS} are in)", file=sys.stderr)
+        return 2
     names = [n for n in args.cell_names if n != "centered" or centering_available()]
     if len(names) < len(args.cell_names):
         print("centered: skipped, offpolicy train does not run loss.score_centering yet (issue #56)", flush=True)

@@ -219,6 +219,17 @@ def test_the_report_refuses_while_blinded_and_status_shows_no_outcome(science, t
         assert word not in status.out
 
 
+def test_the_grids_report_never_reads_the_campaigns_records(science, tmp_path, capsys):
+    """The other door: ``science_real.py --report --out docs/science_long/runs --seeds 1`` (the grid's report, not the
+    campaign's) refuses the committed records with exit 2 and prints nothing to stdout, as does a grid run there."""
+    campaign = _partial_campaign(tmp_path)
+    capsys.readouterr()
+    for extra in (["--report", "--no-start"], []):
+        assert science.main(["--out", str(campaign / "runs"), "--seeds", "1", "--model", str(tmp_path), *extra]) == 2
+        said = capsys.readouterr()
+        assert "campaign's records (R/seed1)" in said.err and "--campaign" in said.err and said.out == ""
+
+
 def test_the_runner_refuses_outside_the_pinned_export(science, tmp_path, capsys):
     """``--run`` through the script's ``main`` in this process: refused (exit 3) before any run starts."""
     campaign = _partial_campaign(tmp_path)
