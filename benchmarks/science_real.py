@@ -810,6 +810,12 @@ def campaign_records(campaign: Path) -> dict[tuple[str, int], Path]:
             if (d / "record.json").is_file()}
 
 
+def tier1_records(campaign: Path) -> dict[tuple[str, int], Path]:
+    """The records that count towards tier 1's 24: R, N and C at seeds 1-8 (a stray or later tier's never unblinds)."""
+    return {key: d for key, d in campaign_records(campaign).items()
+            if key[0] in CAMPAIGN_CELLS and key[1] in CAMPAIGN_SEEDS}
+
+
 def commit_record(repo: Path, path: Path, message: str) -> None:
     """``git add`` and ``git commit`` of ``path`` alone (other staged work stays staged), retried while another
     git command holds the index."""
@@ -864,9 +870,9 @@ def run_campaign(args: argparse.Namespace) -> int:
     (or ``--until`` passes); the runs going on are stopped from outside (SIGTERM: each checkpoints and resumes)."""
     from offpolicy.measure import provenance
     campaign = args.campaign.resolve()
-    if (campaign / "STOPPED").exists():
-        raise CampaignError(f"the campaign was stopped early ({(campaign / 'STOPPED').read_text().strip()}): no run "
-                            "starts after that decision")
+    if (campaign / "STOPPED").exists() or _git(campaign, "log", "-1", "--format=%H", "--", "STOPPED").stdout.strip():
+        raise CampaignError("the campaign was stopped early (docs/science_long/STOPPED, committed): no run starts "
+                            "after that decision")
     commit, lock = pinned(campaign)
     block = provenance.block()
     tree = block["code"]["tree_hash"]
@@ -876,7 +882,7 @@ def run_campaign(args: argparse.Namespace) -> int:
                             + "; ".join(problems))
     fixed = campaign_args(args)
     fixed.model = fixed.model or default_model()
-    records = campaign_records(campaign)
+    records = tier1_records(campaign)
     todo = [(c, s) for s in CAMPAIGN_SEEDS for c in CAMPAIGN_CELLS if (c, s) not in records]
     print(f"campaign at {commit[:12]}: {len(records)} of {CAMPAIGN_RUNS} records in, {len(todo)} left, "
           f"{fixed.jobs} at once", flush=True)
@@ -924,7 +930,7 @@ def run_campaign(args: argparse.Namespace) -> int:
 def campaign_status(campaign: Path) -> dict[str, Any]:
     """Done / running / left, seconds a step and the time left — never an outcome (the runs' metrics are read for
     their step count and ``step_seconds`` alone)."""
-    records = campaign_records(campaign)
+    records = tier1_records(campaign)
     out_dir = cache_root() / "runs"
     running, seconds, steps_left = [], [], 0
     for seed in CAMPAIGN_SEEDS:
@@ -1054,23 +1060,45 @@ TRUNCATED_MIN_SEEDS = 5
 _STOPPED_LINE = re.compile(r"(\d{4}-\d{2}-\d{2})\S*\s+(" + "|".join(STOPPED_REASONS) + r"):\s*(\S.*)")
 
 
-def early_stop(campaign: Path) -> str | None:
-    """The campaign's early stop, as committed (``STOPPED``'s line); None where it has none. ``CampaignError`` where
-    the file names another reason, or is not committed as it stands (the decision precedes the report's reading)."""
+def _git(campaign: Path, *args: str) -> subprocess.CompletedProcess:
+    """git in the campaign's directory; ``CampaignError`` where there is no git to ask."""
+    try:
+        return subprocess.run(["git", "-C", str(campaign), *args], capture_output=True, text=True, check=False)
+    except OSError as err:
+        raise CampaignError(f"git is needed to read the campaign's history: {err}") from err
+
+
+def early_stop(campaign: Path) -> tuple[str, set[tuple[str, int]]] | None:
+    """The campaign's early stop: ``STOPPED``'s line and the records committed when it was (cell, seed); None where
+    the campaign was never stopped. ``CampaignError`` where the decision is not one commit of that file alone, left as
+    it is (removed, changed or relabelled after it: the campaign stays stopped and says so), or names a reason other
+    than the calendar or the run count."""
     path = campaign / "STOPPED"
-    if not path.is_file():
+    log = _git(campaign, "log", "--format=%H", "--", "STOPPED")
+    commits = log.stdout.split() if log.returncode == 0 else []
+    if not commits and not path.exists():
         return None
+    if not commits:
+        raise CampaignError(f"{path} is not committed: commit the decision to stop before the report reads a record "
+                            "(scripts/science_campaign.sh stop-early does both)")
+    if len(commits) > 1 or not path.is_file():
+        raise CampaignError(f"{path} was {'removed' if not path.is_file() else 'changed'} after the campaign was "
+                            f"stopped early ({len(commits)} commits touch it): a stop is one commit, never undone")
+    prefix = _git(campaign, "rev-parse", "--show-prefix").stdout.strip()
+    touched = _git(campaign, "show", "--name-only", "--format=", commits[0]).stdout.split()
+    if touched != [f"{prefix}STOPPED"]:
+        raise CampaignError(f"the commit that stopped the campaign ({commits[0][:12]}) changed more than STOPPED: "
+                            f"{', '.join(touched)}")
+    if _git(campaign, "diff", "--quiet", "HEAD", "--", "STOPPED").returncode != 0:
+        raise CampaignError(f"{path} differs from its commit: a stop is one commit, never edited")
     line = (path.read_text().strip().splitlines() or [""])[0].strip()
     if not _STOPPED_LINE.fullmatch(line):
         raise CampaignError(f"{path} must read 'YYYY-MM-DD calendar|run-count: why' (only the calendar or the run "
                             f"count may stop the campaign, never its results); it reads {line!r}")
-    def git(*args: str) -> int:
-        return subprocess.run(["git", "-C", str(campaign), *args], capture_output=True, check=False).returncode
-
-    if git("ls-files", "--error-unmatch", "--", "STOPPED") != 0 or git("diff", "--quiet", "HEAD", "--", "STOPPED") != 0:
-        raise CampaignError(f"{path} is not committed as it stands: commit the decision to stop before the report "
-                            "reads a record (scripts/science_campaign.sh stop-early does both)")
-    return line
+    tree = _git(campaign, "ls-tree", "-r", "--name-only", commits[0], "--", "runs").stdout.split()
+    at_stop = {(parts[-3], int(parts[-2][4:])) for parts in (name.split("/") for name in tree)
+               if len(parts) >= 4 and parts[-1] == "record.json" and parts[-2].startswith("seed")}
+    return line, at_stop
 
 
 def complete_seeds(records: dict[tuple[str, int], Path]) -> int:
@@ -1083,28 +1111,30 @@ def complete_seeds(records: dict[tuple[str, int], Path]) -> int:
 
 def campaign_report(campaign: Path, json_path: Path | None, plot_path: Path | None = None) -> int:
     """The registered report from the committed records, once all of tier 1's are in, or once the campaign was
-    stopped early by a committed ``STOPPED`` (then at seeds 1..k, labelled truncated, with the δ at k). Exit 2 while
-    blinded (before either, or where fewer than 5 seeds are complete in all three cells), 3 where ``STOPPED`` is not
-    a committed, registered reason."""
-    records = campaign_records(campaign)
+    stopped early by a committed ``STOPPED`` (then at seeds 1..k of the records committed when it stopped, labelled
+    truncated, with the δ at k). Exit 2 while blinded (before either, or where fewer than 5 seeds are complete in all
+    three cells), 3 where the stop is not one commit of ``STOPPED`` alone, as it stands, naming a registered reason."""
+    records = tier1_records(campaign)
     seeds, truncated = list(CAMPAIGN_SEEDS), None
-    if len(records) < CAMPAIGN_RUNS:
-        try:
-            stop = early_stop(campaign)
-        except CampaignError as err:
-            print(f"science campaign: {err}", file=sys.stderr)
-            return 3
-        if stop is None:
-            print(f"blinded: {len(records)} of {CAMPAIGN_RUNS} tier-1 records are in; the report waits for all of "
-                  "them", file=sys.stderr)
-            return 2
-        k = complete_seeds(records)
+    try:
+        stopped = early_stop(campaign)
+    except CampaignError as err:
+        print(f"science campaign: {err}", file=sys.stderr)
+        return 3
+    if stopped is None and len(records) < CAMPAIGN_RUNS:
+        print(f"blinded: {len(records)} of {CAMPAIGN_RUNS} tier-1 records are in; the report waits for all of them",
+              file=sys.stderr)
+        return 2
+    if stopped is not None:  # the records committed when the campaign stopped: nothing that landed after counts
+        stop, at_stop = stopped
+        k = complete_seeds({key: d for key, d in records.items() if key in at_stop})
         if k < TRUNCATED_MIN_SEEDS:
             print(f"blinded: the campaign stopped early ({stop}) with {k} seeds complete in all three cells; the "
                   f"registration gives a truncated verdict only at k ≥ {TRUNCATED_MIN_SEEDS}, so there is none",
                   file=sys.stderr)
             return 2
-        seeds, truncated = list(CAMPAIGN_SEEDS[:k]), {"k": k, "of": len(CAMPAIGN_SEEDS), "stopped": stop}
+        seeds = list(CAMPAIGN_SEEDS[:k])
+        truncated = None if k == len(CAMPAIGN_SEEDS) else {"k": k, "of": len(CAMPAIGN_SEEDS), "stopped": stop}
     untrained_path = campaign / "untrained.json"
     start = json.loads(untrained_path.read_text()).get("eval/accuracy") if untrained_path.is_file() else None
     runs = collect(campaign / "runs", list(CAMPAIGN_CELLS), seeds, RUN["steps"], start)
@@ -1294,11 +1324,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.untrained:
         print(json.dumps(untrained(args, args.untrained)))
         return 0
+    # the blinding holds on every path: the grid's --report (or a run) reads neither the campaign's records nor its
+    # runs in the cache (in progress, or ended and not yet recorded)
     held = sorted(f"{c}/{d.parent.name}" for c in args.cell_names for d in (args.out / c).glob("seed*/record.json"))
-    if held:  # the blinding holds on every path: the grid's --report (or a run) never reads the campaign's records
+    if held:
         print(f"{args.out} holds the confirmatory campaign's records ({', '.join(held[:3])}"
               f"{' …' if len(held) > 3 else ''}): read them with --campaign {args.out.parent} --report (blinded until "
               f"all {CAMPAIGN_RUNS} are in)", file=sys.stderr)
+        return 2
+    if args.out.resolve().is_relative_to(cache_root().resolve()):
+        print(f"{args.out} is the confirmatory campaign's own run directory ({cache_root()}): its runs are read only "
+              "through their committed records, by --campaign docs/science_long --report", file=sys.stderr)
         return 2
     names = [n for n in args.cell_names if n != "centered" or centering_available()]
     if len(names) < len(args.cell_names):

@@ -35,6 +35,8 @@ make_export() {
 }
 
 running() { [ -f "$pidfile" ] && kill -0 "$(cat "$pidfile")" 2>/dev/null; }
+# the registered early stop: once committed, for good (removing the file later does not resume the campaign)
+stopped_early() { [ -n "$(git log -1 --format=%H -- docs/science_long/STOPPED 2>/dev/null)" ]; }
 
 case "${1:-status}" in
   export)
@@ -43,8 +45,8 @@ case "${1:-status}" in
     ;;
   start)
     shift
-    if [ -e docs/science_long/STOPPED ]; then
-      echo "science campaign: stopped early ($(head -n 1 docs/science_long/STOPPED)); no run starts after that" >&2
+    if stopped_early; then
+      echo "science campaign: stopped early (docs/science_long/STOPPED, in git's history); no run starts after that" >&2
       exit 3
     fi
     make_export
@@ -72,19 +74,29 @@ case "${1:-status}" in
     # only the calendar or the run count may stop the campaign, never its results (docs/science.md, the amendment)
     reason=${2:-}
     why=${3:-}
-    if [ "$reason" != calendar ] && [ "$reason" != run-count ] || [ -z "$why" ]; then
-      echo 'usage: bash scripts/science_campaign.sh stop-early calendar|run-count "why"' >&2
+    if { [ "$reason" != calendar ] && [ "$reason" != run-count ]; } || [ -z "${why//[[:space:]]/}" ] \
+        || [ "$why" != "${why//$'\n'/}" ]; then
+      echo 'usage: bash scripts/science_campaign.sh stop-early calendar|run-count "why" (one line)' >&2
       exit 2
     fi
-    if [ -e docs/science_long/STOPPED ]; then
-      echo "science campaign: already stopped early: $(head -n 1 docs/science_long/STOPPED)" >&2
+    if stopped_early; then
+      echo "science campaign: already stopped early: $(git log -1 --format=%s -- docs/science_long/STOPPED)" >&2
       exit 3
     fi
     bash "$repo/scripts/science_campaign.sh" stop
+    # (a STOPPED an interrupted stop-early left uncommitted is written afresh)
     printf '%s %s: %s\n' "$(date -u +%Y-%m-%dT%H:%MZ)" "$reason" "$why" >docs/science_long/STOPPED
-    git add -- docs/science_long/STOPPED
-    git commit -q --no-verify -m "science campaign: stopped early ($reason: $why)" -- docs/science_long/STOPPED
-    echo "science campaign: stopped early, committed: $(cat docs/science_long/STOPPED)"
+    for _ in $(seq 10); do  # the runner's own commits may hold git's index a moment
+      if git add -- docs/science_long/STOPPED && \
+          git commit -q --no-verify -m "science campaign: stopped early ($reason: $why)" -- docs/science_long/STOPPED
+      then
+        echo "science campaign: stopped early, committed: $(cat docs/science_long/STOPPED)"
+        exit 0
+      fi
+      sleep 2
+    done
+    echo "science campaign: docs/science_long/STOPPED is written but could not be committed; commit it alone" >&2
+    exit 1
     ;;
   replay)
     shift

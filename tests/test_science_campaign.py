@@ -219,15 +219,23 @@ def test_the_report_refuses_while_blinded_and_status_shows_no_outcome(science, t
         assert word not in status.out
 
 
-def test_the_grids_report_never_reads_the_campaigns_records(science, tmp_path, capsys):
+def test_the_grids_report_never_reads_the_campaigns_records(science, tmp_path, monkeypatch, capsys):
     """The other door: ``science_real.py --report --out docs/science_long/runs --seeds 1`` (the grid's report, not the
-    campaign's) refuses the committed records with exit 2 and prints nothing to stdout, as does a grid run there."""
+    campaign's) refuses the committed records with exit 2 and prints nothing to stdout, as does a grid run there; and
+    the runner's own directory in the cache, where runs in progress (or ended and not yet recorded) write."""
     campaign = _partial_campaign(tmp_path)
     capsys.readouterr()
     for extra in (["--report", "--no-start"], []):
         assert science.main(["--out", str(campaign / "runs"), "--seeds", "1", "--model", str(tmp_path), *extra]) == 2
         said = capsys.readouterr()
         assert "campaign's records (R/seed1)" in said.err and "--campaign" in said.err and said.out == ""
+    cache_runs = tmp_path / "cache" / "science_long" / "runs"  # the runner's own directory: in progress, unrecorded
+    write_run(cache_runs / "R" / "seed2", rows_of(steps=3))
+    monkeypatch.setenv("OFFPOLICY_CACHE", str(tmp_path / "cache"))
+    assert science.main(["--out", str(cache_runs), "--seeds", "2", "--model", str(tmp_path), "--report",
+                         "--no-start"]) == 2
+    said = capsys.readouterr()
+    assert "the confirmatory campaign's own run directory" in said.err and said.out == ""
 
 
 def test_the_runner_refuses_outside_the_pinned_export(science, tmp_path, capsys):
@@ -498,73 +506,131 @@ def test_the_report_recomputes_from_all_24_records(science, tmp_path, capsys):
     assert gate["p"] == pytest.approx(1 / math.comb(16, 8))  # every R above every N: the one extreme split
 
 
+def _stop(campaign: Path, line: str, *, also: Path | None = None) -> None:
+    """Commit ``STOPPED`` reading ``line`` (and ``also`` with it, where given)."""
+    (campaign / "STOPPED").write_text(line + "\n")
+    _git(campaign.parents[1], "add", str(campaign / "STOPPED"), *([str(also)] if also else []))
+    _git(campaign.parents[1], "commit", "-q", "-m", "stop")
+
+
+def _report(science, campaign: Path, capsys, *extra: str) -> tuple[int, str, str]:
+    capsys.readouterr()
+    code = science.main(["--campaign", str(campaign), "--report", *extra])
+    said = capsys.readouterr()
+    return code, said.out, said.err
+
+
 def test_an_early_stop_is_committed_before_the_report_reads_seeds_1_to_k(science, tmp_path, capsys):
-    """The amendment's early stop: without ``STOPPED`` the report stays blinded (2); a ``STOPPED`` not committed, or
-    naming a reason other than the calendar or the run count, is refused (3); a committed one gives the report at
-    seeds 1..k — the largest k with all three cells complete (here 5: R and N have seed 6, C has not, and seed 6 is
-    left out of both) — labelled truncated with the δ at k, and no run starts after it."""
+    """The amendment's early stop: without ``STOPPED`` the report stays blinded (2); a ``STOPPED`` not committed is
+    refused (3); a committed one gives the report at seeds 1..k — the largest k with all three cells complete among
+    the records committed when it was (here 5: R and N have seed 6, C has not, and seed 6 is left out of both; C's
+    seed 6, committed after the stop, does not count) — labelled truncated with the δ at k, and no run starts after
+    it."""
     pairs = [(c, s) for s in range(1, 6) for c in ("R", "N", "C")] + [("R", 6), ("N", 6)]
     campaign = _synthetic_campaign(tmp_path, pairs, git=True)
-    repo = campaign.parents[1]
-    capsys.readouterr()
-    assert science.main(["--campaign", str(campaign), "--report"]) == 2
-    assert "blinded: 17 of 24" in capsys.readouterr().err
-    stopped = campaign / "STOPPED"
-    stopped.write_text("2026-12-06T10:00Z calendar: the last working period ended\n")
-    assert science.main(["--campaign", str(campaign), "--report"]) == 3
-    said = capsys.readouterr()
-    assert "not committed" in said.err and said.out == ""
-    _git(repo, "add", str(stopped))
-    _git(repo, "commit", "-q", "-m", "stop")
-    stopped.write_text("2026-12-06T10:00Z results: N looked bad\n")
-    _git(repo, "commit", "-q", "-am", "another reason")
-    assert science.main(["--campaign", str(campaign), "--report"]) == 3
-    said = capsys.readouterr()
-    assert "calendar|run-count" in said.err and said.out == ""
-    stopped.write_text("2026-12-06T10:00Z run-count: 17 of 24 runs is what the sessions allow\n")
-    _git(repo, "commit", "-q", "-am", "stop by the run count")
-    out, figure = tmp_path / "truncated.json", tmp_path / "truncated.png"
-    assert science.main(["--campaign", str(campaign), "--report", "--json", str(out), "--plot", str(figure)]) == 0
-    said = capsys.readouterr().out
-    assert said.startswith("TRUNCATED at k = 5 of 8 seeds a cell (seeds 1–5; 2026-12-06T10:00Z run-count")
-    data = json.loads(out.read_text())
+    code, out, err = _report(science, campaign, capsys)
+    assert code == 2 and "blinded: 17 of 24" in err and out == ""
+    (campaign / "STOPPED").write_text("2026-12-06T10:00Z calendar: the last working period ended\n")
+    code, out, err = _report(science, campaign, capsys)
+    assert code == 3 and "not committed" in err and out == ""
+    (campaign / "STOPPED").unlink()
+    _stop(campaign, "2026-12-06T10:00Z run-count: 17 of 24 runs is what the sessions allow")
+    late = _synthetic_campaign(tmp_path / "late", [("C", 6)])  # C seed 6 lands after the stop
+    (campaign / "runs" / "C" / "seed6").parent.mkdir(exist_ok=True)
+    (late / "runs" / "C" / "seed6").rename(campaign / "runs" / "C" / "seed6")
+    _git(campaign.parents[1], "add", ".")
+    _git(campaign.parents[1], "commit", "-q", "-m", "a record after the stop")
+    out_json, figure = tmp_path / "truncated.json", tmp_path / "truncated.png"
+    code, out, err = _report(science, campaign, capsys, "--json", str(out_json), "--plot", str(figure))
+    assert code == 0, err
+    assert out.startswith("TRUNCATED at k = 5 of 8 seeds a cell (seeds 1–5; 2026-12-06T10:00Z run-count")
+    data = json.loads(out_json.read_text())
     assert data["seeds"] == [1, 2, 3, 4, 5] and data["truncated"]["k"] == 5
     gate = data["analysis"]["gate"]
     assert gate["n"] == [5, 5] and set(data["runs"]["R"]) == {"1", "2", "3", "4", "5"}
     assert gate["diff"] == pytest.approx(_mean_of("R", range(1, 6)) - _mean_of("N", range(1, 6)))
     assert data["truncated"]["detectable"]["R − N"] == pytest.approx(gate["detectable"])
-    assert f"R − N δ {gate['detectable']:.3f}" in said
+    assert f"R − N δ {gate['detectable']:.3f}" in out
     assert figure.stat().st_size > 0
     assert science.main(["--campaign", str(campaign), "--run"]) == 3
     assert "stopped early" in capsys.readouterr().err
 
 
-def test_an_early_stop_below_five_complete_seeds_gives_no_verdict(science, tmp_path, capsys):
-    """Four seeds complete in all three cells (and a fifth in two): the registration has no truncated verdict below
-    k = 5, so the report stays blinded and prints nothing to stdout."""
-    pairs = [(c, s) for s in range(1, 5) for c in ("R", "N", "C")] + [("R", 5), ("N", 5)]
+def test_a_stop_is_one_commit_of_its_own_never_edited_relabelled_or_undone(science, tmp_path, capsys):
+    """What would let a stop be chosen after a look is refused (3, nothing on stdout): a reason other than the calendar
+    or the run count; a STOPPED edited in the work tree after its commit; a second commit relabelling it; a stop
+    committed with another file; a stop removed later (the campaign stays stopped: ``--run`` refuses too)."""
+    pairs = [(c, s) for s in range(1, 6) for c in ("R", "N", "C")]
+
+    def refused(campaign: Path, words: str) -> None:
+        code, out, err = _report(science, campaign, capsys)
+        assert code == 3 and words in err and out == "", err
+
+    other = _synthetic_campaign(tmp_path / "a", pairs, git=True)
+    _stop(other, "2026-12-06 results: N looked bad")
+    refused(other, "calendar|run-count")
+    edited = _synthetic_campaign(tmp_path / "b", pairs, git=True)
+    _stop(edited, "2026-12-06 calendar: the sessions ran out")
+    (edited / "STOPPED").write_text("2026-12-06 run-count: the sessions ran out\n")
+    refused(edited, "differs from its commit")
+    relabelled = _synthetic_campaign(tmp_path / "c", pairs, git=True)
+    _stop(relabelled, "2026-12-06 calendar: the sessions ran out")
+    _stop(relabelled, "2026-12-07 run-count: fifteen runs")
+    refused(relabelled, "changed after")
+    with_more = _synthetic_campaign(tmp_path / "d", pairs, git=True)
+    (with_more / "DEVIATIONS.md").write_text("a note\n")
+    _stop(with_more, "2026-12-06 calendar: the sessions ran out", also=with_more / "DEVIATIONS.md")
+    refused(with_more, "changed more than STOPPED")
+    undone = _synthetic_campaign(tmp_path / "e", pairs, git=True)
+    _stop(undone, "2026-12-06 calendar: the sessions ran out")
+    _git(undone.parents[1], "rm", "-q", str(undone / "STOPPED"))
+    _git(undone.parents[1], "commit", "-q", "-m", "resume")
+    refused(undone, "removed after")
+    assert science.main(["--campaign", str(undone), "--run"]) == 3
+    assert "stopped early" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("pairs, k", [
+    ([(c, s) for s in range(1, 5) for c in ("R", "N", "C")] + [("R", 5), ("N", 5)], 4),
+    ([(c, s) for s in range(1, 7) for c in ("R", "N")] + [("C", s) for s in (1, 2, 4, 5, 6)], 2)],
+    ids=["four-complete", "a-gap-at-seed-3"])
+def test_an_early_stop_below_five_complete_seeds_gives_no_verdict(science, tmp_path, capsys, pairs, k):
+    """Fewer than 5 seeds complete in all three cells, counted from seed 1 (a gap ends the count, however many runs
+    each cell has): the registration has no truncated verdict below k = 5, so the report stays blinded."""
     campaign = _synthetic_campaign(tmp_path, pairs, git=True)
-    (campaign / "STOPPED").write_text("2026-12-06 calendar: the sessions ran out\n")
-    _git(campaign.parents[1], "add", ".")
-    _git(campaign.parents[1], "commit", "-q", "-m", "stop")
-    capsys.readouterr()
-    assert science.main(["--campaign", str(campaign), "--report"]) == 2
-    said = capsys.readouterr()
-    assert "4 seeds complete" in said.err and "k ≥ 5" in said.err and said.out == ""
+    _stop(campaign, "2026-12-06 calendar: the sessions ran out")
+    code, out, err = _report(science, campaign, capsys)
+    assert code == 2 and f"{k} seeds complete" in err and "k ≥ 5" in err and out == ""
+
+
+def test_only_tier_ones_24_records_unblind(science, tmp_path, capsys):
+    """A record outside R, N and C at seeds 1-8 (a stray tier-2 run, a seed 0) never counts towards the 24."""
+    pairs = [(c, s) for s in range(1, 9) for c in ("R", "N", "C")][:-1]
+    campaign = _synthetic_campaign(tmp_path, pairs)
+    for cell, seed in (("R", 0), ("token_is", 1)):
+        d = campaign / "runs" / cell / f"seed{seed}"
+        write_run(d, rows_of(steps=2))
+        (d / "record.json").write_text(json.dumps({"cell": cell, "seed": seed}))
+    code, out, err = _report(science, campaign, capsys)
+    assert code == 2 and "blinded: 23 of 24" in err and out == ""
 
 
 def test_stop_early_writes_and_commits_the_decision_and_start_refuses_after_it(tmp_path):
     """``scripts/science_campaign.sh stop-early`` as a user types it, in a copy of the script in a scratch
-    repository: a reason other than the calendar or the run count is refused; the registered one stops the runner,
-    writes STOPPED and commits it alone; ``start`` then refuses, and a second stop-early too."""
+    repository: a reason other than the calendar or the run count, or a blank one, is refused; the registered one
+    stops the runner, writes STOPPED and commits it alone (other staged work stays staged); ``start`` then refuses,
+    a second stop-early too, and removing STOPPED later does not let ``start`` run."""
     repo = tmp_path / "repo"
     (repo / "scripts").mkdir(parents=True)
     (repo / "docs" / "science_long").mkdir(parents=True)
     (repo / "scripts" / "science_campaign.sh").write_text((ROOT / "scripts" / "science_campaign.sh").read_text())
     (repo / "docs" / "science_long" / "PINNED").write_text("c" * 40 + "\n")
+    (repo / "other.txt").write_text("one\n")
     _git(repo, "init", "-q")
     _git(repo, "add", ".")
     _git(repo, "commit", "-q", "-m", "pin")
+    (repo / "other.txt").write_text("two\n")
+    _git(repo, "add", "other.txt")
     env = {**os.environ, "OFFPOLICY_CACHE": str(tmp_path / "cache"), "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t",
            "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t"}
 
@@ -574,13 +640,19 @@ def test_stop_early_writes_and_commits_the_decision_and_start_refuses_after_it(t
 
     assert script("stop-early", "results", "N looked bad").returncode == 2
     assert script("stop-early", "calendar").returncode == 2  # no reason given
+    assert script("stop-early", "calendar", "  ").returncode == 2
+    assert script("stop-early", "calendar", "two\nlines").returncode == 2
     assert not (repo / "docs" / "science_long" / "STOPPED").exists()
     done = script("stop-early", "calendar", "the last session of the year")
     assert done.returncode == 0, done.stderr
     line = (repo / "docs" / "science_long" / "STOPPED").read_text().strip()
     assert re.fullmatch(r"\d{4}-\d{2}-\d{2}T\d{2}:\d{2}Z calendar: the last session of the year", line)
     assert _git(repo, "log", "-1", "--format=%s").stdout.strip().startswith("science campaign: stopped early")
-    assert _git(repo, "status", "--porcelain").stdout == ""
+    assert _git(repo, "show", "--name-only", "--format=", "HEAD").stdout.split() == ["docs/science_long/STOPPED"]
+    assert _git(repo, "diff", "--cached", "--name-only").stdout.split() == ["other.txt"]
     refused = script("start")
     assert refused.returncode == 3 and "stopped early" in refused.stderr
     assert script("stop-early", "run-count", "again").returncode == 3
+    _git(repo, "rm", "-q", "docs/science_long/STOPPED")
+    _git(repo, "commit", "-q", "-m", "resume?")
+    assert script("start").returncode == 3
