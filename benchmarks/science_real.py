@@ -1109,6 +1109,18 @@ def complete_seeds(records: dict[tuple[str, int], Path]) -> int:
     return k
 
 
+def untrained_reward(campaign: Path, records: dict[tuple[str, int], Path]) -> tuple[float | None, str]:
+    """The untrained model's held-out reward, which a run that failed before two evals scores (the amendment):
+    ``untrained.json`` in the campaign's directory where there is one, else the median of the records' step-0 evals
+    (each run evaluates the untrained model before its first update). Read only once the report is unblinded."""
+    path = campaign / "untrained.json"
+    if path.is_file():
+        return json.loads(path.read_text()).get("eval/accuracy"), "untrained.json"
+    first = [rows[0]["eval/accuracy"] for rows in (read_metrics(d) for d in records.values())
+             if rows and rows[0].get("step") == 0 and _finite(rows[0].get("eval/accuracy")) is not None]
+    return (statistics.median(first), f"the median step-0 eval of {len(first)} records") if first else (None, "none")
+
+
 def campaign_report(campaign: Path, json_path: Path | None, plot_path: Path | None = None) -> int:
     """The registered report from the committed records, once all of tier 1's are in, or once the campaign was
     stopped early by a committed ``STOPPED`` (then at seeds 1..k of the records committed when it stopped, labelled
@@ -1135,8 +1147,7 @@ def campaign_report(campaign: Path, json_path: Path | None, plot_path: Path | No
             return 2
         seeds = list(CAMPAIGN_SEEDS[:k])
         truncated = None if k == len(CAMPAIGN_SEEDS) else {"k": k, "of": len(CAMPAIGN_SEEDS), "stopped": stop}
-    untrained_path = campaign / "untrained.json"
-    start = json.loads(untrained_path.read_text()).get("eval/accuracy") if untrained_path.is_file() else None
+    start, start_from = untrained_reward(campaign, {key: d for key, d in records.items() if key[1] in seeds})
     runs = collect(campaign / "runs", list(CAMPAIGN_CELLS), seeds, RUN["steps"], start)
     table, analysis, text = report(runs)
     if truncated:
@@ -1156,6 +1167,7 @@ def campaign_report(campaign: Path, json_path: Path | None, plot_path: Path | No
         json_path.write_text(json.dumps({"settings": RUN, "cells": {n: CELLS[n].__dict__ for n in CAMPAIGN_CELLS},
                                          "pinned": pinned(campaign)[0], "collapse_rule": COLLAPSE_RULE,
                                          "seeds": seeds, "truncated": truncated,
+                                         "untrained": {"eval/accuracy": start, "from": start_from},
                                          "table": table, "analysis": analysis, "runs": runs}, indent=1))
     return 0
 

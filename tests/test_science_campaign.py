@@ -490,8 +490,14 @@ def _mean_of(cell: str, seeds) -> float:
 
 def test_the_report_recomputes_from_all_24_records(science, tmp_path, capsys):
     """Once tier 1's 24 records are in, ``--report`` unblinds: the registered table and tests from the records alone
-    (no checkpoint, no model), the gate's difference the hand mean of the synthetic rewards."""
-    campaign = _synthetic_campaign(tmp_path, [(c, s) for s in range(1, 9) for c in ("R", "N", "C")])
+    (no checkpoint, no model), the differences the hand means of the synthetic rewards; N seed 8 failed by itself
+    before its first eval, so it scores the untrained model's reward (the records' step-0 evals: 0.5), never drops
+    out."""
+    campaign = _synthetic_campaign(tmp_path, [(c, s) for s in range(1, 9) for c in ("R", "N", "C")][:-2] + [("C", 8)])
+    failed = campaign / "runs" / "N" / "seed8"
+    write_run(failed, rows_of(steps=3, evals=()))
+    (failed / "failure.json").write_text(json.dumps({"step": 2, "error": "RuntimeError: synthetic"}))
+    (failed / "record.json").write_text(json.dumps({"cell": "N", "seed": 8, "outcome": "failed"}))
     out = tmp_path / "report.json"
     capsys.readouterr()
     assert science.main(["--campaign", str(campaign), "--report", "--json", str(out)]) == 0
@@ -501,9 +507,14 @@ def test_the_report_recomputes_from_all_24_records(science, tmp_path, capsys):
     assert data["seeds"] == list(range(1, 9)) and data["truncated"] is None
     gate, rescue = data["analysis"]["gate"], data["analysis"]["rescue"]
     assert gate["n"] == [8, 8] and rescue["n"] == [8, 8]
-    assert gate["diff"] == pytest.approx(_mean_of("R", range(1, 9)) - _mean_of("N", range(1, 9)))
-    assert rescue["diff"] == pytest.approx(_mean_of("C", range(1, 9)) - _mean_of("N", range(1, 9)))
+    assert data["untrained"] == {"eval/accuracy": 0.5, "from": "the median step-0 eval of 23 records"}
+    assert data["runs"]["N"]["8"]["failed"] and data["runs"]["N"]["8"]["primary"] == 0.5
+    n_mean = (_mean_of("N", range(1, 8)) * 7 + 0.5) / 8
+    assert gate["diff"] == pytest.approx(_mean_of("R", range(1, 9)) - n_mean)
+    assert rescue["diff"] == pytest.approx(_mean_of("C", range(1, 9)) - n_mean)
     assert gate["p"] == pytest.approx(1 / math.comb(16, 8))  # every R above every N: the one extreme split
+    at_zero = data["analysis"]["failed_at_zero"]["gate"]  # the amendment's extra row: the failed run at 0
+    assert at_zero["diff"] == pytest.approx(_mean_of("R", range(1, 9)) - _mean_of("N", range(1, 8)) * 7 / 8)
 
 
 def _stop(campaign: Path, line: str, *, also: Path | None = None) -> None:
