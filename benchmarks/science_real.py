@@ -870,7 +870,7 @@ def run_campaign(args: argparse.Namespace) -> int:
     (or ``--until`` passes); the runs going on are stopped from outside (SIGTERM: each checkpoints and resumes)."""
     from offpolicy.measure import provenance
     campaign = args.campaign.resolve()
-    if (campaign / "STOPPED").exists() or _git(campaign, "log", "-1", "--format=%H", "--", "STOPPED").stdout.strip():
+    if (campaign / "STOPPED").exists() or stop_commits(campaign):
         raise CampaignError("the campaign was stopped early (docs/science_long/STOPPED, committed): no run starts "
                             "after that decision")
     commit, lock = pinned(campaign)
@@ -906,8 +906,8 @@ def run_campaign(args: argparse.Namespace) -> int:
             return
         if args.commit:
             commit_record(Path(args.commit), dest, f"science campaign: the record of {cell} seed {seed} "
-                          f"({len(campaign_records(campaign))} of {CAMPAIGN_RUNS}; pinned {commit[:12]})")
-        print(f"recorded {name} ({len(campaign_records(campaign))} of {CAMPAIGN_RUNS})", flush=True)
+                          f"({len(tier1_records(campaign))} of {CAMPAIGN_RUNS}; pinned {commit[:12]})")
+        print(f"recorded {name} ({len(tier1_records(campaign))} of {CAMPAIGN_RUNS})", flush=True)
 
     def halt() -> bool:
         return bool(problem) or stop()
@@ -918,9 +918,9 @@ def run_campaign(args: argparse.Namespace) -> int:
         run_dir = fixed.out / cell / f"seed{seed}"
         if finished(run_dir, fixed.steps) or failure_record(run_dir) is not None:
             on_end(f"{cell}/seed{seed}", run_dir, "done" if failure_record(run_dir) is None else "failed", 0.0)
-    todo = [(c, s) for c, s in todo if (c, s) not in campaign_records(campaign)]
+    todo = [(c, s) for c, s in todo if (c, s) not in tier1_records(campaign)]
     failed = run_grid([], [], fixed, on_end, halt, env, pairs=[(CELLS[c], s) for c, s in todo])  # seed-major
-    print(f"campaign: {len(campaign_records(campaign))} of {CAMPAIGN_RUNS} records in"
+    print(f"campaign: {len(tier1_records(campaign))} of {CAMPAIGN_RUNS} records in"
           f"{'; not finished: ' + ', '.join(failed) if failed else ''}", flush=True)
     if problem:
         raise CampaignError("; ".join(problem))
@@ -983,10 +983,10 @@ def replay_differences(recorded: list[dict[str, Any]], replayed: list[dict[str, 
 
 def campaign_replay(campaign: Path, name: str, steps: int, export: Path | None = None) -> int:
     """Rerun the first ``steps`` steps of a committed run from the pinned export (``export``: its directory; default
-    the one ``scripts/science_campaign.sh export`` lays in the cache) with the record's own overrides and the runner's environment
-    (one thread), then compare its metrics with the record's row by row (``replay_differences``). Prints which keys
-    differ at which step, never a value (blinding). Exit 0: every step repeated; 1: some differ; 3: cannot replay
-    (no such record, no export, the replay ran off the pin)."""
+    the one ``scripts/science_campaign.sh export`` lays in the cache) with the record's own overrides and the runner's
+    environment (one thread), then compare its metrics with the record's row by row (``replay_differences``). Prints
+    which keys differ at which step, never a value (blinding). Exit 0: every step repeated; 1: some differ; 3: cannot
+    replay (no such record, no export, the replay ran off the pin)."""
     from offpolicy.measure import provenance
 
     cell, _, seed = name.partition("/seed")
@@ -1068,14 +1068,19 @@ def _git(campaign: Path, *args: str) -> subprocess.CompletedProcess:
         raise CampaignError(f"git is needed to read the campaign's history: {err}") from err
 
 
+def stop_commits(campaign: Path) -> list[str]:
+    """The commits that touched the campaign's ``STOPPED``, newest first (none outside a git checkout)."""
+    log = _git(campaign, "log", "--format=%H", "--", "STOPPED")
+    return log.stdout.split() if log.returncode == 0 else []
+
+
 def early_stop(campaign: Path) -> tuple[str, set[tuple[str, int]]] | None:
     """The campaign's early stop: ``STOPPED``'s line and the records committed when it was (cell, seed); None where
     the campaign was never stopped. ``CampaignError`` where the decision is not one commit of that file alone, left as
     it is (removed, changed or relabelled after it: the campaign stays stopped and says so), or names a reason other
     than the calendar or the run count."""
     path = campaign / "STOPPED"
-    log = _git(campaign, "log", "--format=%H", "--", "STOPPED")
-    commits = log.stdout.split() if log.returncode == 0 else []
+    commits = stop_commits(campaign)
     if not commits and not path.exists():
         return None
     if not commits:
